@@ -1,0 +1,40 @@
+# kube-service-tunnel. `make help` lists the targets.
+SHELL := /bin/bash
+GO ?= go
+BIN := bin
+PKGS := ./...
+# Where slow-to-build test assets (kube-apiserver, etcd) are cached.
+export KST_ASSETS_DIR ?= $(HOME)/.cache/kube-service-tunnel/assets
+
+.PHONY: help build test unit integration bench lint demo deps assets clean
+
+help: ## show this help
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+build: ## build static binaries into bin/
+	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/ ./cmd/...
+
+deps: ## install the packages the tests need (Debian: iptables, iproute2)
+	@command -v iptables >/dev/null && command -v ip >/dev/null || { apt-get update -qq && apt-get install -y -qq iptables iproute2; }
+
+assets: ## build and cache a real kube-apiserver and etcd for integration tests
+	./hack/kube-assets.sh
+
+test: deps assets lint ## everything: unit, privileged (root) and integration tests
+	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 20m $(PKGS)
+
+unit: ## unit tests only (no root, no API server)
+	KST_SKIP_PRIVILEGED=1 $(GO) test -count=1 -short $(PKGS)
+
+bench: deps ## route programming vs ip -batch, disruption and RSS figures (root)
+	$(GO) run ./test/bench
+
+lint: ## go vet and gofmt
+	$(GO) vet $(PKGS)
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+
+demo: deps assets build ## run the router against a real API server on this host and show what it programs
+	./hack/demo.sh
+
+clean: ## remove build output
+	rm -rf $(BIN)

@@ -1,0 +1,435 @@
+package router
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/labels"
+	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
+	corelisters "k8s.io/client-go/listers/core/v1"
+	discoverylisters "k8s.io/client-go/listers/discovery/v1"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/record"
+	"k8s.io/client-go/util/workqueue"
+)
+
+// Event reasons the router records on Services.
+const (
+	ReasonProgrammed       = "TunnelProgrammed"
+	ReasonInvalidTunnelIP  = "InvalidTunnelIP"
+	ReasonConflict         = "TunnelIPConflict"
+	ReasonNoReadyEndpoints = "NoReadyEndpoints"
+	ReasonIdleEndpoints    = "MoreEndpointsThanBuckets"
+	ReasonProgramFailed    = "TunnelProgramFailed"
+)
+
+// resyncKey is the queue key of a full resynchronisation.
+const resyncKey = "\x00resync"
+
+// Programmer is what the controller asks of the datapath (*Datapath).
+type Programmer interface {
+	Resync([]Tunnel) error
+	SetTunnel(Tunnel) error
+	RemoveTunnel(netip.Addr) error
+}
+
+// Controller watches annotated Services, their EndpointSlices and the Nodes,
+// and keeps the datapath programmed with one bucket table per tunnel IP. Event
+// handlers only queue keys; one worker re-reads the listers and converges.
+type Controller struct {
+	cfg      Config
+	services corelisters.ServiceLister
+	slices   discoverylisters.EndpointSliceLister
+	nodes    corelisters.NodeLister
+	synced   []cache.InformerSynced
+	queue    workqueue.TypedRateLimitingInterface[string]
+	recorder record.EventRecorder
+	dp       Programmer
+	log      logrus.FieldLogger
+
+	claims   map[string]netip.Addr // Service key -> tunnel IP it claims
+	reported map[string]string     // Service key -> last event reason+message, to record each state once
+	synced1  atomic.Bool
+}
+
+// NewController builds the controller on an informer factory. Call
+// factory.Start after NewController and before Run.
+func NewController(cfg Config, client kubernetes.Interface, factory informers.SharedInformerFactory, dp Programmer, recorder record.EventRecorder, log logrus.FieldLogger) (*Controller, error) {
+	svcInformer := factory.Core().V1().Services()
+	sliceInformer := factory.Discovery().V1().EndpointSlices()
+	nodeInformer := factory.Core().V1().Nodes()
+	c := &Controller{
+		cfg:      cfg,
+		services: svcInformer.Lister(),
+		slices:   sliceInformer.Lister(),
+		nodes:    nodeInformer.Lister(),
+		synced:   []cache.InformerSynced{svcInformer.Informer().HasSynced, sliceInformer.Informer().HasSynced, nodeInformer.Informer().HasSynced},
+		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
+			workqueue.TypedRateLimitingQueueConfig[string]{Name: "tunnel-router"}),
+		recorder: recorder,
+		dp:       dp,
+		log:      log,
+		claims:   map[string]netip.Addr{},
+		reported: map[string]string{},
+	}
+	if _, err := svcInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    c.enqueueObject,
+		UpdateFunc: func(_, obj any) { c.enqueueObject(obj) },
+		DeleteFunc: c.enqueueObject,
+	}); err != nil {
+		return nil, fmt.Errorf("watching services: %w", err)
+	}
+	if _, err := sliceInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    c.enqueueSliceService,
+		UpdateFunc: func(_, obj any) { c.enqueueSliceService(obj) },
+		DeleteFunc: c.enqueueSliceService,
+	}); err != nil {
+		return nil, fmt.Errorf("watching endpointslices: %w", err)
+	}
+	if cfg.Mode == ModeMPLS {
+		if _, err := nodeInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+			AddFunc: func(any) { c.queue.Add(resyncKey) },
+			UpdateFunc: func(old, obj any) {
+				o, n := old.(*corev1.Node), obj.(*corev1.Node)
+				if nodeIP(o) != nodeIP(n) {
+					c.queue.Add(resyncKey)
+				}
+			},
+			DeleteFunc: func(any) { c.queue.Add(resyncKey) },
+		}); err != nil {
+			return nil, fmt.Errorf("watching nodes: %w", err)
+		}
+	}
+	return c, nil
+}
+
+// NewEventRecorder returns a recorder that writes Events through client.
+func NewEventRecorder(ctx context.Context, client kubernetes.Interface, component, node string) record.EventRecorder {
+	b := record.NewBroadcaster(record.WithContext(ctx))
+	b.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")})
+	return b.NewRecorder(scheme.Scheme, corev1.EventSource{Component: component, Host: node})
+}
+
+func (c *Controller) enqueueObject(obj any) {
+	key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj)
+	if err != nil {
+		utilruntime.HandleError(err)
+		return
+	}
+	c.queue.Add(key)
+}
+
+func (c *Controller) enqueueSliceService(obj any) {
+	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = d.Obj
+	}
+	es, ok := obj.(*discoveryv1.EndpointSlice)
+	if !ok {
+		return
+	}
+	if svc := es.Labels[discoveryv1.LabelServiceName]; svc != "" {
+		c.queue.Add(es.Namespace + "/" + svc)
+	}
+}
+
+// Ready reports whether the first full synchronisation has succeeded.
+func (c *Controller) Ready() bool { return c.synced1.Load() }
+
+// Run waits for the caches, programs the whole desired state once (adopting
+// what the kernel already has), then processes changes until ctx ends.
+func (c *Controller) Run(ctx context.Context) error {
+	defer utilruntime.HandleCrash()
+	defer c.queue.ShutDown()
+	if !cache.WaitForCacheSync(ctx.Done(), c.synced...) {
+		return fmt.Errorf("waiting for informer caches: %w", ctx.Err())
+	}
+	c.queue.Add(resyncKey)
+	go wait.UntilWithContext(ctx, func(context.Context) {
+		for c.processNext() {
+		}
+	}, time.Second)
+	if c.cfg.ResyncPeriod > 0 {
+		go wait.Until(func() { c.queue.Add(resyncKey) }, c.cfg.ResyncPeriod, ctx.Done())
+	}
+	<-ctx.Done()
+	return nil
+}
+
+func (c *Controller) processNext() bool {
+	key, shutdown := c.queue.Get()
+	if shutdown {
+		return false
+	}
+	defer c.queue.Done(key)
+	var err error
+	if key == resyncKey {
+		err = c.resync()
+	} else {
+		err = c.syncService(key)
+	}
+	if err != nil {
+		c.log.WithError(err).WithField("key", strings.TrimPrefix(key, "\x00")).Warn("sync failed, will retry")
+		c.queue.AddRateLimited(key)
+		return true
+	}
+	c.queue.Forget(key)
+	return true
+}
+
+// claimOf reads the tunnel IP a Service claims; ok is false when it claims
+// none. A bad annotation is reported on the Service and claims nothing.
+func (c *Controller) claimOf(svc *corev1.Service) (netip.Addr, bool) {
+	value, annotated := svc.Annotations[TunnelAnnotation]
+	if !annotated {
+		return netip.Addr{}, false
+	}
+	vip, err := ParseTunnelIP(value)
+	if err != nil {
+		c.log.WithFields(logrus.Fields{"service": svc.Namespace + "/" + svc.Name, "field": "metadata.annotations[" + TunnelAnnotation + "]"}).WithError(err).Warn("invalid tunnel IP")
+		c.report(svc, corev1.EventTypeWarning, ReasonInvalidTunnelIP, err.Error())
+		return netip.Addr{}, false
+	}
+	return vip, true
+}
+
+// resync rebuilds every claim from the listers and hands the whole desired
+// state to the datapath.
+func (c *Controller) resync() error {
+	svcs, err := c.services.List(labels.Everything())
+	if err != nil {
+		return fmt.Errorf("listing services: %w", err)
+	}
+	claims := map[string]netip.Addr{}
+	for _, svc := range svcs {
+		if vip, ok := c.claimOf(svc); ok {
+			claims[svc.Namespace+"/"+svc.Name] = vip
+		}
+	}
+	c.claims = claims
+	for key := range c.reported {
+		if _, err := c.service(key); apierrors.IsNotFound(err) {
+			delete(c.reported, key)
+		}
+	}
+	vips := map[netip.Addr]bool{}
+	for _, vip := range claims {
+		vips[vip] = true
+	}
+	tunnels := make([]Tunnel, 0, len(vips))
+	for vip := range vips {
+		tunnels = append(tunnels, c.tunnelFor(vip))
+	}
+	start := time.Now()
+	if err := c.dp.Resync(tunnels); err != nil {
+		return fmt.Errorf("resync of %d tunnel IPs: %w", len(tunnels), err)
+	}
+	c.log.WithFields(logrus.Fields{"tunnels": len(tunnels), "duration": time.Since(start).Round(time.Millisecond)}).Info("resynced datapath")
+	c.synced1.Store(true)
+	return nil
+}
+
+func (c *Controller) service(key string) (*corev1.Service, error) {
+	ns, name, err := cache.SplitMetaNamespaceKey(key)
+	if err != nil {
+		return nil, err
+	}
+	return c.services.Services(ns).Get(name)
+}
+
+// syncService converges the tunnel IPs one Service claimed before and claims now.
+func (c *Controller) syncService(key string) error {
+	svc, err := c.service(key)
+	if err != nil && !apierrors.IsNotFound(err) {
+		return err
+	}
+	old, hadClaim := c.claims[key]
+	var vip netip.Addr
+	var claims bool
+	if svc != nil {
+		vip, claims = c.claimOf(svc)
+	} else {
+		delete(c.reported, key)
+	}
+	if claims {
+		c.claims[key] = vip
+	} else {
+		delete(c.claims, key)
+	}
+	affected := map[netip.Addr]bool{}
+	if hadClaim {
+		affected[old] = true
+	}
+	if claims {
+		affected[vip] = true
+	}
+	for v := range affected {
+		if err := c.syncVIP(v); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// syncVIP programs or removes one tunnel IP.
+func (c *Controller) syncVIP(vip netip.Addr) error {
+	if len(c.claimants(vip)) == 0 {
+		if err := c.dp.RemoveTunnel(vip); err != nil {
+			return fmt.Errorf("removing tunnel %v: %w", vip, err)
+		}
+		c.log.WithField("vip", vip).Info("tunnel removed")
+		return nil
+	}
+	t := c.tunnelFor(vip)
+	if err := c.dp.SetTunnel(t); err != nil {
+		if svc := c.winner(vip); svc != nil {
+			c.report(svc, corev1.EventTypeWarning, ReasonProgramFailed, fmt.Sprintf("programming tunnel IP %v failed: %v", vip, err))
+		}
+		return fmt.Errorf("programming tunnel %v: %w", vip, err)
+	}
+	return nil
+}
+
+// claimants returns the Services that claim vip, the winner first: the oldest
+// by creationTimestamp, then by namespace/name. Every router and node decides
+// the same way.
+func (c *Controller) claimants(vip netip.Addr) []*corev1.Service {
+	var out []*corev1.Service
+	for key, v := range c.claims {
+		if v != vip {
+			continue
+		}
+		if svc, err := c.service(key); err == nil {
+			out = append(out, svc)
+		}
+	}
+	slices.SortFunc(out, func(a, b *corev1.Service) int {
+		if !a.CreationTimestamp.Equal(&b.CreationTimestamp) {
+			if a.CreationTimestamp.Before(&b.CreationTimestamp) {
+				return -1
+			}
+			return 1
+		}
+		return strings.Compare(a.Namespace+"/"+a.Name, b.Namespace+"/"+b.Name)
+	})
+	return out
+}
+
+func (c *Controller) winner(vip netip.Addr) *corev1.Service {
+	if cl := c.claimants(vip); len(cl) > 0 {
+		return cl[0]
+	}
+	return nil
+}
+
+// tunnelFor computes the desired bucket table of vip from its winning Service
+// and reports what an operator should know on the Services involved.
+func (c *Controller) tunnelFor(vip netip.Addr) Tunnel {
+	claimants := c.claimants(vip)
+	t := Tunnel{VIP: vip}
+	if len(claimants) == 0 {
+		return t
+	}
+	svc := claimants[0]
+	key := svc.Namespace + "/" + svc.Name
+	for _, loser := range claimants[1:] {
+		c.report(loser, corev1.EventTypeWarning, ReasonConflict,
+			fmt.Sprintf("tunnel IP %v is already served for Service %s (older); this Service gets it when that one releases it", vip, key))
+	}
+	sel := labels.SelectorFromSet(labels.Set{discoveryv1.LabelServiceName: svc.Name})
+	esl, err := c.slices.EndpointSlices(svc.Namespace).List(sel)
+	if err != nil {
+		c.log.WithError(err).WithField("service", key).Warn("listing endpointslices")
+	}
+	eps, problems := ReadyEndpoints(esl, c.cfg.Mode == ModeMPLS)
+	if c.cfg.Mode == ModeMPLS {
+		eps, problems = c.withNodeIPs(eps, problems)
+	}
+	for _, p := range problems {
+		c.log.WithFields(logrus.Fields{"service": key, "vip": vip}).Warn(p)
+	}
+	if len(eps) == 0 {
+		c.report(svc, corev1.EventTypeWarning, ReasonNoReadyEndpoints,
+			fmt.Sprintf("tunnel IP %v has no ready endpoint; its traffic is dropped", vip))
+		return t
+	}
+	addrs := make([]netip.Addr, len(eps))
+	byAddr := make(map[netip.Addr]Endpoint, len(eps))
+	for i, ep := range eps {
+		addrs[i] = ep.Addr
+		byAddr[ep.Addr] = ep
+	}
+	table := Assign(c.cfg.Buckets, addrs)
+	t.Table = make([]Endpoint, len(table))
+	for b, a := range table {
+		t.Table[b] = byAddr[a]
+	}
+	if idle := Unassigned(table, addrs); len(idle) > 0 {
+		c.report(svc, corev1.EventTypeWarning, ReasonIdleEndpoints,
+			fmt.Sprintf("tunnel IP %v has %d ready endpoints but only %d buckets; these get no traffic: %v", vip, len(eps), c.cfg.Buckets, idle))
+		return t
+	}
+	c.report(svc, corev1.EventTypeNormal, ReasonProgrammed,
+		fmt.Sprintf("tunnel IP %v programmed: %d endpoints over %d buckets (%s)", vip, len(eps), c.cfg.Buckets, c.cfg.Mode))
+	return t
+}
+
+// withNodeIPs fills in each endpoint's node address (mpls mode).
+func (c *Controller) withNodeIPs(eps []Endpoint, problems []string) ([]Endpoint, []string) {
+	out := eps[:0]
+	for _, ep := range eps {
+		node, err := c.nodes.Get(ep.NodeName)
+		if err != nil {
+			problems = append(problems, fmt.Sprintf("endpoint %v: node %q: %v", ep.Addr, ep.NodeName, err))
+			continue
+		}
+		ip := nodeIP(node)
+		if !ip.IsValid() {
+			problems = append(problems, fmt.Sprintf("endpoint %v: node %q has no IPv4 InternalIP or ExternalIP in status.addresses", ep.Addr, ep.NodeName))
+			continue
+		}
+		ep.NodeIP = ip
+		out = append(out, ep)
+	}
+	return out, problems
+}
+
+// nodeIP returns a node's first IPv4 InternalIP, else its first IPv4 ExternalIP.
+func nodeIP(n *corev1.Node) netip.Addr {
+	for _, typ := range []corev1.NodeAddressType{corev1.NodeInternalIP, corev1.NodeExternalIP} {
+		for _, a := range n.Status.Addresses {
+			if a.Type != typ {
+				continue
+			}
+			if ip, err := netip.ParseAddr(a.Address); err == nil && ip.Is4() {
+				return ip
+			}
+		}
+	}
+	return netip.Addr{}
+}
+
+// report records an event on a Service when its state changed since the last
+// one, so that resyncs do not repeat it.
+func (c *Controller) report(svc *corev1.Service, eventType, reason, message string) {
+	key := svc.Namespace + "/" + svc.Name
+	state := reason + "\x00" + message
+	if c.reported[key] == state {
+		return
+	}
+	c.reported[key] = state
+	c.recorder.Event(svc, eventType, reason, message)
+}

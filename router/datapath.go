@@ -1,0 +1,410 @@
+package router
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+	"sync"
+
+	"github.com/sirupsen/logrus"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
+)
+
+// routeOps is the route seam: a netns-bound rtnetlink client (*rtnl.Client).
+type routeOps interface {
+	List(rtnl.ListFilter) ([]rtnl.Route, error)
+	Apply([]rtnl.Op) error
+}
+
+// ruleOps is the policy-rule seam (*netlink.Handle).
+type ruleOps interface {
+	RuleListFiltered(family int, filter *netlink.Rule, filterMask uint64) ([]netlink.Rule, error)
+	RuleAdd(*netlink.Rule) error
+	RuleDel(*netlink.Rule) error
+}
+
+// markChain is the HMARK seam (*hmark.Chain).
+type markChain interface {
+	Sync(vips []netip.Addr) (changed int, err error)
+	Cleanup() error
+}
+
+// tunnelDevice is the encapsulation device seam: the flow-based GRE device in
+// gre mode, nothing in mpls mode.
+type tunnelDevice interface {
+	// Ensure creates the device if needed and returns its index (0 if none).
+	Ensure() (int, error)
+	// Remove deletes the device if the router created it.
+	Remove() error
+}
+
+// Datapath owns the router's kernel state: one policy rule per bucket, one
+// route per tunnel IP per bucket table, the HMARK rules, and the tunnel device.
+// It keeps what it believes the kernel holds, diffs the desired state against
+// it and applies only the difference. Resync re-reads the kernel, which adopts
+// existing state after a restart and repairs drift.
+type Datapath struct {
+	cfg      Config
+	routes   routeOps
+	rules    ruleOps
+	chain    markChain
+	device   tunnelDevice
+	nodeLink func(netip.Addr) (int, error)
+	log      logrus.FieldLogger
+
+	mu       sync.Mutex
+	greLink  int
+	observed map[netip.Addr][]nextHop // per tunnel IP, one entry per bucket
+	desired  map[netip.Addr][]nextHop
+	marked   int // number of tunnel IPs in the HMARK chain at the last sync
+	ops      uint64
+}
+
+// NewDatapath wires the kernel seams together. nodeLink returns the output
+// interface towards a node address (mpls mode); it may be nil in gre mode.
+func NewDatapath(cfg Config, routes routeOps, rules ruleOps, chain markChain, device tunnelDevice, nodeLink func(netip.Addr) (int, error), log logrus.FieldLogger) *Datapath {
+	return &Datapath{
+		cfg: cfg, routes: routes, rules: rules, chain: chain, device: device, nodeLink: nodeLink, log: log,
+		observed: map[netip.Addr][]nextHop{},
+		desired:  map[netip.Addr][]nextHop{},
+		marked:   -1,
+	}
+}
+
+// Ops returns the number of kernel write operations done so far: routes
+// replaced or deleted, rules added or deleted, iptables rules written.
+func (d *Datapath) Ops() uint64 {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.ops
+}
+
+// Tunnel is the desired state of one tunnel IP: the endpoint of every bucket,
+// or no table at all when it has no ready endpoint (its traffic is dropped).
+type Tunnel struct {
+	VIP   netip.Addr
+	Table []Endpoint
+}
+
+// hops turns a bucket table into next hops.
+func (d *Datapath) hops(t Tunnel) ([]nextHop, error) {
+	hops := make([]nextHop, d.cfg.Buckets)
+	if len(t.Table) == 0 {
+		for b := range hops {
+			hops[b] = nextHop{kind: hopDrop}
+		}
+		return hops, nil
+	}
+	if len(t.Table) != d.cfg.Buckets {
+		return nil, fmt.Errorf("tunnel %v: table has %d buckets, want %d", t.VIP, len(t.Table), d.cfg.Buckets)
+	}
+	byAddr := map[netip.Addr]nextHop{}
+	for b, ep := range t.Table {
+		h, ok := byAddr[ep.Addr]
+		if !ok {
+			var err error
+			if h, err = d.cfg.hopFor(ep, d.greLink, d.nodeLink); err != nil {
+				return nil, fmt.Errorf("tunnel %v bucket %d: %w", t.VIP, b, err)
+			}
+			byAddr[ep.Addr] = h
+		}
+		hops[b] = h
+	}
+	return hops, nil
+}
+
+// SetTunnel programs one tunnel IP. Routes go in before the HMARK rule, so a
+// marked packet always finds a route in its bucket table (never the main table).
+func (d *Datapath) SetTunnel(t Tunnel) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	hops, err := d.hops(t)
+	if err != nil {
+		return err
+	}
+	d.desired[t.VIP] = hops
+	if err := d.applyRoutes(d.diffVIP(t.VIP, nil)); err != nil {
+		return err
+	}
+	return d.syncMarks(false)
+}
+
+// RemoveTunnel removes everything a tunnel IP had: the HMARK rule first, so no
+// packet is marked for a table that no longer routes it, then its routes.
+func (d *Datapath) RemoveTunnel(vip netip.Addr) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if _, ok := d.desired[vip]; !ok && d.observed[vip] == nil {
+		return nil
+	}
+	delete(d.desired, vip)
+	if err := d.syncMarks(false); err != nil {
+		return err
+	}
+	return d.applyRoutes(d.diffVIP(vip, nil))
+}
+
+// Resync makes the kernel match the desired tunnels exactly: it ensures the
+// device and the bucket rules, re-reads the routes in the router's tables,
+// replaces what differs and deletes what is not wanted. tunnels is the whole
+// desired state. At start-up this adopts what a previous run left, changing
+// nothing that is already right; later it repairs drift.
+func (d *Datapath) Resync(tunnels []Tunnel) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	link, err := d.device.Ensure()
+	if err != nil {
+		return fmt.Errorf("tunnel device: %w", err)
+	}
+	d.greLink = link
+	desired := make(map[netip.Addr][]nextHop, len(tunnels))
+	var errs []error
+	for _, t := range tunnels {
+		hops, err := d.hops(t)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		desired[t.VIP] = hops
+	}
+	d.desired = desired
+	if err := d.syncRules(); err != nil {
+		errs = append(errs, err)
+	}
+	if err := d.readRoutes(); err != nil {
+		return errors.Join(append(errs, err)...)
+	}
+	// New tunnel IPs get their routes before their mark; removed ones lose
+	// their mark before their routes.
+	var ops []rtnl.Op
+	for vip := range d.desired {
+		ops = d.diffVIP(vip, ops)
+	}
+	if err := d.applyRoutes(ops); err != nil {
+		return errors.Join(append(errs, err)...)
+	}
+	if err := d.syncMarks(true); err != nil {
+		return errors.Join(append(errs, err)...)
+	}
+	ops = ops[:0]
+	for vip := range d.observed {
+		if _, ok := d.desired[vip]; !ok {
+			ops = d.diffVIP(vip, ops)
+		}
+	}
+	if err := d.applyRoutes(ops); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+// diffVIP returns the route operations that turn the observed routes of vip
+// into the desired ones, updating the observed state as if they succeeded.
+func (d *Datapath) diffVIP(vip netip.Addr, ops []rtnl.Op) []rtnl.Op {
+	want, have := d.desired[vip], d.observed[vip]
+	for b := 0; b < max(len(want), len(have)); b++ {
+		var w, h nextHop
+		if b < len(want) {
+			w = want[b]
+		}
+		if b < len(have) {
+			h = have[b]
+		}
+		switch {
+		case w == h:
+		case w.kind == hopNone:
+			ops = append(ops, rtnl.Op{Kind: rtnl.Delete, Route: d.cfg.route(vip, b, nextHop{kind: hopDrop})})
+		default:
+			ops = append(ops, rtnl.Op{Kind: rtnl.Replace, Route: d.cfg.route(vip, b, w)})
+		}
+	}
+	if want == nil {
+		delete(d.observed, vip)
+	} else {
+		d.observed[vip] = slices.Clone(want)
+	}
+	return ops
+}
+
+// applyRoutes sends route operations. On failure the observed state is
+// unknown, so it is dropped and the next Resync re-reads the kernel.
+func (d *Datapath) applyRoutes(ops []rtnl.Op) error {
+	if len(ops) == 0 {
+		return nil
+	}
+	err := d.routes.Apply(ops)
+	d.ops += uint64(len(ops))
+	if err != nil {
+		var ae *rtnl.ApplyError
+		if errors.As(err, &ae) {
+			d.ops -= uint64(len(ae.Failed))
+		}
+		d.observed = map[netip.Addr][]nextHop{}
+		return fmt.Errorf("programming %d routes: %w", len(ops), err)
+	}
+	return nil
+}
+
+// readRoutes replaces the observed state with what the kernel holds in the
+// router's tables (every table it could have used, up to MaxBuckets, so that
+// a smaller bucket count still finds the old tables' routes).
+func (d *Datapath) readRoutes() error {
+	routes, err := d.routes.List(rtnl.ListFilter{
+		Tables:   rtnl.TableRange{First: uint32(d.cfg.TableBase), Last: uint32(d.cfg.TableBase + MaxBuckets - 1)},
+		Protocol: d.cfg.RouteProtocol,
+	})
+	if err != nil {
+		return fmt.Errorf("listing routes in tables %d-%d: %w", d.cfg.TableBase, d.cfg.TableBase+MaxBuckets-1, err)
+	}
+	observed := make(map[netip.Addr][]nextHop, len(d.desired))
+	for i := range routes {
+		vip, bucket, hop, ok := d.cfg.hopOf(&routes[i])
+		if !ok {
+			continue
+		}
+		hops := observed[vip]
+		if len(hops) <= bucket {
+			hops = append(hops, make([]nextHop, max(d.cfg.Buckets, bucket+1)-len(hops))...)
+			observed[vip] = hops
+		}
+		hops[bucket] = hop
+	}
+	d.observed = observed
+	return nil
+}
+
+// syncMarks gives the HMARK chain exactly the desired tunnel IPs. Unless force
+// is set, it is skipped when the set of tunnel IPs has not changed.
+func (d *Datapath) syncMarks(force bool) error {
+	if !force && len(d.desired) == d.marked {
+		return nil
+	}
+	vips := make([]netip.Addr, 0, len(d.desired))
+	for vip := range d.desired {
+		vips = append(vips, vip)
+	}
+	slices.SortFunc(vips, netip.Addr.Compare)
+	n, err := d.chain.Sync(vips)
+	d.ops += uint64(n)
+	if err != nil {
+		d.marked = -1
+		return fmt.Errorf("hmark chain: %w", err)
+	}
+	d.marked = len(vips)
+	return nil
+}
+
+// bucketRule is the policy rule of bucket b.
+func (c Config) bucketRule(b int) netlink.Rule {
+	r := *netlink.NewRule()
+	r.Family = unix.AF_INET
+	r.Priority = c.Priority(b)
+	r.Mark = c.Mark(b)
+	mask := uint32(0xffffffff)
+	r.Mask = &mask
+	r.Table = c.Table(b)
+	r.Protocol = c.RouteProtocol
+	return r
+}
+
+// ownsRule reports whether r is one of the router's rules: in its priority
+// range (up to MaxBuckets) and carrying its protocol.
+func (c Config) ownsRule(r *netlink.Rule) bool {
+	return r.Priority >= c.RulePriority && r.Priority < c.RulePriority+MaxBuckets && r.Protocol == c.RouteProtocol
+}
+
+func sameRule(a, b *netlink.Rule) bool {
+	mask := func(r *netlink.Rule) uint32 {
+		if r.Mask == nil {
+			return 0xffffffff
+		}
+		return *r.Mask
+	}
+	return a.Priority == b.Priority && a.Mark == b.Mark && mask(a) == mask(b) && a.Table == b.Table &&
+		a.Src == nil && a.Dst == nil && a.IifName == "" && a.OifName == "" && !a.Invert && a.Goto <= 0
+}
+
+// syncRules makes the router's policy rules exactly one per bucket.
+func (d *Datapath) syncRules() error {
+	all, err := d.rules.RuleListFiltered(unix.AF_INET, nil, 0)
+	if err != nil {
+		return fmt.Errorf("listing rules: %w", err)
+	}
+	have := map[int][]netlink.Rule{}
+	for _, r := range all {
+		if d.cfg.ownsRule(&r) {
+			have[r.Priority] = append(have[r.Priority], r)
+		}
+	}
+	var errs []error
+	for b := 0; b < d.cfg.Buckets; b++ {
+		want := d.cfg.bucketRule(b)
+		found := false
+		for i, r := range have[want.Priority] {
+			if !found && sameRule(&r, &want) {
+				found = true
+				have[want.Priority] = slices.Delete(have[want.Priority], i, i+1)
+				break
+			}
+		}
+		if !found {
+			d.ops++
+			if err := d.rules.RuleAdd(&want); err != nil {
+				errs = append(errs, fmt.Errorf("adding rule for bucket %d (pref %d fwmark %#x table %d): %w", b, want.Priority, want.Mark, want.Table, err))
+			}
+		}
+	}
+	for _, rules := range have {
+		for _, r := range rules {
+			d.ops++
+			if err := d.rules.RuleDel(&r); err != nil {
+				errs = append(errs, fmt.Errorf("deleting stale rule pref %d table %d: %w", r.Priority, r.Table, err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Cleanup removes everything the router owns and nothing else: the HMARK
+// chain, the rules in its priority range with its protocol, the routes in its
+// tables with its protocol, and the device it created.
+func (d *Datapath) Cleanup() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var errs []error
+	if err := d.chain.Cleanup(); err != nil {
+		errs = append(errs, fmt.Errorf("hmark chain: %w", err))
+	}
+	d.desired = map[netip.Addr][]nextHop{}
+	d.marked = -1
+	if all, err := d.rules.RuleListFiltered(unix.AF_INET, nil, 0); err != nil {
+		errs = append(errs, fmt.Errorf("listing rules: %w", err))
+	} else {
+		for _, r := range all {
+			if d.cfg.ownsRule(&r) {
+				if err := d.rules.RuleDel(&r); err != nil {
+					errs = append(errs, fmt.Errorf("deleting rule pref %d: %w", r.Priority, err))
+				}
+			}
+		}
+	}
+	if err := d.readRoutes(); err != nil {
+		errs = append(errs, err)
+	} else {
+		var ops []rtnl.Op
+		for vip := range d.observed {
+			ops = d.diffVIP(vip, ops)
+		}
+		if err := d.applyRoutes(ops); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := d.device.Remove(); err != nil {
+		errs = append(errs, fmt.Errorf("tunnel device: %w", err))
+	}
+	return errors.Join(errs...)
+}

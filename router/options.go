@@ -1,0 +1,88 @@
+package router
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"strconv"
+	"time"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/flagenv"
+)
+
+// EnvPrefix prefixes the environment variable of every flag.
+const EnvPrefix = "KST_"
+
+// Options are the tunnel router's command-line options.
+type Options struct {
+	Config
+	Kubeconfig string
+	NodeName   string
+	LogLevel   string
+	// Cleanup removes everything the router owns and exits.
+	Cleanup bool
+	seed    string
+}
+
+// AddFlags registers the options on fs with their defaults.
+func (o *Options) AddFlags(fs *flag.FlagSet) {
+	o.Config = Config{
+		Mode: ModeGRE, Buckets: DefaultBuckets, MarkOffset: DefaultMarkOffset,
+		RulePriority: DefaultRulePriority, TableBase: DefaultTableBase, RouteProtocol: DefaultRouteProtocol,
+		GREDevice: DefaultGREDevice, Chain: "KST-HMARK", ResyncPeriod: DefaultResyncPeriod,
+	}
+	fs.Func("mode", `encapsulation: "gre" or "mpls" (default "gre")`, func(s string) error { o.Mode = Mode(s); return nil })
+	fs.StringVar(&o.seed, "seed", "", "HMARK seed shared by every router, decimal or 0x-hex (required)")
+	fs.IntVar(&o.Buckets, "buckets", o.Buckets, "number of HMARK buckets, each with its own rule and routing table")
+	fs.Func("mark-offset", "packet mark of bucket 0, decimal or 0x-hex (default 0x1000)", func(s string) error {
+		v, err := strconv.ParseUint(s, 0, 32)
+		o.MarkOffset = uint32(v)
+		return err
+	})
+	fs.IntVar(&o.RulePriority, "rule-priority", o.RulePriority, "priority of bucket 0's policy rule; bucket i uses rule-priority+i")
+	fs.IntVar(&o.TableBase, "table-base", o.TableBase, "routing table of bucket 0; bucket i uses table-base+i")
+	fs.Func("route-protocol", "rtm_protocol number marking the router's routes and rules (default 245)", func(s string) error {
+		v, err := strconv.ParseUint(s, 0, 8)
+		o.RouteProtocol = uint8(v)
+		return err
+	})
+	fs.StringVar(&o.GREDevice, "gre-device", o.GREDevice, "name of the flow-based GRE device (gre mode)")
+	fs.StringVar(&o.Chain, "chain", o.Chain, "iptables chain in the mangle table holding the HMARK rules")
+	fs.DurationVar(&o.ResyncPeriod, "resync-period", o.ResyncPeriod, "how often the whole kernel state is compared and repaired (0 disables)")
+	fs.StringVar(&o.Kubeconfig, "kubeconfig", "", "kubeconfig file; empty means in-cluster configuration")
+	fs.StringVar(&o.NodeName, "node-name", "", "name of this node, used as the event source (env NODE_NAME)")
+	fs.StringVar(&o.LogLevel, "log-level", "info", "log level: debug, info, warn, error")
+	fs.BoolVar(&o.Cleanup, "cleanup", false, "remove every rule, route, chain and device the router owns, then exit")
+}
+
+// Parse parses args, applies the KST_* environment fallbacks and validates.
+func (o *Options) Parse(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if err := flagenv.Apply(fs, EnvPrefix); err != nil {
+		return err
+	}
+	if o.NodeName == "" {
+		o.NodeName = os.Getenv("NODE_NAME")
+	}
+	if o.Kubeconfig == "" {
+		o.Kubeconfig = os.Getenv("KUBECONFIG")
+	}
+	if o.seed == "" {
+		if !o.Cleanup {
+			return errors.New("--seed (or KST_SEED) is required: every router must use the same HMARK seed")
+		}
+	} else {
+		v, err := strconv.ParseUint(o.seed, 0, 32)
+		if err != nil {
+			return fmt.Errorf("--seed %q: must be a 32-bit number: %w", o.seed, err)
+		}
+		o.Seed = uint32(v)
+	}
+	if o.ResyncPeriod < 0 {
+		o.ResyncPeriod = time.Duration(0)
+	}
+	return o.Validate()
+}
