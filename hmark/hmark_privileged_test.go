@@ -1,207 +1,31 @@
 package hmark
 
-// Privileged tests: each runs in a fresh network namespace of its own, with
-// the real iptables binaries and the kernel's HMARK target. They skip when
-// not root or when iptables is missing.
-//
-// How code runs inside a test namespace: testNetns.Do runs a function on a
-// new goroutine locked to its own OS thread, switches that thread into the
-// namespace and never switches back nor unlocks it, so the Go runtime
-// terminates the thread when the goroutine ends and no other goroutine ever
-// runs in the test namespace by accident. Whatever the function forks (the
-// iptables binary, through go-iptables and os/exec) inherits the
-// namespace of that thread; sockets it opens belong to the namespace for
-// their whole life and can then be used from any thread. Netlink uses a
-// handle bound to the namespace and never switches a thread at all.
+// Privileged tests: each runs in a fresh network namespace of its own (see
+// internal/testnetns), with the real iptables binaries and the kernel's HMARK
+// target. They skip when not root or when iptables is missing.
 
 import (
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"net"
 	"net/netip"
-	"os"
-	"os/exec"
-	"runtime"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/coreos/go-iptables/iptables"
-	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
 	"golang.org/x/sys/unix"
 )
 
-// testNetns is a fresh network namespace owned by one test.
-type testNetns struct {
-	handle netns.NsHandle
-}
-
-// newTestNetns creates a network namespace with lo up and the given extra
-// addresses on lo, closed when the test ends. It skips the test when not
-// root.
-func newTestNetns(t *testing.T, loAddrs ...netip.Prefix) *testNetns {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) to create network namespaces")
-	}
-	var handle netns.NsHandle
-	err := runOnDiscardedThread(func() error {
-		h, err := netns.New()
-		if err != nil {
-			return fmt.Errorf("unshare network namespace: %w", err)
-		}
-		handle = h
-		return nil
-	})
-	if err != nil {
-		t.Fatalf("create test netns: %v", err)
-	}
-	ns := &testNetns{handle: handle}
-	t.Cleanup(func() { _ = handle.Close() })
-
-	nl, err := netlink.NewHandleAt(handle)
-	if err != nil {
-		t.Fatalf("netlink handle in test netns: %v", err)
-	}
-	defer nl.Close()
-	lo, err := nl.LinkByName("lo")
-	if err != nil {
-		t.Fatalf("find lo in test netns: %v", err)
-	}
-	if err := nl.LinkSetUp(lo); err != nil {
-		t.Fatalf("set lo up in test netns: %v", err)
-	}
-	for _, p := range loAddrs {
-		addr := &netlink.Addr{IPNet: prefixIPNet(p)}
-		if err := nl.AddrAdd(lo, addr); err != nil {
-			t.Fatalf("add %s to lo in test netns: %v", p, err)
-		}
-	}
-	return ns
-}
-
-// Do runs fn with its goroutine's thread inside the namespace (see the
-// comment at the top of this file).
-func (n *testNetns) Do(fn func() error) error {
-	return runOnDiscardedThread(func() error {
-		if err := netns.Set(n.handle); err != nil {
-			return fmt.Errorf("enter test netns: %w", err)
-		}
-		return fn()
-	})
-}
-
-// runOnDiscardedThread runs fn on a new goroutine locked to its OS thread
-// and waits for it. The goroutine never unlocks, so the runtime discards
-// the thread, with whatever namespace fn left it in, when fn returns.
-func runOnDiscardedThread(fn func() error) error {
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		// No UnlockOSThread, on purpose.
-		errc <- fn()
-	}()
-	return <-errc
-}
-
-// iptablesCmd runs an iptables binary by hand inside the namespace, as an
-// operator would, and returns its output.
-func (n *testNetns) iptablesCmd(t *testing.T, binary string, args ...string) string {
-	t.Helper()
-	var out []byte
-	err := n.Do(func() error {
-		var err error
-		out, err = exec.Command(binary, args...).CombinedOutput()
-		return err
-	})
-	if err != nil {
-		t.Fatalf("%s %s: %v: %s", binary, strings.Join(args, " "), err, out)
-	}
-	return string(out)
-}
-
-// netnsIPTables runs go-iptables inside a test namespace, and counts the
-// write calls it sees, independently of what Chain reports.
-type netnsIPTables struct {
-	ns     *testNetns
-	ipt    *iptables.IPTables
-	writes int
-}
-
+// Chain's seam is satisfied by go-iptables itself and by the test wrapper.
 var (
-	_ IPTables = (*netnsIPTables)(nil)
-	// Chain's seam is satisfied by go-iptables itself.
 	_ IPTables = (*iptables.IPTables)(nil)
+	_ IPTables = (*testnetns.IPTables)(nil)
 )
-
-// newNetnsIPTables returns go-iptables driving binary ("iptables" for the
-// nft backend, "iptables-legacy") inside ns. It skips the test when the
-// binary is missing.
-func newNetnsIPTables(t *testing.T, ns *testNetns, binary string) *netnsIPTables {
-	t.Helper()
-	if _, err := exec.LookPath(binary); err != nil {
-		t.Skipf("%s not installed (apt-get install -y iptables): %v", binary, err)
-	}
-	ipt, err := iptables.New(iptables.Path(binary))
-	if err != nil {
-		t.Fatalf("go-iptables for %s: %v", binary, err)
-	}
-	return &netnsIPTables{ns: ns, ipt: ipt}
-}
-
-func (w *netnsIPTables) read(fn func() error) error { return w.ns.Do(fn) }
-
-func (w *netnsIPTables) write(fn func() error) error {
-	w.writes++
-	return w.ns.Do(fn)
-}
-
-func (w *netnsIPTables) ChainExists(table, chain string) (ok bool, err error) {
-	err = w.read(func() (err error) { ok, err = w.ipt.ChainExists(table, chain); return err })
-	return ok, err
-}
-
-func (w *netnsIPTables) NewChain(table, chain string) error {
-	return w.write(func() error { return w.ipt.NewChain(table, chain) })
-}
-
-func (w *netnsIPTables) ClearChain(table, chain string) error {
-	return w.write(func() error { return w.ipt.ClearChain(table, chain) })
-}
-
-func (w *netnsIPTables) DeleteChain(table, chain string) error {
-	return w.write(func() error { return w.ipt.DeleteChain(table, chain) })
-}
-
-func (w *netnsIPTables) List(table, chain string) (lines []string, err error) {
-	err = w.read(func() (err error) { lines, err = w.ipt.List(table, chain); return err })
-	return lines, err
-}
-
-func (w *netnsIPTables) ListWithCounters(table, chain string) (lines []string, err error) {
-	err = w.read(func() (err error) { lines, err = w.ipt.ListWithCounters(table, chain); return err })
-	return lines, err
-}
-
-func (w *netnsIPTables) Append(table, chain string, rulespec ...string) error {
-	return w.write(func() error { return w.ipt.Append(table, chain, rulespec...) })
-}
-
-func (w *netnsIPTables) Insert(table, chain string, pos int, rulespec ...string) error {
-	return w.write(func() error { return w.ipt.Insert(table, chain, pos, rulespec...) })
-}
-
-func (w *netnsIPTables) Delete(table, chain string, rulespec ...string) error {
-	return w.write(func() error { return w.ipt.Delete(table, chain, rulespec...) })
-}
-
-func (w *netnsIPTables) DeleteById(table, chain string, id int) error {
-	return w.write(func() error { return w.ipt.DeleteById(table, chain, id) })
-}
 
 // Tunnel IPs of the kernel test, all on lo: one inside 127/8 (sources on
 // both sides of it), one below every 127.x source, one above.
@@ -251,8 +75,8 @@ type observation struct {
 // Changing the parameters between sets also exercises Sync replacing rules
 // in the kernel.
 func TestKernelMarksMatchGo(t *testing.T) {
-	ns := newTestNetns(t, prefixesOf(vipBelow, vipAbove)...)
-	ipt := newNetnsIPTables(t, ns, "iptables")
+	ns := testnetns.New(t, prefixesOf(vipBelow, vipAbove)...)
+	ipt := ns.IPTables("iptables")
 	rng := rand.New(rand.NewPCG(20261121, 1))
 
 	totalFlows := 0
@@ -624,10 +448,6 @@ func prefixesOf(addrs ...netip.Addr) []netip.Prefix {
 	return out
 }
 
-func prefixIPNet(p netip.Prefix) *net.IPNet {
-	return &net.IPNet{IP: p.Addr().AsSlice(), Mask: net.CIDRMask(p.Bits(), p.Addr().BitLen())}
-}
-
 // TestSyncInNetns drives Chain against the real iptables of each backend in
 // a fresh namespace: creation, adoption by a new Chain with no write,
 // repair of a rule deleted by hand, removal of a rule added by hand to the
@@ -639,17 +459,17 @@ func TestSyncInNetns(t *testing.T) {
 }
 
 func testSyncInNetns(t *testing.T, binary string) {
-	ns := newTestNetns(t, prefixesOf(vipBelow, vipAbove)...)
-	ipt := newNetnsIPTables(t, ns, binary)
+	ns := testnetns.New(t, prefixesOf(vipBelow, vipAbove)...)
+	ipt := ns.IPTables(binary)
 	params := Params{Buckets: 16, Offset: 0x100, Seed: 0xc0ffee}
 	vips := kernelVIPs
-	mangleS := func() string { return ns.iptablesCmd(t, binary, "-t", "mangle", "-S") }
+	mangleS := func() string { return ns.Run(binary, "-t", "mangle", "-S") }
 
 	// Rules of others, in another chain of mangle and in PREROUTING itself.
-	ns.iptablesCmd(t, binary, "-t", "mangle", "-N", "OPERATOR")
-	ns.iptablesCmd(t, binary, "-t", "mangle", "-A", "OPERATOR", "-d", "10.1.1.1/32", "-j", "MARK", "--set-mark", "5")
-	ns.iptablesCmd(t, binary, "-t", "mangle", "-A", "FORWARD", "-j", "OPERATOR")
-	ns.iptablesCmd(t, binary, "-t", "mangle", "-A", "PREROUTING", "-p", "tcp", "-m", "comment", "--comment", "someone else", "-j", "MARK", "--set-mark", "9")
+	ns.Run(binary, "-t", "mangle", "-N", "OPERATOR")
+	ns.Run(binary, "-t", "mangle", "-A", "OPERATOR", "-d", "10.1.1.1/32", "-j", "MARK", "--set-mark", "5")
+	ns.Run(binary, "-t", "mangle", "-A", "FORWARD", "-j", "OPERATOR")
+	ns.Run(binary, "-t", "mangle", "-A", "PREROUTING", "-p", "tcp", "-m", "comment", "--comment", "someone else", "-j", "MARK", "--set-mark", "9")
 	before := mangleS()
 	othersUntouched := func(step string) {
 		t.Helper()
@@ -664,20 +484,20 @@ func testSyncInNetns(t *testing.T, binary string) {
 	}
 	syncExpect := func(step string, c *Chain, want int) {
 		t.Helper()
-		ipt.writes = 0
+		ipt.Writes = 0
 		changed, err := c.Sync(vips)
 		if err != nil {
 			t.Fatalf("%s: Sync: %v", step, err)
 		}
-		if changed != want || ipt.writes != want {
-			t.Errorf("%s: Sync changed = %d (iptables saw %d writes), want %d", step, changed, ipt.writes, want)
+		if changed != want || ipt.Writes != want {
+			t.Errorf("%s: Sync changed = %d (iptables saw %d writes), want %d", step, changed, ipt.Writes, want)
 		}
 		assertKernelChain(t, step, ipt, params, vips)
 		othersUntouched(step)
 	}
 
 	syncExpect("first sync", chain, 1+1+len(vips))
-	t.Logf("%s prints the router's rules as:\n%s", binary, ns.iptablesCmd(t, binary, "-t", "mangle", "-S", DefaultChainName))
+	t.Logf("%s prints the router's rules as:\n%s", binary, ns.Run(binary, "-t", "mangle", "-S", DefaultChainName))
 
 	adopter, err := NewChain(ipt, "", params)
 	if err != nil {
@@ -685,15 +505,15 @@ func testSyncInNetns(t *testing.T, binary string) {
 	}
 	syncExpect("adoption by a new Chain", adopter, 0)
 
-	ns.iptablesCmd(t, binary, "-t", "mangle", "-D", DefaultChainName, "2")
+	ns.Run(binary, "-t", "mangle", "-D", DefaultChainName, "2")
 	syncExpect("rule deleted by hand", adopter, 1)
 
-	ns.iptablesCmd(t, binary, "-t", "mangle", "-I", DefaultChainName, "2", "-j", "MARK", "--set-mark", "3")
-	ns.iptablesCmd(t, binary, "-t", "mangle", "-A", DefaultChainName, "-d", vips[0].String()+"/32",
+	ns.Run(binary, "-t", "mangle", "-I", DefaultChainName, "2", "-j", "MARK", "--set-mark", "3")
+	ns.Run(binary, "-t", "mangle", "-A", DefaultChainName, "-d", vips[0].String()+"/32",
 		"-j", "HMARK", "--hmark-tuple", "src,dst", "--hmark-mod", "16", "--hmark-offset", "256", "--hmark-rnd", "0xc0ffee")
 	syncExpect("foreign rules added by hand to the chain", adopter, 2)
 
-	ns.iptablesCmd(t, binary, "-t", "mangle", "-A", "PREROUTING", "-i", "lo", "-j", DefaultChainName)
+	ns.Run(binary, "-t", "mangle", "-A", "PREROUTING", "-i", "lo", "-j", DefaultChainName)
 	syncExpect("second jump added by hand", adopter, 1)
 
 	// One datagram to a tunnel IP, where a socket receives it (so that no

@@ -92,3 +92,23 @@ func (NoDevice) Ensure() (int, error) { return 0, nil }
 
 // Remove does nothing.
 func (NoDevice) Remove() error { return nil }
+
+// ExistingDevice is a flow-based device the operator created and owns
+// (--gre-device-create=false): the router routes through it but never creates,
+// changes or deletes it.
+type ExistingDevice struct {
+	Name  string
+	Links linkOps
+}
+
+// Ensure returns the device's index; it must exist.
+func (e *ExistingDevice) Ensure() (int, error) {
+	link, err := e.Links.LinkByName(e.Name)
+	if err != nil {
+		return 0, fmt.Errorf("device %s (--gre-device-create=false, so it must exist): %w", e.Name, err)
+	}
+	return link.Attrs().Index, nil
+}
+
+// Remove does nothing: the device is not the router's.
+func (e *ExistingDevice) Remove() error { return nil }

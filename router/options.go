@@ -22,6 +22,9 @@ type Options struct {
 	LogLevel   string
 	// Cleanup removes everything the router owns and exits.
 	Cleanup bool
+	// CreateDevice makes the router create (and own) its GRE device; when
+	// false it uses an existing device of that name.
+	CreateDevice bool
 	seed    string
 }
 
@@ -48,6 +51,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 		return err
 	})
 	fs.StringVar(&o.GREDevice, "gre-device", o.GREDevice, "name of the flow-based GRE device (gre mode)")
+	fs.BoolVar(&o.CreateDevice, "gre-device-create", true, "create the flow-based GRE device; false uses an existing device of that name, which the router never changes or deletes")
 	fs.StringVar(&o.Chain, "chain", o.Chain, "iptables chain in the mangle table holding the HMARK rules")
 	fs.DurationVar(&o.ResyncPeriod, "resync-period", o.ResyncPeriod, "how often the whole kernel state is compared and repaired (0 disables)")
 	fs.StringVar(&o.Kubeconfig, "kubeconfig", "", "kubeconfig file; empty means in-cluster configuration")

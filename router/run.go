@@ -42,7 +42,7 @@ func Main(args []string) error {
 	log.SetLevel(level)
 	entry := log.WithField("component", "tunnel-router")
 
-	dp, closeKernel, err := openDatapath(o.Config, entry)
+	dp, closeKernel, err := openDatapath(o.Config, o.CreateDevice, entry)
 	if err != nil {
 		return err
 	}
@@ -86,7 +86,7 @@ func Main(args []string) error {
 }
 
 // openDatapath opens the kernel seams of the current network namespace.
-func openDatapath(cfg Config, log logrus.FieldLogger) (*Datapath, func(), error) {
+func openDatapath(cfg Config, createDevice bool, log logrus.FieldLogger) (*Datapath, func(), error) {
 	handle, err := netlink.NewHandle()
 	if err != nil {
 		return nil, nil, fmt.Errorf("netlink handle: %w", err)
@@ -108,8 +108,11 @@ func openDatapath(cfg Config, log logrus.FieldLogger) (*Datapath, func(), error)
 		return nil, nil, err
 	}
 	var device tunnelDevice = NoDevice{}
-	if cfg.Mode == ModeGRE {
+	switch {
+	case cfg.Mode == ModeGRE && createDevice:
 		device = &GREDevice{Name: cfg.GREDevice, Links: handle}
+	case cfg.Mode == ModeGRE:
+		device = &ExistingDevice{Name: cfg.GREDevice, Links: handle}
 	}
 	nodeLink := func(ip netip.Addr) (int, error) {
 		rs, err := handle.RouteGet(ip.AsSlice())

@@ -1,0 +1,182 @@
+package router
+
+import (
+	"fmt"
+	"net/netip"
+	"strings"
+	"testing"
+
+	"github.com/vishvananda/netlink"
+
+	"github.com/cmdnu/kube-service-tunnel/hmark"
+	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
+	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
+)
+
+// countingRoutes and countingRules count kernel writes independently of what
+// the Datapath reports.
+type countingRoutes struct {
+	*rtnl.Client
+	writes int
+}
+
+func (c *countingRoutes) Apply(ops []rtnl.Op) error { c.writes += len(ops); return c.Client.Apply(ops) }
+
+type countingRules struct {
+	*netlink.Handle
+	writes int
+}
+
+func (c *countingRules) RuleAdd(r *netlink.Rule) error { c.writes++; return c.Handle.RuleAdd(r) }
+func (c *countingRules) RuleDel(r *netlink.Rule) error { c.writes++; return c.Handle.RuleDel(r) }
+
+// kernelRouter is a Datapath on the real kernel of a test namespace. The
+// host has no GRE, so the flow-based device is stood in for by a veth: encap
+// ip routes accept any device, and routing decisions are the same.
+type kernelRouter struct {
+	dp     *Datapath
+	routes *countingRoutes
+	rules  *countingRules
+	ipt    *testnetns.IPTables
+}
+
+func (k *kernelRouter) writes() int { return k.routes.writes + k.rules.writes + k.ipt.Writes }
+
+func newKernelRouter(t *testing.T, ns *testnetns.NS, cfg Config) *kernelRouter {
+	t.Helper()
+	rc, err := rtnl.Open(ns.Handle)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rc.Close() })
+	nl := ns.Netlink()
+	ipt := ns.IPTables("iptables")
+	chain, err := hmark.NewChain(ipt, cfg.Chain, hmark.Params{Buckets: uint32(cfg.Buckets), Offset: cfg.MarkOffset, Seed: cfg.Seed})
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := &kernelRouter{routes: &countingRoutes{Client: rc}, rules: &countingRules{Handle: nl}, ipt: ipt}
+	k.dp = NewDatapath(cfg, k.routes, k.rules, chain, &ExistingDevice{Name: "veth0", Links: nl}, nil, quietLog())
+	return k
+}
+
+// kernelState is what an operator would look at: every route, rule and
+// mangle rule in the namespace.
+func kernelState(ns *testnetns.NS) string {
+	return ns.Run("ip", "route", "show", "table", "all") + ns.Run("ip", "rule", "show") + ns.Run("iptables-save", "-t", "mangle")
+}
+
+func TestDatapathInNetns(t *testing.T) {
+	ns := testnetns.New(t)
+	ns.AddVeth("veth0", "veth1", netip.MustParsePrefix("192.168.50.1/24"))
+	cfg := testConfig()
+	cfg.Buckets = 16
+
+	// State that is not the router's: it must survive everything below.
+	ns.Run("ip", "route", "add", "198.51.100.0/24", "dev", "veth0", "table", fmt.Sprint(cfg.Table(0)), "proto", "static")
+	ns.Run("ip", "route", "add", "192.0.2.1/32", "dev", "veth0", "table", "100", "proto", fmt.Sprint(cfg.RouteProtocol))
+	ns.Run("ip", "rule", "add", "pref", fmt.Sprint(cfg.Priority(1)), "fwmark", "0x99", "lookup", "100")
+	ns.Run("iptables", "-t", "mangle", "-A", "PREROUTING", "-d", "203.0.113.7/32", "-j", "MARK", "--set-mark", "7")
+	pristine := kernelState(ns)
+
+	withEndpoints := tunnel(cfg, "192.0.2.1", "10.244.1.5", "10.244.2.6", "10.244.3.7")
+	withoutEndpoints := tunnel(cfg, "192.0.2.2")
+	tunnels := []Tunnel{withEndpoints, withoutEndpoints}
+	k := newKernelRouter(t, ns, cfg)
+	if err := k.dp.Resync(tunnels); err != nil {
+		t.Fatal(err)
+	}
+	programmed := kernelState(ns)
+	if programmed == pristine || !strings.Contains(programmed, "encap ip") {
+		t.Fatalf("Resync programmed nothing:\n%s", programmed)
+	}
+	t.Logf("bucket 0 of 192.0.2.1: %s", ns.Run("ip", "route", "get", "192.0.2.1", "mark", fmt.Sprintf("%#x", cfg.Mark(0))))
+
+	t.Run("kernel routes each bucket's mark to its endpoint", func(t *testing.T) {
+		for b := 0; b < cfg.Buckets; b++ {
+			mark := fmt.Sprintf("%#x", cfg.Mark(b))
+			got := ns.Run("ip", "route", "get", "192.0.2.1", "mark", mark)
+			want := "dst " + withEndpoints.Table[b].Addr.String() + " "
+			if !strings.Contains(got, "encap ip id 0") || !strings.Contains(got, want) {
+				t.Errorf("bucket %d (mark %s): ip route get says %q, want encap to %s", b, mark, got, withEndpoints.Table[b].Addr)
+			}
+			if out, err := ns.Output("ip", "route", "get", "192.0.2.2", "mark", mark); err == nil || !strings.Contains(out, "Invalid argument") && !strings.Contains(out, "No route") {
+				// A blackhole route answers EINVAL to route get.
+				t.Errorf("bucket %d: tunnel IP without endpoints is routed: %q, %v", b, out, err)
+			}
+		}
+		if hm := ns.Run("iptables", "-t", "mangle", "-S", cfg.Chain); strings.Count(hm, "-j HMARK") != 2 {
+			t.Errorf("want 2 HMARK rules, got:\n%s", hm)
+		}
+	})
+
+	t.Run("a restarted router changes nothing", func(t *testing.T) {
+		again := newKernelRouter(t, ns, cfg)
+		if err := again.dp.Resync(tunnels); err != nil {
+			t.Fatal(err)
+		}
+		if w := again.writes(); w != 0 {
+			t.Errorf("restart made %d kernel writes, want 0", w)
+		}
+		if got := kernelState(ns); got != programmed {
+			t.Errorf("restart changed the kernel state:\nbefore:\n%s\nafter:\n%s", programmed, got)
+		}
+	})
+
+	t.Run("resync repairs drift", func(t *testing.T) {
+		ns.Run("ip", "route", "del", "192.0.2.1/32", "table", fmt.Sprint(cfg.Table(3)))
+		ns.Run("ip", "route", "replace", "192.0.2.1/32", "encap", "ip", "id", "0", "dst", "10.9.9.9", "dev", "veth0", "table", fmt.Sprint(cfg.Table(4)), "proto", fmt.Sprint(cfg.RouteProtocol))
+		ns.Run("ip", "route", "add", "blackhole", "192.0.2.77/32", "table", fmt.Sprint(cfg.Table(5)), "proto", fmt.Sprint(cfg.RouteProtocol))
+		ns.Run("ip", "rule", "del", "pref", fmt.Sprint(cfg.Priority(6)))
+		ns.Run("iptables", "-t", "mangle", "-F", cfg.Chain)
+		if err := k.dp.Resync(tunnels); err != nil {
+			t.Fatal(err)
+		}
+		if got := kernelState(ns); got != programmed {
+			t.Errorf("drift not repaired:\nwant:\n%s\ngot:\n%s", programmed, got)
+		}
+	})
+
+	t.Run("removing a tunnel removes all it had", func(t *testing.T) {
+		if err := k.dp.RemoveTunnel(withoutEndpoints.VIP); err != nil {
+			t.Fatal(err)
+		}
+		if got := ns.Run("ip", "route", "show", "table", "all"); strings.Contains(got, "192.0.2.2") {
+			t.Errorf("routes of the removed tunnel remain:\n%s", got)
+		}
+		if hm := ns.Run("iptables", "-t", "mangle", "-S", cfg.Chain); strings.Contains(hm, "192.0.2.2") {
+			t.Errorf("HMARK rule of the removed tunnel remains:\n%s", hm)
+		}
+	})
+
+	t.Run("cleanup restores the kernel as it was", func(t *testing.T) {
+		if err := newKernelRouter(t, ns, cfg).dp.Cleanup(); err != nil {
+			t.Fatal(err)
+		}
+		if got := kernelState(ns); got != pristine {
+			t.Errorf("after cleanup:\n%s\nwant the state before the router ran:\n%s", got, pristine)
+		}
+	})
+}
+
+func TestDatapathShrinkingBucketsRemovesOldTables(t *testing.T) {
+	ns := testnetns.New(t)
+	ns.AddVeth("veth0", "veth1", netip.MustParsePrefix("192.168.50.1/24"))
+	big := testConfig()
+	big.Buckets = 16
+	if err := newKernelRouter(t, ns, big).dp.Resync([]Tunnel{tunnel(big, "192.0.2.1", "10.244.1.5", "10.244.2.6")}); err != nil {
+		t.Fatal(err)
+	}
+	small := big
+	small.Buckets = 4
+	if err := newKernelRouter(t, ns, small).dp.Resync([]Tunnel{tunnel(small, "192.0.2.1", "10.244.1.5", "10.244.2.6")}); err != nil {
+		t.Fatal(err)
+	}
+	routes := ns.Run("ip", "route", "show", "table", "all", "proto", fmt.Sprint(big.RouteProtocol))
+	if n := strings.Count(routes, "192.0.2.1"); n != 4 {
+		t.Errorf("%d routes after shrinking to 4 buckets, want 4:\n%s", n, routes)
+	}
+	if rules := ns.Run("ip", "rule", "show"); strings.Count(rules, "proto 245") != 4 {
+		t.Errorf("want 4 rules after shrinking:\n%s", rules)
+	}
+}
