@@ -25,7 +25,7 @@ type Options struct {
 	// CreateDevice makes the router create (and own) its GRE device; when
 	// false it uses an existing device of that name.
 	CreateDevice bool
-	seed    string
+	seed         string
 }
 
 // AddFlags registers the options on fs with their defaults.
