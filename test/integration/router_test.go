@@ -1,0 +1,375 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/netip"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/cmdnu/kube-service-tunnel/router"
+)
+
+// recorder is a Programmer that keeps the desired state the controller hands
+// to the datapath.
+type recorder struct {
+	mu      sync.Mutex
+	tunnels map[netip.Addr]router.Tunnel
+	removed map[netip.Addr]int
+}
+
+func newRecorder() *recorder {
+	return &recorder{tunnels: map[netip.Addr]router.Tunnel{}, removed: map[netip.Addr]int{}}
+}
+
+func (r *recorder) Resync(ts []router.Tunnel) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.tunnels = map[netip.Addr]router.Tunnel{}
+	for _, t := range ts {
+		r.tunnels[t.VIP] = t
+	}
+	return nil
+}
+
+func (r *recorder) SetTunnel(t router.Tunnel) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.tunnels[t.VIP] = t
+	return nil
+}
+
+func (r *recorder) RemoveTunnel(vip netip.Addr) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	delete(r.tunnels, vip)
+	r.removed[vip]++
+	return nil
+}
+
+func (r *recorder) get(vip string) (router.Tunnel, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	t, ok := r.tunnels[netip.MustParseAddr(vip)]
+	return t, ok
+}
+
+// startRouter runs the router's controller as its ServiceAccount until the
+// test ends.
+func startRouter(t *testing.T, cfg router.Config) *recorder {
+	t.Helper()
+	restCfg := routerConfig(t)
+	client, err := kubernetes.NewForConfig(restCfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	factory := informers.NewSharedInformerFactory(client, 0)
+	rec := newRecorder()
+	log := logrus.New()
+	log.Out = io.Discard
+	ctrl, err := router.NewController(cfg, client, factory, rec, router.NewEventRecorder(ctx, client, "tunnel-router", "test-node"), log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	factory.Start(ctx.Done())
+	done := make(chan error, 1)
+	go func() { done <- ctrl.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("controller: %v", err)
+		}
+		factory.Shutdown()
+	})
+	eventually(t, 20*time.Second, "router ready (informers synced as the tunnel-router ServiceAccount)", func() error {
+		if !ctrl.Ready() {
+			return fmt.Errorf("not ready")
+		}
+		return nil
+	})
+	return rec
+}
+
+func routerCfg(mode router.Mode, buckets int) router.Config {
+	return router.Config{
+		Mode: mode, Buckets: buckets, MarkOffset: router.DefaultMarkOffset, Seed: 7,
+		RulePriority: router.DefaultRulePriority, TableBase: router.DefaultTableBase,
+		RouteProtocol: router.DefaultRouteProtocol, GREDevice: router.DefaultGREDevice, Chain: "KST-HMARK",
+		ResyncPeriod: time.Minute,
+	}
+}
+
+func createService(t *testing.T, cs kubernetes.Interface, ns, name, tunnelIP string) *corev1.Service {
+	t.Helper()
+	svc := &corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Annotations: map[string]string{router.TunnelAnnotation: tunnelIP}},
+		Spec: corev1.ServiceSpec{
+			Selector: map[string]string{"app": name},
+			Ports:    []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080)}},
+		},
+	}
+	out, err := cs.CoreV1().Services(ns).Create(context.Background(), svc, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+type ep struct {
+	addr  string
+	node  string
+	ready *bool
+}
+
+func applySlice(t *testing.T, cs kubernetes.Interface, ns, svc, name string, eps ...ep) {
+	t.Helper()
+	es := &discoveryv1.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Namespace: ns, Name: name, Labels: map[string]string{discoveryv1.LabelServiceName: svc}},
+		AddressType: discoveryv1.AddressTypeIPv4,
+		Ports:       []discoveryv1.EndpointPort{{Name: ptr("http"), Port: ptr(int32(8080))}},
+	}
+	for _, e := range eps {
+		d := discoveryv1.Endpoint{Addresses: []string{e.addr}, Conditions: discoveryv1.EndpointConditions{Ready: e.ready}}
+		if e.node != "" {
+			d.NodeName = ptr(e.node)
+		}
+		es.Endpoints = append(es.Endpoints, d)
+	}
+	ctx := context.Background()
+	existing, err := cs.DiscoveryV1().EndpointSlices(ns).Get(ctx, name, metav1.GetOptions{})
+	if err == nil {
+		es.ResourceVersion = existing.ResourceVersion
+		_, err = cs.DiscoveryV1().EndpointSlices(ns).Update(ctx, es, metav1.UpdateOptions{})
+	} else {
+		_, err = cs.DiscoveryV1().EndpointSlices(ns).Create(ctx, es, metav1.CreateOptions{})
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+func ptr[T any](v T) *T { return &v }
+
+func addrs(ss ...string) []netip.Addr {
+	var out []netip.Addr
+	for _, s := range ss {
+		out = append(out, netip.MustParseAddr(s))
+	}
+	return out
+}
+
+func tableAddrs(t router.Tunnel) []netip.Addr {
+	var out []netip.Addr
+	for _, e := range t.Table {
+		out = append(out, e.Addr)
+	}
+	return out
+}
+
+// waitTable waits until the tunnel of vip has exactly the table Assign gives
+// for endpoints (nil endpoints: a tunnel that drops).
+func waitTable(t *testing.T, rec *recorder, vip string, buckets int, endpoints []netip.Addr) router.Tunnel {
+	t.Helper()
+	want := router.Assign(buckets, endpoints)
+	var got router.Tunnel
+	eventually(t, 15*time.Second, "tunnel "+vip+" programmed with the expected table", func() error {
+		tun, ok := rec.get(vip)
+		if !ok {
+			return fmt.Errorf("not programmed")
+		}
+		if !slices.Equal(tableAddrs(tun), want) {
+			return fmt.Errorf("table %v, want %v", tableAddrs(tun), want)
+		}
+		got = tun
+		return nil
+	})
+	return got
+}
+
+// waitEvent waits for an event with reason on the Service whose message
+// contains part.
+func waitEvent(t *testing.T, cs kubernetes.Interface, svc *corev1.Service, eventType, reason, part string) {
+	t.Helper()
+	eventually(t, 15*time.Second, fmt.Sprintf("%s event %s on %s/%s", eventType, reason, svc.Namespace, svc.Name), func() error {
+		evs, err := cs.CoreV1().Events(svc.Namespace).List(context.Background(), metav1.ListOptions{FieldSelector: "involvedObject.name=" + svc.Name})
+		if err != nil {
+			return err
+		}
+		var seen []string
+		for _, e := range evs.Items {
+			if e.Type == eventType && e.Reason == reason && strings.Contains(e.Message, part) && e.InvolvedObject.UID == svc.UID {
+				return nil
+			}
+			seen = append(seen, e.Type+"/"+e.Reason+": "+e.Message)
+		}
+		return fmt.Errorf("seen %q", seen)
+	})
+}
+
+func TestRouterProgramsAnnotatedServices(t *testing.T) {
+	cs := adminClient(t)
+	rec := startRouter(t, routerCfg(router.ModeGRE, 64))
+	ns := freshNamespace(t, cs)
+
+	svc := createService(t, cs, ns, "web", "192.0.2.10")
+	waitEvent(t, cs, svc, corev1.EventTypeWarning, router.ReasonNoReadyEndpoints, "192.0.2.10")
+	if tun := waitTable(t, rec, "192.0.2.10", 64, nil); tun.Table != nil {
+		t.Fatalf("tunnel without endpoints has a table: %v", tun.Table)
+	}
+
+	applySlice(t, cs, ns, "web", "web-a",
+		ep{addr: "10.244.1.5", node: "node-1", ready: ptr(true)},
+		ep{addr: "10.244.1.6", node: "node-1"}, // nil ready counts as ready
+		ep{addr: "10.244.2.7", node: "node-2", ready: ptr(false)},
+	)
+	applySlice(t, cs, ns, "web", "web-b", ep{addr: "10.244.2.8", node: "node-2", ready: ptr(true)})
+	before := waitTable(t, rec, "192.0.2.10", 64, addrs("10.244.1.5", "10.244.1.6", "10.244.2.8"))
+	waitEvent(t, cs, svc, corev1.EventTypeNormal, router.ReasonProgrammed, "3 endpoints over 64 buckets")
+
+	// One endpoint goes away: its buckets move, the table matches Assign.
+	applySlice(t, cs, ns, "web", "web-b")
+	after := waitTable(t, rec, "192.0.2.10", 64, addrs("10.244.1.5", "10.244.1.6"))
+	for b := range before.Table {
+		if before.Table[b].Addr.String() != "10.244.2.8" && after.Table[b] != before.Table[b] {
+			t.Logf("bucket %d moved from %v to %v (balance move)", b, before.Table[b].Addr, after.Table[b].Addr)
+		}
+	}
+
+	// Removing the annotation removes the tunnel.
+	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:null}}}`, router.TunnelAnnotation)
+	if _, err := cs.CoreV1().Services(ns).Patch(context.Background(), "web", types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 15*time.Second, "tunnel removed with its annotation", func() error {
+		if _, ok := rec.get("192.0.2.10"); ok {
+			return fmt.Errorf("still programmed")
+		}
+		return nil
+	})
+}
+
+func TestRouterBadInputKeepsOtherServicesWorking(t *testing.T) {
+	cs := adminClient(t)
+	rec := startRouter(t, routerCfg(router.ModeGRE, 64))
+	ns := freshNamespace(t, cs)
+
+	good := createService(t, cs, ns, "good", "192.0.2.20")
+	applySlice(t, cs, ns, "good", "good-a", ep{addr: "10.244.1.9", node: "node-1"})
+	for name, value := range map[string]string{
+		"not-ip":    "not-an-ip",
+		"several":   "192.0.2.21,192.0.2.22",
+		"space":     " 192.0.2.23",
+		"loopback":  "127.0.0.1",
+		"linklocal": "169.254.0.1",
+		"multicast": "224.0.0.5",
+		"zero":      "0.0.0.0",
+		"v6":        "2001:db8::1",
+	} {
+		svc := createService(t, cs, ns, name, value)
+		waitEvent(t, cs, svc, corev1.EventTypeWarning, router.ReasonInvalidTunnelIP, router.TunnelAnnotation)
+	}
+	// A slice with broken entries: the good ones still count.
+	applySlice(t, cs, ns, "good", "good-b", ep{addr: "10.244.1.10"}, ep{addr: "10.244.1.11", node: "node-1", ready: ptr(false)})
+	waitTable(t, rec, "192.0.2.20", 64, addrs("10.244.1.9", "10.244.1.10"))
+	waitEvent(t, cs, good, corev1.EventTypeNormal, router.ReasonProgrammed, "2 endpoints")
+	rec.mu.Lock()
+	for vip := range rec.tunnels {
+		if vip.String() != "192.0.2.20" && strings.HasPrefix(vip.String(), "192.0.2.2") {
+			t.Errorf("a bad annotation produced tunnel %v", vip)
+		}
+	}
+	rec.mu.Unlock()
+}
+
+func TestRouterConflictOldestWins(t *testing.T) {
+	cs := adminClient(t)
+	rec := startRouter(t, routerCfg(router.ModeGRE, 64))
+	ns := freshNamespace(t, cs)
+
+	older := createService(t, cs, ns, "older", "192.0.2.30")
+	applySlice(t, cs, ns, "older", "older-a", ep{addr: "10.244.3.1", node: "node-1"})
+	waitTable(t, rec, "192.0.2.30", 64, addrs("10.244.3.1"))
+	time.Sleep(1100 * time.Millisecond) // creationTimestamp has one-second resolution
+	newer := createService(t, cs, ns, "newer", "192.0.2.30")
+	applySlice(t, cs, ns, "newer", "newer-a", ep{addr: "10.244.3.2", node: "node-2"})
+	waitEvent(t, cs, newer, corev1.EventTypeWarning, router.ReasonConflict, ns+"/older")
+	waitTable(t, rec, "192.0.2.30", 64, addrs("10.244.3.1"))
+
+	if err := cs.CoreV1().Services(ns).Delete(context.Background(), older.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitTable(t, rec, "192.0.2.30", 64, addrs("10.244.3.2"))
+	waitEvent(t, cs, newer, corev1.EventTypeNormal, router.ReasonProgrammed, "192.0.2.30")
+
+	// Deleting the last Service that claims the IP removes the tunnel.
+	if err := cs.CoreV1().Services(ns).Delete(context.Background(), newer.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 15*time.Second, "tunnel removed with its last Service", func() error {
+		if _, ok := rec.get("192.0.2.30"); ok {
+			return fmt.Errorf("still programmed")
+		}
+		return nil
+	})
+}
+
+func TestRouterMoreEndpointsThanBuckets(t *testing.T) {
+	cs := adminClient(t)
+	rec := startRouter(t, routerCfg(router.ModeGRE, 4))
+	ns := freshNamespace(t, cs)
+	svc := createService(t, cs, ns, "wide", "192.0.2.40")
+	var eps []ep
+	var all []netip.Addr
+	for i := 1; i <= 6; i++ {
+		a := fmt.Sprintf("10.244.4.%d", i)
+		eps = append(eps, ep{addr: a, node: "node-1"})
+		all = append(all, netip.MustParseAddr(a))
+	}
+	applySlice(t, cs, ns, "wide", "wide-a", eps...)
+	tun := waitTable(t, rec, "192.0.2.40", 4, all)
+	idle := router.Unassigned(tableAddrs(tun), all)
+	if len(idle) != 2 {
+		t.Fatalf("idle endpoints %v, want 2", idle)
+	}
+	waitEvent(t, cs, svc, corev1.EventTypeWarning, router.ReasonIdleEndpoints, idle[0].String())
+}
+
+func TestRouterMPLSUsesNodeAddresses(t *testing.T) {
+	cs := adminClient(t)
+	rec := startRouter(t, routerCfg(router.ModeMPLS, 16))
+	ns := freshNamespace(t, cs)
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "mpls-node-" + ns}}
+	node, err := cs.CoreV1().Nodes().Create(context.Background(), node, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Status.Addresses = []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: "172.16.0.11"}}
+	if _, err := cs.CoreV1().Nodes().UpdateStatus(context.Background(), node, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	createService(t, cs, ns, "mpls", "192.0.2.50")
+	applySlice(t, cs, ns, "mpls", "mpls-a",
+		ep{addr: "10.244.5.1", node: node.Name},
+		ep{addr: "10.244.5.2"}, // no nodeName: unusable in mpls mode
+	)
+	tun := waitTable(t, rec, "192.0.2.50", 16, addrs("10.244.5.1"))
+	for b, e := range tun.Table {
+		if e.NodeIP != netip.MustParseAddr("172.16.0.11") {
+			t.Fatalf("bucket %d: node address %v, want 172.16.0.11", b, e.NodeIP)
+		}
+	}
+}
