@@ -18,7 +18,7 @@ deps: ## install the packages the tests need (Debian: iptables, iproute2)
 	@command -v iptables >/dev/null && command -v ip >/dev/null || { apt-get update -qq && apt-get install -y -qq iptables iproute2; }
 
 assets: ## build and cache a real kube-apiserver and etcd for integration tests
-	./hack/kube-assets.sh
+	./test/tools/kube-assets.sh
 
 test: deps assets lint ## everything: unit, privileged (root) and integration tests
 	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 20m $(PKGS)
@@ -34,7 +34,7 @@ lint: ## go vet and gofmt
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
 demo: deps assets build ## run the router against a real API server on this host and show what it programs
-	./hack/demo.sh
+	go run ./test/demo
 
 clean: ## remove build output
 	rm -rf $(BIN)

@@ -25,7 +25,46 @@ import (
 var (
 	_ IPTables = (*iptables.IPTables)(nil)
 	_ IPTables = (*testnetns.IPTables)(nil)
+	_ Restorer = (*ExecRestorer)(nil)
+	_ Restorer = (*nsRestorer)(nil)
 )
+
+// nsRestorer runs the iptables-restore matching an iptables binary inside
+// a test namespace, and counts its calls independently of what the code
+// under test reports.
+type nsRestorer struct {
+	ns    *testnetns.NS
+	exec  *ExecRestorer
+	Calls int
+}
+
+func newNSRestorer(ns *testnetns.NS, iptablesBinary string) *nsRestorer {
+	return &nsRestorer{ns: ns, exec: NewExecRestorer(iptablesBinary)}
+}
+
+// Restore is ExecRestorer.Restore inside the namespace.
+func (r *nsRestorer) Restore(table string, payload []byte) error {
+	r.Calls++
+	return r.ns.Do(func() error { return r.exec.Restore(table, payload) })
+}
+
+// lineChanges is the number of lines that differ between two outputs of
+// `iptables -S`, counted as a multiset: what was added plus what was
+// removed. It measures a Sync's changes independently of its count.
+func lineChanges(before, after string) int {
+	count := make(map[string]int)
+	for _, l := range strings.Split(before, "\n") {
+		count[l]++
+	}
+	for _, l := range strings.Split(after, "\n") {
+		count[l]--
+	}
+	n := 0
+	for _, c := range count {
+		n += max(c, -c)
+	}
+	return n
+}
 
 // Tunnel IPs of the kernel test, all on lo: one inside 127/8 (sources on
 // both sides of it), one below every 127.x source, one above.
@@ -77,26 +116,28 @@ type observation struct {
 func TestKernelMarksMatchGo(t *testing.T) {
 	ns := testnetns.New(t, prefixesOf(vipBelow, vipAbove)...)
 	ipt := ns.IPTables("iptables")
+	restorer := newNSRestorer(ns, "iptables")
 	rng := rand.New(rand.NewPCG(20261121, 1))
 
 	totalFlows := 0
 	for i, params := range kernelParamSets {
-		chain, err := NewChain(ipt, "", params)
+		chain, err := NewChainWithRestorer(ipt, "", params, restorer)
 		if err != nil {
 			t.Fatalf("NewChain(%v): %v", params, err)
 		}
+		restorer.Calls = 0
 		changed, err := chain.Sync(kernelVIPs)
 		if err != nil {
 			t.Fatalf("Sync with %v: %v", params, err)
 		}
-		wantChanged := 2 * len(kernelVIPs) // a new rule for each tunnel IP, then the old one deleted
+		wantChanged, wantRestores := 2*len(kernelVIPs), 1 // each tunnel IP's rule replaced
 		if i == 0 {
 			wantChanged = 1 + 1 + len(kernelVIPs) // chain, jump, rules
 		} else if params == kernelParamSets[i-1] {
-			wantChanged = 0
+			wantChanged, wantRestores = 0, 0
 		}
-		if changed != wantChanged {
-			t.Errorf("Sync with %v: changed = %d, want %d", params, changed, wantChanged)
+		if changed != wantChanged || restorer.Calls != wantRestores {
+			t.Errorf("Sync with %v: changed = %d with %d restores, want %d with %d", params, changed, restorer.Calls, wantChanged, wantRestores)
 		}
 
 		var udp, tcp, other []observation
@@ -448,22 +489,49 @@ func prefixesOf(addrs ...netip.Addr) []netip.Prefix {
 	return out
 }
 
+// iptablesBinaries are the two backends: nft, and legacy.
+var iptablesBinaries = []string{"iptables", "iptables-legacy"}
+
 // TestSyncInNetns drives Chain against the real iptables of each backend in
 // a fresh namespace: creation, adoption by a new Chain with no write,
 // repair of a rule deleted by hand, removal of a rule added by hand to the
-// chain, rules of other chains left alone, counters, and Cleanup.
+// chain, rules of other chains left alone, counters, and Cleanup. It does
+// so with iptables-restore, and without a restorer (rule by rule).
+// withoutRestore hides an IPTables' Restore method, so that NewChain takes
+// the one-rule-at-a-time path.
+type withoutRestore struct{ IPTables }
+
 func TestSyncInNetns(t *testing.T) {
-	for _, binary := range []string{"iptables", "iptables-legacy"} {
-		t.Run(binary, func(t *testing.T) { testSyncInNetns(t, binary) })
+	for _, binary := range iptablesBinaries {
+		t.Run(binary, func(t *testing.T) { testSyncInNetns(t, binary, true) })
+		t.Run(binary+"/one-by-one", func(t *testing.T) { testSyncInNetns(t, binary, false) })
 	}
 }
 
-func testSyncInNetns(t *testing.T, binary string) {
+func testSyncInNetns(t *testing.T, binary string, restore bool) {
 	ns := testnetns.New(t, prefixesOf(vipBelow, vipAbove)...)
 	ipt := ns.IPTables(binary)
+	restorer := newNSRestorer(ns, binary)
 	params := Params{Buckets: 16, Offset: 0x100, Seed: 0xc0ffee}
 	vips := kernelVIPs
 	mangleS := func() string { return ns.Run(binary, "-t", "mangle", "-S") }
+	newChain := func() *Chain {
+		t.Helper()
+		var c *Chain
+		var err error
+		if restore {
+			c, err = NewChainWithRestorer(ipt, "", params, restorer)
+		} else {
+			c, err = NewChain(withoutRestore{ipt}, "", params) // hides the wrapper's Restore
+		}
+		if err != nil {
+			t.Fatalf("NewChain: %v", err)
+		}
+		if (c.restorer != nil) != restore {
+			t.Fatalf("NewChain: restorer %v, want one: %v", c.restorer, restore)
+		}
+		return c
+	}
 
 	// Rules of others, in another chain of mangle and in PREROUTING itself.
 	ns.Run(binary, "-t", "mangle", "-N", "OPERATOR")
@@ -478,47 +546,57 @@ func testSyncInNetns(t *testing.T, binary string) {
 		}
 	}
 
-	chain, err := NewChain(ipt, "", params)
-	if err != nil {
-		t.Fatalf("NewChain: %v", err)
-	}
-	syncExpect := func(step string, c *Chain, want int) {
+	chain := newChain()
+	// syncExpect syncs and checks the changes Sync reports against the
+	// lines that changed in `iptables -S`, and the writes iptables and
+	// iptables-restore saw: wantIPT of the changes go through go-iptables
+	// (chain and jump) and the rest through at most one restore, or all
+	// through go-iptables without a restorer.
+	syncExpect := func(step string, c *Chain, want, wantIPT int) {
 		t.Helper()
-		ipt.Writes = 0
+		ipt.Writes, restorer.Calls = 0, 0
+		before := mangleS()
 		changed, err := c.Sync(vips)
 		if err != nil {
 			t.Fatalf("%s: Sync: %v", step, err)
 		}
-		if changed != want || ipt.Writes != want {
-			t.Errorf("%s: Sync changed = %d (iptables saw %d writes), want %d", step, changed, ipt.Writes, want)
+		wantRestores := 0
+		if !restore {
+			wantIPT = want
+		} else if want > wantIPT {
+			wantRestores = 1
+		}
+		if diff := lineChanges(before, mangleS()); changed != want || diff != want {
+			t.Errorf("%s: Sync changed = %d (%d lines of iptables -S changed), want %d", step, changed, diff, want)
+		}
+		if ipt.Writes != wantIPT || restorer.Calls != wantRestores {
+			t.Errorf("%s: iptables saw %d writes and iptables-restore %d calls, want %d and %d",
+				step, ipt.Writes, restorer.Calls, wantIPT, wantRestores)
 		}
 		assertKernelChain(t, step, ipt, params, vips)
 		othersUntouched(step)
 	}
 
-	syncExpect("first sync", chain, 1+1+len(vips))
+	syncExpect("first sync", chain, 1+1+len(vips), 2)
 	t.Logf("%s prints the router's rules as:\n%s", binary, ns.Run(binary, "-t", "mangle", "-S", DefaultChainName))
 
-	adopter, err := NewChain(ipt, "", params)
-	if err != nil {
-		t.Fatalf("NewChain: %v", err)
-	}
-	syncExpect("adoption by a new Chain", adopter, 0)
+	adopter := newChain()
+	syncExpect("adoption by a new Chain", adopter, 0, 0)
 
 	ns.Run(binary, "-t", "mangle", "-D", DefaultChainName, "2")
-	syncExpect("rule deleted by hand", adopter, 1)
+	syncExpect("rule deleted by hand", adopter, 1, 0)
 
 	ns.Run(binary, "-t", "mangle", "-I", DefaultChainName, "2", "-j", "MARK", "--set-mark", "3")
 	ns.Run(binary, "-t", "mangle", "-A", DefaultChainName, "-d", vips[0].String()+"/32",
 		"-j", "HMARK", "--hmark-tuple", "src,dst", "--hmark-mod", "16", "--hmark-offset", "256", "--hmark-rnd", "0xc0ffee")
-	syncExpect("foreign rules added by hand to the chain", adopter, 2)
+	syncExpect("foreign rules added by hand to the chain", adopter, 2, 0)
 
 	ns.Run(binary, "-t", "mangle", "-A", "PREROUTING", "-i", "lo", "-j", DefaultChainName)
-	syncExpect("second jump added by hand", adopter, 1)
+	syncExpect("second jump added by hand", adopter, 1, 1)
 
 	// One datagram to a tunnel IP, where a socket receives it (so that no
 	// ICMP error goes back to the same address), shows up in the counters.
-	err = ns.Do(func() error {
+	err := ns.Do(func() error {
 		rx, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
 		if err != nil {
 			return err
@@ -563,6 +641,53 @@ func testSyncInNetns(t *testing.T, binary string) {
 	if err := chain.Cleanup(); err != nil {
 		t.Errorf("second Cleanup (nothing left): %v", err)
 	}
+}
+
+// TestSyncManyVIPsInNetns syncs 10,000 tunnel IPs into a fresh namespace
+// with each backend: one iptables-restore writes them all, a restarted
+// Chain writes nothing, and swapping one tunnel IP for another changes 2.
+func TestSyncManyVIPsInNetns(t *testing.T) {
+	for _, binary := range iptablesBinaries {
+		t.Run(binary, func(t *testing.T) { testSyncManyVIPsInNetns(t, binary) })
+	}
+}
+
+func testSyncManyVIPsInNetns(t *testing.T, binary string) {
+	const n = 10000
+	ns := testnetns.New(t)
+	ipt := ns.IPTables(binary)
+	restorer := newNSRestorer(ns, binary)
+	params := Params{Buckets: 64, Offset: 0x100, Seed: 0xc0ffee}
+	vips := manyVIPs(n)
+	sync := func(step string, vips []netip.Addr, want, wantIPT, wantRestores int) {
+		t.Helper()
+		chain, err := NewChainWithRestorer(ipt, "", params, restorer)
+		if err != nil {
+			t.Fatalf("NewChain: %v", err)
+		}
+		ipt.Writes, restorer.Calls = 0, 0
+		start := time.Now()
+		changed, err := chain.Sync(vips)
+		took := time.Since(start)
+		if err != nil {
+			t.Fatalf("%s: Sync: %v", step, err)
+		}
+		t.Logf("%s: %s: Sync of %d tunnel IPs took %v (changed %d)", binary, step, len(vips), took, changed)
+		if changed != want || ipt.Writes != wantIPT || restorer.Calls != wantRestores {
+			t.Errorf("%s: Sync changed = %d with %d iptables writes and %d restores, want %d with %d and %d",
+				step, changed, ipt.Writes, restorer.Calls, want, wantIPT, wantRestores)
+		}
+		out := ns.Run(binary, "-t", "mangle", "-S", DefaultChainName)
+		if got := strings.Count(out, " -j HMARK "); got != len(vips) {
+			t.Errorf("%s: %s -t mangle -S %s has %d HMARK rules, want %d", step, binary, DefaultChainName, got, len(vips))
+		}
+		assertKernelChain(t, step, ipt, params, vips)
+	}
+
+	sync("first sync", vips, 1+1+n, 2, 1)
+	sync("adoption by a new Chain", vips, 0, 0, 0)
+	swapped := slices.Concat(vips[1:], []netip.Addr{netip.MustParseAddr("10.200.0.1")})
+	sync("one tunnel IP removed, one added", swapped, 2, 0, 1)
 }
 
 // assertKernelChain checks the chain in the kernel: one parsed rule per

@@ -1,12 +1,16 @@
 package hmark
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"net/netip"
+	"os/exec"
 	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/coreos/go-iptables/iptables"
 )
 
 // IPTables is the part of github.com/coreos/go-iptables' *iptables.IPTables
@@ -60,6 +64,57 @@ type Counter struct {
 	Bytes uint64
 }
 
+// Restorer is the seam to iptables-restore: Chain hands it the whole new
+// content of its chain in one payload, so that rewriting 10,000 rules costs
+// one process instead of 10,000. ExecRestorer runs the real binary; unit
+// tests give Chain a fake, privileged tests a restorer bound to a test
+// network namespace.
+type Restorer interface {
+	// Restore applies payload, in iptables-save format and for table only
+	// ("*table", chain declarations, rules, "COMMIT"), as `iptables-restore
+	// --noflush --wait` does: atomically, each chain the payload declares
+	// flushed and refilled, every other chain and rule left as it is.
+	// Errors may quote the payload; Chain scrubs its seed from them.
+	Restore(table string, payload []byte) error
+}
+
+// ExecRestorer is the Restorer that runs an iptables-restore binary with
+// --noflush --wait (waiting for the xtables lock, like go-iptables does).
+type ExecRestorer struct {
+	// Command is the iptables-restore binary: a name looked up in PATH,
+	// or a path. It must match the iptables binary Chain reads with (same
+	// backend), or Chain writes rules where it never reads them.
+	Command string
+}
+
+// NewExecRestorer returns the Restorer that runs the iptables-restore
+// matching iptablesBinary, a name or a path: "iptables" (or "") gives
+// "iptables-restore", "iptables-legacy" gives "iptables-legacy-restore",
+// "/usr/sbin/iptables-nft" gives "/usr/sbin/iptables-nft-restore".
+func NewExecRestorer(iptablesBinary string) *ExecRestorer {
+	if iptablesBinary == "" {
+		iptablesBinary = "iptables"
+	}
+	return &ExecRestorer{Command: iptablesBinary + "-restore"}
+}
+
+// Restore runs `Command --noflush --wait` with payload on its standard
+// input. It refuses a payload that does not start with "*table". Its error
+// has the tool's output, which may quote a rule of the payload.
+func (r *ExecRestorer) Restore(table string, payload []byte) error {
+	if !bytes.HasPrefix(payload, []byte("*"+table+"\n")) {
+		return fmt.Errorf("%s: payload does not start with *%s", r.Command, table)
+	}
+	cmd := exec.Command(r.Command, "--noflush", "--wait")
+	cmd.Stdin = bytes.NewReader(payload)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("%s --noflush --wait (table %s): %w: %s", r.Command, table, err, strings.TrimSpace(out.String()))
+	}
+	return nil
+}
+
 // Chain is the router's own chain in the mangle table: one HMARK rule per
 // tunnel IP, and a single jump to it from mangle PREROUTING. Chain owns
 // everything inside its chain (and removes what it did not write), but only
@@ -70,12 +125,51 @@ type Chain struct {
 	ipt    IPTables
 	name   string
 	params Params
+	// restorer rewrites the chain's rules in one call; nil when ipt offers
+	// none, and then rules are written one by one through ipt.
+	restorer Restorer
 }
 
 // NewChain returns the router's chain named name (DefaultChainName when
 // empty), programmed through ipt, whose rules mark packets with params.
 // Nothing is written until Sync.
+//
+// The chain's rules are written with iptables-restore (see Sync), chosen
+// from ipt: ipt itself when it also implements Restorer; for go-iptables'
+// *iptables.IPTables, iptables-restore from PATH (ip6tables-restore for
+// IPv6), which matches the binary iptables.New() uses by default, so give
+// an *iptables.IPTables on another binary (iptables-legacy, a path) its
+// restorer with NewChainWithRestorer and NewExecRestorer. Any other ipt
+// (say, a wrapper running iptables in another network namespace) has no
+// restorer, and Chain then writes its rules one by one through ipt: the
+// same result, one iptables process per rule.
 func NewChain(ipt IPTables, name string, params Params) (*Chain, error) {
+	var restorer Restorer
+	switch v := ipt.(type) {
+	case Restorer:
+		restorer = v
+	case *iptables.IPTables:
+		binary := "iptables"
+		if v.Proto() == iptables.ProtocolIPv6 {
+			binary = "ip6tables"
+		}
+		restorer = NewExecRestorer(binary)
+	}
+	return newChain(ipt, name, params, restorer)
+}
+
+// NewChainWithRestorer is NewChain with the Restorer that writes the
+// chain's rules, e.g. NewExecRestorer("iptables-legacy") for an ipt driving
+// iptables-legacy. restorer must write where ipt reads: the same backend,
+// in the same network namespace.
+func NewChainWithRestorer(ipt IPTables, name string, params Params, restorer Restorer) (*Chain, error) {
+	if restorer == nil {
+		return nil, errors.New("hmark: new chain: nil restorer")
+	}
+	return newChain(ipt, name, params, restorer)
+}
+
+func newChain(ipt IPTables, name string, params Params, restorer Restorer) (*Chain, error) {
 	if ipt == nil {
 		return nil, errors.New("hmark: new chain: nil iptables")
 	}
@@ -88,7 +182,7 @@ func NewChain(ipt IPTables, name string, params Params) (*Chain, error) {
 	if err := params.Validate(); err != nil {
 		return nil, fmt.Errorf("hmark: new chain %s: %w", name, err)
 	}
-	return &Chain{ipt: ipt, name: name, params: params}, nil
+	return &Chain{ipt: ipt, name: name, params: params, restorer: restorer}, nil
 }
 
 // Name returns the name of the chain.
@@ -99,18 +193,35 @@ func (c *Chain) Params() Params { return c.params }
 
 // Sync makes the kernel match the desired state for vips, level-triggered:
 // the chain exists, mangle PREROUTING holds exactly one jump to it, and the
-// chain holds exactly one HMARK rule per tunnel IP with c's parameters. It
-// reads what is there, compares it semantically (iptables prints HMARK rules
-// in its own normalized form) and writes only the difference: missing rules
-// are appended, rules for tunnel IPs no longer wanted or with other
-// parameters are deleted (a config change thus replaces every rule, the new
-// one being in place before the old one goes), and any other rule in the
-// chain is deleted. A state that is already right costs no write, which is
-// how a restarted router adopts what its predecessor left. changed is the
-// number of write calls made, also when an error stops Sync part way.
+// chain holds exactly one HMARK rule per tunnel IP with c's parameters and
+// nothing else. It reads what is there (one `iptables -S` of PREROUTING and
+// one of the chain), compares it semantically (iptables prints HMARK rules
+// in its own normalized form) and writes only when something differs. A
+// state that is already right costs no write at all, which is how a
+// restarted router adopts what its predecessor left.
+//
+// The chain is created and the jump fixed through go-iptables (inserted
+// before any stale jump is deleted). When the chain's rules differ from the
+// desired ones (a tunnel IP missing or gone, a rule with other parameters
+// after a config change, a duplicate, a rule Chain did not write), Sync
+// replaces the chain's whole content in one iptables-restore --noflush
+// call: the chain declared (which flushes it and nothing else) and one rule
+// per tunnel IP appended, in address order. That is atomic, so packets see
+// either the old rules or the new ones, never a chain in between; it also
+// resets the packet and byte counters of every rule in the chain (see
+// Counters). Without a restorer (see NewChain) the missing rules are
+// appended and the unwanted ones deleted, one iptables call each.
+//
+// changed is the number of differences Sync repaired, not the number of
+// rules written: 1 for a created chain, 1 per jump inserted or deleted, and
+// for the chain's rules the number added plus the number removed (a rule
+// whose parameters changed counts 2), although a restore rewrites every
+// rule. When an error stops Sync part way, changed counts what was applied
+// before it; a failed restore applies nothing.
 //
 // Errors never show the seed: go-iptables puts the whole command line in
-// its errors, so Chain replaces the seed there with its fingerprint.
+// its errors, and iptables-restore may quote a line of its input, so Chain
+// replaces the seed there with its fingerprint.
 func (c *Chain) Sync(vips []netip.Addr) (changed int, err error) {
 	changed, err = c.sync(vips)
 	return changed, c.redactSeed(err)
@@ -180,8 +291,9 @@ func (c *Chain) syncJump() (changed int, err error) {
 	return changed, nil
 }
 
-// syncRules leaves exactly one canonical HMARK rule per wanted tunnel IP in
-// c's own chain and deletes everything else there.
+// syncRules leaves exactly one canonical HMARK rule per wanted tunnel IP
+// (want is sorted and without duplicates) in c's own chain and nothing
+// else there, and returns the number of rules added plus removed.
 func (c *Chain) syncRules(want []netip.Addr) (changed int, err error) {
 	rules, err := c.listRules(c.name, false)
 	if err != nil {
@@ -201,14 +313,55 @@ func (c *Chain) syncRules(want []netip.Addr) (changed int, err error) {
 		}
 		stale = append(stale, r.pos)
 	}
+	missing := make([]netip.Addr, 0, len(want)-len(kept))
+	for _, vip := range want {
+		if !kept[vip] {
+			missing = append(missing, vip)
+		}
+	}
+	if len(missing) == 0 && len(stale) == 0 {
+		return 0, nil
+	}
+	if c.restorer == nil {
+		return c.syncRulesOneByOne(missing, stale)
+	}
+	if err := c.restorer.Restore(Table, c.restorePayload(want)); err != nil {
+		return 0, fmt.Errorf("hmark: sync chain %s: restore %d rules (%d to add, %d to remove): %w",
+			c.name, len(want), len(missing), len(stale), err)
+	}
+	return len(missing) + len(stale), nil
+}
 
+// restorePayload is the iptables-restore input that replaces the content
+// of c's chain with one rule per tunnel IP of want, in want's order. With
+// --noflush, declaring the chain flushes it (and creates it if absent);
+// no other chain is declared, so no other chain changes. No word needs
+// quoting: the chain name is validated, the comment is RuleComment.
+func (c *Chain) restorePayload(want []netip.Addr) []byte {
+	var b bytes.Buffer
+	b.Grow(64 + len(want)*(len(c.name)+200))
+	fmt.Fprintf(&b, "*%s\n:%s - [0:0]\n", Table, c.name)
+	for _, vip := range want {
+		b.WriteString("-A ")
+		b.WriteString(c.name)
+		for _, w := range c.ruleSpec(vip) {
+			b.WriteByte(' ')
+			b.WriteString(w)
+		}
+		b.WriteByte('\n')
+	}
+	b.WriteString("COMMIT\n")
+	return b.Bytes()
+}
+
+// syncRulesOneByOne appends the rules for missing and deletes the rules at
+// the positions in stale (ascending), one iptables call each, for a Chain
+// without a restorer.
+func (c *Chain) syncRulesOneByOne(missing []netip.Addr, stale []int) (changed int, err error) {
 	// Append first: the chain's rules all continue (HMARK is not a
 	// terminating target), so with both an old and a new rule for a tunnel
 	// IP the later, new one sets the mark until the old one is gone.
-	for _, vip := range want {
-		if kept[vip] {
-			continue
-		}
+	for _, vip := range missing {
 		if err := c.ipt.Append(Table, c.name, c.ruleSpec(vip)...); err != nil {
 			return changed, fmt.Errorf("hmark: sync chain %s: append rule for vip %s: %w", c.name, vip, err)
 		}
@@ -264,7 +417,9 @@ func (c *Chain) cleanup() error {
 
 // Counters returns the packet and byte counters of the chain's HMARK rules
 // with c's parameters, by tunnel IP (summed should a tunnel IP have more
-// than one such rule). Other rules are left out.
+// than one such rule). Other rules are left out. The counters run from when
+// the rule was written: a Sync that restores the chain (because any of its
+// rules differed) writes every rule anew, with zero counters.
 func (c *Chain) Counters() (map[netip.Addr]Counter, error) {
 	rules, err := c.listRules(c.name, true)
 	if err != nil {

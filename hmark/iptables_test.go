@@ -3,11 +3,16 @@ package hmark
 import (
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/coreos/go-iptables/iptables"
 )
 
 // fakeIPTables is an in-memory iptables with the behaviour Chain relies on:
@@ -20,8 +25,11 @@ type fakeIPTables struct {
 	chains map[string][]fakeRule
 	// order keeps chain creation order for listing.
 	order []string
-	// writes records write calls, e.g. "append mangle/KST-HMARK ...".
+	// writes records write calls, e.g. "append mangle/KST-HMARK ..." or
+	// "restore mangle".
 	writes []string
+	// restores records the payload of every Restore call.
+	restores []string
 	// failWrite, when set, makes write calls whose record starts with it
 	// fail.
 	failWrite string
@@ -37,7 +45,10 @@ var errFake = errors.New("fake iptables failure")
 // builtinChains are mangle's built-in chains, listed with a policy.
 var builtinChains = []string{"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"}
 
-var _ IPTables = (*fakeIPTables)(nil)
+var (
+	_ IPTables = (*fakeIPTables)(nil)
+	_ Restorer = (*fakeIPTables)(nil)
+)
 
 // newFakeIPTables returns a fake with the built-in mangle chains, then
 // lines in `iptables -t mangle -S` form ("-N X", "-A X ...") applied.
@@ -221,6 +232,68 @@ func (f *fakeIPTables) DeleteById(table, chain string, id int) error {
 	return nil
 }
 
+// Restore applies payload as `iptables-restore --noflush` does: atomically
+// (all or nothing), each declared chain created or flushed, rules
+// appended, every other chain left alone. It rejects what Chain must never
+// write: another table, a policy, a rule for an undeclared chain of the
+// payload that does not exist, a missing COMMIT. Like iptables-restore, its
+// errors quote the offending line.
+func (f *fakeIPTables) Restore(table string, payload []byte) error {
+	f.restores = append(f.restores, string(payload))
+	if err := f.write("restore %s", table); err != nil {
+		// Quote the first rule, as iptables-restore may quote a failed one.
+		var rule string
+		for l := range strings.Lines(string(payload)) {
+			if strings.HasPrefix(l, "-A ") {
+				rule = strings.TrimSuffix(l, "\n")
+				break
+			}
+		}
+		return fmt.Errorf("rule %q failed: %w", rule, err)
+	}
+	text, ok := strings.CutSuffix(string(payload), "\n")
+	if !ok {
+		return errors.New("restore: payload does not end with a newline")
+	}
+	lines := strings.Split(text, "\n")
+	if len(lines) < 2 || lines[0] != "*"+table || lines[len(lines)-1] != "COMMIT" {
+		return fmt.Errorf("restore: payload is not one *%s table ending in COMMIT:\n%s", table, payload)
+	}
+	// Work on a copy and commit it only when every line applied.
+	chains := make(map[string][]fakeRule, len(f.chains))
+	for k, rules := range f.chains {
+		chains[k] = slices.Clone(rules)
+	}
+	order := slices.Clone(f.order)
+	for i, line := range lines[1 : len(lines)-1] {
+		words, err := splitWords(line)
+		if err != nil || len(words) < 2 {
+			return fmt.Errorf("restore: line %d %q: bad line", i+2, line)
+		}
+		key := table + "/" + words[1]
+		switch {
+		case strings.HasPrefix(words[0], ":") && len(words) == 3 && words[1] == "-" && words[2] == "[0:0]":
+			key = table + "/" + strings.TrimPrefix(words[0], ":")
+			if slices.Contains(builtinChains, strings.TrimPrefix(words[0], ":")) {
+				return fmt.Errorf("restore: line %d %q: Chain writes no policy", i+2, line)
+			}
+			if _, ok := chains[key]; !ok {
+				order = append(order, key)
+			}
+			chains[key] = []fakeRule{}
+		case words[0] == "-A":
+			if _, ok := chains[key]; !ok {
+				return fmt.Errorf("restore: line %d %q: no chain %s", i+2, line, words[1])
+			}
+			chains[key] = append(chains[key], fakeRule{spec: normalizeFakeSpec(words[2:])})
+		default:
+			return fmt.Errorf("restore: line %d %q: unexpected", i+2, line)
+		}
+	}
+	f.chains, f.order = chains, order
+	return nil
+}
+
 // normalizeFakeSpec prints a rule spec the way iptables -S prints it back:
 // HMARK's --hmark-tuple src,dst,sport,dport,proto becomes its prefixes and
 // masks, and the options come in libxt_HMARK's order and number formats.
@@ -346,9 +419,48 @@ func sameState(a, b string) bool {
 	return key(a) == key(b)
 }
 
+// plainIPTables hides the fake's Restore: NewChain gives a Chain over it
+// no restorer, and the Chain writes rules one by one.
+type plainIPTables struct{ IPTables }
+
 func TestSyncFromScratch(t *testing.T) {
 	f := newFakeIPTables(t, othersLines...)
 	c := newTestChain(t, f, testParams)
+	changed, err := c.Sync([]netip.Addr{vipC, vipA, vipB, vipA})
+	if err != nil {
+		t.Fatalf("Sync: %v", err)
+	}
+	if changed != 5 {
+		t.Errorf("Sync changed = %d; want 5 (chain, jump, three rules)", changed)
+	}
+	if got, want := f.dump(), canonicalState(t, printedRuleA, printedRuleB, printedRuleC); got != want {
+		t.Errorf("mangle after Sync:\n%s\nwant:\n%s", got, want)
+	}
+	wantWrites := []string{
+		"new mangle/KST-HMARK",
+		"insert mangle/PREROUTING 1 -m comment --comment kube-service-tunnel -j KST-HMARK",
+		"restore mangle",
+	}
+	if !slices.Equal(f.writes, wantWrites) {
+		t.Errorf("writes:\n%s\nwant:\n%s", strings.Join(f.writes, "\n"), strings.Join(wantWrites, "\n"))
+	}
+	wantPayload := `*mangle
+:KST-HMARK - [0:0]
+-A KST-HMARK -d 10.96.0.10/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-tuple src,dst,sport,dport,proto --hmark-mod 16 --hmark-offset 256 --hmark-rnd 0x00c0ffee
+-A KST-HMARK -d 10.96.0.20/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-tuple src,dst,sport,dport,proto --hmark-mod 16 --hmark-offset 256 --hmark-rnd 0x00c0ffee
+-A KST-HMARK -d 10.96.0.30/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-tuple src,dst,sport,dport,proto --hmark-mod 16 --hmark-offset 256 --hmark-rnd 0x00c0ffee
+COMMIT
+`
+	if len(f.restores) != 1 || f.restores[0] != wantPayload {
+		t.Errorf("restore payloads %q, want one:\n%s", f.restores, wantPayload)
+	}
+}
+
+// TestSyncFromScratchOneByOne is TestSyncFromScratch for a Chain without
+// a restorer: one write per rule.
+func TestSyncFromScratchOneByOne(t *testing.T) {
+	f := newFakeIPTables(t, othersLines...)
+	c := newTestChain(t, plainIPTables{f}, testParams)
 	changed, err := c.Sync([]netip.Addr{vipC, vipA, vipB, vipA})
 	if err != nil {
 		t.Fatalf("Sync: %v", err)
@@ -389,17 +501,23 @@ func TestSyncAdoptsWithoutWrites(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			f := newFakeIPTables(t, slices.Concat(othersLines, tt.lines)...)
-			before := f.dump()
-			changed, err := newTestChain(t, f, tt.params).Sync([]netip.Addr{vipA, vipB})
-			if err != nil {
-				t.Fatalf("Sync: %v", err)
-			}
-			if changed != 0 || len(f.writes) != 0 {
-				t.Errorf("Sync changed = %d, writes %q; want none", changed, f.writes)
-			}
-			if f.dump() != before {
-				t.Errorf("state changed:\n%s\nwant:\n%s", f.dump(), before)
+			for _, restore := range []bool{true, false} {
+				f := newFakeIPTables(t, slices.Concat(othersLines, tt.lines)...)
+				before := f.dump()
+				var ipt IPTables = f
+				if !restore {
+					ipt = plainIPTables{f}
+				}
+				changed, err := newTestChain(t, ipt, tt.params).Sync([]netip.Addr{vipA, vipB})
+				if err != nil {
+					t.Fatalf("Sync (restore %v): %v", restore, err)
+				}
+				if changed != 0 || len(f.writes) != 0 {
+					t.Errorf("Sync (restore %v) changed = %d, writes %q; want none", restore, changed, f.writes)
+				}
+				if f.dump() != before {
+					t.Errorf("state changed (restore %v):\n%s\nwant:\n%s", restore, f.dump(), before)
+				}
 			}
 		})
 	}
@@ -411,20 +529,24 @@ func TestSyncAdoptsWithoutWrites(t *testing.T) {
 func TestSyncRepairs(t *testing.T) {
 	hmarkA := func(mod string) string { return strings.Replace(printedRuleA, "--hmark-mod 16", mod, 1) }
 	tests := []struct {
-		name       string
-		lines      []string
-		wantWrites []string // prefixes of the expected write calls, in order
+		name  string
+		lines []string
+		// Prefixes of the expected write calls, in order: oneByOne for a
+		// Chain without a restorer (one write per difference, so also the
+		// changed count in both modes), restore for a Chain with one.
+		oneByOne []string
+		restore  []string
 	}{
 		{"chain missing", []string{printedJump},
-			[]string{"new", "append mangle/KST-HMARK -d 10.96.0.10/32", "append mangle/KST-HMARK -d 10.96.0.20/32"}},
+			[]string{"new", "append mangle/KST-HMARK -d 10.96.0.10/32", "append mangle/KST-HMARK -d 10.96.0.20/32"}, []string{"new", "restore mangle"}},
 		{"jump missing", []string{printedChainN, printedRuleA, printedRuleB},
-			[]string{"insert mangle/PREROUTING 1"}},
+			[]string{"insert mangle/PREROUTING 1"}, []string{"insert mangle/PREROUTING 1"}},
 		{"rule missing", []string{printedChainN, printedJump, printedRuleB},
-			[]string{"append mangle/KST-HMARK -d 10.96.0.10/32"}},
+			[]string{"append mangle/KST-HMARK -d 10.96.0.10/32"}, []string{"restore mangle"}},
 		{"stale tunnel IP", []string{printedChainN, printedJump, printedRuleA, printedRuleC, printedRuleB},
-			[]string{"delete mangle/KST-HMARK #2"}},
+			[]string{"delete mangle/KST-HMARK #2"}, []string{"restore mangle"}},
 		{"duplicate rule", []string{printedChainN, printedJump, printedRuleA, printedRuleB, printedRuleA},
-			[]string{"delete mangle/KST-HMARK #3"}},
+			[]string{"delete mangle/KST-HMARK #3"}, []string{"restore mangle"}},
 		{"foreign rules in own chain", []string{printedChainN, printedJump,
 			"-A KST-HMARK -j MARK --set-xmark 0x1/0xffffffff",
 			printedRuleA,
@@ -441,43 +563,50 @@ func TestSyncRepairs(t *testing.T) {
 		}, []string{"append mangle/KST-HMARK -d 10.96.0.20/32",
 			"delete mangle/KST-HMARK #12", "delete mangle/KST-HMARK #11", "delete mangle/KST-HMARK #10", "delete mangle/KST-HMARK #9", "delete mangle/KST-HMARK #8",
 			"delete mangle/KST-HMARK #7", "delete mangle/KST-HMARK #6", "delete mangle/KST-HMARK #5",
-			"delete mangle/KST-HMARK #4", "delete mangle/KST-HMARK #3", "delete mangle/KST-HMARK #1"}},
+			"delete mangle/KST-HMARK #4", "delete mangle/KST-HMARK #3", "delete mangle/KST-HMARK #1"}, []string{"restore mangle"}},
 		{"other parameters after a config change", []string{printedChainN, printedJump, hmarkA("--hmark-mod 8"),
 			strings.Replace(printedRuleB, "0x00c0ffee", "0x00c0fffe", 1)},
 			[]string{"append mangle/KST-HMARK -d 10.96.0.10/32", "append mangle/KST-HMARK -d 10.96.0.20/32",
-				"delete mangle/KST-HMARK #2", "delete mangle/KST-HMARK #1"}},
+				"delete mangle/KST-HMARK #2", "delete mangle/KST-HMARK #1"}, []string{"restore mangle"}},
 		{"duplicate jump", []string{printedChainN, printedJump, printedRuleA, printedRuleB, printedJump},
-			[]string{"delete mangle/PREROUTING -m comment --comment kube-service-tunnel -j KST-HMARK"}},
+			[]string{"delete mangle/PREROUTING -m comment --comment kube-service-tunnel -j KST-HMARK"}, []string{"delete mangle/PREROUTING -m comment --comment kube-service-tunnel -j KST-HMARK"}},
 		{"jump of another shape", []string{printedChainN, "-A PREROUTING -i eth0 -g KST-HMARK", printedRuleA, printedRuleB},
-			[]string{"insert mangle/PREROUTING 1", "delete mangle/PREROUTING -i eth0 -g KST-HMARK"}},
+			[]string{"insert mangle/PREROUTING 1", "delete mangle/PREROUTING -i eth0 -g KST-HMARK"}, []string{"insert mangle/PREROUTING 1", "delete mangle/PREROUTING -i eth0 -g KST-HMARK"}},
 	}
 	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			f := newFakeIPTables(t, slices.Concat(othersLines, tt.lines)...)
-			changed, err := newTestChain(t, f, testParams).Sync([]netip.Addr{vipB, vipA})
-			if err != nil {
-				t.Fatalf("Sync: %v", err)
-			}
-			if changed != len(f.writes) {
-				t.Errorf("Sync changed = %d, but made %d writes", changed, len(f.writes))
-			}
-			if len(f.writes) != len(tt.wantWrites) {
-				t.Fatalf("writes:\n%s\nwant %d:\n%s", strings.Join(f.writes, "\n"), len(tt.wantWrites), strings.Join(tt.wantWrites, "\n"))
-			}
-			for i, w := range tt.wantWrites {
-				if !strings.HasPrefix(f.writes[i], w) {
-					t.Errorf("write %d = %q, want prefix %q", i, f.writes[i], w)
+		for _, restore := range []bool{true, false} {
+			t.Run(fmt.Sprintf("%s/restore=%v", tt.name, restore), func(t *testing.T) {
+				f := newFakeIPTables(t, slices.Concat(othersLines, tt.lines)...)
+				var ipt IPTables = f
+				wantWrites := tt.restore
+				if !restore {
+					ipt, wantWrites = plainIPTables{f}, tt.oneByOne
 				}
-			}
-			if got, want := f.dump(), canonicalState(t, printedRuleA, printedRuleB); !sameState(got, want) {
-				t.Errorf("mangle after Sync:\n%s\nwant:\n%s", got, want)
-			}
-			// A second Sync has nothing left to do.
-			f.writes = nil
-			if changed, err := newTestChain(t, f, testParams).Sync([]netip.Addr{vipA, vipB}); err != nil || changed != 0 {
-				t.Errorf("second Sync: changed %d, err %v, writes %q; want 0, nil", changed, err, f.writes)
-			}
-		})
+				changed, err := newTestChain(t, ipt, testParams).Sync([]netip.Addr{vipB, vipA})
+				if err != nil {
+					t.Fatalf("Sync: %v", err)
+				}
+				if changed != len(tt.oneByOne) {
+					t.Errorf("Sync changed = %d, want %d differences", changed, len(tt.oneByOne))
+				}
+				if len(f.writes) != len(wantWrites) {
+					t.Fatalf("writes:\n%s\nwant %d:\n%s", strings.Join(f.writes, "\n"), len(wantWrites), strings.Join(wantWrites, "\n"))
+				}
+				for i, w := range wantWrites {
+					if !strings.HasPrefix(f.writes[i], w) {
+						t.Errorf("write %d = %q, want prefix %q", i, f.writes[i], w)
+					}
+				}
+				if got, want := f.dump(), canonicalState(t, printedRuleA, printedRuleB); !sameState(got, want) {
+					t.Errorf("mangle after Sync:\n%s\nwant:\n%s", got, want)
+				}
+				// A second Sync has nothing left to do.
+				f.writes = nil
+				if changed, err := newTestChain(t, ipt, testParams).Sync([]netip.Addr{vipA, vipB}); err != nil || changed != 0 || len(f.writes) != 0 {
+					t.Errorf("second Sync: changed %d, err %v, writes %q; want 0, nil, none", changed, err, f.writes)
+				}
+			})
+		}
 	}
 }
 
@@ -489,6 +618,9 @@ func TestSyncEmptyVIPsEmptiesChain(t *testing.T) {
 	}
 	if got, want := f.dump(), canonicalState(t); !sameState(got, want) {
 		t.Errorf("mangle after Sync(nil):\n%s\nwant:\n%s", got, want)
+	}
+	if want := "*mangle\n:KST-HMARK - [0:0]\nCOMMIT\n"; len(f.restores) != 1 || f.restores[0] != want {
+		t.Errorf("restore payloads %q, want one: %q", f.restores, want)
 	}
 }
 
@@ -507,10 +639,38 @@ func TestSyncRejectsNonIPv4(t *testing.T) {
 	}
 }
 
+// TestSyncRestoreFailure makes the restore fail after the jump was
+// inserted: Sync returns an error that wraps the restorer's, names the
+// chain and quotes the failed rule without its seed, counts only the jump,
+// and leaves the chain as it was (a restore is all or nothing).
+func TestSyncRestoreFailure(t *testing.T) {
+	f := newFakeIPTables(t, slices.Concat(othersLines, []string{printedChainN, printedRuleC})...)
+	f.failWrite = "restore mangle"
+	changed, err := newTestChain(t, f, testParams).Sync([]netip.Addr{vipA, vipB})
+	if !errors.Is(err, errFake) {
+		t.Fatalf("Sync err = %v, want it to wrap the restorer's error", err)
+	}
+	if !strings.Contains(err.Error(), "KST-HMARK") || !strings.Contains(err.Error(), "10.96.0.10/32") {
+		t.Errorf("Sync err = %q, want the chain and the failed rule in it", err)
+	}
+	if strings.Contains(err.Error(), "c0ffee") || !strings.Contains(err.Error(), "<seed "+SeedFingerprint(testParams.Seed)+">") {
+		t.Errorf("Sync err = %q, want the seed replaced by its fingerprint", err)
+	}
+	if changed != 1 {
+		t.Errorf("Sync changed = %d, want 1 (the jump inserted before the failure)", changed)
+	}
+	if got := f.chains["mangle/KST-HMARK"]; len(got) != 1 || "-A KST-HMARK "+got[0].spec != printedRuleC {
+		t.Errorf("chain after a failed restore: %v, want it untouched", got)
+	}
+	if !slices.Equal(f.writes, []string{"insert mangle/PREROUTING 1 -m comment --comment kube-service-tunnel -j KST-HMARK", "restore mangle"}) {
+		t.Errorf("writes %q, want the jump, then one restore", f.writes)
+	}
+}
+
 func TestSyncWrapsErrors(t *testing.T) {
 	f := newFakeIPTables(t, slices.Concat(othersLines, []string{printedChainN, printedJump})...)
 	f.failWrite = "append mangle/KST-HMARK -d 10.96.0.20/32"
-	changed, err := newTestChain(t, f, testParams).Sync([]netip.Addr{vipA, vipB})
+	changed, err := newTestChain(t, plainIPTables{f}, testParams).Sync([]netip.Addr{vipA, vipB})
 	if !errors.Is(err, errFake) {
 		t.Fatalf("Sync err = %v, want it to wrap the iptables error", err)
 	}
@@ -523,6 +683,178 @@ func TestSyncWrapsErrors(t *testing.T) {
 	}
 	if changed != 1 {
 		t.Errorf("Sync changed = %d, want 1 (the append before the failure)", changed)
+	}
+}
+
+// manyVIPs returns n distinct tunnel IPs from 10.96.0.0 on, shuffled, so
+// that Sync has to sort them.
+func manyVIPs(n int) []netip.Addr {
+	vips := make([]netip.Addr, n)
+	for i := range vips {
+		vips[i] = netip.AddrFrom4([4]byte{10, 96 + byte(i>>16), byte(i >> 8), byte(i)})
+	}
+	rand.New(rand.NewPCG(1, 2)).Shuffle(n, func(i, j int) { vips[i], vips[j] = vips[j], vips[i] })
+	return vips
+}
+
+// TestSyncLargeDiffOneRestore syncs 10,000 tunnel IPs: the chain is
+// written in one restore call, a restarted Chain writes nothing, and
+// swapping one tunnel IP for another is one restore that changes 2.
+func TestSyncLargeDiffOneRestore(t *testing.T) {
+	const n = 10000
+	vips := manyVIPs(n)
+	f := newFakeIPTables(t, othersLines...)
+	changed, err := newTestChain(t, f, testParams).Sync(vips)
+	if err != nil {
+		t.Fatalf("Sync: %v", err)
+	}
+	if changed != 2+n {
+		t.Errorf("Sync changed = %d, want %d (chain, jump, %d rules)", changed, 2+n, n)
+	}
+	if want := []string{"new mangle/KST-HMARK", "insert mangle/PREROUTING 1 -m comment --comment kube-service-tunnel -j KST-HMARK", "restore mangle"}; !slices.Equal(f.writes, want) {
+		t.Errorf("writes %q, want %q", f.writes, want)
+	}
+	checkChain := func(step string, want []netip.Addr) {
+		t.Helper()
+		rules := f.chains["mangle/KST-HMARK"]
+		got := make([]netip.Addr, 0, len(rules))
+		for _, r := range rules {
+			vip, params, ok := rule{spec: strings.Fields(r.spec)}.vipRule()
+			if !ok || params != testParams {
+				t.Fatalf("%s: unexpected rule %q", step, r.spec)
+			}
+			got = append(got, vip)
+		}
+		want = slices.SortedFunc(slices.Values(want), netip.Addr.Compare)
+		if !slices.Equal(got, want) {
+			t.Errorf("%s: chain has %d rules, want %d, in address order", step, len(got), len(want))
+		}
+	}
+	checkChain("first sync", vips)
+
+	f.writes = nil
+	if changed, err := newTestChain(t, f, testParams).Sync(vips); err != nil || changed != 0 || len(f.writes) != 0 {
+		t.Errorf("adoption: changed %d, err %v, writes %q; want 0, nil, none", changed, err, f.writes)
+	}
+
+	swapped := slices.Concat(vips[1:], []netip.Addr{netip.MustParseAddr("10.200.0.1")})
+	f.writes, f.restores = nil, nil
+	changed, err = newTestChain(t, f, testParams).Sync(swapped)
+	if err != nil || changed != 2 {
+		t.Errorf("swap one tunnel IP: changed %d, err %v; want 2, nil", changed, err)
+	}
+	if !slices.Equal(f.writes, []string{"restore mangle"}) {
+		t.Errorf("swap one tunnel IP: writes %q, want one restore", f.writes)
+	}
+	if len(f.restores) == 1 {
+		if got := strings.Count(f.restores[0], "\n-A KST-HMARK "); got != n {
+			t.Errorf("swap one tunnel IP: restore payload has %d rules, want %d", got, n)
+		}
+	}
+	checkChain("swap one tunnel IP", swapped)
+
+	f.writes = nil
+	other := Params{Buckets: 32, Offset: testParams.Offset, Seed: testParams.Seed}
+	if changed, err := newTestChain(t, f, other).Sync(swapped); err != nil || changed != 2*n || !slices.Equal(f.writes, []string{"restore mangle"}) {
+		t.Errorf("config change: changed %d, err %v, writes %q; want %d, nil, one restore", changed, err, f.writes, 2*n)
+	}
+}
+
+// writeScript writes an executable shell script.
+func writeScript(t *testing.T, path, body string) {
+	t.Helper()
+	if err := os.WriteFile(path, []byte("#!/bin/sh\n"+body), 0o755); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestExecRestorer runs ExecRestorer against stand-in iptables-restore
+// scripts: it passes --noflush --wait and the payload on stdin, and a
+// failure reaches Sync's error with the tool's output but not the seed.
+func TestExecRestorer(t *testing.T) {
+	if _, err := os.Stat("/bin/sh"); err != nil {
+		t.Skip("needs /bin/sh")
+	}
+	dir := t.TempDir()
+	writeScript(t, filepath.Join(dir, "iptables-restore"), `echo "$@" > "$(dirname "$0")/args"; cat > "$(dirname "$0")/stdin"`+"\n")
+	f := newFakeIPTables(t, slices.Concat(othersLines, []string{printedChainN, printedJump})...)
+	c, err := NewChainWithRestorer(f, "", testParams, NewExecRestorer(filepath.Join(dir, "iptables")))
+	if err != nil {
+		t.Fatalf("NewChainWithRestorer: %v", err)
+	}
+	if changed, err := c.Sync([]netip.Addr{vipA}); err != nil || changed != 1 {
+		t.Fatalf("Sync = %d, %v; want 1, nil", changed, err)
+	}
+	args, _ := os.ReadFile(filepath.Join(dir, "args"))
+	stdin, _ := os.ReadFile(filepath.Join(dir, "stdin"))
+	if string(args) != "--noflush --wait\n" {
+		t.Errorf("iptables-restore ran with %q, want --noflush --wait", args)
+	}
+	if want := string(c.restorePayload([]netip.Addr{vipA})); string(stdin) != want || !strings.HasPrefix(want, "*mangle\n:KST-HMARK - [0:0]\n-A KST-HMARK -d 10.96.0.10/32 ") {
+		t.Errorf("iptables-restore read:\n%s\nwant:\n%s", stdin, want)
+	}
+
+	// A failing tool that echoes its input, as a verbose one might.
+	writeScript(t, filepath.Join(dir, "iptables-legacy-restore"), "cat >&2; echo 'Error occurred at line: 3' >&2; exit 2\n")
+	c, err = NewChainWithRestorer(f, "", testParams, NewExecRestorer(filepath.Join(dir, "iptables-legacy")))
+	if err != nil {
+		t.Fatalf("NewChainWithRestorer: %v", err)
+	}
+	changed, err := c.Sync([]netip.Addr{vipA, vipB})
+	if err == nil || changed != 0 {
+		t.Fatalf("Sync with a failing iptables-restore = %d, %v; want 0 and an error", changed, err)
+	}
+	for _, want := range []string{"iptables-legacy-restore", "exit status 2", "Error occurred at line: 3", "-d 10.96.0.20/32", "<seed " + SeedFingerprint(testParams.Seed) + ">"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("Sync err = %q, want %q in it", err, want)
+		}
+	}
+	if strings.Contains(err.Error(), "c0ffee") {
+		t.Errorf("Sync err = %q shows the seed", err)
+	}
+
+	if err := NewExecRestorer(filepath.Join(dir, "iptables")).Restore("filter", []byte("*mangle\nCOMMIT\n")); err == nil {
+		t.Errorf("Restore of a mangle payload as table filter: want an error")
+	}
+}
+
+func TestNewExecRestorer(t *testing.T) {
+	for in, want := range map[string]string{
+		"":                       "iptables-restore",
+		"iptables":               "iptables-restore",
+		"iptables-legacy":        "iptables-legacy-restore",
+		"/usr/sbin/iptables-nft": "/usr/sbin/iptables-nft-restore",
+		"ip6tables":              "ip6tables-restore",
+	} {
+		if got := NewExecRestorer(in).Command; got != want {
+			t.Errorf("NewExecRestorer(%q).Command = %q, want %q", in, got, want)
+		}
+	}
+}
+
+// TestNewChainRestorer checks which restorer NewChain picks.
+func TestNewChainRestorer(t *testing.T) {
+	f := newFakeIPTables(t)
+	if c := newTestChain(t, f, testParams); c.restorer != Restorer(f) {
+		t.Errorf("NewChain over an IPTables that restores: restorer %v, want the IPTables itself", c.restorer)
+	}
+	if c := newTestChain(t, plainIPTables{f}, testParams); c.restorer != nil {
+		t.Errorf("NewChain over an IPTables that does not restore: restorer %v, want none", c.restorer)
+	}
+	if ipt, err := iptables.New(); err != nil {
+		t.Logf("no go-iptables here (%v); not checking its default restorer", err)
+	} else if r, ok := newTestChain(t, ipt, testParams).restorer.(*ExecRestorer); !ok || r.Command != "iptables-restore" {
+		t.Errorf("NewChain over go-iptables: restorer %#v, want iptables-restore", r)
+	}
+	r := NewExecRestorer("iptables-legacy")
+	if c, err := NewChainWithRestorer(f, "", testParams, r); err != nil || c.restorer != Restorer(r) {
+		t.Errorf("NewChainWithRestorer: %v, %v; want the restorer given", c, err)
+	}
+	if _, err := NewChainWithRestorer(f, "", testParams, nil); err == nil {
+		t.Errorf("NewChainWithRestorer(nil restorer): want an error")
+	}
+	if _, err := NewChainWithRestorer(nil, "", testParams, r); err == nil {
+		t.Errorf("NewChainWithRestorer(nil iptables): want an error")
 	}
 }
 

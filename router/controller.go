@@ -157,7 +157,21 @@ func (c *Controller) Run(ctx context.Context) error {
 	if !cache.WaitForCacheSync(ctx.Done(), c.synced...) {
 		return fmt.Errorf("waiting for informer caches: %w", ctx.Err())
 	}
-	c.queue.Add(resyncKey)
+	// Adopt and converge the whole state before handling single Services, so
+	// that nothing is programmed against a device or rule set not yet ensured.
+	backoff := wait.Backoff{Duration: time.Second, Factor: 2, Jitter: 0.1, Steps: 1 << 30, Cap: time.Minute}
+	for {
+		err := c.resync()
+		if err == nil {
+			break
+		}
+		c.log.WithError(err).Warn("initial sync failed, retrying")
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(backoff.Step()):
+		}
+	}
 	go wait.UntilWithContext(ctx, func(context.Context) {
 		for c.processNext() {
 		}

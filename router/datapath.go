@@ -122,6 +122,13 @@ func (d *Datapath) hops(t Tunnel) ([]nextHop, error) {
 func (d *Datapath) SetTunnel(t Tunnel) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if d.greLink == 0 {
+		link, err := d.device.Ensure()
+		if err != nil {
+			return fmt.Errorf("tunnel device: %w", err)
+		}
+		d.greLink = link
+	}
 	hops, err := d.hops(t)
 	if err != nil {
 		return err

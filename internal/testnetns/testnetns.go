@@ -12,6 +12,7 @@
 package testnetns
 
 import (
+	"bytes"
 	"fmt"
 	"net"
 	"net/netip"
@@ -180,6 +181,7 @@ func IPNet(p netip.Prefix) *net.IPNet {
 type IPTables struct {
 	ns     *NS
 	ipt    *iptables.IPTables
+	binary string
 	Writes int
 }
 
@@ -195,7 +197,7 @@ func (n *NS) IPTables(binary string) *IPTables {
 	if err != nil {
 		n.tb.Fatalf("go-iptables for %s: %v", binary, err)
 	}
-	return &IPTables{ns: n, ipt: ipt}
+	return &IPTables{ns: n, ipt: ipt, binary: binary}
 }
 
 func (w *IPTables) read(fn func() error) error { return w.ns.Do(fn) }
@@ -256,4 +258,17 @@ func (w *IPTables) Delete(table, chain string, rulespec ...string) error {
 // DeleteById is iptables.IPTables.DeleteById inside the namespace.
 func (w *IPTables) DeleteById(table, chain string, id int) error {
 	return w.write(func() error { return w.ipt.DeleteById(table, chain, id) })
+}
+
+// Restore runs BINARY-restore --noflush --wait inside the namespace with
+// payload on stdin (hmark.Restorer), counted as one write.
+func (w *IPTables) Restore(table string, payload []byte) error {
+	return w.write(func() error {
+		cmd := exec.Command(w.binary+"-restore", "--noflush", "--wait")
+		cmd.Stdin = bytes.NewReader(payload)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("%s-restore (table %s): %w: %s", w.binary, table, err, out)
+		}
+		return nil
+	})
 }

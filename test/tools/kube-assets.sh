@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# kube-assets.sh builds the kube-apiserver and etcd binaries used by the
+# integration tests (package test/kubeenv) from the Go module proxy.
+#
+# Output directory: ${KST_ASSETS_DIR:-$HOME/.cache/kube-service-tunnel/assets}
+# Each binary is skipped when it already exists there and answers --version.
+# The last line of stdout is the assets directory.
+#
+# Overrides: KUBE_VERSION (default v1.34.4), ETCD_VERSION (default v3.6.16).
+set -euo pipefail
+
+KUBE_VERSION="${KUBE_VERSION:-v1.34.4}"
+ETCD_VERSION="${ETCD_VERSION:-v3.6.16}"
+ASSETS_DIR="${KST_ASSETS_DIR:-$HOME/.cache/kube-service-tunnel/assets}"
+
+WORK_DIRS=()
+cleanup() {
+	local d
+	for d in "${WORK_DIRS[@]}"; do rm -rf "$d"; done
+	rm -f "$ASSETS_DIR"/*.tmp
+}
+trap cleanup EXIT
+
+log() { echo "kube-assets: $*" >&2; }
+
+# have BINARY: true when the binary exists and runs --version.
+have() {
+	[[ -x "$ASSETS_DIR/$1" ]] && "$ASSETS_DIR/$1" --version >/dev/null 2>&1
+}
+
+# go_directives GOMOD: prints the go and godebug lines/blocks of a go.mod.
+go_directives() {
+	awk '
+		/^go [0-9]/ { print; next }
+		/^godebug \(/ { inblock = 1; print; next }
+		inblock { print; if ($0 ~ /^\)/) inblock = 0; next }
+		/^godebug / { print }
+	' "$1"
+}
+
+# staging_replaces GOMOD VERSION: turns every "k8s.io/X => ./staging/..." replace
+# of kubernetes' go.mod into "replace k8s.io/X => k8s.io/X VERSION".
+staging_replaces() {
+	local gomod="$1" version="$2"
+	awk -v v="$version" '
+		$0 ~ /=> \.\/staging\// {
+			for (i = 1; i <= NF; i++) if ($i ~ /^k8s\.io\//) { print "replace " $i " => " $i " " v; break }
+		}
+	' "$gomod"
+}
+
+# build_module NAME MODULE VERSION PACKAGE [EXTRA_GOMOD [LDFLAGS]]: builds
+# PACKAGE from a throwaway module requiring MODULE@VERSION and installs it as
+# ASSETS_DIR/NAME. EXTRA_GOMOD is a function that prints more go.mod lines,
+# given the path of MODULE's own go.mod.
+build_module() {
+	local name="$1" module="$2" version="$3" pkg="$4" extra="${5:-}" ldflags="${6:-}"
+	local work start=$SECONDS
+	work="$(mktemp -d)"
+	WORK_DIRS+=("$work")
+	log "building $name from $module@$version in $work"
+	(
+		cd "$work"
+		local info gomod
+		if ! info="$(go mod download -json "$module@$version")"; then
+			log "cannot download $module@$version (a 403 means the proxy refuses this version; try a nearby one):"
+			echo "$info" >&2
+			exit 1
+		fi
+		gomod="$(sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p' <<<"$info")"
+		[[ -f "$gomod" ]] || { log "no go.mod for $module@$version in: $info"; exit 1; }
+		{
+			echo "module kst.local/assets/$name"
+			echo
+			go_directives "$gomod"
+			echo
+			echo "require $module $version"
+			echo
+			if [[ -n "$extra" ]]; then "$extra" "$gomod"; fi
+		} >go.mod
+		# go mod tidy needs a Go file importing the package to build.
+		printf '//go:build tools\n\npackage tools\n\nimport _ "%s"\n' "$pkg" >tools.go
+		go mod tidy >&2
+		CGO_ENABLED=0 go build -trimpath -ldflags "-s -w $ldflags" -o "$ASSETS_DIR/$name.tmp" "$pkg" >&2
+	)
+	mv "$ASSETS_DIR/$name.tmp" "$ASSETS_DIR/$name"
+	rm -rf "$work"
+	log "built $name in $((SECONDS - start))s: $("$ASSETS_DIR/$name" --version 2>&1 | head -n1)"
+}
+
+# kube_replaces GOMOD: the staging replaces for KUBE_VERSION (v1.Y.Z -> v0.Y.Z).
+kube_replaces() {
+	staging_replaces "$1" "v0.${KUBE_VERSION#v1.}"
+}
+
+# kube_ldflags: stamps the version that kube-apiserver --version and /version report.
+kube_ldflags() {
+	local v="${KUBE_VERSION#v}" pkg=k8s.io/component-base/version
+	local major="${v%%.*}" rest="${v#*.}"
+	echo "-X $pkg.gitVersion=$KUBE_VERSION -X $pkg.gitMajor=$major -X $pkg.gitMinor=${rest%%.*}" \
+		"-X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
+}
+
+main() {
+	mkdir -p "$ASSETS_DIR"
+	ASSETS_DIR="$(cd "$ASSETS_DIR" && pwd)"
+	if have etcd; then
+		log "etcd present: $("$ASSETS_DIR/etcd" --version 2>&1 | head -n1)"
+	else
+		build_module etcd go.etcd.io/etcd/server/v3 "$ETCD_VERSION" go.etcd.io/etcd/server/v3
+	fi
+	if have kube-apiserver; then
+		log "kube-apiserver present: $("$ASSETS_DIR/kube-apiserver" --version 2>&1 | head -n1)"
+	else
+		build_module kube-apiserver k8s.io/kubernetes "$KUBE_VERSION" k8s.io/kubernetes/cmd/kube-apiserver \
+			kube_replaces "$(kube_ldflags)"
+	fi
+	echo "$ASSETS_DIR"
+}
+
+main "$@"
