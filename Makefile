@@ -20,8 +20,10 @@ deps: ## install the packages the tests need (Debian: iptables, iproute2)
 assets: ## build and cache a real kube-apiserver and etcd for integration tests
 	./test/tools/kube-assets.sh
 
-test: deps assets lint ## everything: unit, privileged (root) and integration tests
+test: deps assets lint build ## everything: unit, privileged (root) and integration tests, and the demo
 	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 20m $(PKGS)
+	$(GO) run ./test/demo > /tmp/kst-demo.log 2>&1 || { cat /tmp/kst-demo.log; exit 1; }
+	@echo "demo: ok"
 
 unit: ## unit tests only (no root, no API server)
 	KST_SKIP_PRIVILEGED=1 $(GO) test -count=1 -short $(PKGS)

@@ -62,8 +62,15 @@ func newKernelRouter(t *testing.T, ns *testnetns.NS, cfg Config) *kernelRouter {
 
 // kernelState is what an operator would look at: every route, rule and
 // mangle rule in the namespace.
+// Comment lines of iptables-save (which carry a timestamp) are left out.
 func kernelState(ns *testnetns.NS) string {
-	return ns.Run("ip", "route", "show", "table", "all") + ns.Run("ip", "rule", "show") + ns.Run("iptables-save", "-t", "mangle")
+	var mangle []string
+	for _, l := range strings.Split(ns.Run("iptables-save", "-t", "mangle"), "\n") {
+		if !strings.HasPrefix(l, "#") {
+			mangle = append(mangle, l)
+		}
+	}
+	return ns.Run("ip", "route", "show", "table", "all") + ns.Run("ip", "rule", "show") + strings.Join(mangle, "\n")
 }
 
 func TestDatapathInNetns(t *testing.T) {

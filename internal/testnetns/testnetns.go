@@ -179,7 +179,7 @@ func IPNet(p netip.Prefix) *net.IPNet {
 // IPTables runs go-iptables inside a namespace and counts the write calls it
 // sees, independently of what the code under test reports.
 type IPTables struct {
-	ns     *NS
+	handle netns.NsHandle
 	ipt    *iptables.IPTables
 	binary string
 	Writes int
@@ -193,18 +193,37 @@ func (n *NS) IPTables(binary string) *IPTables {
 	if _, err := exec.LookPath(binary); err != nil {
 		n.tb.Skipf("%s not installed (apt-get install -y iptables): %v", binary, err)
 	}
-	ipt, err := iptables.New(iptables.Path(binary))
+	ipt, err := NewIPTables(n.Handle, binary)
 	if err != nil {
-		n.tb.Fatalf("go-iptables for %s: %v", binary, err)
+		n.tb.Fatal(err)
 	}
-	return &IPTables{ns: n, ipt: ipt, binary: binary}
+	return ipt
 }
 
-func (w *IPTables) read(fn func() error) error { return w.ns.Do(fn) }
+// NewIPTables returns go-iptables driving binary inside the namespace of
+// handle (for programs such as the benchmark, which have no testing.TB).
+func NewIPTables(handle netns.NsHandle, binary string) (*IPTables, error) {
+	ipt, err := iptables.New(iptables.Path(binary))
+	if err != nil {
+		return nil, fmt.Errorf("go-iptables for %s: %w", binary, err)
+	}
+	return &IPTables{handle: handle, ipt: ipt, binary: binary}, nil
+}
+
+func (w *IPTables) do(fn func() error) error {
+	return RunOnDiscardedThread(func() error {
+		if err := netns.Set(w.handle); err != nil {
+			return fmt.Errorf("enter netns: %w", err)
+		}
+		return fn()
+	})
+}
+
+func (w *IPTables) read(fn func() error) error { return w.do(fn) }
 
 func (w *IPTables) write(fn func() error) error {
 	w.Writes++
-	return w.ns.Do(fn)
+	return w.do(fn)
 }
 
 // ChainExists is iptables.IPTables.ChainExists inside the namespace.

@@ -22,7 +22,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/coreos/go-iptables/iptables"
 	"github.com/sirupsen/logrus"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
@@ -143,58 +142,6 @@ func ipBatch(ts []router.Tunnel) (time.Duration, int, error) {
 	return time.Since(start), n, nil
 }
 
-// nsIPTables runs go-iptables (and iptables-restore) inside a namespace.
-type nsIPTables struct {
-	*iptables.IPTables
-	ns *namespace
-}
-
-func (w nsIPTables) do(fn func() error) error {
-	return testnetns.RunOnDiscardedThread(func() error {
-		if err := netns.Set(w.ns.handle); err != nil {
-			return err
-		}
-		return fn()
-	})
-}
-
-func (w nsIPTables) ChainExists(t, c string) (ok bool, err error) {
-	err = w.do(func() (e error) { ok, e = w.IPTables.ChainExists(t, c); return e })
-	return ok, err
-}
-func (w nsIPTables) NewChain(t, c string) error {
-	return w.do(func() error { return w.IPTables.NewChain(t, c) })
-}
-func (w nsIPTables) ClearChain(t, c string) error {
-	return w.do(func() error { return w.IPTables.ClearChain(t, c) })
-}
-func (w nsIPTables) DeleteChain(t, c string) error {
-	return w.do(func() error { return w.IPTables.DeleteChain(t, c) })
-}
-func (w nsIPTables) List(t, c string) (l []string, err error) {
-	err = w.do(func() (e error) { l, e = w.IPTables.List(t, c); return e })
-	return l, err
-}
-func (w nsIPTables) ListWithCounters(t, c string) (l []string, err error) {
-	err = w.do(func() (e error) { l, e = w.IPTables.ListWithCounters(t, c); return e })
-	return l, err
-}
-func (w nsIPTables) Append(t, c string, r ...string) error {
-	return w.do(func() error { return w.IPTables.Append(t, c, r...) })
-}
-func (w nsIPTables) Insert(t, c string, p int, r ...string) error {
-	return w.do(func() error { return w.IPTables.Insert(t, c, p, r...) })
-}
-func (w nsIPTables) Delete(t, c string, r ...string) error {
-	return w.do(func() error { return w.IPTables.Delete(t, c, r...) })
-}
-func (w nsIPTables) DeleteById(t, c string, id int) error {
-	return w.do(func() error { return w.IPTables.DeleteById(t, c, id) })
-}
-func (w nsIPTables) Restore(table string, payload []byte) error {
-	return w.do(func() error { return hmark.NewExecRestorer("iptables").Restore(table, payload) })
-}
-
 // newDatapath opens the router's datapath inside ns.
 func newDatapath(ns *namespace) (*router.Datapath, func(), error) {
 	cfg := config()
@@ -207,11 +154,11 @@ func newDatapath(ns *namespace) (*router.Datapath, func(), error) {
 		rc.Close()
 		return nil, nil, err
 	}
-	ipt, err := iptables.New()
+	ipt, err := testnetns.NewIPTables(ns.handle, "iptables")
 	if err != nil {
 		return nil, nil, err
 	}
-	chain, err := hmark.NewChain(nsIPTables{IPTables: ipt, ns: ns}, cfg.Chain, hmark.Params{Buckets: uint32(cfg.Buckets), Offset: cfg.MarkOffset, Seed: cfg.Seed})
+	chain, err := hmark.NewChain(ipt, cfg.Chain, hmark.Params{Buckets: uint32(cfg.Buckets), Offset: cfg.MarkOffset, Seed: cfg.Seed})
 	if err != nil {
 		return nil, nil, err
 	}
