@@ -264,6 +264,15 @@ func (c *Controller) service(key string) (*corev1.Service, error) {
 	return c.services.Services(ns).Get(name)
 }
 
+// svcAnnotation returns the tunnel annotation of svc, which may be nil.
+func svcAnnotation(svc *corev1.Service) (string, bool) {
+	if svc == nil {
+		return "", false
+	}
+	v, ok := svc.Annotations[TunnelAnnotation]
+	return v, ok
+}
+
 // syncService converges the tunnel IPs one Service claimed before and claims now.
 func (c *Controller) syncService(key string) error {
 	svc, err := c.service(key)
@@ -275,8 +284,9 @@ func (c *Controller) syncService(key string) error {
 	var claims bool
 	if svc != nil {
 		vip, claims = c.claimOf(svc)
-	} else {
-		delete(c.reported, key)
+	}
+	if _, annotated := svcAnnotation(svc); !annotated {
+		delete(c.reported, key) // a later annotation reports afresh
 	}
 	if claims {
 		c.claims[key] = vip

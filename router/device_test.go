@@ -1,0 +1,88 @@
+package router
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/vishvananda/netlink"
+)
+
+// fakeLinks is a link table for the device seam.
+type fakeLinks struct {
+	links   map[string]netlink.Link
+	added   []netlink.Link
+	deleted []string
+}
+
+func (f *fakeLinks) LinkByName(name string) (netlink.Link, error) {
+	if l, ok := f.links[name]; ok {
+		return l, nil
+	}
+	return nil, netlink.LinkNotFoundError{}
+}
+
+func (f *fakeLinks) LinkAdd(l netlink.Link) error {
+	l.Attrs().Index = 10 + len(f.links)
+	f.links[l.Attrs().Name] = l
+	f.added = append(f.added, l)
+	return nil
+}
+
+func (f *fakeLinks) LinkSetAlias(l netlink.Link, alias string) error {
+	l.Attrs().Alias = alias
+	return nil
+}
+
+func (f *fakeLinks) LinkSetUp(l netlink.Link) error {
+	l.Attrs().Flags |= 1
+	l.Attrs().RawFlags |= 1
+	return nil
+}
+
+func (f *fakeLinks) LinkDel(l netlink.Link) error {
+	delete(f.links, l.Attrs().Name)
+	f.deleted = append(f.deleted, l.Attrs().Name)
+	return nil
+}
+
+func TestGREDeviceCreatesOwnsAndRemoves(t *testing.T) {
+	links := &fakeLinks{links: map[string]netlink.Link{}}
+	dev := &GREDevice{Name: "kst-gre", Links: links}
+	idx, err := dev.Ensure()
+	if err != nil {
+		t.Fatal(err)
+	}
+	gre, ok := links.links["kst-gre"].(*netlink.Gretun)
+	if !ok || !gre.FlowBased || gre.Alias != DeviceAlias || idx != gre.Index || gre.Flags&1 == 0 {
+		t.Fatalf("created %+v (index %d), want a flow-based GRE device with our alias, up", links.links["kst-gre"], idx)
+	}
+	// A restart adopts it without creating another.
+	if _, err := (&GREDevice{Name: "kst-gre", Links: links}).Ensure(); err != nil || len(links.added) != 1 {
+		t.Fatalf("adoption: err %v, %d devices added", err, len(links.added))
+	}
+	if err := dev.Remove(); err != nil || len(links.deleted) != 1 {
+		t.Fatalf("remove: err %v, deleted %v", err, links.deleted)
+	}
+}
+
+func TestGREDeviceNeverTouchesAForeignDevice(t *testing.T) {
+	for name, link := range map[string]netlink.Link{
+		"not ours":       &netlink.Gretun{LinkAttrs: netlink.LinkAttrs{Name: "kst-gre"}, FlowBased: true},
+		"not flow-based": &netlink.Gretun{LinkAttrs: netlink.LinkAttrs{Name: "kst-gre", Alias: DeviceAlias}},
+		"not gre":        &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "kst-gre", Alias: "someone"}},
+	} {
+		links := &fakeLinks{links: map[string]netlink.Link{"kst-gre": link}}
+		dev := &GREDevice{Name: "kst-gre", Links: links}
+		if _, err := dev.Ensure(); err == nil || !strings.Contains(err.Error(), "choose another --gre-device") {
+			t.Errorf("%s: Ensure = %v, want a refusal", name, err)
+		}
+		if link.Attrs().Alias != DeviceAlias {
+			if err := dev.Remove(); err != nil || len(links.deleted) != 0 {
+				t.Errorf("%s: Remove deleted %v (err %v)", name, links.deleted, err)
+			}
+		}
+		if len(links.added) != 0 {
+			t.Errorf("%s: a device was added", name)
+		}
+	}
+}
