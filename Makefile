@@ -28,7 +28,7 @@ test: deps assets lint build ## everything: unit, privileged (root) and integrat
 unit: ## unit tests only (no root, no API server)
 	KST_SKIP_PRIVILEGED=1 $(GO) test -count=1 -short $(PKGS)
 
-bench: deps ## route programming vs ip -batch, disruption and RSS figures (root)
+bench: deps assets build ## route programming vs ip -batch, disruption and RSS figures (root)
 	$(GO) run ./test/bench
 
 lint: ## go vet and gofmt

@@ -61,8 +61,9 @@ type Controller struct {
 	dp       Programmer
 	log      logrus.FieldLogger
 
-	claims   map[string]netip.Addr // Service key -> tunnel IP it claims
-	reported map[string]string     // Service key -> last event reason+message, to record each state once
+	claims   map[string]netip.Addr          // Service key -> tunnel IP it claims
+	byVIP    map[netip.Addr]map[string]bool // tunnel IP -> keys of the Services claiming it
+	reported map[string]string              // Service key -> last event reason+message, to record each state once
 	synced1  atomic.Bool
 }
 
@@ -84,6 +85,7 @@ func NewController(cfg Config, client kubernetes.Interface, factory informers.Sh
 		dp:       dp,
 		log:      log,
 		claims:   map[string]netip.Addr{},
+		byVIP:    map[netip.Addr]map[string]bool{},
 		reported: map[string]string{},
 	}
 	if _, err := svcInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
@@ -227,24 +229,19 @@ func (c *Controller) resync() error {
 	if err != nil {
 		return fmt.Errorf("listing services: %w", err)
 	}
-	claims := map[string]netip.Addr{}
+	c.claims, c.byVIP = map[string]netip.Addr{}, map[netip.Addr]map[string]bool{}
 	for _, svc := range svcs {
 		if vip, ok := c.claimOf(svc); ok {
-			claims[svc.Namespace+"/"+svc.Name] = vip
+			c.setClaim(svc.Namespace+"/"+svc.Name, vip)
 		}
 	}
-	c.claims = claims
 	for key := range c.reported {
 		if _, err := c.service(key); apierrors.IsNotFound(err) {
 			delete(c.reported, key)
 		}
 	}
-	vips := map[netip.Addr]bool{}
-	for _, vip := range claims {
-		vips[vip] = true
-	}
-	tunnels := make([]Tunnel, 0, len(vips))
-	for vip := range vips {
+	tunnels := make([]Tunnel, 0, len(c.byVIP))
+	for vip := range c.byVIP {
 		tunnels = append(tunnels, c.tunnelFor(vip))
 	}
 	start := time.Now()
@@ -288,10 +285,9 @@ func (c *Controller) syncService(key string) error {
 	if _, annotated := svcAnnotation(svc); !annotated {
 		delete(c.reported, key) // a later annotation reports afresh
 	}
+	c.dropClaim(key)
 	if claims {
-		c.claims[key] = vip
-	} else {
-		delete(c.claims, key)
+		c.setClaim(key, vip)
 	}
 	affected := map[netip.Addr]bool{}
 	if hadClaim {
@@ -327,15 +323,34 @@ func (c *Controller) syncVIP(vip netip.Addr) error {
 	return nil
 }
 
+// setClaim records that the Service key claims vip.
+func (c *Controller) setClaim(key string, vip netip.Addr) {
+	c.claims[key] = vip
+	if c.byVIP[vip] == nil {
+		c.byVIP[vip] = map[string]bool{}
+	}
+	c.byVIP[vip][key] = true
+}
+
+// dropClaim forgets the claim of the Service key, if any.
+func (c *Controller) dropClaim(key string) {
+	vip, ok := c.claims[key]
+	if !ok {
+		return
+	}
+	delete(c.claims, key)
+	delete(c.byVIP[vip], key)
+	if len(c.byVIP[vip]) == 0 {
+		delete(c.byVIP, vip)
+	}
+}
+
 // claimants returns the Services that claim vip, the winner first: the oldest
 // by creationTimestamp, then by namespace/name. Every router and node decides
 // the same way.
 func (c *Controller) claimants(vip netip.Addr) []*corev1.Service {
 	var out []*corev1.Service
-	for key, v := range c.claims {
-		if v != vip {
-			continue
-		}
+	for key := range c.byVIP[vip] {
 		if svc, err := c.service(key); err == nil {
 			out = append(out, svc)
 		}

@@ -168,45 +168,70 @@ func (d *Datapath) Resync(tunnels []Tunnel) error {
 		return fmt.Errorf("tunnel device: %w", err)
 	}
 	d.greLink = link
-	desired := make(map[netip.Addr][]nextHop, len(tunnels))
 	var errs []error
-	for _, t := range tunnels {
-		hops, err := d.hops(t)
-		if err != nil {
-			errs = append(errs, err)
-			continue
-		}
-		desired[t.VIP] = hops
-	}
-	d.desired = desired
 	if err := d.syncRules(); err != nil {
 		errs = append(errs, err)
 	}
 	if err := d.readRoutes(); err != nil {
 		return errors.Join(append(errs, err)...)
 	}
+	// A tunnel whose next hops cannot be computed (say, an MPLS endpoint
+	// whose node has no route) keeps what the kernel has for it; it never
+	// holds up the others.
+	desired := make(map[netip.Addr][]nextHop, len(tunnels))
+	for _, t := range tunnels {
+		hops, err := d.hops(t)
+		if err != nil {
+			d.log.WithError(err).WithField("vip", t.VIP).Warn("tunnel cannot be programmed; keeping its current state")
+			if have := d.observed[t.VIP]; have != nil {
+				desired[t.VIP] = slices.Clone(have)
+			}
+			continue
+		}
+		desired[t.VIP] = hops
+	}
+	d.desired = desired
 	// New tunnel IPs get their routes before their mark; removed ones lose
 	// their mark before their routes.
-	var ops []rtnl.Op
+	var wanted []netip.Addr
 	for vip := range d.desired {
-		ops = d.diffVIP(vip, ops)
+		wanted = append(wanted, vip)
 	}
-	if err := d.applyRoutes(ops); err != nil {
+	if err := d.applyChunked(wanted); err != nil {
 		return errors.Join(append(errs, err)...)
 	}
 	if err := d.syncMarks(true); err != nil {
 		return errors.Join(append(errs, err)...)
 	}
-	ops = ops[:0]
+	var unwanted []netip.Addr
 	for vip := range d.observed {
 		if _, ok := d.desired[vip]; !ok {
-			ops = d.diffVIP(vip, ops)
+			unwanted = append(unwanted, vip)
 		}
 	}
-	if err := d.applyRoutes(ops); err != nil {
+	if err := d.applyChunked(unwanted); err != nil {
 		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
+}
+
+// applyChunk bounds the route operations held in memory at once: a full
+// resync of 640,000 routes would otherwise build them all before sending.
+const applyChunk = 8192
+
+// applyChunked converges the routes of vips, a chunk of operations at a time.
+func (d *Datapath) applyChunked(vips []netip.Addr) error {
+	ops := make([]rtnl.Op, 0, applyChunk+MaxBuckets)
+	for _, vip := range vips {
+		ops = d.diffVIP(vip, ops)
+		if len(ops) >= applyChunk {
+			if err := d.applyRoutes(ops); err != nil {
+				return err
+			}
+			ops = ops[:0]
+		}
+	}
+	return d.applyRoutes(ops)
 }
 
 // diffVIP returns the route operations that turn the observed routes of vip
@@ -402,11 +427,11 @@ func (d *Datapath) Cleanup() error {
 	if err := d.readRoutes(); err != nil {
 		errs = append(errs, err)
 	} else {
-		var ops []rtnl.Op
+		var vips []netip.Addr
 		for vip := range d.observed {
-			ops = d.diffVIP(vip, ops)
+			vips = append(vips, vip)
 		}
-		if err := d.applyRoutes(ops); err != nil {
+		if err := d.applyChunked(vips); err != nil {
 			errs = append(errs, err)
 		}
 	}

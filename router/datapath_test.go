@@ -297,3 +297,31 @@ func TestMPLSRoutes(t *testing.T) {
 		t.Fatal("endpoint without node address accepted in mpls mode")
 	}
 }
+
+func TestOneUnprogrammableTunnelDoesNotBlockTheOthers(t *testing.T) {
+	cfg := testConfig()
+	cfg.Mode = ModeMPLS
+	k := newFakeKernel()
+	unreachable := netip.MustParseAddr("192.168.9.9")
+	nodeLink := func(ip netip.Addr) (int, error) {
+		if ip == unreachable {
+			return 0, fmt.Errorf("no route to %v", ip)
+		}
+		return 7, nil
+	}
+	d := NewDatapath(cfg, k, k, fakeChain{k}, NoDevice{}, nodeLink, quietLog())
+	good := tunnel(cfg, "192.0.2.1", "10.244.1.5")
+	bad := tunnel(cfg, "192.0.2.2", "10.244.2.6")
+	for b := range bad.Table {
+		bad.Table[b].NodeIP = unreachable
+	}
+	if err := d.Resync([]Tunnel{good, bad}); err != nil {
+		t.Fatalf("Resync failed because of one tunnel: %v", err)
+	}
+	if _, ok := k.routes[rtnl.RouteKey{Table: uint32(cfg.Table(0)), Dst: netip.MustParsePrefix("192.0.2.1/32")}]; !ok {
+		t.Fatal("the good tunnel was not programmed")
+	}
+	if slices.Contains(k.marked, bad.VIP) {
+		t.Fatal("the unprogrammable tunnel got an HMARK rule without routes")
+	}
+}

@@ -37,6 +37,7 @@ var (
 	buckets      = flag.Int("buckets", 64, "buckets per tunnel IP")
 	endpointsPer = flag.Int("endpoints", 10, "endpoints per tunnel IP")
 	podPool      = flag.Int("pods", 64, "distinct pod IPs the endpoints are drawn from")
+	processSize  = flag.Int("process-tunnels", 10000, "tunnel IPs for the real router process measurement (0 skips it)")
 )
 
 func main() {
@@ -208,6 +209,9 @@ func run() error {
 		runtime.KeepAlive(dp) // the state measured must still be referenced
 		closeDP()
 		ns.close()
+	}
+	if *processSize > 0 {
+		return routerProcess(*processSize)
 	}
 	return nil
 }

@@ -1,0 +1,191 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
+	"github.com/cmdnu/kube-service-tunnel/router"
+	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
+)
+
+// routerProcess runs the real tunnel-router binary in a network namespace
+// against a real API server holding n annotated Services with their
+// EndpointSlices, and reports its start-up programming time and its RSS.
+func routerProcess(n int) error {
+	bin, err := filepath.Abs("bin/tunnel-router")
+	if err != nil {
+		return err
+	}
+	if _, err := os.Stat(bin); err != nil {
+		return fmt.Errorf("%s missing (make build): %w", bin, err)
+	}
+	env, err := kubeenv.New()
+	if errors.Is(err, kubeenv.ErrNoAssets) {
+		fmt.Printf("\nrouter process: skipped (%v)\n", err)
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	defer env.Stop()
+	ctx := context.Background()
+	manifest, err := os.ReadFile("tunnel-router.yaml")
+	if err != nil {
+		return err
+	}
+	if err := env.ApplyYAML(ctx, env.AdminConfig(), manifest, false); err != nil {
+		return err
+	}
+	admin, err := kubernetes.NewForConfig(env.AdminConfig())
+	if err != nil {
+		return err
+	}
+	start := time.Now()
+	if err := createServices(ctx, admin, n); err != nil {
+		return err
+	}
+	fmt.Printf("\nrouter process: created %d annotated Services and their EndpointSlices in %v\n", n, time.Since(start).Round(time.Second))
+
+	saCfg, err := env.ServiceAccountConfig(ctx, "kube-service-tunnel", "tunnel-router")
+	if err != nil {
+		return err
+	}
+	kubeconfig := filepath.Join(env.Dir(), "router.kubeconfig")
+	if err := env.WriteKubeconfig(kubeconfig, saCfg); err != nil {
+		return err
+	}
+	ns, err := newNamespace("kst-bench-process")
+	if err != nil {
+		return err
+	}
+	defer ns.close()
+	stopRelay, err := testnetns.ForwardLoopback(ns.handle, strings.TrimPrefix(env.Host(), "https://"))
+	if err != nil {
+		return err
+	}
+	defer stopRelay()
+	logPath := filepath.Join(env.Dir(), "router.log")
+	logFile, err := os.Create(logPath)
+	if err != nil {
+		return err
+	}
+	defer logFile.Close()
+	cmd := exec.Command("ip", "netns", "exec", ns.name, bin, "--kubeconfig", kubeconfig,
+		"--gre-device", "veth0", "--gre-device-create=false", "--seed", "0x5eed", "--buckets", fmt.Sprint(*buckets))
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	start = time.Now()
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	defer func() {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		_ = cmd.Wait()
+		_ = exec.Command("ip", "netns", "exec", ns.name, bin, "--cleanup", "--gre-device", "veth0", "--gre-device-create=false").Run()
+	}()
+	want := fmt.Sprintf("tunnels=%d", n)
+	for {
+		b, _ := os.ReadFile(logPath)
+		if strings.Contains(string(b), "resynced datapath") && strings.Contains(string(b), want) {
+			break
+		}
+		if time.Since(start) > 10*time.Minute {
+			return fmt.Errorf("router did not program %d tunnels in time; log:\n%s", n, b)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	took := time.Since(start)
+	time.Sleep(2 * time.Second) // let the worker settle after the informers' initial events
+	fmt.Printf("  tunnel-router start to all %d tunnel IPs x %d buckets programmed (informer sync, assignment, kernel): %v\n", n, *buckets, took.Round(time.Millisecond))
+	fmt.Printf("  tunnel-router process RSS with %d tunnel IPs: %s (informer caches of %d Services and EndpointSlices included)\n", n, procRSS(cmd.Process.Pid), n)
+	return nil
+}
+
+func createServices(ctx context.Context, cs kubernetes.Interface, n int) error {
+	const ns = "bench"
+	if _, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
+		return err
+	}
+	work := make(chan int)
+	errs := make(chan error, 1)
+	var wg sync.WaitGroup
+	for range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range work {
+				if err := createOne(ctx, cs, ns, i); err != nil {
+					select {
+					case errs <- err:
+					default:
+					}
+				}
+			}
+		}()
+	}
+	for i := range n {
+		work <- i
+	}
+	close(work)
+	wg.Wait()
+	select {
+	case err := <-errs:
+		return err
+	default:
+		return nil
+	}
+}
+
+func createOne(ctx context.Context, cs kubernetes.Interface, ns string, i int) error {
+	name := fmt.Sprintf("svc-%d", i)
+	vip := netip.AddrFrom4([4]byte{198, 18, byte(i >> 8), byte(i)})
+	svc := &corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Annotations: map[string]string{router.TunnelAnnotation: vip.String()}},
+		Spec:       corev1.ServiceSpec{ClusterIP: corev1.ClusterIPNone, Ports: []corev1.ServicePort{{Port: 80, TargetPort: intstr.FromInt32(8080)}}},
+	}
+	if _, err := cs.CoreV1().Services(ns).Create(ctx, svc, metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("service %s: %w", name, err)
+	}
+	es := &discoveryv1.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Name: name, Labels: map[string]string{discoveryv1.LabelServiceName: name}},
+		AddressType: discoveryv1.AddressTypeIPv4,
+	}
+	for e := range *endpointsPer {
+		p := (i*7 + e*13) % *podPool
+		node := fmt.Sprintf("node-%d", p%8)
+		es.Endpoints = append(es.Endpoints, discoveryv1.Endpoint{
+			Addresses: []string{netip.AddrFrom4([4]byte{10, 244, byte(p >> 8), byte(p)}).String()}, NodeName: &node})
+	}
+	if _, err := cs.DiscoveryV1().EndpointSlices(ns).Create(ctx, es, metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("endpointslice %s: %w", name, err)
+	}
+	return nil
+}
+
+func procRSS(pid int) string {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return "?"
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(l, "VmRSS:") {
+			return strings.Join(strings.Fields(l)[1:], " ")
+		}
+	}
+	return "?"
+}
