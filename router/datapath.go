@@ -60,7 +60,8 @@ type Datapath struct {
 	greLink  int
 	observed map[netip.Addr][]nextHop // per tunnel IP, one entry per bucket
 	desired  map[netip.Addr][]nextHop
-	marked   int // number of tunnel IPs in the HMARK chain at the last sync
+	marked   int  // number of tunnel IPs in the HMARK chain at the last sync
+	stale    bool // a write failed: re-read the kernel before the next change
 	ops      uint64
 }
 
@@ -129,15 +130,37 @@ func (d *Datapath) SetTunnel(t Tunnel) error {
 		}
 		d.greLink = link
 	}
+	if err := d.refreshIfStale(); err != nil {
+		return err
+	}
 	hops, err := d.hops(t)
 	if err != nil {
 		return err
 	}
+	previous, existed := d.desired[t.VIP]
 	d.desired[t.VIP] = hops
 	if err := d.applyRoutes(d.diffVIP(t.VIP, nil)); err != nil {
+		// A new tunnel IP must not get its HMARK rule without its routes.
+		if existed {
+			d.desired[t.VIP] = previous
+		} else {
+			delete(d.desired, t.VIP)
+		}
 		return err
 	}
 	return d.syncMarks(false)
+}
+
+// refreshIfStale re-reads the kernel's routes after a failed write.
+func (d *Datapath) refreshIfStale() error {
+	if !d.stale {
+		return nil
+	}
+	if err := d.readRoutes(); err != nil {
+		return err
+	}
+	d.stale = false
+	return nil
 }
 
 // RemoveTunnel removes everything a tunnel IP had: the HMARK rule first, so no
@@ -147,6 +170,9 @@ func (d *Datapath) RemoveTunnel(vip netip.Addr) error {
 	defer d.mu.Unlock()
 	if _, ok := d.desired[vip]; !ok && d.observed[vip] == nil {
 		return nil
+	}
+	if err := d.refreshIfStale(); err != nil {
+		return err
 	}
 	delete(d.desired, vip)
 	if err := d.syncMarks(false); err != nil {
@@ -263,7 +289,7 @@ func (d *Datapath) diffVIP(vip netip.Addr, ops []rtnl.Op) []rtnl.Op {
 }
 
 // applyRoutes sends route operations. On failure the observed state is
-// unknown, so it is dropped and the next Resync re-reads the kernel.
+// unknown: it is re-read before the next change.
 func (d *Datapath) applyRoutes(ops []rtnl.Op) error {
 	if len(ops) == 0 {
 		return nil
@@ -275,7 +301,7 @@ func (d *Datapath) applyRoutes(ops []rtnl.Op) error {
 		if errors.As(err, &ae) {
 			d.ops -= uint64(len(ae.Failed))
 		}
-		d.observed = map[netip.Addr][]nextHop{}
+		d.stale = true
 		return fmt.Errorf("programming %d routes: %w", len(ops), err)
 	}
 	return nil
@@ -306,6 +332,7 @@ func (d *Datapath) readRoutes() error {
 		hops[bucket] = hop
 	}
 	d.observed = observed
+	d.stale = false
 	return nil
 }
 

@@ -325,3 +325,45 @@ func TestOneUnprogrammableTunnelDoesNotBlockTheOthers(t *testing.T) {
 		t.Fatal("the unprogrammable tunnel got an HMARK rule without routes")
 	}
 }
+
+// failingKernel fails route writes for one tunnel IP.
+type failingKernel struct {
+	*fakeKernel
+	failVIP netip.Addr
+}
+
+func (f *failingKernel) Apply(ops []rtnl.Op) error {
+	var ok []rtnl.Op
+	for _, op := range ops {
+		if op.Route.Dst.Addr() != f.failVIP {
+			ok = append(ok, op)
+		}
+	}
+	_ = f.fakeKernel.Apply(ok)
+	if len(ok) != len(ops) {
+		return fmt.Errorf("injected failure for %v", f.failVIP)
+	}
+	return nil
+}
+
+func TestFailedRoutesNeverGetAMark(t *testing.T) {
+	cfg := testConfig()
+	k := &failingKernel{fakeKernel: newFakeKernel(), failVIP: netip.MustParseAddr("192.0.2.9")}
+	d := NewDatapath(cfg, k, k, fakeChain{k.fakeKernel}, fakeDevice{k.fakeKernel}, nil, quietLog())
+	if err := d.Resync([]Tunnel{tunnel(cfg, "192.0.2.1", "10.244.1.5")}); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.SetTunnel(tunnel(cfg, "192.0.2.9", "10.244.1.6")); err == nil {
+		t.Fatal("injected failure not reported")
+	}
+	// Later changes to other tunnels must not mark the failed one.
+	if err := d.SetTunnel(tunnel(cfg, "192.0.2.3", "10.244.1.7")); err != nil {
+		t.Fatal(err)
+	}
+	if slices.Contains(k.marked, k.failVIP) {
+		t.Fatalf("tunnel without routes is marked: %v", k.marked)
+	}
+	if !slices.Contains(k.marked, netip.MustParseAddr("192.0.2.3")) || !slices.Contains(k.marked, netip.MustParseAddr("192.0.2.1")) {
+		t.Fatalf("marks %v, want the programmed tunnels", k.marked)
+	}
+}
