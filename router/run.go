@@ -66,6 +66,9 @@ func Main(args []string) error {
 		return fmt.Errorf("kubernetes client configuration: %w", err)
 	}
 	restCfg.UserAgent = "kube-service-tunnel/tunnel-router"
+	// client-go's default (5 QPS, burst 10) throttles the paged initial LISTs
+	// of large clusters and the events of a full resync.
+	restCfg.QPS, restCfg.Burst = 50, 100
 	client, err := kubernetes.NewForConfig(restCfg)
 	if err != nil {
 		return fmt.Errorf("kubernetes client: %w", err)
