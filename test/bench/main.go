@@ -260,21 +260,8 @@ func memory(n int) {
 	var ms runtime.MemStats
 	runtime.ReadMemStats(&ms)
 	fmt.Printf("  memory with %d tunnel IPs x %d buckets programmed: RSS %s, Go heap in use %.1f MiB\n",
-		n, cfg.Buckets, vmRSS(), float64(ms.HeapInuse)/(1<<20))
+		n, cfg.Buckets, procRSS(os.Getpid()), float64(ms.HeapInuse)/(1<<20))
 	fmt.Println("    (the datapath's state; a running router also holds informer caches of Services and EndpointSlices)")
-}
-
-func vmRSS() string {
-	b, err := os.ReadFile("/proc/self/status")
-	if err != nil {
-		return "?"
-	}
-	for _, l := range strings.Split(string(b), "\n") {
-		if strings.HasPrefix(l, "VmRSS:") {
-			return strings.Join(strings.Fields(l)[1:], " ")
-		}
-	}
-	return "?"
 }
 
 func sh(name string, args ...string) string {
