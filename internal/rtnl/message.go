@@ -130,16 +130,23 @@ func appendGateway(b []byte, gw netip.Addr) []byte {
 
 // appendEncap adds RTA_ENCAP_TYPE and RTA_ENCAP when r has an encapsulation.
 func appendEncap(b []byte, r *Route) []byte {
+	return appendLWTEncap(b, unix.RTA_ENCAP_TYPE, unix.RTA_ENCAP, r.IPEncap, r.MPLSLabels)
+}
+
+// appendLWTEncap adds a lightweight-tunnel encapsulation, IP or MPLS, as the
+// pair of attributes typeAttr (the LWTUNNEL_ENCAP_* type) and encapAttr (the
+// nested encap), which routes and nexthops number differently.
+func appendLWTEncap(b []byte, typeAttr, encapAttr uint16, ip *IPEncap, labels []uint32) []byte {
 	var off int
 	switch {
-	case r.IPEncap != nil:
-		b = appendAttrU16(b, unix.RTA_ENCAP_TYPE, unix.LWTUNNEL_ENCAP_IP)
-		b, off = beginNested(b, unix.RTA_ENCAP|unix.NLA_F_NESTED)
-		b, _ = r.IPEncap.appendAttrs(b) // validated before
-	case r.MPLSLabels != nil:
-		b = appendAttrU16(b, unix.RTA_ENCAP_TYPE, unix.LWTUNNEL_ENCAP_MPLS)
-		b, off = beginNested(b, unix.RTA_ENCAP|unix.NLA_F_NESTED)
-		b = appendMPLSEncap(b, r.MPLSLabels)
+	case ip != nil:
+		b = appendAttrU16(b, typeAttr, unix.LWTUNNEL_ENCAP_IP)
+		b, off = beginNested(b, encapAttr|unix.NLA_F_NESTED)
+		b, _ = ip.appendAttrs(b) // validated before
+	case labels != nil:
+		b = appendAttrU16(b, typeAttr, unix.LWTUNNEL_ENCAP_MPLS)
+		b, off = beginNested(b, encapAttr|unix.NLA_F_NESTED)
+		b = appendMPLSEncap(b, labels)
 	default:
 		return b
 	}

@@ -124,20 +124,7 @@ func appendNewNextHop(b []byte, n *NextHop, seq uint32) []byte {
 }
 
 func appendNextHopEncap(b []byte, n *NextHop) []byte {
-	var off int
-	switch {
-	case n.IPEncap != nil:
-		b = appendAttrU16(b, unix.NHA_ENCAP_TYPE, unix.LWTUNNEL_ENCAP_IP)
-		b, off = beginNested(b, unix.NHA_ENCAP|unix.NLA_F_NESTED)
-		b, _ = n.IPEncap.appendAttrs(b) // validated before
-	case n.MPLSLabels != nil:
-		b = appendAttrU16(b, unix.NHA_ENCAP_TYPE, unix.LWTUNNEL_ENCAP_MPLS)
-		b, off = beginNested(b, unix.NHA_ENCAP|unix.NLA_F_NESTED)
-		b = appendMPLSEncap(b, n.MPLSLabels)
-	default:
-		return b
-	}
-	return endNested(b, off)
+	return appendLWTEncap(b, unix.NHA_ENCAP_TYPE, unix.NHA_ENCAP, n.IPEncap, n.MPLSLabels)
 }
 
 // appendDelNextHop appends an RTM_DELNEXTHOP request for nexthop id. The

@@ -200,6 +200,17 @@ func waitTable(t *testing.T, rec *recorder, vip string, buckets int, endpoints [
 	return got
 }
 
+// waitRemoved waits until the tunnel of vip is no longer programmed.
+func waitRemoved(t *testing.T, rec *recorder, vip, why string) {
+	t.Helper()
+	eventually(t, 15*time.Second, "tunnel "+vip+" removed "+why, func() error {
+		if _, ok := rec.get(vip); ok {
+			return fmt.Errorf("still programmed")
+		}
+		return nil
+	})
+}
+
 // waitEvent waits for an event with reason on the Service whose message
 // contains part.
 func waitEvent(t *testing.T, cs kubernetes.Interface, svc *corev1.Service, eventType, reason, part string) {
@@ -254,12 +265,7 @@ func TestRouterProgramsAnnotatedServices(t *testing.T) {
 	if _, err := cs.CoreV1().Services(ns).Patch(context.Background(), "web", types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 15*time.Second, "tunnel removed with its annotation", func() error {
-		if _, ok := rec.get("192.0.2.10"); ok {
-			return fmt.Errorf("still programmed")
-		}
-		return nil
-	})
+	waitRemoved(t, rec, "192.0.2.10", "with its annotation")
 }
 
 func TestRouterBadInputKeepsOtherServicesWorking(t *testing.T) {
@@ -319,12 +325,7 @@ func TestRouterConflictOldestWins(t *testing.T) {
 	if err := cs.CoreV1().Services(ns).Delete(context.Background(), newer.Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 15*time.Second, "tunnel removed with its last Service", func() error {
-		if _, ok := rec.get("192.0.2.30"); ok {
-			return fmt.Errorf("still programmed")
-		}
-		return nil
-	})
+	waitRemoved(t, rec, "192.0.2.30", "with its last Service")
 }
 
 func TestRouterMoreEndpointsThanBuckets(t *testing.T) {
