@@ -18,10 +18,10 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
-	"runtime"
 	"strings"
 	"testing"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/nsexec"
 	"github.com/coreos/go-iptables/iptables"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
@@ -159,17 +159,8 @@ func (n *NS) AddVeth(name, peer string, addr netip.Prefix) int {
 }
 
 // RunOnDiscardedThread runs fn on a new goroutine locked to its OS thread and
-// waits for it. The goroutine never unlocks, so the runtime discards the
-// thread, with whatever namespace fn left it in, when fn returns.
-func RunOnDiscardedThread(fn func() error) error {
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		// No UnlockOSThread, on purpose.
-		errc <- fn()
-	}()
-	return <-errc
-}
+// waits for it; the thread is discarded afterwards (see package nsexec).
+func RunOnDiscardedThread(fn func() error) error { return nsexec.OnDiscardedThread(fn) }
 
 // IPNet converts a prefix to the net package's form.
 func IPNet(p netip.Prefix) *net.IPNet {
