@@ -4,11 +4,11 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
-	"slices"
 	"strings"
 	"sync/atomic"
 	"time"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/sirupsen/logrus"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -209,13 +209,13 @@ func (c *Controller) processNext() bool {
 // claimOf reads the tunnel IP a Service claims; ok is false when it claims
 // none. A bad annotation is reported on the Service and claims nothing.
 func (c *Controller) claimOf(svc *corev1.Service) (netip.Addr, bool) {
-	value, annotated := svc.Annotations[TunnelAnnotation]
+	value, annotated := svc.Annotations[tunnelclaim.Annotation]
 	if !annotated {
 		return netip.Addr{}, false
 	}
-	vip, err := ParseTunnelIP(value)
+	vip, err := tunnelclaim.ParseIP(value)
 	if err != nil {
-		c.log.WithFields(logrus.Fields{"service": svc.Namespace + "/" + svc.Name, "field": "metadata.annotations[" + TunnelAnnotation + "]"}).WithError(err).Warn("invalid tunnel IP")
+		c.log.WithFields(logrus.Fields{"service": svc.Namespace + "/" + svc.Name, "field": "metadata.annotations[" + tunnelclaim.Annotation + "]"}).WithError(err).Warn("invalid tunnel IP")
 		c.report(svc, corev1.EventTypeWarning, ReasonInvalidTunnelIP, err.Error())
 		return netip.Addr{}, false
 	}
@@ -266,7 +266,7 @@ func svcAnnotation(svc *corev1.Service) (string, bool) {
 	if svc == nil {
 		return "", false
 	}
-	v, ok := svc.Annotations[TunnelAnnotation]
+	v, ok := svc.Annotations[tunnelclaim.Annotation]
 	return v, ok
 }
 
@@ -355,15 +355,7 @@ func (c *Controller) claimants(vip netip.Addr) []*corev1.Service {
 			out = append(out, svc)
 		}
 	}
-	slices.SortFunc(out, func(a, b *corev1.Service) int {
-		if !a.CreationTimestamp.Equal(&b.CreationTimestamp) {
-			if a.CreationTimestamp.Before(&b.CreationTimestamp) {
-				return -1
-			}
-			return 1
-		}
-		return strings.Compare(a.Namespace+"/"+a.Name, b.Namespace+"/"+b.Name)
-	})
+	tunnelclaim.Sort(out)
 	return out
 }
 

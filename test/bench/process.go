@@ -20,7 +20,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
-	"github.com/cmdnu/kube-service-tunnel/router"
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
 )
 
@@ -155,7 +155,7 @@ func createOne(ctx context.Context, cs kubernetes.Interface, ns string, i int) e
 	name := fmt.Sprintf("svc-%d", i)
 	vip := netip.AddrFrom4([4]byte{198, 18, byte(i >> 8), byte(i)})
 	svc := &corev1.Service{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Annotations: map[string]string{router.TunnelAnnotation: vip.String()}},
+		ObjectMeta: metav1.ObjectMeta{Name: name, Annotations: map[string]string{tunnelclaim.Annotation: vip.String()}},
 		Spec:       corev1.ServiceSpec{ClusterIP: corev1.ClusterIPNone, Ports: []corev1.ServicePort{{Port: 80, TargetPort: intstr.FromInt32(8080)}}},
 	}
 	if _, err := cs.CoreV1().Services(ns).Create(ctx, svc, metav1.CreateOptions{}); err != nil {

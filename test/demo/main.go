@@ -33,6 +33,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router"
 	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
 )
@@ -218,7 +219,7 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	delete(svc.Annotations, router.TunnelAnnotation)
+	delete(svc.Annotations, tunnelclaim.Annotation)
 	if _, err := admin.CoreV1().Services(namespace).Update(ctx, svc, metav1.UpdateOptions{}); err != nil {
 		return err
 	}

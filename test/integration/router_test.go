@@ -20,6 +20,7 @@ import (
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router"
 )
 
@@ -116,7 +117,7 @@ func routerCfg(mode router.Mode, buckets int) router.Config {
 func createService(t *testing.T, cs kubernetes.Interface, ns, name, tunnelIP string) *corev1.Service {
 	t.Helper()
 	svc := &corev1.Service{
-		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Annotations: map[string]string{router.TunnelAnnotation: tunnelIP}},
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Annotations: map[string]string{tunnelclaim.Annotation: tunnelIP}},
 		Spec: corev1.ServiceSpec{
 			Selector: map[string]string{"app": name},
 			Ports:    []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080)}},
@@ -261,7 +262,7 @@ func TestRouterProgramsAnnotatedServices(t *testing.T) {
 	}
 
 	// Removing the annotation removes the tunnel.
-	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:null}}}`, router.TunnelAnnotation)
+	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:null}}}`, tunnelclaim.Annotation)
 	if _, err := cs.CoreV1().Services(ns).Patch(context.Background(), "web", types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -286,7 +287,7 @@ func TestRouterBadInputKeepsOtherServicesWorking(t *testing.T) {
 		"v6":        "2001:db8::1",
 	} {
 		svc := createService(t, cs, ns, name, value)
-		waitEvent(t, cs, svc, corev1.EventTypeWarning, router.ReasonInvalidTunnelIP, router.TunnelAnnotation)
+		waitEvent(t, cs, svc, corev1.EventTypeWarning, router.ReasonInvalidTunnelIP, tunnelclaim.Annotation)
 	}
 	// A slice with broken entries: the good ones still count.
 	applySlice(t, cs, ns, "good", "good-b", ep{addr: "10.244.1.10"}, ep{addr: "10.244.1.11", node: "node-1", ready: ptr(false)})

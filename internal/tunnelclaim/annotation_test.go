@@ -1,4 +1,4 @@
-package router
+package tunnelclaim
 
 import (
 	"net/netip"
@@ -6,7 +6,7 @@ import (
 	"testing"
 )
 
-func TestParseTunnelIP(t *testing.T) {
+func TestParseIP(t *testing.T) {
 	for _, tc := range []struct {
 		value   string
 		want    string
@@ -36,30 +36,30 @@ func TestParseTunnelIP(t *testing.T) {
 		{value: "240.0.0.1", errPart: "reserved"},
 		{value: "0.1.2.3", errPart: "0.0.0.0/8"},
 	} {
-		got, err := ParseTunnelIP(tc.value)
+		got, err := ParseIP(tc.value)
 		if tc.errPart != "" {
 			if err == nil || !strings.Contains(err.Error(), tc.errPart) {
-				t.Errorf("ParseTunnelIP(%q) = %v, %v; want error containing %q", tc.value, got, err, tc.errPart)
+				t.Errorf("ParseIP(%q) = %v, %v; want error containing %q", tc.value, got, err, tc.errPart)
 			}
 			continue
 		}
 		if err != nil || got != netip.MustParseAddr(tc.want) {
-			t.Errorf("ParseTunnelIP(%q) = %v, %v; want %s", tc.value, got, err, tc.want)
+			t.Errorf("ParseIP(%q) = %v, %v; want %s", tc.value, got, err, tc.want)
 		}
 	}
 }
 
-func FuzzParseTunnelIP(f *testing.F) {
+func FuzzParseIP(f *testing.F) {
 	for _, s := range []string{"192.0.2.10", " 1.2.3.4", "1.2.3.4,5.6.7.8", "::1", "127.0.0.1", "", "1.2.3.4/32", "0x7f.1"} {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, value string) {
-		ip, err := ParseTunnelIP(value)
+		ip, err := ParseIP(value)
 		if err != nil {
 			if ip.IsValid() {
 				t.Fatalf("error %v but address %v returned", err, ip)
 			}
-			if !strings.Contains(err.Error(), TunnelAnnotation) {
+			if !strings.Contains(err.Error(), Annotation) {
 				t.Fatalf("error %q does not name the annotation", err)
 			}
 			return
