@@ -1,0 +1,454 @@
+package endpoint
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"net/netip"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	"github.com/vishvananda/netns"
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/labels"
+	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	corelisters "k8s.io/client-go/listers/core/v1"
+	discoverylisters "k8s.io/client-go/listers/discovery/v1"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/workqueue"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
+	"github.com/cmdnu/kube-service-tunnel/runtime"
+)
+
+// Queue keys that are not pods.
+const (
+	desiredKey = "\x00desired" // recompute the desired state of every local pod
+	nodeKey    = "\x00node"    // converge the node's own namespace
+	resyncKey  = "\x00resync"  // check every local pod and the node again
+)
+
+// PodSyncer converges one pod's namespace (*PodNetwork).
+type PodSyncer interface {
+	Sync(ns netns.NsHandle, want PodTunnels) ([]podAction, error)
+}
+
+// NodeSyncer converges the node's namespace (*NodeNetwork).
+type NodeSyncer interface {
+	Sync(served []PodTunnels, nodeIP netip.Addr) ([]nodeAction, error)
+}
+
+// Informers are the three informer factories the agent reads from: Services
+// and EndpointSlices cluster-wide, Pods of this node, and this node's Node.
+type Informers struct {
+	Cluster, Pods, Node informers.SharedInformerFactory
+}
+
+// NewInformers builds the factories for node; start them after NewController.
+func NewInformers(client kubernetes.Interface, node string) Informers {
+	return Informers{
+		Cluster: informers.NewSharedInformerFactory(client, 0),
+		Pods: informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", node).String()
+		})),
+		Node: informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+			o.FieldSelector = fields.OneTermEqualSelector("metadata.name", node).String()
+		})),
+	}
+}
+
+// Start starts every factory.
+func (i Informers) Start(stop <-chan struct{}) {
+	i.Cluster.Start(stop)
+	i.Pods.Start(stop)
+	i.Node.Start(stop)
+}
+
+// Shutdown stops every factory and waits for their goroutines.
+func (i Informers) Shutdown() {
+	i.Cluster.Shutdown()
+	i.Pods.Shutdown()
+	i.Node.Shutdown()
+}
+
+// Controller keeps every local endpoint pod of a tunnel Service configured.
+// Event handlers only queue keys; workers re-read the listers and converge
+// one pod (or the node) at a time, so a pod whose namespace cannot be found
+// is retried with back-off and holds up nothing else.
+type Controller struct {
+	cfg      Config
+	services corelisters.ServiceLister
+	slices   discoverylisters.EndpointSliceLister
+	pods     corelisters.PodLister
+	nodes    corelisters.NodeLister
+	synced   []cache.InformerSynced
+	queue    workqueue.TypedRateLimitingInterface[string]
+	locator  runtime.Locator
+	podNet   PodSyncer
+	nodeNet  NodeSyncer
+	log      logrus.FieldLogger
+
+	mu       sync.Mutex
+	desired  map[string]PodTunnels
+	clean    map[string]string // pod key -> identity found holding nothing of the agent's
+	problems map[string]bool   // problems logged, so that each is logged once
+	ready    atomic.Bool
+}
+
+// NewController builds the controller on inf.
+func NewController(cfg Config, inf Informers, locator runtime.Locator, podNet PodSyncer, nodeNet NodeSyncer, log logrus.FieldLogger) (*Controller, error) {
+	svcInformer := inf.Cluster.Core().V1().Services()
+	sliceInformer := inf.Cluster.Discovery().V1().EndpointSlices()
+	podInformer := inf.Pods.Core().V1().Pods()
+	nodeInformer := inf.Node.Core().V1().Nodes()
+	c := &Controller{
+		cfg:      cfg,
+		services: svcInformer.Lister(),
+		slices:   sliceInformer.Lister(),
+		pods:     podInformer.Lister(),
+		nodes:    nodeInformer.Lister(),
+		synced: []cache.InformerSynced{svcInformer.Informer().HasSynced, sliceInformer.Informer().HasSynced,
+			podInformer.Informer().HasSynced, nodeInformer.Informer().HasSynced},
+		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
+			workqueue.NewTypedItemExponentialFailureRateLimiter[string](500*time.Millisecond, 2*time.Minute),
+			workqueue.TypedRateLimitingQueueConfig[string]{Name: "tunnel-endpoint"}),
+		locator:  locator,
+		podNet:   podNet,
+		nodeNet:  nodeNet,
+		log:      log,
+		desired:  map[string]PodTunnels{},
+		clean:    map[string]string{},
+		problems: map[string]bool{},
+	}
+	recompute := func(any) { c.queue.Add(desiredKey) }
+	handlers := []struct {
+		inf cache.SharedIndexInformer
+		h   cache.ResourceEventHandler
+	}{
+		{svcInformer.Informer(), cache.ResourceEventHandlerFuncs{
+			AddFunc: func(obj any) {
+				if annotated(obj) {
+					recompute(obj)
+				}
+			},
+			UpdateFunc: func(old, obj any) {
+				if annotated(old) || annotated(obj) {
+					recompute(obj)
+				}
+			},
+			DeleteFunc: recompute,
+		}},
+		{sliceInformer.Informer(), cache.ResourceEventHandlerFuncs{
+			AddFunc:    c.onSlice,
+			UpdateFunc: func(_, obj any) { c.onSlice(obj) },
+			DeleteFunc: recompute,
+		}},
+		{podInformer.Informer(), cache.ResourceEventHandlerFuncs{
+			AddFunc: func(obj any) { c.enqueuePod(obj); recompute(obj) },
+			UpdateFunc: func(old, obj any) {
+				o, n := old.(*corev1.Pod), obj.(*corev1.Pod)
+				if o.ResourceVersion != n.ResourceVersion {
+					c.enqueuePod(obj)
+				}
+				if o.Status.PodIP != n.Status.PodIP || o.Status.Phase != n.Status.Phase || o.UID != n.UID {
+					recompute(obj)
+				}
+			},
+			DeleteFunc: func(obj any) { c.enqueuePod(obj); recompute(obj) },
+		}},
+		{nodeInformer.Informer(), cache.ResourceEventHandlerFuncs{
+			AddFunc:    func(any) { c.queue.Add(nodeKey) },
+			UpdateFunc: func(any, any) { c.queue.Add(nodeKey) },
+		}},
+	}
+	for _, h := range handlers {
+		if _, err := h.inf.AddEventHandler(h.h); err != nil {
+			return nil, fmt.Errorf("adding event handler: %w", err)
+		}
+	}
+	return c, nil
+}
+
+// annotated reports whether obj is a Service with the tunnel annotation.
+func annotated(obj any) bool {
+	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = d.Obj
+	}
+	svc, ok := obj.(*corev1.Service)
+	if !ok {
+		return false
+	}
+	_, ok = svc.Annotations[tunnelclaim.Annotation]
+	return ok
+}
+
+// onSlice recomputes when the slice's Service is a tunnel Service.
+func (c *Controller) onSlice(obj any) {
+	es, ok := obj.(*discoveryv1.EndpointSlice)
+	if !ok {
+		return
+	}
+	svc, err := c.services.Services(es.Namespace).Get(es.Labels[discoveryv1.LabelServiceName])
+	if err == nil && !annotated(svc) {
+		return
+	}
+	c.queue.Add(desiredKey)
+}
+
+func (c *Controller) enqueuePod(obj any) {
+	key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj)
+	if err != nil {
+		utilruntime.HandleError(err)
+		return
+	}
+	c.queue.Add(key)
+}
+
+// Ready reports whether the desired state was computed and the node and
+// every served pod were converged once.
+func (c *Controller) Ready() bool { return c.ready.Load() }
+
+// Run waits for the caches, then converges until ctx ends.
+func (c *Controller) Run(ctx context.Context) error {
+	defer utilruntime.HandleCrash()
+	defer c.queue.ShutDown()
+	if !cache.WaitForCacheSync(ctx.Done(), c.synced...) {
+		return fmt.Errorf("waiting for informer caches: %w", ctx.Err())
+	}
+	c.queue.Add(resyncKey)
+	var wg sync.WaitGroup
+	for range c.cfg.Workers {
+		wg.Go(func() {
+			wait.UntilWithContext(ctx, func(ctx context.Context) {
+				for c.processNext(ctx) {
+				}
+			}, time.Second)
+		})
+	}
+	if c.cfg.ResyncPeriod > 0 {
+		go wait.Until(func() { c.queue.Add(resyncKey) }, c.cfg.ResyncPeriod, ctx.Done())
+	}
+	<-ctx.Done()
+	c.queue.ShutDown()
+	wg.Wait()
+	return nil
+}
+
+func (c *Controller) processNext(ctx context.Context) bool {
+	key, shutdown := c.queue.Get()
+	if shutdown {
+		return false
+	}
+	defer c.queue.Done(key)
+	var err error
+	switch key {
+	case resyncKey:
+		err = c.resync()
+	case desiredKey:
+		err = c.recompute()
+	case nodeKey:
+		err = c.syncNode()
+	default:
+		err = c.syncPod(ctx, key)
+	}
+	if err != nil {
+		c.log.WithError(err).WithField("key", strings.TrimPrefix(key, "\x00")).Warn("sync failed, will retry with back-off")
+		c.queue.AddRateLimited(key)
+		return true
+	}
+	c.queue.Forget(key)
+	return true
+}
+
+// resync forgets which pods were clean and checks every local pod again.
+func (c *Controller) resync() error {
+	if err := c.recompute(); err != nil {
+		return err
+	}
+	pods, err := c.pods.List(labels.Everything())
+	if err != nil {
+		return err
+	}
+	c.mu.Lock()
+	c.clean = map[string]string{}
+	c.mu.Unlock()
+	for _, pod := range pods {
+		c.queue.Add(pod.Namespace + "/" + pod.Name)
+	}
+	c.queue.Add(nodeKey)
+	return nil
+}
+
+// recompute derives the desired state of every local pod and queues the pods
+// whose desired state changed.
+func (c *Controller) recompute() error {
+	svcs, err := c.services.List(labels.Everything())
+	if err != nil {
+		return fmt.Errorf("listing services: %w", err)
+	}
+	esl, err := c.slices.List(labels.Everything())
+	if err != nil {
+		return fmt.Errorf("listing endpointslices: %w", err)
+	}
+	pods, err := c.pods.List(labels.Everything())
+	if err != nil {
+		return fmt.Errorf("listing pods: %w", err)
+	}
+	desired, problems := Desired(c.cfg.NodeName, svcs, esl, pods)
+
+	c.mu.Lock()
+	old := c.desired
+	c.desired = desired
+	seen := map[string]bool{}
+	for _, p := range problems {
+		seen[p] = true
+		if !c.problems[p] {
+			c.log.Warn(p)
+		}
+	}
+	c.problems = seen
+	c.mu.Unlock()
+
+	changed := false
+	for key := range keysOf(old, desired) {
+		if !old[key].Equal(desired[key]) {
+			c.queue.Add(key)
+			changed = true
+		}
+	}
+	if changed {
+		c.queue.Add(nodeKey)
+	}
+	return nil
+}
+
+func keysOf(a, b map[string]PodTunnels) map[string]bool {
+	keys := map[string]bool{}
+	for k := range a {
+		keys[k] = true
+	}
+	for k := range b {
+		keys[k] = true
+	}
+	return keys
+}
+
+// syncPod converges one pod's namespace.
+func (c *Controller) syncPod(ctx context.Context, key string) error {
+	ns, name, err := cache.SplitMetaNamespaceKey(key)
+	if err != nil {
+		return nil
+	}
+	pod, err := c.pods.Pods(ns).Get(name)
+	if apierrors.IsNotFound(err) {
+		// Its namespace went with it: nothing to remove, nothing to report.
+		c.mu.Lock()
+		delete(c.clean, key)
+		c.mu.Unlock()
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if pod.Spec.HostNetwork || pod.Spec.NodeName != c.cfg.NodeName || pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
+		return nil
+	}
+	podIP, err := netip.ParseAddr(pod.Status.PodIP)
+	if err != nil || !podIP.Is4() {
+		return nil // not started yet; its update will come
+	}
+	identity := string(pod.UID) + "/" + podIP.String()
+
+	c.mu.Lock()
+	want, served := c.desired[key]
+	wasClean := c.clean[key] == identity
+	c.mu.Unlock()
+	if !served {
+		if wasClean {
+			return nil
+		}
+		want = PodTunnels{Pod: runtime.Pod{Namespace: pod.Namespace, Name: pod.Name, UID: string(pod.UID), IP: podIP}}
+	}
+	if want.Pod.IP != podIP || want.Pod.UID != string(pod.UID) {
+		c.queue.Add(desiredKey) // the pod changed since the last computation
+		return nil
+	}
+	log := c.log.WithFields(logrus.Fields{"pod": key, "pod_ip": podIP})
+
+	lctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	podNS, err := c.locator.Locate(lctx, want.Pod)
+	if err != nil {
+		if errors.Is(err, runtime.ErrNotFound) && len(want.TunnelIPs) == 0 {
+			return nil // no sandbox, so nothing of ours in it either
+		}
+		return fmt.Errorf("pod %s: finding its network namespace (runtime %s): %w", key, c.locator.Name(), err)
+	}
+	defer podNS.Close()
+	log = log.WithFields(logrus.Fields{"netns": podNS.Path, "via": podNS.Via})
+	acts, err := c.podNet.Sync(podNS.Handle, want)
+	for _, a := range acts {
+		log.WithField("change", a.String()).Info("pod namespace changed")
+	}
+	if err != nil {
+		return fmt.Errorf("pod %s (netns %s): %w", key, podNS.Path, err)
+	}
+	if len(acts) > 0 {
+		log.WithField("tunnel_ips", want.TunnelIPs).Info("pod converged")
+	}
+	if len(want.TunnelIPs) == 0 {
+		c.mu.Lock()
+		c.clean[key] = identity
+		c.mu.Unlock()
+	}
+	return nil
+}
+
+// syncNode converges the node's namespace for the pods served now.
+func (c *Controller) syncNode() error {
+	c.mu.Lock()
+	served := slices.Collect(maps.Values(c.desired))
+	c.mu.Unlock()
+	slices.SortFunc(served, func(a, b PodTunnels) int { return a.Pod.IP.Compare(b.Pod.IP) })
+	var nodeIP netip.Addr
+	if node, err := c.nodes.Get(c.cfg.NodeName); err == nil {
+		nodeIP = nodeAddress(node)
+	}
+	acts, err := c.nodeNet.Sync(served, nodeIP)
+	for _, a := range acts {
+		c.log.WithField("change", a.String()).Info("node namespace changed")
+	}
+	if err != nil {
+		return fmt.Errorf("node %s: %w", c.cfg.NodeName, err)
+	}
+	c.ready.Store(true)
+	return nil
+}
+
+// nodeAddress returns a node's first IPv4 InternalIP, else its first IPv4
+// ExternalIP: the address routers send MPLS packets to.
+func nodeAddress(n *corev1.Node) netip.Addr {
+	for _, typ := range []corev1.NodeAddressType{corev1.NodeInternalIP, corev1.NodeExternalIP} {
+		for _, a := range n.Status.Addresses {
+			if a.Type != typ {
+				continue
+			}
+			if ip, err := netip.ParseAddr(a.Address); err == nil && ip.Is4() {
+				return ip
+			}
+		}
+	}
+	return netip.Addr{}
+}

@@ -1,0 +1,159 @@
+package endpoint
+
+import (
+	"fmt"
+	"net/netip"
+	"slices"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
+	"github.com/cmdnu/kube-service-tunnel/runtime"
+)
+
+// PodTunnels is the desired state of one local pod: the tunnel IPs it serves.
+type PodTunnels struct {
+	Pod runtime.Pod
+	// TunnelIPs is sorted and free of duplicates; empty means the pod must
+	// hold nothing of the agent's.
+	TunnelIPs []netip.Addr
+}
+
+// Equal reports whether two desired states are the same.
+func (p PodTunnels) Equal(o PodTunnels) bool {
+	return p.Pod == o.Pod && slices.Equal(p.TunnelIPs, o.TunnelIPs)
+}
+
+// Desired computes, for every pod of this node that backs a tunnel Service,
+// the tunnel IPs it must hold, keyed by "namespace/name". It is a pure
+// function of the objects, so every run over the same objects gives the same
+// answer.
+//
+// A Service's tunnel IP goes to the endpoints of its EndpointSlices whose pod
+// runs on node, whatever their ready/serving/terminating conditions: the
+// routers decide who gets new flows, and a pod that is not ready or is
+// draining must still accept the flows it already has. Of several Services
+// claiming one tunnel IP, only the winner (tunnelclaim.Compare) counts, as on
+// the routers. Entries that cannot be used are skipped and described in
+// problems, one line each naming the object and field.
+func Desired(node string, services []*corev1.Service, endpointSlices []*discoveryv1.EndpointSlice, pods []*corev1.Pod) (desired map[string]PodTunnels, problems []string) {
+	winners := winningServices(services)
+
+	localPods := map[string]*corev1.Pod{}
+	podByIP := map[netip.Addr]*corev1.Pod{}
+	for _, pod := range pods {
+		if pod.Spec.NodeName != node || pod.Spec.HostNetwork {
+			continue
+		}
+		if pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
+			continue
+		}
+		localPods[pod.Namespace+"/"+pod.Name] = pod
+		if ip, err := netip.ParseAddr(pod.Status.PodIP); err == nil {
+			podByIP[ip] = pod
+		}
+	}
+
+	sets := map[string]map[netip.Addr]bool{}
+	for _, es := range endpointSlices {
+		vip, ok := winners[es.Namespace+"/"+es.Labels[discoveryv1.LabelServiceName]]
+		if !ok {
+			continue
+		}
+		name := "EndpointSlice " + es.Namespace + "/" + es.Name
+		if es.AddressType != discoveryv1.AddressTypeIPv4 {
+			continue // the router reports this once per Service
+		}
+		for i, ep := range es.Endpoints {
+			if ep.NodeName != nil && *ep.NodeName != node {
+				continue
+			}
+			if len(ep.Addresses) == 0 {
+				continue
+			}
+			addr, err := netip.ParseAddr(ep.Addresses[0])
+			if err != nil || !addr.Is4() {
+				continue
+			}
+			pod := podOf(es, ep, localPods, podByIP)
+			if pod == nil {
+				if ep.NodeName != nil {
+					problems = append(problems, fmt.Sprintf("%s: endpoints[%d] (%v) names node %s but no running pod of this node matches its targetRef or address", name, i, addr, node))
+				}
+				continue
+			}
+			podIP, err := netip.ParseAddr(pod.Status.PodIP)
+			if err != nil || !podIP.Is4() {
+				problems = append(problems, fmt.Sprintf("%s: endpoints[%d]: pod %s/%s has no IPv4 status.podIP yet", name, i, pod.Namespace, pod.Name))
+				continue
+			}
+			if podIP != addr {
+				problems = append(problems, fmt.Sprintf("%s: endpoints[%d].addresses[0] %v is not the status.podIP %v of pod %s/%s (stale slice?)", name, i, addr, podIP, pod.Namespace, pod.Name))
+				continue
+			}
+			key := pod.Namespace + "/" + pod.Name
+			if sets[key] == nil {
+				sets[key] = map[netip.Addr]bool{}
+			}
+			sets[key][vip] = true
+		}
+	}
+
+	desired = make(map[string]PodTunnels, len(sets))
+	for key, set := range sets {
+		pod := localPods[key]
+		ip, _ := netip.ParseAddr(pod.Status.PodIP)
+		pt := PodTunnels{Pod: runtime.Pod{Namespace: pod.Namespace, Name: pod.Name, UID: string(pod.UID), IP: ip}}
+		for vip := range set {
+			pt.TunnelIPs = append(pt.TunnelIPs, vip)
+		}
+		slices.SortFunc(pt.TunnelIPs, netip.Addr.Compare)
+		desired[key] = pt
+	}
+	return desired, problems
+}
+
+// winningServices maps "namespace/name" of each Service that wins its tunnel
+// IP to that IP. Services with an invalid annotation claim nothing.
+func winningServices(services []*corev1.Service) map[string]netip.Addr {
+	byVIP := map[netip.Addr][]*corev1.Service{}
+	for _, svc := range services {
+		value, ok := svc.Annotations[tunnelclaim.Annotation]
+		if !ok {
+			continue
+		}
+		vip, err := tunnelclaim.ParseIP(value)
+		if err != nil {
+			continue // the routers record the Warning event on the Service
+		}
+		byVIP[vip] = append(byVIP[vip], svc)
+	}
+	winners := make(map[string]netip.Addr, len(byVIP))
+	for vip, claimants := range byVIP {
+		tunnelclaim.Sort(claimants)
+		winners[claimants[0].Namespace+"/"+claimants[0].Name] = vip
+	}
+	return winners
+}
+
+// podOf finds the local pod behind an endpoint: by its targetRef when it names
+// a Pod, else by its address.
+func podOf(es *discoveryv1.EndpointSlice, ep discoveryv1.Endpoint, localPods map[string]*corev1.Pod, podByIP map[netip.Addr]*corev1.Pod) *corev1.Pod {
+	if ref := ep.TargetRef; ref != nil && ref.Kind == "Pod" {
+		ns := ref.Namespace
+		if ns == "" {
+			ns = es.Namespace
+		}
+		pod := localPods[ns+"/"+ref.Name]
+		if pod != nil && ref.UID != "" && pod.UID != ref.UID {
+			return nil // a different pod of the same name
+		}
+		return pod
+	}
+	addr, err := netip.ParseAddr(ep.Addresses[0])
+	if err != nil {
+		return nil
+	}
+	return podByIP[addr]
+}

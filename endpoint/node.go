@@ -1,0 +1,284 @@
+package endpoint
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"slices"
+	"strconv"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/mplslabel"
+)
+
+// swapRoute is one MPLS route on the node: the pod's label is swapped to
+// PodLabel and sent to the pod.
+type swapRoute struct {
+	Label   uint32
+	Pod     netip.Addr
+	LinkIdx int
+}
+
+// nodeAction is one change to the node's namespace.
+type nodeAction struct {
+	Sysctl, Value string    // a sysctl to set, or
+	Add           swapRoute // a swap route to add or replace (Label != 0), or
+	Del           uint32    // a swap route to delete (label != 0)
+}
+
+func (a nodeAction) String() string {
+	switch {
+	case a.Sysctl != "":
+		return "sysctl " + a.Sysctl + "=" + a.Value
+	case a.Add.Label != 0:
+		return fmt.Sprintf("mpls route %d as %d via inet %v dev #%d", a.Add.Label, PodLabel, a.Add.Pod, a.Add.LinkIdx)
+	default:
+		return fmt.Sprintf("remove mpls route %d", a.Del)
+	}
+}
+
+// nodeState is what the node's namespace holds that the agent looks at.
+type nodeState struct {
+	// Routes are the agent's swap routes (protocol RouteProtocol) by label.
+	Routes map[uint32]swapRoute
+	// Sysctls by name relative to /proc/sys; "" when missing.
+	Sysctls map[string]string
+}
+
+// nodeWant is the node's desired state, derived from the served pods.
+type nodeWant struct {
+	Routes map[uint32]swapRoute
+	// PodLinks are the interfaces towards served pods (loose rp_filter).
+	PodLinks []string
+	// MPLSInput are the interfaces where routers' MPLS packets arrive.
+	MPLSInput []string
+}
+
+// sysctlNames lists the sysctls planNode reads.
+func (w nodeWant) sysctlNames(mode Mode) []string {
+	names := []string{ipForwardSysctl()}
+	for _, l := range w.PodLinks {
+		names = append(names, rpFilterSysctl(l))
+	}
+	if mode == ModeMPLS {
+		names = append(names, platformLabelsSysctl())
+		for _, l := range w.MPLSInput {
+			names = append(names, mplsInputSysctl(l))
+		}
+	}
+	return names
+}
+
+// planNode returns the changes that turn have into want: sysctls first (so a
+// route is never added that the node would not forward), then swap routes.
+// Sysctls are only raised. It is pure.
+func planNode(mode Mode, want nodeWant, have nodeState) []nodeAction {
+	var acts []nodeAction
+	served := len(want.PodLinks) > 0
+	if served && have.Sysctls[ipForwardSysctl()] != "1" {
+		acts = append(acts, nodeAction{Sysctl: ipForwardSysctl(), Value: "1"})
+	}
+	for _, l := range want.PodLinks {
+		if have.Sysctls[rpFilterSysctl(l)] == "1" {
+			acts = append(acts, nodeAction{Sysctl: rpFilterSysctl(l), Value: "2"})
+		}
+	}
+	if mode == ModeMPLS && served {
+		if v, _ := strconv.Atoi(have.Sysctls[platformLabelsSysctl()]); v < mplslabel.PlatformLabels {
+			acts = append(acts, nodeAction{Sysctl: platformLabelsSysctl(), Value: strconv.Itoa(mplslabel.PlatformLabels)})
+		}
+		for _, l := range want.MPLSInput {
+			if have.Sysctls[mplsInputSysctl(l)] != "1" {
+				acts = append(acts, nodeAction{Sysctl: mplsInputSysctl(l), Value: "1"})
+			}
+		}
+	}
+	var labels []uint32
+	for l := range have.Routes {
+		labels = append(labels, l)
+	}
+	for l := range want.Routes {
+		if _, ok := have.Routes[l]; !ok {
+			labels = append(labels, l)
+		}
+	}
+	slices.Sort(labels)
+	for _, l := range labels {
+		w, wanted := want.Routes[l]
+		h, present := have.Routes[l]
+		switch {
+		case !wanted:
+			acts = append(acts, nodeAction{Del: l})
+		case !present || h != w:
+			acts = append(acts, nodeAction{Add: w})
+		}
+	}
+	return acts
+}
+
+// NodeNetwork configures the node's own namespace for the pods it serves.
+type NodeNetwork struct {
+	cfg    Config
+	ns     netns.NsHandle
+	sysctl Sysctls
+}
+
+// NewNodeNetwork returns the NodeNetwork of the namespace ns (the agent's own,
+// on a hostNetwork pod).
+func NewNodeNetwork(cfg Config, ns netns.NsHandle) *NodeNetwork {
+	return &NodeNetwork{cfg: cfg, ns: ns, sysctl: ProcSysctls{}}
+}
+
+// Sync makes the node serve exactly the pods in served (those with at least
+// one tunnel IP); nodeIP picks the MPLS input interface when none is
+// configured. It returns the changes made.
+func (n *NodeNetwork) Sync(served []PodTunnels, nodeIP netip.Addr) ([]nodeAction, error) {
+	nl, err := netlink.NewHandleAt(n.ns)
+	if err != nil {
+		return nil, fmt.Errorf("netlink handle in node namespace: %w", err)
+	}
+	defer nl.Close()
+	want, problems := n.want(nl, served, nodeIP)
+	var have nodeState
+	// Listed in gre mode too, so that a change of --mode removes them.
+	if have.Routes, err = n.listRoutes(nl); err != nil && n.cfg.Mode == ModeMPLS {
+		return nil, err
+	}
+	if have.Sysctls, err = n.sysctl.Read(n.ns, want.sysctlNames(n.cfg.Mode)); err != nil {
+		return nil, err
+	}
+	acts := planNode(n.cfg.Mode, want, have)
+	for i, a := range acts {
+		if err := n.apply(nl, a); err != nil {
+			return acts[:i], fmt.Errorf("%s: %w", a, err)
+		}
+	}
+	return acts, errors.Join(problems...)
+}
+
+// want derives the node's desired state. A pod the node has no route to is
+// reported and left out; the others are still served.
+func (n *NodeNetwork) want(nl *netlink.Handle, served []PodTunnels, nodeIP netip.Addr) (nodeWant, []error) {
+	w := nodeWant{Routes: map[uint32]swapRoute{}}
+	var problems []error
+	links := map[string]bool{}
+	for _, pt := range served {
+		routes, err := nl.RouteGet(pt.Pod.IP.AsSlice())
+		if err != nil || len(routes) == 0 || routes[0].LinkIndex == 0 {
+			problems = append(problems, fmt.Errorf("pod %s: the node has no route to its IP %v: %v", pt.Pod, pt.Pod.IP, err))
+			continue
+		}
+		link, err := nl.LinkByIndex(routes[0].LinkIndex)
+		if err != nil {
+			problems = append(problems, fmt.Errorf("pod %s: interface towards %v: %w", pt.Pod, pt.Pod.IP, err))
+			continue
+		}
+		links[link.Attrs().Name] = true
+		if n.cfg.Mode == ModeMPLS {
+			label, err := mplslabel.ForEndpoint(pt.Pod.IP)
+			if err != nil {
+				problems = append(problems, fmt.Errorf("pod %s: %w", pt.Pod, err))
+				continue
+			}
+			if other, dup := w.Routes[label]; dup {
+				problems = append(problems, fmt.Errorf("pods %v and %v share MPLS label %d: the node's pod CIDR must be a /16 or smaller", other.Pod, pt.Pod.IP, label))
+				continue
+			}
+			w.Routes[label] = swapRoute{Label: label, Pod: pt.Pod.IP, LinkIdx: link.Attrs().Index}
+		}
+	}
+	for l := range links {
+		w.PodLinks = append(w.PodLinks, l)
+	}
+	slices.Sort(w.PodLinks)
+	if n.cfg.Mode == ModeMPLS && len(served) > 0 {
+		w.MPLSInput = n.cfg.MPLSInputInterfaces
+		if len(w.MPLSInput) == 0 {
+			name, err := linkHolding(nl, nodeIP)
+			if err != nil {
+				problems = append(problems, fmt.Errorf("MPLS input interface (set --mpls-input-interfaces): %w", err))
+			} else {
+				w.MPLSInput = []string{name}
+			}
+		}
+	}
+	return w, problems
+}
+
+// linkHolding returns the interface that holds ip.
+func linkHolding(nl *netlink.Handle, ip netip.Addr) (string, error) {
+	if !ip.IsValid() {
+		return "", errors.New("the node's address is not known (Node status.addresses)")
+	}
+	addrs, err := nl.AddrList(nil, netlink.FAMILY_V4)
+	if err != nil {
+		return "", fmt.Errorf("listing the node's addresses: %w", err)
+	}
+	for _, a := range addrs {
+		if got, _ := netip.AddrFromSlice(a.IP.To4()); got == ip {
+			link, err := nl.LinkByIndex(a.LinkIndex)
+			if err != nil {
+				return "", err
+			}
+			return link.Attrs().Name, nil
+		}
+	}
+	return "", fmt.Errorf("no interface holds the node address %v", ip)
+}
+
+// listRoutes reads the agent's swap routes.
+func (n *NodeNetwork) listRoutes(nl *netlink.Handle) (map[uint32]swapRoute, error) {
+	routes, err := nl.RouteListFiltered(netlink.FAMILY_MPLS, &netlink.Route{Protocol: netlink.RouteProtocol(n.cfg.RouteProtocol)}, netlink.RT_FILTER_PROTOCOL)
+	if err != nil {
+		return nil, fmt.Errorf("listing the node's MPLS routes (does the kernel have MPLS, CONFIG_MPLS_ROUTING?): %w", err)
+	}
+	out := map[uint32]swapRoute{}
+	for _, r := range routes {
+		if r.MPLSDst == nil || *r.MPLSDst < mplslabel.Base {
+			continue
+		}
+		sr := swapRoute{Label: uint32(*r.MPLSDst), LinkIdx: r.LinkIndex}
+		if via, ok := r.Via.(*netlink.Via); ok {
+			sr.Pod, _ = netip.AddrFromSlice(via.Addr.To4())
+		}
+		if !swapsToPodLabel(r) {
+			sr.Pod = netip.Addr{} // not what the agent writes: replaced
+		}
+		out[sr.Label] = sr
+	}
+	return out, nil
+}
+
+// swapsToPodLabel reports whether r swaps to exactly PodLabel.
+func swapsToPodLabel(r netlink.Route) bool {
+	d, ok := r.NewDst.(*netlink.MPLSDestination)
+	return ok && len(d.Labels) == 1 && d.Labels[0] == PodLabel
+}
+
+// apply makes one change in the node's namespace.
+func (n *NodeNetwork) apply(nl *netlink.Handle, a nodeAction) error {
+	switch {
+	case a.Sysctl != "":
+		return n.sysctl.Write(n.ns, a.Sysctl, a.Value)
+	case a.Add.Label != 0:
+		label := int(a.Add.Label)
+		return nl.RouteReplace(&netlink.Route{
+			MPLSDst:   &label,
+			NewDst:    &netlink.MPLSDestination{Labels: []int{PodLabel}},
+			Via:       &netlink.Via{AddrFamily: netlink.FAMILY_V4, Addr: net.IP(a.Add.Pod.AsSlice())},
+			LinkIndex: a.Add.LinkIdx,
+			Protocol:  netlink.RouteProtocol(n.cfg.RouteProtocol),
+		})
+	default:
+		label := int(a.Del)
+		err := nl.RouteDel(&netlink.Route{MPLSDst: &label, Protocol: netlink.RouteProtocol(n.cfg.RouteProtocol)})
+		if err != nil && !errors.Is(err, unix.ESRCH) {
+			return err
+		}
+		return nil
+	}
+}

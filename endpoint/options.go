@@ -1,0 +1,83 @@
+package endpoint
+
+import (
+	"flag"
+	"os"
+	"strconv"
+	"strings"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/flagenv"
+)
+
+// EnvPrefix prefixes the environment variable of every flag.
+const EnvPrefix = "KST_"
+
+// Options are the endpoint agent's command-line options.
+type Options struct {
+	Config
+	Kubeconfig string
+	LogLevel   string
+	// Runtime forces a container runtime: auto, docker, cri or netns.
+	Runtime string
+	// RuntimeEndpoint is the runtime's socket (unix:///path); empty means
+	// the runtime's usual one.
+	RuntimeEndpoint string
+	// Cleanup removes everything the agent created on this node and exits.
+	Cleanup bool
+}
+
+// AddFlags registers the options on fs with their defaults.
+func (o *Options) AddFlags(fs *flag.FlagSet) {
+	o.Config = Config{
+		Mode: ModeGRE, Device: DefaultDevice, RouteProtocol: DefaultRouteProtocol,
+		ResyncPeriod: DefaultResyncPeriod, Workers: 4,
+	}
+	fs.Func("mode", `encapsulation the routers use: "gre" or "mpls" (default "gre")`, func(s string) error { o.Mode = Mode(s); return nil })
+	fs.StringVar(&o.NodeName, "node-name", "", "name of this node: only its endpoints are handled (env NODE_NAME)")
+	fs.StringVar(&o.Device, "device", o.Device, "name of the GRE decapsulation device created in each pod (gre mode)")
+	fs.Func("route-protocol", "rtm_protocol number marking the agent's MPLS routes (default 245)", func(s string) error {
+		v, err := strconv.ParseUint(s, 0, 8)
+		o.RouteProtocol = uint8(v)
+		return err
+	})
+	fs.IntVar(&o.PodAdvMSS, "pod-advmss", 0, "set this advmss on each served pod's default route so clients' segments fit the tunnel without path-MTU discovery (0: leave the route alone; 1400 suits GRE and MPLS on a 1500-byte network)")
+	fs.Func("mpls-input-interfaces", "comma-separated node interfaces on which routers' MPLS packets arrive (mpls mode; default: the interface holding the node's address)", func(s string) error {
+		o.MPLSInputInterfaces = nil
+		for _, name := range strings.Split(s, ",") {
+			if name = strings.TrimSpace(name); name != "" {
+				o.MPLSInputInterfaces = append(o.MPLSInputInterfaces, name)
+			}
+		}
+		return nil
+	})
+	fs.DurationVar(&o.ResyncPeriod, "resync-period", o.ResyncPeriod, "how often every local pod's namespace is checked and repaired (0 disables)")
+	fs.IntVar(&o.Workers, "workers", o.Workers, "pods configured in parallel")
+	fs.StringVar(&o.Runtime, "runtime", "auto", "how pods' network namespaces are found: auto, docker, cri (containerd, CRI-O) or netns (search by pod IP)")
+	fs.StringVar(&o.RuntimeEndpoint, "runtime-endpoint", "", "runtime socket, e.g. unix:///run/containerd/containerd.sock (default: the runtime's usual socket)")
+	fs.StringVar(&o.Kubeconfig, "kubeconfig", "", "kubeconfig file; empty means in-cluster configuration")
+	fs.StringVar(&o.LogLevel, "log-level", "info", "log level: debug, info, warn, error")
+	fs.BoolVar(&o.Cleanup, "cleanup", false, "remove everything the agent created in this node's pods and namespace, then exit")
+}
+
+// Parse parses args, applies the KST_* environment fallbacks and validates.
+func (o *Options) Parse(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if err := flagenv.Apply(fs, EnvPrefix); err != nil {
+		return err
+	}
+	if o.NodeName == "" {
+		o.NodeName = os.Getenv("NODE_NAME")
+	}
+	if o.Kubeconfig == "" {
+		o.Kubeconfig = os.Getenv("KUBECONFIG")
+	}
+	if o.ResyncPeriod < 0 {
+		o.ResyncPeriod = 0
+	}
+	if o.Cleanup && o.NodeName == "" {
+		o.NodeName = "(cleanup)" // cleanup needs no API server
+	}
+	return o.Validate()
+}

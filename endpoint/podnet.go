@@ -1,0 +1,285 @@
+package endpoint
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"slices"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+)
+
+// decapKind creates and recognises the decapsulation device. It is a seam so
+// that privileged tests on a host kernel without GRE can use a stand-in; the
+// agent always uses GRE.
+type decapKind interface {
+	// newLink describes a new device named name with local address local.
+	newLink(name string, local netip.Addr) netlink.Link
+	// local returns the device's local address; ok is false when the link is
+	// not of this kind.
+	local(l netlink.Link) (addr netip.Addr, ok bool)
+}
+
+// greDecap is a GRE device with the pod IP as local address, any remote and
+// no key: it accepts GRE from every router.
+type greDecap struct{}
+
+func (greDecap) newLink(name string, local netip.Addr) netlink.Link {
+	return &netlink.Gretun{LinkAttrs: netlink.LinkAttrs{Name: name, Alias: DeviceAlias}, Local: local.AsSlice()}
+}
+
+func (greDecap) local(l netlink.Link) (netip.Addr, bool) {
+	gre, ok := l.(*netlink.Gretun)
+	if !ok || gre.FlowBased {
+		return netip.Addr{}, false
+	}
+	addr, _ := netip.AddrFromSlice(gre.Local.To4())
+	return addr, true
+}
+
+// PodNetwork configures pods' network namespaces: it reads what a namespace
+// holds, plans the difference to the desired state and applies it.
+type PodNetwork struct {
+	cfg    Config
+	kind   decapKind
+	sysctl Sysctls
+}
+
+// NewPodNetwork returns the PodNetwork of the agent.
+func NewPodNetwork(cfg Config) *PodNetwork {
+	return &PodNetwork{cfg: cfg, kind: greDecap{}, sysctl: ProcSysctls{}}
+}
+
+// Sync makes the namespace ns of a pod hold exactly want, and returns the
+// changes it made (none when the namespace was already right). It first
+// checks that the pod IP is on an interface of ns, so that a namespace handed
+// out by mistake is never changed.
+func (p *PodNetwork) Sync(ns netns.NsHandle, want PodTunnels) ([]podAction, error) {
+	nl, err := netlink.NewHandleAt(ns)
+	if err != nil {
+		return nil, fmt.Errorf("netlink handle in pod namespace: %w", err)
+	}
+	defer nl.Close()
+	have, err := p.observe(nl, ns, want.Pod.IP)
+	if err != nil {
+		return nil, err
+	}
+	acts, err := planPod(p.cfg, want, have)
+	if err != nil {
+		return nil, err
+	}
+	for i, a := range acts {
+		if err := p.apply(nl, ns, a); err != nil {
+			return acts[:i], fmt.Errorf("%s: %w", a, err)
+		}
+	}
+	return acts, nil
+}
+
+// observe reads what the pod's namespace holds of the agent's.
+func (p *PodNetwork) observe(nl *netlink.Handle, ns netns.NsHandle, podIP netip.Addr) (podState, error) {
+	var st podState
+	addrs, err := nl.AddrList(nil, netlink.FAMILY_V4)
+	if err != nil {
+		return st, fmt.Errorf("listing addresses: %w", err)
+	}
+	lo, err := nl.LinkByName("lo")
+	if err != nil {
+		return st, fmt.Errorf("finding lo: %w", err)
+	}
+	for _, a := range addrs {
+		ip, _ := netip.AddrFromSlice(a.IP.To4())
+		switch {
+		case a.LinkIndex == lo.Attrs().Index && a.Label == LoopbackLabel:
+			st.LoopbackIPs = append(st.LoopbackIPs, ip)
+		case ip == podIP && a.LinkIndex != lo.Attrs().Index:
+			link, err := nl.LinkByIndex(a.LinkIndex)
+			if err != nil {
+				return st, fmt.Errorf("finding the interface of the pod IP: %w", err)
+			}
+			st.PodLink = link.Attrs().Name
+		}
+	}
+	if st.PodLink == "" {
+		return st, fmt.Errorf("the pod IP %v is on no interface of this network namespace: not the pod's, or not set up yet", podIP)
+	}
+
+	link, err := nl.LinkByName(p.cfg.Device)
+	var notFound netlink.LinkNotFoundError
+	switch {
+	case errors.As(err, &notFound):
+	case err != nil:
+		return st, fmt.Errorf("looking up device %s: %w", p.cfg.Device, err)
+	default:
+		local, ok := p.kind.local(link)
+		if !ok || link.Attrs().Alias != DeviceAlias {
+			st.ForeignDevice = true
+			break
+		}
+		st.Device = &deviceState{Local: local, Up: link.Attrs().Flags&net.FlagUp != 0}
+		devAddrs, err := nl.AddrList(link, netlink.FAMILY_V4)
+		if err != nil {
+			return st, fmt.Errorf("listing addresses of %s: %w", p.cfg.Device, err)
+		}
+		for _, a := range devAddrs {
+			ip, _ := netip.AddrFromSlice(a.IP.To4())
+			st.DeviceIPs = append(st.DeviceIPs, ip)
+		}
+	}
+
+	routes, err := nl.RouteListFiltered(netlink.FAMILY_MPLS, &netlink.Route{Protocol: netlink.RouteProtocol(p.cfg.RouteProtocol)}, netlink.RT_FILTER_PROTOCOL)
+	switch {
+	case err != nil && p.cfg.Mode == ModeMPLS:
+		return st, fmt.Errorf("listing MPLS routes (does the kernel have MPLS, CONFIG_MPLS_ROUTING?): %w", err)
+	case err == nil:
+		for _, r := range routes {
+			if r.MPLSDst != nil && *r.MPLSDst == PodLabel {
+				st.PopRoute = true
+			}
+		}
+	}
+
+	if p.cfg.PodAdvMSS != 0 {
+		if r, ok, err := defaultRoute(nl); err != nil {
+			return st, err
+		} else if ok {
+			st.DefaultRoute, st.AdvMSS = true, r.AdvMSS
+		}
+	}
+
+	st.Sysctls, err = p.sysctl.Read(ns, podSysctls(p.cfg, st.PodLink))
+	if err != nil {
+		return st, err
+	}
+	slices.SortFunc(st.DeviceIPs, netip.Addr.Compare)
+	slices.SortFunc(st.LoopbackIPs, netip.Addr.Compare)
+	return st, nil
+}
+
+// defaultRoute returns the IPv4 default route of the main table.
+func defaultRoute(nl *netlink.Handle) (netlink.Route, bool, error) {
+	routes, err := nl.RouteListFiltered(netlink.FAMILY_V4, &netlink.Route{Table: unix.RT_TABLE_MAIN}, netlink.RT_FILTER_TABLE)
+	if err != nil {
+		return netlink.Route{}, false, fmt.Errorf("listing routes: %w", err)
+	}
+	for _, r := range routes {
+		if r.Dst == nil || (r.Dst.IP.IsUnspecified() && isZeroMask(r.Dst.Mask)) {
+			return r, true, nil
+		}
+	}
+	return netlink.Route{}, false, nil
+}
+
+func isZeroMask(m net.IPMask) bool {
+	ones, _ := m.Size()
+	return ones == 0
+}
+
+// apply makes one change in the pod's namespace.
+func (p *PodNetwork) apply(nl *netlink.Handle, ns netns.NsHandle, a podAction) error {
+	switch a.Kind {
+	case actCreateDevice:
+		if err := nl.LinkAdd(p.kind.newLink(p.cfg.Device, a.Addr)); err != nil {
+			if errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.ENOTSUP) {
+				return fmt.Errorf("the kernel has no GRE support (CONFIG_NET_IPGRE, module ip_gre): %w", err)
+			}
+			return err
+		}
+		return nil
+	case actDeleteDevice:
+		link, err := p.ownDevice(nl)
+		if err != nil || link == nil {
+			return err
+		}
+		return nl.LinkDel(link)
+	case actSetDeviceUp:
+		link, err := p.ownDevice(nl)
+		if err != nil {
+			return err
+		}
+		if link == nil {
+			return fmt.Errorf("device %s vanished", p.cfg.Device)
+		}
+		return nl.LinkSetUp(link)
+	case actAddTunnelIP, actDelTunnelIP:
+		link, addr, err := p.addrOf(nl, a)
+		if err != nil {
+			return err
+		}
+		if a.Kind == actAddTunnelIP {
+			if err := nl.AddrAdd(link, addr); err != nil && !errors.Is(err, unix.EEXIST) {
+				return err
+			}
+			return nil
+		}
+		if err := nl.AddrDel(link, addr); err != nil && !errors.Is(err, unix.EADDRNOTAVAIL) {
+			return err
+		}
+		return nil
+	case actSetSysctl:
+		return p.sysctl.Write(ns, a.Sysctl, a.Value)
+	case actAddPopRoute, actDelPopRoute:
+		lo, err := nl.LinkByName("lo")
+		if err != nil {
+			return err
+		}
+		label := PodLabel
+		r := &netlink.Route{MPLSDst: &label, LinkIndex: lo.Attrs().Index, Protocol: netlink.RouteProtocol(p.cfg.RouteProtocol)}
+		if a.Kind == actAddPopRoute {
+			return nl.RouteReplace(r)
+		}
+		if err := nl.RouteDel(r); err != nil && !errors.Is(err, unix.ESRCH) {
+			return err
+		}
+		return nil
+	case actSetAdvMSS:
+		r, ok, err := defaultRoute(nl)
+		if err != nil || !ok {
+			return err
+		}
+		r.AdvMSS = a.MSS
+		return nl.RouteReplace(&r)
+	}
+	return fmt.Errorf("unknown action %d", a.Kind)
+}
+
+// ownDevice returns the agent's device, or nil when there is none. A device
+// of that name without the agent's alias is an error: it is never touched.
+func (p *PodNetwork) ownDevice(nl *netlink.Handle) (netlink.Link, error) {
+	link, err := nl.LinkByName(p.cfg.Device)
+	var notFound netlink.LinkNotFoundError
+	if errors.As(err, &notFound) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	if link.Attrs().Alias != DeviceAlias {
+		return nil, fmt.Errorf("device %s was not created by kube-service-tunnel", p.cfg.Device)
+	}
+	return link, nil
+}
+
+// addrOf returns the link and address an address action works on.
+func (p *PodNetwork) addrOf(nl *netlink.Handle, a podAction) (netlink.Link, *netlink.Addr, error) {
+	addr := &netlink.Addr{IPNet: &net.IPNet{IP: a.Addr.AsSlice(), Mask: net.CIDRMask(32, 32)}}
+	if a.Loopback {
+		lo, err := nl.LinkByName("lo")
+		if err != nil {
+			return nil, nil, err
+		}
+		addr.Label = LoopbackLabel
+		return lo, addr, nil
+	}
+	link, err := p.ownDevice(nl)
+	if err != nil {
+		return nil, nil, err
+	}
+	if link == nil {
+		return nil, nil, fmt.Errorf("device %s is missing", p.cfg.Device)
+	}
+	return link, addr, nil
+}

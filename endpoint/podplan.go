@@ -1,0 +1,213 @@
+package endpoint
+
+import (
+	"fmt"
+	"net/netip"
+	"slices"
+	"strconv"
+)
+
+// podState is what one pod's network namespace holds of the agent's, and what
+// the agent must know about it. observePod reads it from the kernel; planPod
+// compares it with the desired state.
+type podState struct {
+	// PodLink is the interface holding the pod IP (never assumed to be eth0).
+	PodLink string
+	// Device is the agent's GRE device, when it exists.
+	Device *deviceState
+	// ForeignDevice is set when a device of the agent's name exists that the
+	// agent did not create; the agent then refuses to touch the pod.
+	ForeignDevice bool
+	// DeviceIPs are the addresses on the agent's device (gre mode).
+	DeviceIPs []netip.Addr
+	// LoopbackIPs are the addresses on lo labelled LoopbackLabel (mpls mode).
+	LoopbackIPs []netip.Addr
+	// PopRoute reports the agent's MPLS route popping PodLabel to lo.
+	PopRoute bool
+	// Sysctls holds the values of the sysctls planPod looks at, by name
+	// relative to /proc/sys (net/ipv4/conf/lo/rp_filter); "" when missing.
+	Sysctls map[string]string
+	// DefaultRoute is the pod's IPv4 default route in the main table, when it
+	// has one, with its advmss (0 = unset).
+	DefaultRoute bool
+	AdvMSS       int
+}
+
+// deviceState describes the agent's GRE device in a pod.
+type deviceState struct {
+	Local netip.Addr
+	Up    bool
+}
+
+// podActionKind names one change to a pod's namespace.
+type podActionKind int
+
+const (
+	actCreateDevice podActionKind = iota
+	actDeleteDevice
+	actSetDeviceUp
+	actAddTunnelIP
+	actDelTunnelIP
+	actSetSysctl
+	actAddPopRoute
+	actDelPopRoute
+	actSetAdvMSS
+)
+
+// podAction is one change planPod asks for.
+type podAction struct {
+	Kind podActionKind
+	Addr netip.Addr // actCreateDevice: local address; actAdd/DelTunnelIP: the tunnel IP
+	// Loopback: actAdd/DelTunnelIP act on lo (mpls mode) rather than the device.
+	Loopback bool
+	Sysctl   string // actSetSysctl: name relative to /proc/sys
+	Value    string // actSetSysctl: value
+	MSS      int    // actSetAdvMSS: 0 removes it
+}
+
+func (a podAction) String() string {
+	switch a.Kind {
+	case actCreateDevice:
+		return "create device, local " + a.Addr.String()
+	case actDeleteDevice:
+		return "delete device"
+	case actSetDeviceUp:
+		return "set device up"
+	case actAddTunnelIP:
+		return "add tunnel IP " + a.Addr.String() + a.where()
+	case actDelTunnelIP:
+		return "remove tunnel IP " + a.Addr.String() + a.where()
+	case actSetSysctl:
+		return "sysctl " + a.Sysctl + "=" + a.Value
+	case actAddPopRoute:
+		return "add mpls route " + strconv.Itoa(PodLabel) + " dev lo"
+	case actDelPopRoute:
+		return "remove mpls route " + strconv.Itoa(PodLabel) + " dev lo"
+	case actSetAdvMSS:
+		return "default route advmss " + strconv.Itoa(a.MSS)
+	}
+	return fmt.Sprintf("action %d", a.Kind)
+}
+
+func (a podAction) where() string {
+	if a.Loopback {
+		return " on lo"
+	}
+	return " on device"
+}
+
+// Sysctl names a pod needs, relative to /proc/sys.
+func rpFilterSysctl(dev string) string  { return "net/ipv4/conf/" + dev + "/rp_filter" }
+func mplsInputSysctl(dev string) string { return "net/mpls/conf/" + dev + "/input" }
+func ipForwardSysctl() string           { return "net/ipv4/ip_forward" }
+func platformLabelsSysctl() string      { return "net/mpls/platform_labels" }
+func podSysctls(cfg Config, podLink string) []string {
+	if cfg.Mode == ModeGRE {
+		return []string{rpFilterSysctl(cfg.Device)}
+	}
+	return []string{platformLabelsSysctl(), mplsInputSysctl(podLink), rpFilterSysctl("lo")}
+}
+
+// planPod returns the changes that turn have into want, in a safe order:
+// when adding, the decapsulation path comes before the tunnel IPs; when
+// removing, the tunnel IPs go first. What the other mode would have left
+// (after a change of --mode) is removed. It is pure.
+//
+// Sysctls are only ever raised to what the datapath needs, never lowered or
+// restored: rp_filter goes from strict (1) to loose (2) and is left alone when
+// already off (0) or loose.
+func planPod(cfg Config, want PodTunnels, have podState) ([]podAction, error) {
+	if have.ForeignDevice {
+		return nil, fmt.Errorf("a device named %q exists that kube-service-tunnel did not create (its alias is not %q); rename it or choose another --device", cfg.Device, DeviceAlias)
+	}
+	serve := len(want.TunnelIPs) > 0
+	var wantDevice, wantLoopback []netip.Addr
+	switch {
+	case serve && cfg.Mode == ModeGRE:
+		wantDevice = want.TunnelIPs
+	case serve && cfg.Mode == ModeMPLS:
+		wantLoopback = want.TunnelIPs
+	}
+	addDev, delDev := diffAddrs(wantDevice, have.DeviceIPs)
+	addLo, delLo := diffAddrs(wantLoopback, have.LoopbackIPs)
+
+	var acts []podAction
+	// Removals first: addresses, then the paths that no longer serve any.
+	for _, ip := range delDev {
+		acts = append(acts, podAction{Kind: actDelTunnelIP, Addr: ip})
+	}
+	for _, ip := range delLo {
+		acts = append(acts, podAction{Kind: actDelTunnelIP, Addr: ip, Loopback: true})
+	}
+	dev := have.Device
+	if dev != nil && (len(wantDevice) == 0 || dev.Local != want.Pod.IP) {
+		// Not wanted, or the pod got a new address in the same namespace.
+		acts = append(acts, podAction{Kind: actDeleteDevice})
+		dev, addDev = nil, wantDevice // a new device starts without addresses
+	}
+	if have.PopRoute && len(wantLoopback) == 0 {
+		acts = append(acts, podAction{Kind: actDelPopRoute})
+	}
+	if !serve {
+		if cfg.PodAdvMSS != 0 && have.DefaultRoute && have.AdvMSS == cfg.PodAdvMSS {
+			acts = append(acts, podAction{Kind: actSetAdvMSS, MSS: 0})
+		}
+		return acts, nil
+	}
+
+	switch cfg.Mode {
+	case ModeGRE:
+		if dev == nil {
+			acts = append(acts, podAction{Kind: actCreateDevice, Addr: want.Pod.IP})
+		}
+		if dev == nil || !dev.Up {
+			acts = append(acts, podAction{Kind: actSetDeviceUp})
+		}
+		// The device's own sysctl exists only once the device does.
+		if dev == nil || have.Sysctls[rpFilterSysctl(cfg.Device)] != "2" {
+			acts = append(acts, podAction{Kind: actSetSysctl, Sysctl: rpFilterSysctl(cfg.Device), Value: "2"})
+		}
+	case ModeMPLS:
+		if have.PodLink == "" {
+			return nil, fmt.Errorf("no interface holds the pod IP %v", want.Pod.IP)
+		}
+		if v, _ := strconv.Atoi(have.Sysctls[platformLabelsSysctl()]); v < podPlatformLabels {
+			acts = append(acts, podAction{Kind: actSetSysctl, Sysctl: platformLabelsSysctl(), Value: strconv.Itoa(podPlatformLabels)})
+		}
+		if have.Sysctls[mplsInputSysctl(have.PodLink)] != "1" {
+			acts = append(acts, podAction{Kind: actSetSysctl, Sysctl: mplsInputSysctl(have.PodLink), Value: "1"})
+		}
+		if have.Sysctls[rpFilterSysctl("lo")] == "1" {
+			acts = append(acts, podAction{Kind: actSetSysctl, Sysctl: rpFilterSysctl("lo"), Value: "2"})
+		}
+		if !have.PopRoute {
+			acts = append(acts, podAction{Kind: actAddPopRoute})
+		}
+	}
+	// An advmss someone else set is theirs: left alone, and never removed.
+	if cfg.PodAdvMSS != 0 && have.DefaultRoute && have.AdvMSS == 0 {
+		acts = append(acts, podAction{Kind: actSetAdvMSS, MSS: cfg.PodAdvMSS})
+	}
+	for _, ip := range addDev {
+		acts = append(acts, podAction{Kind: actAddTunnelIP, Addr: ip})
+	}
+	for _, ip := range addLo {
+		acts = append(acts, podAction{Kind: actAddTunnelIP, Addr: ip, Loopback: true})
+	}
+	return acts, nil
+}
+
+// diffAddrs returns what is in want and not in have, and the reverse.
+func diffAddrs(want, have []netip.Addr) (add, del []netip.Addr) {
+	for _, ip := range want {
+		if !slices.Contains(have, ip) {
+			add = append(add, ip)
+		}
+	}
+	for _, ip := range have {
+		if !slices.Contains(want, ip) {
+			del = append(del, ip)
+		}
+	}
+	return add, del
+}
