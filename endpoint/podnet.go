@@ -115,11 +115,14 @@ func (p *PodNetwork) observe(nl *netlink.Handle, ns netns.NsHandle, podIP netip.
 		return st, fmt.Errorf("looking up device %s: %w", p.cfg.Device, err)
 	default:
 		local, ok := p.kind.local(link)
-		if !ok || link.Attrs().Alias != DeviceAlias {
+		alias := link.Attrs().Alias
+		// A device without the alias is the agent's only when it is exactly
+		// what the agent creates in this pod (see deviceState.Unmarked).
+		if !ok || !(alias == DeviceAlias || alias == "" && local == podIP) {
 			st.ForeignDevice = true
 			break
 		}
-		st.Device = &deviceState{Local: local, Up: link.Attrs().Flags&net.FlagUp != 0}
+		st.Device = &deviceState{Local: local, Up: link.Attrs().Flags&net.FlagUp != 0, Unmarked: alias == ""}
 		devAddrs, err := nl.AddrList(link, netlink.FAMILY_V4)
 		if err != nil {
 			return st, fmt.Errorf("listing addresses of %s: %w", p.cfg.Device, err)
@@ -189,6 +192,12 @@ func (p *PodNetwork) apply(nl *netlink.Handle, ns netns.NsHandle, a podAction) e
 			return err
 		}
 		return nil
+	case actMarkDevice:
+		link, err := nl.LinkByName(p.cfg.Device)
+		if err != nil {
+			return err
+		}
+		return nl.LinkSetAlias(link, DeviceAlias)
 	case actDeleteDevice:
 		link, err := p.ownDevice(nl)
 		if err != nil || link == nil {

@@ -37,6 +37,10 @@ type podState struct {
 type deviceState struct {
 	Local netip.Addr
 	Up    bool
+	// Unmarked: the device lacks the agent's alias. The kernel ignores an
+	// alias given at creation, so it is set just after; an agent that died in
+	// between leaves a device of its name, kind and local address without it.
+	Unmarked bool
 }
 
 // podActionKind names one change to a pod's namespace.
@@ -46,6 +50,7 @@ const (
 	actCreateDevice podActionKind = iota
 	actDeleteDevice
 	actSetDeviceUp
+	actMarkDevice
 	actAddTunnelIP
 	actDelTunnelIP
 	actSetSysctl
@@ -73,6 +78,8 @@ func (a podAction) String() string {
 		return "delete device"
 	case actSetDeviceUp:
 		return "set device up"
+	case actMarkDevice:
+		return "set device alias " + DeviceAlias
 	case actAddTunnelIP:
 		return "add tunnel IP " + a.Addr.String() + a.where()
 	case actDelTunnelIP:
@@ -132,6 +139,9 @@ func planPod(cfg Config, want PodTunnels, have podState) ([]podAction, error) {
 	addLo, delLo := diffAddrs(wantLoopback, have.LoopbackIPs)
 
 	var acts []podAction
+	if have.Device != nil && have.Device.Unmarked {
+		acts = append(acts, podAction{Kind: actMarkDevice})
+	}
 	// Removals first: addresses, then the paths that no longer serve any.
 	for _, ip := range delDev {
 		acts = append(acts, podAction{Kind: actDelTunnelIP, Addr: ip})
@@ -158,7 +168,7 @@ func planPod(cfg Config, want PodTunnels, have podState) ([]podAction, error) {
 	switch cfg.Mode {
 	case ModeGRE:
 		if dev == nil {
-			acts = append(acts, podAction{Kind: actCreateDevice, Addr: want.Pod.IP})
+			acts = append(acts, podAction{Kind: actCreateDevice, Addr: want.Pod.IP}, podAction{Kind: actMarkDevice})
 		}
 		if dev == nil || !dev.Up {
 			acts = append(acts, podAction{Kind: actSetDeviceUp})

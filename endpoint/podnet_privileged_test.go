@@ -1,0 +1,278 @@
+package endpoint
+
+import (
+	"net"
+	"net/netip"
+	"os"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/vishvananda/netlink"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
+)
+
+// vxlanDecap stands in for the GRE device on this host's kernel, which has no
+// GRE: a VXLAN device is also a tunnel device with a local address, so
+// creating, recognising, bringing up, addressing and deleting it exercise the
+// same kernel calls. The end-to-end lab runs real GRE.
+type vxlanDecap struct{}
+
+func (vxlanDecap) newLink(name string, local netip.Addr) netlink.Link {
+	return &netlink.Vxlan{LinkAttrs: netlink.LinkAttrs{Name: name, Alias: DeviceAlias}, VxlanId: 42, SrcAddr: local.AsSlice(), Port: 4789}
+}
+
+func (vxlanDecap) local(l netlink.Link) (netip.Addr, bool) {
+	v, ok := l.(*netlink.Vxlan)
+	if !ok {
+		return netip.Addr{}, false
+	}
+	a, _ := netip.AddrFromSlice(v.SrcAddr.To4())
+	return a, true
+}
+
+// podAndNode builds a pod namespace whose interface "net1" (deliberately not
+// eth0) holds the pod IP, wired by a veth to a node namespace that routes to
+// it through "podveth"; the pod's default route points at the node.
+func podAndNode(t *testing.T, ip netip.Addr) (pod, node *testnetns.NS) {
+	t.Helper()
+	pod, node = testnetns.New(t), testnetns.New(t)
+	pnl, nnl := pod.Netlink(), node.Netlink()
+	if err := pnl.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "net1"}, PeerName: "podveth"}); err != nil {
+		t.Fatal(err)
+	}
+	peer, err := pnl.LinkByName("podveth")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pnl.LinkSetNsFd(peer, int(node.Handle)); err != nil {
+		t.Fatal(err)
+	}
+	gw := netip.MustParseAddr("169.254.1.1")
+	pod.Run("ip", "link", "set", "net1", "up")
+	pod.Run("ip", "addr", "add", ip.String()+"/32", "dev", "net1")
+	pod.Run("ip", "route", "add", gw.String(), "dev", "net1", "scope", "link")
+	pod.Run("ip", "route", "add", "default", "via", gw.String(), "dev", "net1")
+	node.Run("ip", "link", "set", "podveth", "up")
+	node.Run("ip", "route", "add", ip.String()+"/32", "dev", "podveth")
+	_ = nnl
+	return pod, node
+}
+
+func standInPodNetwork(cfg Config) *PodNetwork {
+	return &PodNetwork{cfg: cfg, kind: vxlanDecap{}, sysctl: ProcSysctls{}}
+}
+
+func readSysctl(t *testing.T, ns *testnetns.NS, name string) string {
+	t.Helper()
+	v, err := ProcSysctls{}.Read(ns.Handle, []string{name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return v[name]
+}
+
+// addrsOn lists the IPv4 addresses of a link in ns with their labels.
+func addrsOn(t *testing.T, ns *testnetns.NS, link string) []string {
+	t.Helper()
+	nl := ns.Netlink()
+	l, err := nl.LinkByName(link)
+	if err != nil {
+		return nil
+	}
+	addrs, err := nl.AddrList(l, netlink.FAMILY_V4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, a := range addrs {
+		out = append(out, a.IPNet.String()+" "+a.Label)
+	}
+	slices.Sort(out)
+	return out
+}
+
+func TestPodNetworkDeviceLifecycle(t *testing.T) {
+	ip := netip.MustParseAddr("198.18.10.11")
+	pod, _ := podAndNode(t, ip)
+	cfg := testConfig(ModeGRE)
+	pn := standInPodNetwork(cfg)
+	w := PodTunnels{Pod: want().Pod, TunnelIPs: []netip.Addr{vip1}}
+	w.Pod.IP = ip
+	before := addrsOn(t, pod, "net1")
+
+	acts, err := pn.Sync(pod.Handle, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(acts) == 0 {
+		t.Fatal("first sync made no change")
+	}
+	link, err := pod.Netlink().LinkByName(cfg.Device)
+	if err != nil {
+		t.Fatalf("device not created: %v", err)
+	}
+	if link.Attrs().Alias != DeviceAlias || link.Attrs().Flags&net.FlagUp == 0 {
+		t.Fatalf("device alias %q flags %v: want alias %q and up", link.Attrs().Alias, link.Attrs().Flags, DeviceAlias)
+	}
+	if got := addrsOn(t, pod, cfg.Device); !slices.Equal(got, []string{"192.0.2.10/32 kst-decap"}) {
+		t.Fatalf("device addresses = %v", got)
+	}
+	if v := readSysctl(t, pod, "net/ipv4/conf/kst-decap/rp_filter"); v != "2" {
+		t.Fatalf("rp_filter on device = %q, want 2", v)
+	}
+
+	// A restarted agent (a new PodNetwork) adopts it without a write.
+	if acts, err := standInPodNetwork(cfg).Sync(pod.Handle, w); err != nil || len(acts) != 0 {
+		t.Fatalf("re-sync after restart: changes %v, err %v; want none", acts, err)
+	}
+
+	// Each tunnel IP is added and removed on its own.
+	w.TunnelIPs = []netip.Addr{vip1, vip2}
+	if acts, err := pn.Sync(pod.Handle, w); err != nil || render(acts) != "add tunnel IP 192.0.2.11 on device" {
+		t.Fatalf("adding a second tunnel IP: %q, %v", render(acts), err)
+	}
+	w.TunnelIPs = []netip.Addr{vip2}
+	if acts, err := pn.Sync(pod.Handle, w); err != nil || render(acts) != "remove tunnel IP 192.0.2.10 on device" {
+		t.Fatalf("removing one tunnel IP: %q, %v", render(acts), err)
+	}
+	if got := addrsOn(t, pod, cfg.Device); !slices.Equal(got, []string{"192.0.2.11/32 kst-decap"}) {
+		t.Fatalf("device addresses = %v", got)
+	}
+
+	// Drift is repaired: an operator deleted the address by hand.
+	pod.Run("ip", "addr", "del", "192.0.2.11/32", "dev", cfg.Device)
+	if acts, err := pn.Sync(pod.Handle, w); err != nil || render(acts) != "add tunnel IP 192.0.2.11 on device" {
+		t.Fatalf("repair: %q, %v", render(acts), err)
+	}
+
+	// The last one takes the device with it; the pod's own interface is untouched.
+	w.TunnelIPs = nil
+	if _, err := pn.Sync(pod.Handle, w); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pod.Netlink().LinkByName(cfg.Device); err == nil {
+		t.Fatal("device still exists after the last tunnel IP went")
+	}
+	if after := addrsOn(t, pod, "net1"); !slices.Equal(before, after) {
+		t.Fatalf("pod interface changed: %v -> %v", before, after)
+	}
+}
+
+func TestPodNetworkRefusesWrongNamespace(t *testing.T) {
+	pod, _ := podAndNode(t, netip.MustParseAddr("198.18.10.21"))
+	w := want(vip1)
+	w.Pod.IP = netip.MustParseAddr("198.18.10.99") // not this namespace's pod
+	_, err := standInPodNetwork(testConfig(ModeGRE)).Sync(pod.Handle, w)
+	if err == nil || !strings.Contains(err.Error(), "on no interface") {
+		t.Fatalf("err = %v, want a refusal", err)
+	}
+	if _, err := pod.Netlink().LinkByName(DefaultDevice); err == nil {
+		t.Fatal("a device was created in a namespace that does not hold the pod IP")
+	}
+}
+
+func TestPodNetworkLeavesForeignDeviceAlone(t *testing.T) {
+	ip := netip.MustParseAddr("198.18.10.31")
+	pod, _ := podAndNode(t, ip)
+	pod.Run("ip", "link", "add", DefaultDevice, "type", "vxlan", "id", "7", "dstport", "4789")
+	pod.Run("ip", "addr", "add", "192.0.2.77/32", "dev", DefaultDevice)
+	w := want(vip1)
+	w.Pod.IP = ip
+	if _, err := standInPodNetwork(testConfig(ModeGRE)).Sync(pod.Handle, w); err == nil || !strings.Contains(err.Error(), "did not create") {
+		t.Fatalf("err = %v, want a refusal", err)
+	}
+	w.TunnelIPs = nil
+	if _, err := standInPodNetwork(testConfig(ModeGRE)).Sync(pod.Handle, w); err == nil {
+		t.Fatal("cleanup sync touched or ignored a foreign device silently")
+	}
+	if got := addrsOn(t, pod, DefaultDevice); !slices.Equal(got, []string{"192.0.2.77/32 kst-decap"}) {
+		t.Fatalf("foreign device changed: %v", got)
+	}
+}
+
+// TestPodNetworkLoopbackOwnership checks the mpls-mode addresses on lo: only
+// those labelled lo:kst are the agent's. It runs in gre mode (this host has no
+// MPLS), where leftovers of mpls mode must be removed.
+func TestPodNetworkLoopbackOwnership(t *testing.T) {
+	ip := netip.MustParseAddr("198.18.10.41")
+	pod, _ := podAndNode(t, ip)
+	pod.Run("ip", "addr", "add", "192.0.2.10/32", "dev", "lo", "label", LoopbackLabel)
+	pod.Run("ip", "addr", "add", "192.0.2.50/32", "dev", "lo") // the pod's own
+	w := want()
+	w.Pod.IP = ip
+	acts, err := standInPodNetwork(testConfig(ModeGRE)).Sync(pod.Handle, w)
+	if err != nil || render(acts) != "remove tunnel IP 192.0.2.10 on lo" {
+		t.Fatalf("changes %q, err %v", render(acts), err)
+	}
+	got := addrsOn(t, pod, "lo")
+	if !slices.Contains(got, "192.0.2.50/32 lo") || slices.Contains(got, "192.0.2.10/32 "+LoopbackLabel) {
+		t.Fatalf("lo addresses = %v: want the pod's own kept and the agent's removed", got)
+	}
+}
+
+func TestPodNetworkMPLSNeedsKernelSupport(t *testing.T) {
+	testnetns.RequireRoot(t)
+	if _, err := os.Stat("/proc/sys/net/mpls"); err == nil {
+		t.Skip("this kernel has MPLS; the lab tests the mpls datapath")
+	}
+	ip := netip.MustParseAddr("198.18.10.51")
+	pod, _ := podAndNode(t, ip)
+	w := want(vip1)
+	w.Pod.IP = ip
+	_, err := standInPodNetwork(testConfig(ModeMPLS)).Sync(pod.Handle, w)
+	if err == nil || !strings.Contains(err.Error(), "CONFIG_MPLS_ROUTING") {
+		t.Fatalf("err = %v, want one naming CONFIG_MPLS_ROUTING", err)
+	}
+	if got := addrsOn(t, pod, "lo"); slices.ContainsFunc(got, func(s string) bool { return strings.HasPrefix(s, "192.0.2.10") }) {
+		t.Fatalf("tunnel IP added although the decapsulation path is impossible: %v", got)
+	}
+}
+
+func TestPodNetworkAdvMSS(t *testing.T) {
+	ip := netip.MustParseAddr("198.18.10.61")
+	pod, _ := podAndNode(t, ip)
+	cfg := testConfig(ModeGRE)
+	cfg.PodAdvMSS = 1400
+	w := want(vip1)
+	w.Pod.IP = ip
+	if _, err := standInPodNetwork(cfg).Sync(pod.Handle, w); err != nil {
+		t.Fatal(err)
+	}
+	if out := pod.Run("ip", "-4", "route", "show", "default"); !strings.Contains(out, "advmss 1400") || !strings.Contains(out, "via 169.254.1.1 dev net1") {
+		t.Fatalf("default route = %q, want the same route with advmss 1400", out)
+	}
+	w.TunnelIPs = nil
+	if _, err := standInPodNetwork(cfg).Sync(pod.Handle, w); err != nil {
+		t.Fatal(err)
+	}
+	if out := pod.Run("ip", "-4", "route", "show", "default"); strings.Contains(out, "advmss") || !strings.Contains(out, "via 169.254.1.1 dev net1") {
+		t.Fatalf("default route = %q, want it back without advmss", out)
+	}
+}
+
+func TestNodeNetworkSysctls(t *testing.T) {
+	ip := netip.MustParseAddr("198.18.10.71")
+	_, node := podAndNode(t, ip)
+	node.Run("sysctl", "-qw", "net.ipv4.conf.podveth.rp_filter=1")
+	nn := &NodeNetwork{cfg: testConfig(ModeGRE), ns: node.Handle, sysctl: ProcSysctls{}}
+	pt := want(vip1)
+	pt.Pod.IP = ip
+	acts, err := nn.Sync([]PodTunnels{pt}, netip.Addr{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(acts) != 2 {
+		t.Fatalf("changes = %v, want ip_forward and rp_filter", acts)
+	}
+	if v := readSysctl(t, node, "net/ipv4/ip_forward"); v != "1" {
+		t.Fatalf("ip_forward = %q", v)
+	}
+	if v := readSysctl(t, node, "net/ipv4/conf/podveth/rp_filter"); v != "2" {
+		t.Fatalf("rp_filter on the pod-facing interface = %q, want 2", v)
+	}
+	if acts, err := nn.Sync([]PodTunnels{pt}, netip.Addr{}); err != nil || len(acts) != 0 {
+		t.Fatalf("second sync: %v, %v; want no change", acts, err)
+	}
+}
