@@ -46,11 +46,14 @@ type PodNetwork struct {
 	cfg    Config
 	kind   decapKind
 	sysctl Sysctls
+	// node is the node's own namespace, which is never treated as a pod's.
+	node netns.NsHandle
 }
 
-// NewPodNetwork returns the PodNetwork of the agent.
-func NewPodNetwork(cfg Config) *PodNetwork {
-	return &PodNetwork{cfg: cfg, kind: greDecap{}, sysctl: ProcSysctls{}}
+// NewPodNetwork returns the PodNetwork of the agent running in the node's
+// namespace node.
+func NewPodNetwork(cfg Config, node netns.NsHandle) *PodNetwork {
+	return &PodNetwork{cfg: cfg, kind: greDecap{}, sysctl: ProcSysctls{}, node: node}
 }
 
 // Sync makes the namespace ns of a pod hold exactly want, and returns the
@@ -58,6 +61,9 @@ func NewPodNetwork(cfg Config) *PodNetwork {
 // checks that the pod IP is on an interface of ns, so that a namespace handed
 // out by mistake is never changed.
 func (p *PodNetwork) Sync(ns netns.NsHandle, want PodTunnels) ([]podAction, error) {
+	if p.node.IsOpen() && p.node.Equal(ns) {
+		return nil, errors.New("refusing to configure the node's own network namespace as a pod's (a host-network sandbox?)")
+	}
 	nl, err := netlink.NewHandleAt(ns)
 	if err != nil {
 		return nil, fmt.Errorf("netlink handle in pod namespace: %w", err)
@@ -79,7 +85,9 @@ func (p *PodNetwork) Sync(ns netns.NsHandle, want PodTunnels) ([]podAction, erro
 	return acts, nil
 }
 
-// observe reads what the pod's namespace holds of the agent's.
+// observe reads what the pod's namespace holds of the agent's. An invalid
+// podIP (cleanup, which does not know the pods) skips the check that the
+// namespace holds it.
 func (p *PodNetwork) observe(nl *netlink.Handle, ns netns.NsHandle, podIP netip.Addr) (podState, error) {
 	var st podState
 	addrs, err := nl.AddrList(nil, netlink.FAMILY_V4)
@@ -103,7 +111,7 @@ func (p *PodNetwork) observe(nl *netlink.Handle, ns netns.NsHandle, podIP netip.
 			st.PodLink = link.Attrs().Name
 		}
 	}
-	if st.PodLink == "" {
+	if st.PodLink == "" && podIP.IsValid() {
 		return st, fmt.Errorf("the pod IP %v is on no interface of this network namespace: not the pod's, or not set up yet", podIP)
 	}
 
@@ -160,6 +168,36 @@ func (p *PodNetwork) observe(nl *netlink.Handle, ns netns.NsHandle, podIP netip.
 	slices.SortFunc(st.DeviceIPs, netip.Addr.Compare)
 	slices.SortFunc(st.LoopbackIPs, netip.Addr.Compare)
 	return st, nil
+}
+
+// Cleanup removes everything the agent owns from the namespace ns, whichever
+// pod it belongs to: its device (by name and alias), lo addresses labelled
+// LoopbackLabel, its MPLS pop route, and an advmss equal to --pod-advmss.
+func (p *PodNetwork) Cleanup(ns netns.NsHandle) ([]podAction, error) {
+	if p.node.IsOpen() && p.node.Equal(ns) {
+		return nil, nil
+	}
+	nl, err := netlink.NewHandleAt(ns)
+	if err != nil {
+		return nil, fmt.Errorf("netlink handle: %w", err)
+	}
+	defer nl.Close()
+	cfg := *p
+	cfg.cfg.Mode = ModeGRE // tolerate kernels without MPLS while reading
+	have, err := cfg.observe(nl, ns, netip.Addr{})
+	if err != nil {
+		return nil, err
+	}
+	acts, err := planPod(p.cfg, PodTunnels{}, have)
+	if err != nil {
+		return nil, err
+	}
+	for i, a := range acts {
+		if err := p.apply(nl, ns, a); err != nil {
+			return acts[:i], fmt.Errorf("%s: %w", a, err)
+		}
+	}
+	return acts, nil
 }
 
 // defaultRoute returns the IPv4 default route of the main table.

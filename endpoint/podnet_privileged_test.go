@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
 )
@@ -61,7 +62,7 @@ func podAndNode(t *testing.T, ip netip.Addr) (pod, node *testnetns.NS) {
 }
 
 func standInPodNetwork(cfg Config) *PodNetwork {
-	return &PodNetwork{cfg: cfg, kind: vxlanDecap{}, sysctl: ProcSysctls{}}
+	return &PodNetwork{cfg: cfg, kind: vxlanDecap{}, sysctl: ProcSysctls{}, node: netns.None()}
 }
 
 func readSysctl(t *testing.T, ns *testnetns.NS, name string) string {

@@ -1,0 +1,286 @@
+package runtime
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+)
+
+// ErrAmbiguous means more than one network namespace holds the pod's IP, so
+// ByIP cannot tell which is the pod's and refuses to guess.
+var ErrAmbiguous = errors.New("pod IP held by several network namespaces")
+
+// ByIP finds a pod's network namespace without asking any container runtime:
+// it searches the node's network namespaces for the one that holds the pod's
+// IP on an interface other than lo. It is the fallback for runtimes the agent
+// cannot talk to, and needs root (CAP_SYS_ADMIN, CAP_SYS_PTRACE) and the
+// host's PID namespace.
+type ByIP struct {
+	// netnsDirs hold bind-mounted named namespaces (ip netns, CNI).
+	netnsDirs []string
+	// procRoot is where processes are scanned; empty scans none.
+	procRoot string
+	// selfNetns and hostNetns are never matched: the agent's own namespace
+	// and the host's (PID 1's). The agent's is its calling thread's, not
+	// /proc/self's: that is the main thread's, which the Go runtime parks
+	// for good, in whatever namespace it was in, when a goroutine locked to
+	// it ends after switching namespaces (see internal/nsexec).
+	selfNetns, hostNetns string
+	// kthreadd is the /proc directory of the kernel's kthreadd, whose
+	// namespace is the host's when hostNetns cannot be read; empty for none.
+	kthreadd string
+}
+
+var _ Locator = (*ByIP)(nil)
+
+// NewByIP returns a locator scanning the named namespaces in /var/run/netns
+// and /run/netns and the namespaces of all processes in /proc.
+func NewByIP() *ByIP {
+	return &ByIP{
+		netnsDirs: []string{"/var/run/netns", "/run/netns"},
+		procRoot:  "/proc",
+		selfNetns: "/proc/thread-self/ns/net",
+		hostNetns: "/proc/1/ns/net",
+		kthreadd:  "/proc/2",
+	}
+}
+
+// Name returns "netns".
+func (b *ByIP) Name() string { return "netns" }
+
+// Close does nothing: ByIP holds no connection.
+func (b *ByIP) Close() error { return nil }
+
+// nsKey identifies a namespace: the device and inode of its nsfs file.
+type nsKey struct{ dev, ino uint64 }
+
+func keyOf(st *unix.Stat_t) nsKey { return nsKey{dev: uint64(st.Dev), ino: st.Ino} }
+
+func statKey(path string) (nsKey, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		return nsKey{}, &fs.PathError{Op: "stat", Path: path, Err: err}
+	}
+	return keyOf(&st), nil
+}
+
+// hostKey identifies the host's network namespace: PID 1's, or, where PID 1
+// cannot be inspected (some sandboxes deny it even to root), kthreadd's,
+// which is always the kernel's initial namespace.
+func (b *ByIP) hostKey() (nsKey, error) {
+	key, err := statKey(b.hostNetns)
+	if err == nil {
+		return key, nil
+	}
+	if b.kthreadd != "" {
+		if comm, cerr := os.ReadFile(b.kthreadd + "/comm"); cerr == nil && string(comm) == "kthreadd\n" {
+			if key, kerr := statKey(b.kthreadd + "/ns/net"); kerr == nil {
+				return key, nil
+			}
+		}
+	}
+	return nsKey{}, err
+}
+
+// nsCandidate is a path through which a namespace may be opened.
+type nsCandidate struct {
+	path string
+	key  nsKey
+}
+
+// Locate opens the only network namespace, other than the agent's and the
+// host's, that holds pod.IP on an interface other than lo. It returns an
+// error wrapping ErrNotFound when none does, and one wrapping ErrAmbiguous,
+// naming the namespaces, when several do.
+func (b *ByIP) Locate(ctx context.Context, pod Pod) (Netns, error) {
+	if !pod.IP.IsValid() {
+		return Netns{}, fmt.Errorf("pod %s: no IP to search network namespaces for", pod)
+	}
+	ip := pod.IP.Unmap()
+	self, err := statKey(b.selfNetns)
+	if err != nil {
+		return Netns{}, fmt.Errorf("pod %s: identifying the agent's own network namespace: %w", pod, err)
+	}
+	host, err := b.hostKey()
+	if err != nil {
+		return Netns{}, fmt.Errorf("pod %s: identifying the host's network namespace: %w", pod, err)
+	}
+	skip := map[nsKey]bool{self: true, host: true}
+
+	var matches []Netns
+	defer func() {
+		for _, m := range matches {
+			m.Close()
+		}
+	}()
+	var scanErrs []error
+	for _, c := range b.candidates(skip) {
+		if err := ctx.Err(); err != nil {
+			return Netns{}, fmt.Errorf("pod %s: searching network namespaces for %s: %w", pod, ip, err)
+		}
+		handle, err := netns.GetFromPath(c.path)
+		if vanished(err) {
+			continue
+		}
+		if err != nil {
+			scanErrs = append(scanErrs, err)
+			continue
+		}
+		// The stat was only for deduplication: a PID may have been reused
+		// since, so identify what was actually opened.
+		var st unix.Stat_t
+		if err := unix.Fstat(int(handle), &st); err != nil {
+			handle.Close()
+			scanErrs = append(scanErrs, fmt.Errorf("fstat %s: %w", c.path, err))
+			continue
+		}
+		key := keyOf(&st)
+		if skip[key] {
+			handle.Close()
+			continue
+		}
+		skip[key] = true
+		ok, err := holdsIP(handle, ip)
+		if err != nil {
+			handle.Close()
+			scanErrs = append(scanErrs, fmt.Errorf("%s: %w", c.path, err))
+			continue
+		}
+		if !ok {
+			handle.Close()
+			continue
+		}
+		matches = append(matches, Netns{Handle: handle, Path: c.path, Via: "netns"})
+	}
+
+	switch len(matches) {
+	case 0:
+		if len(scanErrs) > 0 {
+			return Netns{}, NotFoundf("pod %s: no network namespace holds %s outside lo (%d could not be searched, first: %v)", pod, ip, len(scanErrs), scanErrs[0])
+		}
+		return Netns{}, NotFoundf("pod %s: no network namespace holds %s outside lo", pod, ip)
+	case 1:
+		found := matches[0]
+		matches = nil // the caller owns it now
+		return found, nil
+	default:
+		paths := make([]string, len(matches))
+		for i, m := range matches {
+			paths[i] = m.Path
+		}
+		return Netns{}, fmt.Errorf("%w: pod %s: %s is held by %s", ErrAmbiguous, pod, ip, strings.Join(paths, ", "))
+	}
+}
+
+// candidates lists the paths of the namespaces to search, one per namespace
+// (named ones first, under their names), leaving out the keys in skip. It
+// costs one stat per process.
+func (b *ByIP) candidates(skip map[nsKey]bool) []nsCandidate {
+	seen := map[nsKey]bool{}
+	var out []nsCandidate
+	add := func(path string) {
+		var st unix.Stat_t
+		if err := unix.Stat(path, &st); err != nil {
+			return // gone, or not a namespace we can see
+		}
+		k := keyOf(&st)
+		if seen[k] || skip[k] {
+			return
+		}
+		seen[k] = true
+		out = append(out, nsCandidate{path: path, key: k})
+	}
+	for _, dir := range b.netnsDirs {
+		entries, err := os.ReadDir(dir)
+		if err != nil {
+			continue // no named namespaces here
+		}
+		for _, e := range entries {
+			path := filepath.Join(dir, e.Name())
+			// A file left behind by a failed or undone bind mount is
+			// not a namespace.
+			var sfs unix.Statfs_t
+			if err := unix.Statfs(path, &sfs); err != nil || sfs.Type != unix.NSFS_MAGIC {
+				continue
+			}
+			add(path)
+		}
+	}
+	if b.procRoot == "" {
+		return out
+	}
+	f, err := os.Open(b.procRoot)
+	if err != nil {
+		return out
+	}
+	names, _ := f.Readdirnames(-1)
+	f.Close()
+	// In PID order, so that which path names a namespace does not depend
+	// on the order of the directory.
+	pids := make([]int, 0, len(names))
+	for _, name := range names {
+		if pid, err := strconv.Atoi(name); err == nil && pid > 0 {
+			pids = append(pids, pid)
+		}
+	}
+	slices.Sort(pids)
+	self := os.Getpid()
+	for _, pid := range pids {
+		if pid == self {
+			continue // its main thread may be parked in any namespace (see selfNetns)
+		}
+		add(b.procRoot + "/" + strconv.Itoa(pid) + "/ns/net")
+	}
+	return out
+}
+
+// vanished tells whether opening a namespace failed because its process
+// exited or its bind mount went away during the scan.
+func vanished(err error) bool {
+	return errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ESRCH) || errors.Is(err, unix.ENOENT)
+}
+
+// holdsIP tells whether the namespace has ip on an interface other than a
+// loopback one. It reads through a netlink socket bound to the namespace.
+func holdsIP(ns netns.NsHandle, ip netip.Addr) (bool, error) {
+	nl, err := netlink.NewHandleAt(ns, unix.NETLINK_ROUTE)
+	if err != nil {
+		return false, fmt.Errorf("netlink socket in namespace: %w", err)
+	}
+	defer nl.Close()
+	family := netlink.FAMILY_V4
+	if ip.Is6() {
+		family = netlink.FAMILY_V6
+	}
+	addrs, err := nl.AddrList(nil, family)
+	if err != nil {
+		return false, fmt.Errorf("listing addresses: %w", err)
+	}
+	want := net.IP(ip.AsSlice())
+	for _, a := range addrs {
+		if a.IPNet == nil || !a.IP.Equal(want) {
+			continue
+		}
+		link, err := nl.LinkByIndex(a.LinkIndex)
+		if err != nil {
+			return false, fmt.Errorf("interface %d holding %s: %w", a.LinkIndex, ip, err)
+		}
+		if link.Attrs().Flags&net.FlagLoopback != 0 {
+			continue
+		}
+		return true, nil
+	}
+	return false, nil
+}
