@@ -42,12 +42,12 @@ const (
 
 // PodSyncer converges one pod's namespace (*PodNetwork).
 type PodSyncer interface {
-	Sync(ns netns.NsHandle, want PodTunnels) ([]podAction, error)
+	Sync(ns netns.NsHandle, want PodTunnels) ([]PodChange, error)
 }
 
 // NodeSyncer converges the node's namespace (*NodeNetwork).
 type NodeSyncer interface {
-	Sync(served []PodTunnels, nodeIP netip.Addr) ([]nodeAction, error)
+	Sync(served []PodTunnels, nodeIP netip.Addr) ([]NodeChange, error)
 }
 
 // Informers are the three informer factories the agent reads from: Services
@@ -226,6 +226,12 @@ func (c *Controller) Run(ctx context.Context) error {
 	defer c.queue.ShutDown()
 	if !cache.WaitForCacheSync(ctx.Done(), c.synced...) {
 		return fmt.Errorf("waiting for informer caches: %w", ctx.Err())
+	}
+	// The desired state must exist before any pod is synced: a pod synced
+	// against an empty one would lose its tunnel IPs and get them back, and a
+	// restarted agent must not flap what it adopts.
+	if err := c.recompute(); err != nil {
+		return err
 	}
 	c.queue.Add(resyncKey)
 	var wg sync.WaitGroup

@@ -23,14 +23,14 @@ type swapRoute struct {
 	LinkIdx int
 }
 
-// nodeAction is one change to the node's namespace.
-type nodeAction struct {
+// NodeChange is one change to the node's namespace.
+type NodeChange struct {
 	Sysctl, Value string    // a sysctl to set, or
 	Add           swapRoute // a swap route to add or replace (Label != 0), or
 	Del           uint32    // a swap route to delete (label != 0)
 }
 
-func (a nodeAction) String() string {
+func (a NodeChange) String() string {
 	switch {
 	case a.Sysctl != "":
 		return "sysctl " + a.Sysctl + "=" + a.Value
@@ -76,24 +76,24 @@ func (w nodeWant) sysctlNames(mode Mode) []string {
 // planNode returns the changes that turn have into want: sysctls first (so a
 // route is never added that the node would not forward), then swap routes.
 // Sysctls are only raised. It is pure.
-func planNode(mode Mode, want nodeWant, have nodeState) []nodeAction {
-	var acts []nodeAction
+func planNode(mode Mode, want nodeWant, have nodeState) []NodeChange {
+	var acts []NodeChange
 	served := len(want.PodLinks) > 0
 	if served && have.Sysctls[ipForwardSysctl()] != "1" {
-		acts = append(acts, nodeAction{Sysctl: ipForwardSysctl(), Value: "1"})
+		acts = append(acts, NodeChange{Sysctl: ipForwardSysctl(), Value: "1"})
 	}
 	for _, l := range want.PodLinks {
 		if have.Sysctls[rpFilterSysctl(l)] == "1" {
-			acts = append(acts, nodeAction{Sysctl: rpFilterSysctl(l), Value: "2"})
+			acts = append(acts, NodeChange{Sysctl: rpFilterSysctl(l), Value: "2"})
 		}
 	}
 	if mode == ModeMPLS && served {
 		if v, _ := strconv.Atoi(have.Sysctls[platformLabelsSysctl()]); v < mplslabel.PlatformLabels {
-			acts = append(acts, nodeAction{Sysctl: platformLabelsSysctl(), Value: strconv.Itoa(mplslabel.PlatformLabels)})
+			acts = append(acts, NodeChange{Sysctl: platformLabelsSysctl(), Value: strconv.Itoa(mplslabel.PlatformLabels)})
 		}
 		for _, l := range want.MPLSInput {
 			if have.Sysctls[mplsInputSysctl(l)] != "1" {
-				acts = append(acts, nodeAction{Sysctl: mplsInputSysctl(l), Value: "1"})
+				acts = append(acts, NodeChange{Sysctl: mplsInputSysctl(l), Value: "1"})
 			}
 		}
 	}
@@ -112,9 +112,9 @@ func planNode(mode Mode, want nodeWant, have nodeState) []nodeAction {
 		h, present := have.Routes[l]
 		switch {
 		case !wanted:
-			acts = append(acts, nodeAction{Del: l})
+			acts = append(acts, NodeChange{Del: l})
 		case !present || h != w:
-			acts = append(acts, nodeAction{Add: w})
+			acts = append(acts, NodeChange{Add: w})
 		}
 	}
 	return acts
@@ -136,7 +136,7 @@ func NewNodeNetwork(cfg Config, ns netns.NsHandle) *NodeNetwork {
 // Sync makes the node serve exactly the pods in served (those with at least
 // one tunnel IP); nodeIP picks the MPLS input interface when none is
 // configured. It returns the changes made.
-func (n *NodeNetwork) Sync(served []PodTunnels, nodeIP netip.Addr) ([]nodeAction, error) {
+func (n *NodeNetwork) Sync(served []PodTunnels, nodeIP netip.Addr) ([]NodeChange, error) {
 	nl, err := netlink.NewHandleAt(n.ns)
 	if err != nil {
 		return nil, fmt.Errorf("netlink handle in node namespace: %w", err)
@@ -260,7 +260,7 @@ func swapsToPodLabel(r netlink.Route) bool {
 }
 
 // apply makes one change in the node's namespace.
-func (n *NodeNetwork) apply(nl *netlink.Handle, a nodeAction) error {
+func (n *NodeNetwork) apply(nl *netlink.Handle, a NodeChange) error {
 	switch {
 	case a.Sysctl != "":
 		return n.sysctl.Write(n.ns, a.Sysctl, a.Value)

@@ -12,26 +12,29 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// decapKind creates and recognises the decapsulation device. It is a seam so
-// that privileged tests on a host kernel without GRE can use a stand-in; the
-// agent always uses GRE.
-type decapKind interface {
-	// newLink describes a new device named name with local address local.
-	newLink(name string, local netip.Addr) netlink.Link
-	// local returns the device's local address; ok is false when the link is
+// DecapDevice creates and recognises the decapsulation device. It is a seam
+// so that tests on a host kernel without GRE can use a stand-in; the agent
+// always uses GRE.
+type DecapDevice interface {
+	// NewLink describes a new device named name with local address local.
+	NewLink(name string, local netip.Addr) netlink.Link
+	// Local returns the device's local address; ok is false when the link is
 	// not of this kind.
-	local(l netlink.Link) (addr netip.Addr, ok bool)
+	Local(l netlink.Link) (addr netip.Addr, ok bool)
 }
 
-// greDecap is a GRE device with the pod IP as local address, any remote and
-// no key: it accepts GRE from every router.
-type greDecap struct{}
+// GRE is the decapsulation device of gre mode: a GRE device with the pod IP
+// as local address, any remote and no key, so it accepts GRE from every
+// router.
+type GRE struct{}
 
-func (greDecap) newLink(name string, local netip.Addr) netlink.Link {
+// NewLink implements DecapDevice.
+func (GRE) NewLink(name string, local netip.Addr) netlink.Link {
 	return &netlink.Gretun{LinkAttrs: netlink.LinkAttrs{Name: name, Alias: DeviceAlias}, Local: local.AsSlice()}
 }
 
-func (greDecap) local(l netlink.Link) (netip.Addr, bool) {
+// Local implements DecapDevice.
+func (GRE) Local(l netlink.Link) (netip.Addr, bool) {
 	gre, ok := l.(*netlink.Gretun)
 	if !ok || gre.FlowBased {
 		return netip.Addr{}, false
@@ -44,7 +47,7 @@ func (greDecap) local(l netlink.Link) (netip.Addr, bool) {
 // holds, plans the difference to the desired state and applies it.
 type PodNetwork struct {
 	cfg    Config
-	kind   decapKind
+	kind   DecapDevice
 	sysctl Sysctls
 	// node is the node's own namespace, which is never treated as a pod's.
 	node netns.NsHandle
@@ -53,14 +56,21 @@ type PodNetwork struct {
 // NewPodNetwork returns the PodNetwork of the agent running in the node's
 // namespace node.
 func NewPodNetwork(cfg Config, node netns.NsHandle) *PodNetwork {
-	return &PodNetwork{cfg: cfg, kind: greDecap{}, sysctl: ProcSysctls{}, node: node}
+	return &PodNetwork{cfg: cfg, kind: GRE{}, sysctl: ProcSysctls{}, node: node}
+}
+
+// WithDevice returns a copy of p that creates device instead of GRE.
+func (p *PodNetwork) WithDevice(device DecapDevice) *PodNetwork {
+	c := *p
+	c.kind = device
+	return &c
 }
 
 // Sync makes the namespace ns of a pod hold exactly want, and returns the
 // changes it made (none when the namespace was already right). It first
 // checks that the pod IP is on an interface of ns, so that a namespace handed
 // out by mistake is never changed.
-func (p *PodNetwork) Sync(ns netns.NsHandle, want PodTunnels) ([]podAction, error) {
+func (p *PodNetwork) Sync(ns netns.NsHandle, want PodTunnels) ([]PodChange, error) {
 	if p.node.IsOpen() && p.node.Equal(ns) {
 		return nil, errors.New("refusing to configure the node's own network namespace as a pod's (a host-network sandbox?)")
 	}
@@ -122,7 +132,7 @@ func (p *PodNetwork) observe(nl *netlink.Handle, ns netns.NsHandle, podIP netip.
 	case err != nil:
 		return st, fmt.Errorf("looking up device %s: %w", p.cfg.Device, err)
 	default:
-		local, ok := p.kind.local(link)
+		local, ok := p.kind.Local(link)
 		alias := link.Attrs().Alias
 		// A device without the alias is the agent's only when it is exactly
 		// what the agent creates in this pod (see deviceState.Unmarked).
@@ -173,7 +183,7 @@ func (p *PodNetwork) observe(nl *netlink.Handle, ns netns.NsHandle, podIP netip.
 // Cleanup removes everything the agent owns from the namespace ns, whichever
 // pod it belongs to: its device (by name and alias), lo addresses labelled
 // LoopbackLabel, its MPLS pop route, and an advmss equal to --pod-advmss.
-func (p *PodNetwork) Cleanup(ns netns.NsHandle) ([]podAction, error) {
+func (p *PodNetwork) Cleanup(ns netns.NsHandle) ([]PodChange, error) {
 	if p.node.IsOpen() && p.node.Equal(ns) {
 		return nil, nil
 	}
@@ -220,10 +230,10 @@ func isZeroMask(m net.IPMask) bool {
 }
 
 // apply makes one change in the pod's namespace.
-func (p *PodNetwork) apply(nl *netlink.Handle, ns netns.NsHandle, a podAction) error {
+func (p *PodNetwork) apply(nl *netlink.Handle, ns netns.NsHandle, a PodChange) error {
 	switch a.Kind {
 	case actCreateDevice:
-		if err := nl.LinkAdd(p.kind.newLink(p.cfg.Device, a.Addr)); err != nil {
+		if err := nl.LinkAdd(p.kind.NewLink(p.cfg.Device, a.Addr)); err != nil {
 			if errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.ENOTSUP) {
 				return fmt.Errorf("the kernel has no GRE support (CONFIG_NET_IPGRE, module ip_gre): %w", err)
 			}
@@ -311,7 +321,7 @@ func (p *PodNetwork) ownDevice(nl *netlink.Handle) (netlink.Link, error) {
 }
 
 // addrOf returns the link and address an address action works on.
-func (p *PodNetwork) addrOf(nl *netlink.Handle, a podAction) (netlink.Link, *netlink.Addr, error) {
+func (p *PodNetwork) addrOf(nl *netlink.Handle, a PodChange) (netlink.Link, *netlink.Addr, error) {
 	addr := &netlink.Addr{IPNet: &net.IPNet{IP: a.Addr.AsSlice(), Mask: net.CIDRMask(32, 32)}}
 	if a.Loopback {
 		lo, err := nl.LinkByName("lo")

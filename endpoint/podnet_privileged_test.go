@@ -14,25 +14,6 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
 )
 
-// vxlanDecap stands in for the GRE device on this host's kernel, which has no
-// GRE: a VXLAN device is also a tunnel device with a local address, so
-// creating, recognising, bringing up, addressing and deleting it exercise the
-// same kernel calls. The end-to-end lab runs real GRE.
-type vxlanDecap struct{}
-
-func (vxlanDecap) newLink(name string, local netip.Addr) netlink.Link {
-	return &netlink.Vxlan{LinkAttrs: netlink.LinkAttrs{Name: name, Alias: DeviceAlias}, VxlanId: 42, SrcAddr: local.AsSlice(), Port: 4789}
-}
-
-func (vxlanDecap) local(l netlink.Link) (netip.Addr, bool) {
-	v, ok := l.(*netlink.Vxlan)
-	if !ok {
-		return netip.Addr{}, false
-	}
-	a, _ := netip.AddrFromSlice(v.SrcAddr.To4())
-	return a, true
-}
-
 // podAndNode builds a pod namespace whose interface "net1" (deliberately not
 // eth0) holds the pod IP, wired by a veth to a node namespace that routes to
 // it through "podveth"; the pod's default route points at the node.
@@ -62,7 +43,7 @@ func podAndNode(t *testing.T, ip netip.Addr) (pod, node *testnetns.NS) {
 }
 
 func standInPodNetwork(cfg Config) *PodNetwork {
-	return &PodNetwork{cfg: cfg, kind: vxlanDecap{}, sysctl: ProcSysctls{}, node: netns.None()}
+	return &PodNetwork{cfg: cfg, kind: testnetns.VXLANDecap{}, sysctl: ProcSysctls{}, node: netns.None()}
 }
 
 func readSysctl(t *testing.T, ns *testnetns.NS, name string) string {

@@ -59,8 +59,8 @@ const (
 	actSetAdvMSS
 )
 
-// podAction is one change planPod asks for.
-type podAction struct {
+// PodChange is one change to a pod's namespace, as planned and made.
+type PodChange struct {
 	Kind podActionKind
 	Addr netip.Addr // actCreateDevice: local address; actAdd/DelTunnelIP: the tunnel IP
 	// Loopback: actAdd/DelTunnelIP act on lo (mpls mode) rather than the device.
@@ -70,7 +70,7 @@ type podAction struct {
 	MSS      int    // actSetAdvMSS: 0 removes it
 }
 
-func (a podAction) String() string {
+func (a PodChange) String() string {
 	switch a.Kind {
 	case actCreateDevice:
 		return "create device, local " + a.Addr.String()
@@ -96,7 +96,7 @@ func (a podAction) String() string {
 	return fmt.Sprintf("action %d", a.Kind)
 }
 
-func (a podAction) where() string {
+func (a PodChange) where() string {
 	if a.Loopback {
 		return " on lo"
 	}
@@ -123,7 +123,7 @@ func podSysctls(cfg Config, podLink string) []string {
 // Sysctls are only ever raised to what the datapath needs, never lowered or
 // restored: rp_filter goes from strict (1) to loose (2) and is left alone when
 // already off (0) or loose.
-func planPod(cfg Config, want PodTunnels, have podState) ([]podAction, error) {
+func planPod(cfg Config, want PodTunnels, have podState) ([]PodChange, error) {
 	if have.ForeignDevice {
 		return nil, fmt.Errorf("a device named %q exists that kube-service-tunnel did not create (its alias is not %q); rename it or choose another --device", cfg.Device, DeviceAlias)
 	}
@@ -138,29 +138,29 @@ func planPod(cfg Config, want PodTunnels, have podState) ([]podAction, error) {
 	addDev, delDev := diffAddrs(wantDevice, have.DeviceIPs)
 	addLo, delLo := diffAddrs(wantLoopback, have.LoopbackIPs)
 
-	var acts []podAction
+	var acts []PodChange
 	if have.Device != nil && have.Device.Unmarked {
-		acts = append(acts, podAction{Kind: actMarkDevice})
+		acts = append(acts, PodChange{Kind: actMarkDevice})
 	}
 	// Removals first: addresses, then the paths that no longer serve any.
 	for _, ip := range delDev {
-		acts = append(acts, podAction{Kind: actDelTunnelIP, Addr: ip})
+		acts = append(acts, PodChange{Kind: actDelTunnelIP, Addr: ip})
 	}
 	for _, ip := range delLo {
-		acts = append(acts, podAction{Kind: actDelTunnelIP, Addr: ip, Loopback: true})
+		acts = append(acts, PodChange{Kind: actDelTunnelIP, Addr: ip, Loopback: true})
 	}
 	dev := have.Device
 	if dev != nil && (len(wantDevice) == 0 || dev.Local != want.Pod.IP) {
 		// Not wanted, or the pod got a new address in the same namespace.
-		acts = append(acts, podAction{Kind: actDeleteDevice})
+		acts = append(acts, PodChange{Kind: actDeleteDevice})
 		dev, addDev = nil, wantDevice // a new device starts without addresses
 	}
 	if have.PopRoute && len(wantLoopback) == 0 {
-		acts = append(acts, podAction{Kind: actDelPopRoute})
+		acts = append(acts, PodChange{Kind: actDelPopRoute})
 	}
 	if !serve {
 		if cfg.PodAdvMSS != 0 && have.DefaultRoute && have.AdvMSS == cfg.PodAdvMSS {
-			acts = append(acts, podAction{Kind: actSetAdvMSS, MSS: 0})
+			acts = append(acts, PodChange{Kind: actSetAdvMSS, MSS: 0})
 		}
 		return acts, nil
 	}
@@ -168,41 +168,41 @@ func planPod(cfg Config, want PodTunnels, have podState) ([]podAction, error) {
 	switch cfg.Mode {
 	case ModeGRE:
 		if dev == nil {
-			acts = append(acts, podAction{Kind: actCreateDevice, Addr: want.Pod.IP}, podAction{Kind: actMarkDevice})
+			acts = append(acts, PodChange{Kind: actCreateDevice, Addr: want.Pod.IP}, PodChange{Kind: actMarkDevice})
 		}
 		if dev == nil || !dev.Up {
-			acts = append(acts, podAction{Kind: actSetDeviceUp})
+			acts = append(acts, PodChange{Kind: actSetDeviceUp})
 		}
 		// The device's own sysctl exists only once the device does.
 		if dev == nil || have.Sysctls[rpFilterSysctl(cfg.Device)] != "2" {
-			acts = append(acts, podAction{Kind: actSetSysctl, Sysctl: rpFilterSysctl(cfg.Device), Value: "2"})
+			acts = append(acts, PodChange{Kind: actSetSysctl, Sysctl: rpFilterSysctl(cfg.Device), Value: "2"})
 		}
 	case ModeMPLS:
 		if have.PodLink == "" {
 			return nil, fmt.Errorf("no interface holds the pod IP %v", want.Pod.IP)
 		}
 		if v, _ := strconv.Atoi(have.Sysctls[platformLabelsSysctl()]); v < podPlatformLabels {
-			acts = append(acts, podAction{Kind: actSetSysctl, Sysctl: platformLabelsSysctl(), Value: strconv.Itoa(podPlatformLabels)})
+			acts = append(acts, PodChange{Kind: actSetSysctl, Sysctl: platformLabelsSysctl(), Value: strconv.Itoa(podPlatformLabels)})
 		}
 		if have.Sysctls[mplsInputSysctl(have.PodLink)] != "1" {
-			acts = append(acts, podAction{Kind: actSetSysctl, Sysctl: mplsInputSysctl(have.PodLink), Value: "1"})
+			acts = append(acts, PodChange{Kind: actSetSysctl, Sysctl: mplsInputSysctl(have.PodLink), Value: "1"})
 		}
 		if have.Sysctls[rpFilterSysctl("lo")] == "1" {
-			acts = append(acts, podAction{Kind: actSetSysctl, Sysctl: rpFilterSysctl("lo"), Value: "2"})
+			acts = append(acts, PodChange{Kind: actSetSysctl, Sysctl: rpFilterSysctl("lo"), Value: "2"})
 		}
 		if !have.PopRoute {
-			acts = append(acts, podAction{Kind: actAddPopRoute})
+			acts = append(acts, PodChange{Kind: actAddPopRoute})
 		}
 	}
 	// An advmss someone else set is theirs: left alone, and never removed.
 	if cfg.PodAdvMSS != 0 && have.DefaultRoute && have.AdvMSS == 0 {
-		acts = append(acts, podAction{Kind: actSetAdvMSS, MSS: cfg.PodAdvMSS})
+		acts = append(acts, PodChange{Kind: actSetAdvMSS, MSS: cfg.PodAdvMSS})
 	}
 	for _, ip := range addDev {
-		acts = append(acts, podAction{Kind: actAddTunnelIP, Addr: ip})
+		acts = append(acts, PodChange{Kind: actAddTunnelIP, Addr: ip})
 	}
 	for _, ip := range addLo {
-		acts = append(acts, podAction{Kind: actAddTunnelIP, Addr: ip, Loopback: true})
+		acts = append(acts, PodChange{Kind: actAddTunnelIP, Addr: ip, Loopback: true})
 	}
 	return acts, nil
 }

@@ -22,7 +22,7 @@ func want(ips ...netip.Addr) PodTunnels {
 	return PodTunnels{Pod: runtime.Pod{Namespace: "a", Name: "web-1", UID: "u", IP: podIP}, TunnelIPs: ips}
 }
 
-func render(acts []podAction) string {
+func render(acts []PodChange) string {
 	var s []string
 	for _, a := range acts {
 		s = append(s, a.String())

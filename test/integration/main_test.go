@@ -40,12 +40,19 @@ func repoFile(t *testing.T, name string) []byte {
 // configuration that authenticates as the router's ServiceAccount.
 func routerConfig(t *testing.T) *rest.Config {
 	t.Helper()
+	return serviceAccountConfig(t, "tunnel-router")
+}
+
+// serviceAccountConfig applies tunnel-router.yaml as admin and returns a
+// client configuration that authenticates as one of its ServiceAccounts.
+func serviceAccountConfig(t *testing.T, name string) *rest.Config {
+	t.Helper()
 	kubeenv.SkipIfUnavailable(t, env)
 	ctx := context.Background()
 	if err := env.ApplyYAML(ctx, env.AdminConfig(), repoFile(t, "tunnel-router.yaml"), false); err != nil {
 		t.Fatalf("applying tunnel-router.yaml: %v", err)
 	}
-	cfg, err := env.ServiceAccountConfig(ctx, "kube-service-tunnel", "tunnel-router")
+	cfg, err := env.ServiceAccountConfig(ctx, "kube-service-tunnel", name)
 	if err != nil {
 		t.Fatal(err)
 	}

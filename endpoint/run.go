@@ -1,0 +1,115 @@
+package endpoint
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"net/netip"
+	"os/signal"
+	"syscall"
+
+	"github.com/sirupsen/logrus"
+	"github.com/vishvananda/netns"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/cmdnu/kube-service-tunnel/runtime"
+)
+
+// Main runs the endpoint agent with command-line arguments args.
+func Main(args []string) error {
+	fs := flag.NewFlagSet("tunnel-endpoint", flag.ContinueOnError)
+	var o Options
+	o.AddFlags(fs)
+	if err := o.Parse(fs, args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return nil
+		}
+		return err
+	}
+	log := logrus.New()
+	level, err := logrus.ParseLevel(o.LogLevel)
+	if err != nil {
+		return fmt.Errorf("--log-level: %w", err)
+	}
+	log.SetLevel(level)
+	entry := log.WithField("component", "tunnel-endpoint")
+
+	nodeNS, err := netns.Get()
+	if err != nil {
+		return fmt.Errorf("opening this node's network namespace: %w", err)
+	}
+	defer nodeNS.Close()
+	if o.Cleanup {
+		return Cleanup(o.Config, nodeNS, entry)
+	}
+
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	locator, how, err := runtime.Open(ctx, runtime.Options{Runtime: o.Runtime, Endpoint: o.RuntimeEndpoint})
+	if err != nil {
+		return err
+	}
+	defer locator.Close()
+	entry.WithFields(logrus.Fields{
+		"mode": o.Mode, "node": o.NodeName, "runtime": how, "device": o.Device,
+		"pod_advmss": o.PodAdvMSS, "route_protocol": o.RouteProtocol,
+	}).Info("starting endpoint agent")
+
+	restCfg, err := clientcmd.BuildConfigFromFlags("", o.Kubeconfig)
+	if err != nil {
+		return fmt.Errorf("kubernetes client configuration: %w", err)
+	}
+	restCfg.UserAgent = "kube-service-tunnel/tunnel-endpoint"
+	restCfg.QPS, restCfg.Burst = 20, 40
+	client, err := kubernetes.NewForConfig(restCfg)
+	if err != nil {
+		return fmt.Errorf("kubernetes client: %w", err)
+	}
+	inf := NewInformers(client, o.NodeName)
+	ctrl, err := NewController(o.Config, inf, locator, NewPodNetwork(o.Config, nodeNS), NewNodeNetwork(o.Config, nodeNS), entry)
+	if err != nil {
+		return err
+	}
+	inf.Start(ctx.Done())
+	defer inf.Shutdown()
+	// Pods keep what they have on exit: a restarted agent adopts it, and
+	// established connections keep flowing. Use --cleanup to remove it.
+	return ctrl.Run(ctx)
+}
+
+// Cleanup removes everything the agent created on this node: in every
+// network namespace it can find (pods' included, whether or not their pods
+// still exist), and the MPLS routes in the node's own namespace nodeNS. It
+// needs no API server. Sysctls it raised are left as they are.
+func Cleanup(cfg Config, nodeNS netns.NsHandle, log logrus.FieldLogger) error {
+	all, err := runtime.AllNamespaces()
+	if err != nil {
+		return err
+	}
+	pn := NewPodNetwork(cfg, nodeNS)
+	var errs []error
+	for _, ns := range all {
+		acts, err := pn.Cleanup(ns.Handle)
+		for _, a := range acts {
+			log.WithFields(logrus.Fields{"netns": ns.Path, "change": a.String()}).Info("removed")
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("netns %s: %w", ns.Path, err))
+		}
+		ns.Close()
+	}
+	acts, err := NewNodeNetwork(cfg, nodeNS).Sync(nil, netip.Addr{})
+	for _, a := range acts {
+		log.WithFields(logrus.Fields{"netns": "node", "change": a.String()}).Info("removed")
+	}
+	if err != nil {
+		errs = append(errs, fmt.Errorf("node namespace: %w", err))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("cleanup: %w", err)
+	}
+	log.WithField("namespaces", len(all)).Info("removed everything the endpoint agent owned")
+	return nil
+}

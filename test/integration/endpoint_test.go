@@ -1,0 +1,372 @@
+package integration
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net/netip"
+	"os/exec"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/cmdnu/kube-service-tunnel/endpoint"
+	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
+	"github.com/cmdnu/kube-service-tunnel/runtime"
+)
+
+// countingPods wraps the real PodNetwork and counts, per pod, the syncs and
+// the kernel changes they made.
+type countingPods struct {
+	inner   endpoint.PodSyncer
+	mu      sync.Mutex
+	syncs   map[string]int
+	changes map[string]int
+}
+
+func (c *countingPods) Sync(ns netns.NsHandle, want endpoint.PodTunnels) ([]endpoint.PodChange, error) {
+	acts, err := c.inner.Sync(ns, want)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.syncs[want.Pod.String()]++
+	c.changes[want.Pod.String()] += len(acts)
+	return acts, err
+}
+
+func (c *countingPods) counts(pod string) (syncs, changes int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.syncs[pod], c.changes[pod]
+}
+
+// syncBuffer is a log sink safe for concurrent writers.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+type agent struct {
+	pods *countingPods
+	log  *syncBuffer
+	ctrl *endpoint.Controller
+	stop func()
+}
+
+// startAgent runs the endpoint agent's controller as the tunnel-endpoint
+// ServiceAccount, with the runtime-free search by pod IP, the real pod and
+// node kernel code (a VXLAN device stands in for GRE: this host has none),
+// and node as the node's namespace.
+func startAgent(t *testing.T, nodeName string, node *testnetns.NS) *agent {
+	t.Helper()
+	restCfg := serviceAccountConfig(t, "tunnel-endpoint")
+	client, err := kubernetes.NewForConfig(restCfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := endpoint.Config{Mode: endpoint.ModeGRE, NodeName: nodeName, Device: endpoint.DefaultDevice,
+		RouteProtocol: endpoint.DefaultRouteProtocol, ResyncPeriod: time.Minute, Workers: 2}
+	a := &agent{
+		pods: &countingPods{inner: endpoint.NewPodNetwork(cfg, node.Handle).WithDevice(testnetns.VXLANDecap{}),
+			syncs: map[string]int{}, changes: map[string]int{}},
+		log: &syncBuffer{},
+	}
+	log := logrus.New()
+	log.Out = a.log
+	inf := endpoint.NewInformers(client, nodeName)
+	ctrl, err := endpoint.NewController(cfg, inf, runtime.NewByIP(), a.pods, endpoint.NewNodeNetwork(cfg, node.Handle), log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.ctrl = ctrl
+	ctx, cancel := context.WithCancel(context.Background())
+	inf.Start(ctx.Done())
+	done := make(chan error, 1)
+	go func() { done <- ctrl.Run(ctx) }()
+	var once sync.Once
+	a.stop = func() {
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("endpoint controller: %v", err)
+			}
+			inf.Shutdown()
+		})
+	}
+	t.Cleanup(a.stop)
+	eventually(t, 20*time.Second, "endpoint agent ready (informers synced as the tunnel-endpoint ServiceAccount)", func() error {
+		if !ctrl.Ready() {
+			return fmt.Errorf("not ready")
+		}
+		return nil
+	})
+	return a
+}
+
+// podNetns is a pod's network namespace as a CNI plugin leaves it: named
+// (bind-mounted under /run/netns, where the search by pod IP finds it), the
+// pod IP on eth1, a veth to the node namespace, which routes the pod IP.
+type podNetns struct {
+	name   string
+	handle netns.NsHandle
+}
+
+func newPodNetns(t *testing.T, node *testnetns.NS, ip netip.Addr, hostVeth string) *podNetns {
+	t.Helper()
+	name := fmt.Sprintf("kst-it-%d", time.Now().UnixNano()%1e9)
+	if out, err := exec.Command("ip", "netns", "add", name).CombinedOutput(); err != nil {
+		t.Fatalf("ip netns add: %v: %s", err, out)
+	}
+	p := &podNetns{name: name}
+	t.Cleanup(p.remove)
+	h, err := netns.GetFromName(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.handle = h
+	nl, err := netlink.NewHandleAt(h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nl.Close()
+	if err := nl.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "eth1"}, PeerName: hostVeth}); err != nil {
+		t.Fatal(err)
+	}
+	peer, err := nl.LinkByName(hostVeth)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := nl.LinkSetNsFd(peer, int(node.Handle)); err != nil {
+		t.Fatal(err)
+	}
+	p.run(t, "ip", "link", "set", "eth1", "up")
+	p.run(t, "ip", "link", "set", "lo", "up")
+	p.run(t, "ip", "addr", "add", ip.String()+"/32", "dev", "eth1")
+	node.Run("ip", "link", "set", hostVeth, "up")
+	node.Run("ip", "route", "replace", ip.String()+"/32", "dev", hostVeth)
+	return p
+}
+
+func (p *podNetns) run(t *testing.T, args ...string) string {
+	t.Helper()
+	out, err := exec.Command("ip", append([]string{"-n", p.name}, args[1:]...)...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("ip -n %s %s: %v: %s", p.name, strings.Join(args[1:], " "), err, out)
+	}
+	return string(out)
+}
+
+func (p *podNetns) remove() {
+	if p.handle.IsOpen() {
+		p.handle.Close()
+	}
+	_ = exec.Command("ip", "netns", "del", p.name).Run()
+}
+
+// tunnelIPs lists the addresses on the agent's device in the pod ("" when
+// the device does not exist).
+func (p *podNetns) tunnelIPs(t *testing.T) string {
+	t.Helper()
+	out, err := exec.Command("ip", "-n", p.name, "-4", "-o", "addr", "show", "dev", endpoint.DefaultDevice).CombinedOutput()
+	if err != nil {
+		return ""
+	}
+	var ips []string
+	for _, f := range strings.Fields(string(out)) {
+		if strings.HasSuffix(f, "/32") {
+			ips = append(ips, strings.TrimSuffix(f, "/32"))
+		}
+	}
+	slices.Sort(ips)
+	return strings.Join(ips, ",")
+}
+
+func waitTunnelIPs(t *testing.T, p *podNetns, want, why string) {
+	t.Helper()
+	eventually(t, 20*time.Second, why, func() error {
+		if got := p.tunnelIPs(t); got != want {
+			return fmt.Errorf("tunnel IPs in pod %q, want %q", got, want)
+		}
+		return nil
+	})
+}
+
+// createPod creates a running pod on node with podIP, as kubelet reports it.
+func createPod(t *testing.T, cs kubernetes.Interface, ns, name, node string, ip netip.Addr) *corev1.Pod {
+	t.Helper()
+	ctx := context.Background()
+	pod, err := cs.CoreV1().Pods(ns).Create(ctx, &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Labels: map[string]string{"app": name}},
+		Spec:       corev1.PodSpec{NodeName: node, Containers: []corev1.Container{{Name: "app", Image: "lab/echo:1"}}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pod.Status = corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ip.String(), PodIPs: []corev1.PodIP{{IP: ip.String()}}}
+	pod, err = cs.CoreV1().Pods(ns).UpdateStatus(ctx, pod, metav1.UpdateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pod
+}
+
+// applyPodSlice writes the EndpointSlice of a Service whose endpoints are pods.
+func applyPodSlice(t *testing.T, cs kubernetes.Interface, svc string, pods ...*corev1.Pod) {
+	t.Helper()
+	var eps []ep
+	for _, p := range pods {
+		eps = append(eps, ep{addr: p.Status.PodIP, node: p.Spec.NodeName})
+	}
+	applySlice(t, cs, pods[0].Namespace, svc, svc+"-1", eps...)
+	// Point each endpoint at its pod, as the EndpointSlice controller does.
+	ctx := context.Background()
+	es, err := cs.DiscoveryV1().EndpointSlices(pods[0].Namespace).Get(ctx, svc+"-1", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, p := range pods {
+		es.Endpoints[i].TargetRef = &corev1.ObjectReference{Kind: "Pod", Namespace: p.Namespace, Name: p.Name, UID: p.UID}
+	}
+	if _, err := cs.DiscoveryV1().EndpointSlices(es.Namespace).Update(ctx, es, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func setAnnotation(t *testing.T, cs kubernetes.Interface, ns, svc string, value *string) {
+	t.Helper()
+	v := "null"
+	if value != nil {
+		v = fmt.Sprintf("%q", *value)
+	}
+	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:%s}}}`, tunnelclaim.Annotation, v)
+	if _, err := cs.CoreV1().Services(ns).Patch(context.Background(), svc, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestEndpointAgentLifecycle follows one pod through the life of its tunnel
+// Services, with the agent authenticated as its ServiceAccount, finding the
+// pod's namespace by its IP, and changing real namespaces.
+func TestEndpointAgentLifecycle(t *testing.T) {
+	testnetns.RequireRoot(t)
+	cs := adminClient(t)
+	ns := freshNamespace(t, cs)
+	node := testnetns.New(t)
+	nodeName := "node-" + ns
+	ip := netip.MustParseAddr("198.18.30.11")
+	podNS := newPodNetns(t, node, ip, "veth-web")
+	pod := createPod(t, cs, ns, "web-1", nodeName, ip)
+	// A pod of another node: never entered, even though it backs the Service.
+	other := createPod(t, cs, ns, "web-2", "elsewhere", netip.MustParseAddr("198.18.30.12"))
+
+	a := startAgent(t, nodeName, node)
+
+	createService(t, cs, ns, "web", "192.0.2.31")
+	applyPodSlice(t, cs, "web", pod, other)
+	waitTunnelIPs(t, podNS, "192.0.2.31", "tunnel IP added in the pod")
+
+	createService(t, cs, ns, "web-alt", "192.0.2.32")
+	applyPodSlice(t, cs, "web-alt", pod)
+	waitTunnelIPs(t, podNS, "192.0.2.31,192.0.2.32", "second tunnel IP added on its own")
+
+	setAnnotation(t, cs, ns, "web", nil)
+	waitTunnelIPs(t, podNS, "192.0.2.32", "annotation removed: its tunnel IP goes, the other stays")
+	if v := node.Run("sysctl", "-n", "net.ipv4.ip_forward"); strings.TrimSpace(v) != "1" {
+		t.Errorf("node ip_forward = %q, want 1", v)
+	}
+
+	// A restarted agent adopts the pod's state without a single change.
+	a.stop()
+	b := startAgent(t, nodeName, node)
+	key := ns + "/web-1"
+	eventually(t, 20*time.Second, "restarted agent checked the pod", func() error {
+		if syncs, _ := b.pods.counts(key); syncs == 0 {
+			return fmt.Errorf("not synced yet")
+		}
+		return nil
+	})
+	if _, changes := b.pods.counts(key); changes != 0 {
+		t.Fatalf("restarted agent made %d changes to a pod that was already right; log:\n%s", changes, b.log.String())
+	}
+	waitTunnelIPs(t, podNS, "192.0.2.32", "state kept across the restart")
+
+	// The pod's sandbox restarts: a new namespace with the same IP.
+	podNS.remove()
+	podNS2 := newPodNetns(t, node, ip, "veth-web2")
+	pod, err := cs.CoreV1().Pods(ns).Get(context.Background(), "web-1", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pod.Status.Conditions = append(pod.Status.Conditions, corev1.PodCondition{Type: "PodReadyToStartContainers", Status: corev1.ConditionTrue})
+	if _, err := cs.CoreV1().Pods(ns).UpdateStatus(context.Background(), pod, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitTunnelIPs(t, podNS2, "192.0.2.32", "new sandbox configured again")
+
+	if err := cs.CoreV1().Services(ns).Delete(context.Background(), "web-alt", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitTunnelIPs(t, podNS2, "", "last tunnel Service deleted: device removed from the pod")
+	if out := podNS2.run(t, "ip", "-4", "-o", "addr", "show", "dev", "eth1"); !strings.Contains(out, ip.String()) {
+		t.Fatalf("pod interface lost its address: %s", out)
+	}
+
+	// A pod that no longer exists needs nothing and causes no error.
+	if err := cs.CoreV1().Pods(ns).Delete(context.Background(), "web-1", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	podNS2.remove()
+	time.Sleep(time.Second)
+	if log := b.log.String(); strings.Contains(log, "web-1") && strings.Contains(log, "level=warning") {
+		t.Fatalf("deleted pod caused a warning:\n%s", log)
+	}
+}
+
+// TestEndpointAgentMissingNamespaceHoldsUpNothing: a pod whose namespace
+// cannot be found is retried with back-off and logged by name, while another
+// pod is configured; once its namespace appears, it is configured too.
+func TestEndpointAgentMissingNamespaceHoldsUpNothing(t *testing.T) {
+	testnetns.RequireRoot(t)
+	cs := adminClient(t)
+	ns := freshNamespace(t, cs)
+	node := testnetns.New(t)
+	nodeName := "node-" + ns
+	ipLate, ipOK := netip.MustParseAddr("198.18.31.11"), netip.MustParseAddr("198.18.31.12")
+	late := createPod(t, cs, ns, "late", nodeName, ipLate)
+	ok := createPod(t, cs, ns, "ok", nodeName, ipOK)
+	okNS := newPodNetns(t, node, ipOK, "veth-ok")
+	a := startAgent(t, nodeName, node)
+	createService(t, cs, ns, "svc", "192.0.2.41")
+	applyPodSlice(t, cs, "svc", late, ok)
+	waitTunnelIPs(t, okNS, "192.0.2.41", "the pod whose namespace exists is configured")
+	eventually(t, 10*time.Second, "a log line naming the pod without a namespace", func() error {
+		if log := a.log.String(); !strings.Contains(log, ns+"/late") || !strings.Contains(log, "finding its network namespace") {
+			return fmt.Errorf("not logged yet:\n%s", log)
+		}
+		return nil
+	})
+	lateNS := newPodNetns(t, node, ipLate, "veth-late")
+	waitTunnelIPs(t, lateNS, "192.0.2.41", "configured once its namespace appears (retry with back-off)")
+}
