@@ -14,8 +14,15 @@ help: ## show this help
 build: ## build static binaries into bin/
 	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/ ./cmd/...
 
-deps: ## install the packages the tests need (Debian: iptables, iproute2)
-	@command -v iptables >/dev/null && command -v ip >/dev/null || { apt-get update -qq && apt-get install -y -qq iptables iproute2; }
+# Debian packages the tests need: iptables and iproute2 for the datapath; a
+# real Docker engine and containerd (with runc, the CNI loopback plugin and a
+# static busybox for the images) for the endpoint agent's runtime lookups.
+APT_PACKAGES := iptables iproute2 util-linux docker.io containerd runc containernetworking-plugins busybox-static
+
+deps: ## install the Debian packages the tests need (iptables, iproute2, docker.io, containerd, ...)
+	@if ! { command -v iptables && command -v ip && command -v nsenter && command -v dockerd && command -v containerd \
+		&& command -v runc && test -x /usr/lib/cni/loopback && dpkg -s busybox-static; } >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(APT_PACKAGES); fi
 
 assets: ## build and cache a real kube-apiserver and etcd for integration tests
 	./test/tools/kube-assets.sh
