@@ -134,9 +134,11 @@ func (p *PodNetwork) observe(nl *netlink.Handle, ns netns.NsHandle, podIP netip.
 	default:
 		local, ok := p.kind.Local(link)
 		alias := link.Attrs().Alias
-		// A device without the alias is the agent's only when it is exactly
-		// what the agent creates in this pod (see deviceState.Unmarked).
-		if !ok || !(alias == DeviceAlias || alias == "" && local == podIP) {
+		// The alias marks the agent's device (one of another kind gets an
+		// invalid local address, so it is replaced). A device without the
+		// alias is the agent's only when it is exactly what the agent creates
+		// in this pod (see deviceState.Unmarked).
+		if !(alias == DeviceAlias || ok && alias == "" && local == podIP) {
 			st.ForeignDevice = true
 			break
 		}

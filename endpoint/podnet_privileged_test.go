@@ -1,6 +1,7 @@
 package endpoint
 
 import (
+	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -8,10 +9,12 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/sirupsen/logrus"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
+	"github.com/cmdnu/kube-service-tunnel/runtime"
 )
 
 // podAndNode builds a pod namespace whose interface "net1" (deliberately not
@@ -256,5 +259,49 @@ func TestNodeNetworkSysctls(t *testing.T) {
 	}
 	if acts, err := nn.Sync([]PodTunnels{pt}, netip.Addr{}); err != nil || len(acts) != 0 {
 		t.Fatalf("second sync: %v, %v; want no change", acts, err)
+	}
+}
+
+// TestCleanupRemovesOnlyWhatTheAgentOwns: --cleanup's core on two pods' namespaces
+// (one served in gre mode with advmss, one holding an mpls-mode lo address)
+// with foreign state beside the agent's; afterwards the namespaces are exactly
+// as before the agent, the foreign state included.
+func TestCleanupRemovesOnlyWhatTheAgentOwns(t *testing.T) {
+	ipA, ipB := netip.MustParseAddr("198.18.10.81"), netip.MustParseAddr("198.18.10.82")
+	podA, node := podAndNode(t, ipA)
+	podB, _ := podAndNode(t, ipB)
+	podA.Run("ip", "addr", "add", "192.0.2.60/32", "dev", "lo") // the pod's own
+	podB.Run("ip", "link", "add", "other", "type", "veth", "peer", "name", "other2")
+	snapshot := func(ns *testnetns.NS) string {
+		return ns.Run("ip", "-d", "-4", "addr") + ns.Run("ip", "-4", "route", "show", "table", "all")
+	}
+	beforeA, beforeB := snapshot(podA), snapshot(podB)
+
+	cfg := testConfig(ModeGRE)
+	cfg.PodAdvMSS = 1400
+	w := want(vip1, vip2)
+	w.Pod.IP = ipA
+	if _, err := standInPodNetwork(cfg).Sync(podA.Handle, w); err != nil {
+		t.Fatal(err)
+	}
+	podB.Run("ip", "addr", "add", "192.0.2.10/32", "dev", "lo", "label", LoopbackLabel)
+	if snapshot(podA) == beforeA {
+		t.Fatal("the agent changed nothing in pod A; the test would prove nothing")
+	}
+
+	nss := []runtime.Netns{{Handle: podA.Handle, Path: "podA"}, {Handle: podB.Handle, Path: "podB"}}
+	log := logrus.New()
+	log.Out = io.Discard
+	if err := CleanupNamespaces(cfg, nss, node.Handle, log); err != nil {
+		t.Fatal(err)
+	}
+	if after := snapshot(podA); after != beforeA {
+		t.Errorf("pod A after cleanup:\n%s\nbefore:\n%s", after, beforeA)
+	}
+	if after := snapshot(podB); after != beforeB {
+		t.Errorf("pod B after cleanup:\n%s\nbefore:\n%s", after, beforeB)
+	}
+	if _, err := podB.Netlink().LinkByName("other"); err != nil {
+		t.Errorf("foreign device removed: %v", err)
 	}
 }

@@ -88,9 +88,21 @@ func Cleanup(cfg Config, nodeNS netns.NsHandle, log logrus.FieldLogger) error {
 	if err != nil {
 		return err
 	}
+	defer func() {
+		for _, ns := range all {
+			ns.Close()
+		}
+	}()
+	return CleanupNamespaces(cfg, all, nodeNS, log)
+}
+
+// CleanupNamespaces removes what the agent owns from the given namespaces and
+// from the node's. A namespace that cannot be cleaned (a foreign device of
+// the agent's name) is reported; the others are still cleaned.
+func CleanupNamespaces(cfg Config, namespaces []runtime.Netns, nodeNS netns.NsHandle, log logrus.FieldLogger) error {
 	pn := NewPodNetwork(cfg, nodeNS)
 	var errs []error
-	for _, ns := range all {
+	for _, ns := range namespaces {
 		acts, err := pn.Cleanup(ns.Handle)
 		for _, a := range acts {
 			log.WithFields(logrus.Fields{"netns": ns.Path, "change": a.String()}).Info("removed")
@@ -98,7 +110,6 @@ func Cleanup(cfg Config, nodeNS netns.NsHandle, log logrus.FieldLogger) error {
 		if err != nil {
 			errs = append(errs, fmt.Errorf("netns %s: %w", ns.Path, err))
 		}
-		ns.Close()
 	}
 	acts, err := NewNodeNetwork(cfg, nodeNS).Sync(nil, netip.Addr{})
 	for _, a := range acts {
@@ -110,6 +121,6 @@ func Cleanup(cfg Config, nodeNS netns.NsHandle, log logrus.FieldLogger) error {
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("cleanup: %w", err)
 	}
-	log.WithField("namespaces", len(all)).Info("removed everything the endpoint agent owned")
+	log.WithField("namespaces", len(namespaces)).Info("removed everything the endpoint agent owned")
 	return nil
 }

@@ -26,11 +26,6 @@ const criPodUIDLabel = "io.kubernetes.pod.uid"
 // gRPC's 4 MiB default; the kubelet allows 16 MiB too.
 const criMaxMsgSize = 16 << 20
 
-// errCRIHostNetwork marks a sandbox that shares the node's network namespace
-// (hostNetwork: true). It never gets a namespace of its own, so retrying is
-// pointless and handing out the node's namespace would be dangerous.
-var errCRIHostNetwork = errors.New("pod sandbox uses the host network namespace; refusing to hand it out")
-
 // CRI is a Locator for runtimes that speak the Kubernetes Container Runtime
 // Interface (containerd, CRI-O). It asks the runtime for the pod's ready
 // sandbox and opens that sandbox's network namespace.
@@ -126,7 +121,7 @@ func (c *CRI) Locate(ctx context.Context, pod Pod) (Netns, error) {
 		return Netns{}, wrap(NotFoundf("sandbox is %s", s))
 	}
 	if st.GetStatus().GetLinux().GetNamespaces().GetOptions().GetNetwork() == runtimeapi.NamespaceMode_NODE {
-		return Netns{}, wrap(errCRIHostNetwork)
+		return Netns{}, wrap(ErrHostNetwork)
 	}
 	path, err := criNetnsPath(st.GetInfo())
 	if err != nil {
@@ -219,7 +214,7 @@ func criNetnsPath(info map[string]string) (string, error) {
 	if c := si.Config; c != nil && c.Linux != nil && c.Linux.SecurityContext != nil &&
 		c.Linux.SecurityContext.NamespaceOptions != nil &&
 		c.Linux.SecurityContext.NamespaceOptions.Network == runtimeapi.NamespaceMode_NODE {
-		return "", errCRIHostNetwork
+		return "", ErrHostNetwork
 	}
 	if si.NetNamespaceClosed {
 		return "", NotFoundf("the sandbox's network namespace is already closed")
@@ -238,7 +233,7 @@ func criNetnsPath(info map[string]string) (string, error) {
 		}
 		// An OCI spec that lists namespaces but no network namespace runs
 		// the sandbox in the runtime's own, that is the host's, namespace.
-		return "", errCRIHostNetwork
+		return "", ErrHostNetwork
 	}
 	return criProcNetns(si.Pid)
 }
@@ -269,8 +264,9 @@ func criStatNetns(path string) (criNetnsID, error) {
 	return criNetnsID{uint64(st.Dev), st.Ino}, nil
 }
 
-// criRefuseOwnNetns returns errCRIHostNetwork when h is the network namespace
-// this process started in.
+// criRefuseOwnNetns returns ErrHostNetwork when h is the network namespace
+// this process started in, or PID 1's (the host's, when the agent sees the
+// host's processes) when that can be read.
 func criRefuseOwnNetns(h netns.NsHandle) error {
 	if criStartNetnsErr != nil {
 		return fmt.Errorf("cannot tell the host's network namespace apart: %w", criStartNetnsErr)
@@ -279,8 +275,12 @@ func criRefuseOwnNetns(h netns.NsHandle) error {
 	if err := unix.Fstat(int(h), &st); err != nil {
 		return fmt.Errorf("fstat of the opened namespace: %w", err)
 	}
-	if (criNetnsID{uint64(st.Dev), st.Ino}) == criStartNetns {
-		return errCRIHostNetwork
+	id := criNetnsID{uint64(st.Dev), st.Ino}
+	if id == criStartNetns {
+		return ErrHostNetwork
+	}
+	if init, err := criStatNetns("/proc/1/ns/net"); err == nil && id == init {
+		return ErrHostNetwork
 	}
 	return nil
 }

@@ -110,8 +110,8 @@ func TestCRINetnsPath(t *testing.T) {
 			if errors.Is(err, ErrNotFound) != tt.notFound {
 				t.Errorf("errors.Is(%v, ErrNotFound) = %v, want %v", err, !tt.notFound, tt.notFound)
 			}
-			if errors.Is(err, errCRIHostNetwork) != tt.host {
-				t.Errorf("errors.Is(%v, errCRIHostNetwork) = %v, want %v", err, !tt.host, tt.host)
+			if errors.Is(err, ErrHostNetwork) != tt.host {
+				t.Errorf("errors.Is(%v, ErrHostNetwork) = %v, want %v", err, !tt.host, tt.host)
 			}
 		})
 	}
@@ -433,7 +433,7 @@ func TestCRIContainerd(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if p, err := criNetnsPath(st.GetInfo()); !errors.Is(err, errCRIHostNetwork) {
+	if p, err := criNetnsPath(st.GetInfo()); !errors.Is(err, ErrHostNetwork) {
 		t.Errorf("criNetnsPath(containerd's info of a hostNetwork sandbox) = %q, %v; want a host network refusal\ninfo: %s", p, err, st.GetInfo()["info"])
 	}
 

@@ -141,14 +141,14 @@ type fallback struct {
 }
 
 // WithFallback returns a Locator that uses secondary when primary fails with
-// an error other than ErrNotFound.
+// an error other than ErrNotFound or ErrHostNetwork.
 func WithFallback(primary, secondary Locator) Locator { return fallback{primary, secondary} }
 
 func (f fallback) Name() string { return f.primary.Name() + "+" + f.secondary.Name() }
 
 func (f fallback) Locate(ctx context.Context, pod Pod) (Netns, error) {
 	ns, err := f.primary.Locate(ctx, pod)
-	if err == nil || errors.Is(err, ErrNotFound) {
+	if err == nil || errors.Is(err, ErrNotFound) || errors.Is(err, ErrHostNetwork) {
 		return ns, err
 	}
 	ns, err2 := f.secondary.Locate(ctx, pod)

@@ -107,6 +107,9 @@ func (d *Docker) Locate(ctx context.Context, pod Pod) (Netns, error) {
 	if !ok {
 		return Netns{}, NotFoundf("pod %s (uid %s): no running docker sandbox container", pod, pod.UID)
 	}
+	if sb.hostNetwork {
+		return Netns{}, fmt.Errorf("pod %s: sandbox container %s: %w", pod, shortID(sb.id), ErrHostNetwork)
+	}
 	path := fmt.Sprintf("%s/%d/ns/net", d.procRoot, sb.pid)
 	handle, err := netns.GetFromPath(path)
 	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ESRCH) {
@@ -144,10 +147,11 @@ func (d *Docker) inspect(ctx context.Context, id string) (dockerSandbox, error) 
 
 // dockerSandbox is what the locator needs to know of a sandbox container.
 type dockerSandbox struct {
-	id        string
-	running   bool
-	pid       int
-	startedAt time.Time
+	id          string
+	running     bool
+	pid         int
+	startedAt   time.Time
+	hostNetwork bool
 }
 
 func sandboxFromInspect(info container.InspectResponse) dockerSandbox {
@@ -156,6 +160,9 @@ func sandboxFromInspect(info container.InspectResponse) dockerSandbox {
 		return sb
 	}
 	sb.id = info.ID
+	if hc := info.HostConfig; hc != nil {
+		sb.hostNetwork = hc.NetworkMode.IsHost()
+	}
 	if st := info.State; st != nil {
 		sb.running = st.Running && !st.Paused && !st.Restarting
 		sb.pid = st.Pid

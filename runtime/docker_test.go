@@ -282,6 +282,19 @@ func TestDockerEngine(t *testing.T) {
 	pod := func(uid string) Pod { return Pod{Namespace: "default", Name: "web-" + uid, UID: uid} }
 	netnsPath := func(pid int) string { return fmt.Sprintf("/proc/%d/ns/net", pid) }
 
+	t.Run("a host-network sandbox is refused, never handed out", func(t *testing.T) {
+		const uid = "8d0f3c2e-0001-4c55-9a0e-0000000000ff"
+		eng.RunNetwork(t, "host", testdocker.PodLabels("podsandbox", uid, "default", "web-"+uid))
+		ns, err := d.Locate(t.Context(), pod(uid))
+		if err == nil {
+			ns.Close()
+			t.Fatal("Locate handed out a host-network sandbox's namespace")
+		}
+		if !errors.Is(err, ErrHostNetwork) {
+			t.Fatalf("err = %v, want ErrHostNetwork", err)
+		}
+	})
+
 	t.Run("finds the sandbox's namespace, not the app container's", func(t *testing.T) {
 		const uid = "8d0f3c2e-0001-4c55-9a0e-000000000001"
 		sandboxID, sandboxPID := eng.RunSandbox(t, uid, "default", "web-"+uid)

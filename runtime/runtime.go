@@ -20,6 +20,10 @@ import (
 // yet, or gone). The caller retries later with back-off.
 var ErrNotFound = errors.New("pod sandbox not found")
 
+// ErrHostNetwork means the pod's sandbox shares the node's network namespace
+// (a host-network pod). It is never handed out, and no fallback is tried.
+var ErrHostNetwork = errors.New("pod sandbox uses the host network namespace; refusing to hand it out")
+
 // Pod identifies the pod whose network namespace is wanted.
 type Pod struct {
 	Namespace string

@@ -6,9 +6,17 @@ package main
 import (
 	"fmt"
 	"os"
+	"runtime"
 
 	"github.com/cmdnu/kube-service-tunnel/endpoint"
 )
+
+// The main goroutine keeps the main thread for itself. Code that enters
+// another network namespace runs on a locked thread that is thrown away
+// afterwards (internal/nsexec); Go cannot throw the main thread away, so were
+// such code ever scheduled on it, the thread would stay in that namespace for
+// the life of the process (and keep a gone pod's namespace alive).
+func init() { runtime.LockOSThread() }
 
 func main() {
 	if err := endpoint.Main(os.Args[1:]); err != nil {
