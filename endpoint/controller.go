@@ -233,7 +233,8 @@ func (c *Controller) Run(ctx context.Context) error {
 	if err := c.recompute(); err != nil {
 		return err
 	}
-	c.queue.Add(resyncKey)
+	// Every local pod is already queued by its informer add event.
+	c.queue.Add(nodeKey)
 	var wg sync.WaitGroup
 	for range c.cfg.Workers {
 		wg.Go(func() {

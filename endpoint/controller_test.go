@@ -1,0 +1,145 @@
+package endpoint
+
+import (
+	"context"
+	"io"
+	"net/netip"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	"github.com/vishvananda/netns"
+	k8sruntime "k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/kubernetes/fake"
+
+	"github.com/cmdnu/kube-service-tunnel/runtime"
+)
+
+// fakeLocator hands out the namespace of a pod IP listed in found and counts
+// lookups; other pods have no sandbox.
+type fakeLocator struct {
+	mu      sync.Mutex
+	found   map[netip.Addr]bool
+	lookups map[string]int
+}
+
+func (f *fakeLocator) Name() string { return "fake" }
+func (f *fakeLocator) Close() error { return nil }
+func (f *fakeLocator) Locate(_ context.Context, pod runtime.Pod) (runtime.Netns, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.lookups[pod.Name]++
+	if !f.found[pod.IP] {
+		return runtime.Netns{}, runtime.NotFoundf("pod %s", pod)
+	}
+	return runtime.Netns{Handle: netns.None(), Path: "fake/" + pod.Name, Via: "fake"}, nil
+}
+
+func (f *fakeLocator) setFound(ip netip.Addr) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.found[ip] = true
+}
+
+func (f *fakeLocator) count(pod string) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.lookups[pod]
+}
+
+// fakePods records every desired state handed to the kernel seam.
+type fakePods struct {
+	mu    sync.Mutex
+	wants map[string][]PodTunnels
+}
+
+func (f *fakePods) Sync(_ netns.NsHandle, want PodTunnels) ([]PodChange, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.wants[want.Pod.Name] = append(f.wants[want.Pod.Name], want)
+	return nil, nil
+}
+
+func (f *fakePods) history(pod string) []PodTunnels {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([]PodTunnels(nil), f.wants[pod]...)
+}
+
+type fakeNode struct{}
+
+func (fakeNode) Sync([]PodTunnels, netip.Addr) ([]NodeChange, error) { return nil, nil }
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func startController(t *testing.T, loc *fakeLocator, pods *fakePods, objects ...k8sruntime.Object) {
+	t.Helper()
+	client := fake.NewClientset(objects...)
+	inf := NewInformers(client, "n1")
+	log := logrus.New()
+	log.Out = io.Discard
+	c, err := NewController(testConfig(ModeGRE), inf, loc, pods, fakeNode{}, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	inf.Start(ctx.Done())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+		inf.Shutdown()
+	})
+}
+
+func TestControllerPodStates(t *testing.T) {
+	svc := tunnelService("a", "web", "192.0.2.10", time.Hour)
+	served := testPod("a", "served", "n1", "10.1.0.11")
+	late := testPod("a", "late", "n1", "10.1.0.12")
+	idle := testPod("a", "idle", "n1", "10.1.0.13")
+	hostNet := testPod("a", "hostnet", "n1", "10.1.0.14")
+	hostNet.Spec.HostNetwork = true
+	es := slice("a", "web", ep{"10.1.0.11", "n1", "served", true}, ep{"10.1.0.12", "n1", "late", true})
+	loc := &fakeLocator{found: map[netip.Addr]bool{netip.MustParseAddr("10.1.0.11"): true, netip.MustParseAddr("10.1.0.13"): true, netip.MustParseAddr("10.1.0.14"): true}, lookups: map[string]int{}}
+	pods := &fakePods{wants: map[string][]PodTunnels{}}
+	startController(t, loc, pods, svc, served, late, idle, hostNet, es)
+
+	waitFor(t, "served pod synced", func() bool { return len(pods.history("served")) > 0 })
+	// The very first sync of a served pod already carries its tunnel IP:
+	// the desired state exists before any pod is touched.
+	if first := pods.history("served")[0]; len(first.TunnelIPs) != 1 || first.TunnelIPs[0] != vip1 {
+		t.Fatalf("first sync of the served pod wanted %v, want [%v]", first.TunnelIPs, vip1)
+	}
+	// A pod without a namespace is retried with back-off while the others go on.
+	waitFor(t, "late pod retried", func() bool { return loc.count("late") >= 2 })
+	// An idle pod is checked once (it may hold leftovers) and then left alone.
+	waitFor(t, "idle pod checked", func() bool { return len(pods.history("idle")) == 1 })
+	if h := pods.history("idle"); len(h[0].TunnelIPs) != 0 {
+		t.Fatalf("idle pod wanted %v", h[0].TunnelIPs)
+	}
+	if n := loc.count("hostnet"); n != 0 {
+		t.Fatalf("host-network pod looked up %d times", n)
+	}
+
+	// Its namespace appears: it is configured on the next retry.
+	loc.setFound(netip.MustParseAddr("10.1.0.12"))
+	waitFor(t, "late pod configured", func() bool {
+		h := pods.history("late")
+		return len(h) > 0 && len(h[len(h)-1].TunnelIPs) == 1
+	})
+	time.Sleep(200 * time.Millisecond)
+	if n := len(pods.history("idle")); n != 1 {
+		t.Fatalf("idle pod synced %d times, want once", n)
+	}
+}
