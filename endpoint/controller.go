@@ -29,6 +29,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 )
@@ -431,7 +432,7 @@ func (c *Controller) syncNode() error {
 	slices.SortFunc(served, func(a, b PodTunnels) int { return a.Pod.IP.Compare(b.Pod.IP) })
 	var nodeIP netip.Addr
 	if node, err := c.nodes.Get(c.cfg.NodeName); err == nil {
-		nodeIP = nodeAddress(node)
+		nodeIP = daemon.NodeAddress(node)
 	}
 	acts, err := c.nodeNet.Sync(served, nodeIP)
 	for _, a := range acts {
@@ -442,20 +443,4 @@ func (c *Controller) syncNode() error {
 	}
 	c.ready.Store(true)
 	return nil
-}
-
-// nodeAddress returns a node's first IPv4 InternalIP, else its first IPv4
-// ExternalIP: the address routers send MPLS packets to.
-func nodeAddress(n *corev1.Node) netip.Addr {
-	for _, typ := range []corev1.NodeAddressType{corev1.NodeInternalIP, corev1.NodeExternalIP} {
-		for _, a := range n.Status.Addresses {
-			if a.Type != typ {
-				continue
-			}
-			if ip, err := netip.ParseAddr(a.Address); err == nil && ip.Is4() {
-				return ip
-			}
-		}
-	}
-	return netip.Addr{}
 }

@@ -2,21 +2,16 @@ package endpoint
 
 import (
 	"flag"
-	"os"
 	"strconv"
 	"strings"
 
-	"github.com/cmdnu/kube-service-tunnel/internal/flagenv"
+	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 )
-
-// EnvPrefix prefixes the environment variable of every flag.
-const EnvPrefix = "KST_"
 
 // Options are the endpoint agent's command-line options.
 type Options struct {
 	Config
-	Kubeconfig string
-	LogLevel   string
+	daemon.Common
 	// Runtime forces a container runtime: auto, docker, cri or netns.
 	Runtime string
 	// RuntimeEndpoint is the runtime's socket (unix:///path); empty means
@@ -54,24 +49,14 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.Workers, "workers", o.Workers, "pods configured in parallel")
 	fs.StringVar(&o.Runtime, "runtime", "auto", "how pods' network namespaces are found: auto, docker, cri (containerd, CRI-O) or netns (search by pod IP)")
 	fs.StringVar(&o.RuntimeEndpoint, "runtime-endpoint", "", "runtime socket, e.g. unix:///run/containerd/containerd.sock (default: the runtime's usual socket)")
-	fs.StringVar(&o.Kubeconfig, "kubeconfig", "", "kubeconfig file; empty means in-cluster configuration")
-	fs.StringVar(&o.LogLevel, "log-level", "info", "log level: debug, info, warn, error")
+	o.Common.AddFlags(fs)
 	fs.BoolVar(&o.Cleanup, "cleanup", false, "remove everything the agent created in this node's pods and namespace, then exit")
 }
 
 // Parse parses args, applies the KST_* environment fallbacks and validates.
 func (o *Options) Parse(fs *flag.FlagSet, args []string) error {
-	if err := fs.Parse(args); err != nil {
+	if err := o.Common.Parse(fs, args, &o.NodeName); err != nil {
 		return err
-	}
-	if err := flagenv.Apply(fs, EnvPrefix); err != nil {
-		return err
-	}
-	if o.NodeName == "" {
-		o.NodeName = os.Getenv("NODE_NAME")
-	}
-	if o.Kubeconfig == "" {
-		o.Kubeconfig = os.Getenv("KUBECONFIG")
 	}
 	if o.ResyncPeriod < 0 {
 		o.ResyncPeriod = 0

@@ -83,6 +83,12 @@ func (p *PodNetwork) Sync(ns netns.NsHandle, want PodTunnels) ([]PodChange, erro
 	if err != nil {
 		return nil, err
 	}
+	return p.planAndApply(nl, ns, want, have)
+}
+
+// planAndApply plans the changes from have to want and makes them, returning
+// those made.
+func (p *PodNetwork) planAndApply(nl *netlink.Handle, ns netns.NsHandle, want PodTunnels, have podState) ([]PodChange, error) {
 	acts, err := planPod(p.cfg, want, have)
 	if err != nil {
 		return nil, err
@@ -200,16 +206,7 @@ func (p *PodNetwork) Cleanup(ns netns.NsHandle) ([]PodChange, error) {
 	if err != nil {
 		return nil, err
 	}
-	acts, err := planPod(p.cfg, PodTunnels{}, have)
-	if err != nil {
-		return nil, err
-	}
-	for i, a := range acts {
-		if err := p.apply(nl, ns, a); err != nil {
-			return acts[:i], fmt.Errorf("%s: %w", a, err)
-		}
-	}
-	return acts, nil
+	return p.planAndApply(nl, ns, PodTunnels{}, have)
 }
 
 // defaultRoute returns the IPv4 default route of the main table.

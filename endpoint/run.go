@@ -11,8 +11,6 @@ import (
 
 	"github.com/sirupsen/logrus"
 	"github.com/vishvananda/netns"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 )
@@ -28,13 +26,10 @@ func Main(args []string) error {
 		}
 		return err
 	}
-	log := logrus.New()
-	level, err := logrus.ParseLevel(o.LogLevel)
+	entry, err := o.Logger("tunnel-endpoint")
 	if err != nil {
-		return fmt.Errorf("--log-level: %w", err)
+		return err
 	}
-	log.SetLevel(level)
-	entry := log.WithField("component", "tunnel-endpoint")
 
 	nodeNS, err := netns.Get()
 	if err != nil {
@@ -57,15 +52,9 @@ func Main(args []string) error {
 		"pod_advmss": o.PodAdvMSS, "route_protocol": o.RouteProtocol,
 	}).Info("starting endpoint agent")
 
-	restCfg, err := clientcmd.BuildConfigFromFlags("", o.Kubeconfig)
+	client, err := o.KubeClient("tunnel-endpoint", 20, 40)
 	if err != nil {
-		return fmt.Errorf("kubernetes client configuration: %w", err)
-	}
-	restCfg.UserAgent = "kube-service-tunnel/tunnel-endpoint"
-	restCfg.QPS, restCfg.Burst = 20, 40
-	client, err := kubernetes.NewForConfig(restCfg)
-	if err != nil {
-		return fmt.Errorf("kubernetes client: %w", err)
+		return err
 	}
 	inf := NewInformers(client, o.NodeName)
 	ctrl, err := NewController(o.Config, inf, locator, NewPodNetwork(o.Config, nodeNS), NewNodeNetwork(o.Config, nodeNS), entry)

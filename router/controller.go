@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/sirupsen/logrus"
 	corev1 "k8s.io/api/core/v1"
@@ -107,7 +108,7 @@ func NewController(cfg Config, client kubernetes.Interface, factory informers.Sh
 			AddFunc: func(any) { c.queue.Add(resyncKey) },
 			UpdateFunc: func(old, obj any) {
 				o, n := old.(*corev1.Node), obj.(*corev1.Node)
-				if nodeIP(o) != nodeIP(n) {
+				if daemon.NodeAddress(o) != daemon.NodeAddress(n) {
 					c.queue.Add(resyncKey)
 				}
 			},
@@ -427,7 +428,7 @@ func (c *Controller) withNodeIPs(eps []Endpoint, problems []string) ([]Endpoint,
 			problems = append(problems, fmt.Sprintf("endpoint %v: node %q: %v", ep.Addr, ep.NodeName, err))
 			continue
 		}
-		ip := nodeIP(node)
+		ip := daemon.NodeAddress(node)
 		if !ip.IsValid() {
 			problems = append(problems, fmt.Sprintf("endpoint %v: node %q has no IPv4 InternalIP or ExternalIP in status.addresses", ep.Addr, ep.NodeName))
 			continue
@@ -436,21 +437,6 @@ func (c *Controller) withNodeIPs(eps []Endpoint, problems []string) ([]Endpoint,
 		out = append(out, ep)
 	}
 	return out, problems
-}
-
-// nodeIP returns a node's first IPv4 InternalIP, else its first IPv4 ExternalIP.
-func nodeIP(n *corev1.Node) netip.Addr {
-	for _, typ := range []corev1.NodeAddressType{corev1.NodeInternalIP, corev1.NodeExternalIP} {
-		for _, a := range n.Status.Addresses {
-			if a.Type != typ {
-				continue
-			}
-			if ip, err := netip.ParseAddr(a.Address); err == nil && ip.Is4() {
-				return ip
-			}
-		}
-	}
-	return netip.Addr{}
 }
 
 // report records an event on a Service when its state changed since the last

@@ -4,22 +4,17 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"os"
 	"strconv"
 	"time"
 
-	"github.com/cmdnu/kube-service-tunnel/internal/flagenv"
+	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 )
-
-// EnvPrefix prefixes the environment variable of every flag.
-const EnvPrefix = "KST_"
 
 // Options are the tunnel router's command-line options.
 type Options struct {
 	Config
-	Kubeconfig string
-	NodeName   string
-	LogLevel   string
+	daemon.Common
+	NodeName string
 	// Cleanup removes everything the router owns and exits.
 	Cleanup bool
 	// CreateDevice makes the router create (and own) its GRE device; when
@@ -54,25 +49,15 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.BoolVar(&o.CreateDevice, "gre-device-create", true, "create the flow-based GRE device; false uses an existing device of that name, which the router never changes or deletes")
 	fs.StringVar(&o.Chain, "chain", o.Chain, "iptables chain in the mangle table holding the HMARK rules")
 	fs.DurationVar(&o.ResyncPeriod, "resync-period", o.ResyncPeriod, "how often the whole kernel state is compared and repaired (0 disables)")
-	fs.StringVar(&o.Kubeconfig, "kubeconfig", "", "kubeconfig file; empty means in-cluster configuration")
+	o.Common.AddFlags(fs)
 	fs.StringVar(&o.NodeName, "node-name", "", "name of this node, used as the event source (env NODE_NAME)")
-	fs.StringVar(&o.LogLevel, "log-level", "info", "log level: debug, info, warn, error")
 	fs.BoolVar(&o.Cleanup, "cleanup", false, "remove every rule, route, chain and device the router owns, then exit")
 }
 
 // Parse parses args, applies the KST_* environment fallbacks and validates.
 func (o *Options) Parse(fs *flag.FlagSet, args []string) error {
-	if err := fs.Parse(args); err != nil {
+	if err := o.Common.Parse(fs, args, &o.NodeName); err != nil {
 		return err
-	}
-	if err := flagenv.Apply(fs, EnvPrefix); err != nil {
-		return err
-	}
-	if o.NodeName == "" {
-		o.NodeName = os.Getenv("NODE_NAME")
-	}
-	if o.Kubeconfig == "" {
-		o.Kubeconfig = os.Getenv("KUBECONFIG")
 	}
 	if o.seed == "" {
 		if !o.Cleanup {

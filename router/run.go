@@ -16,8 +16,6 @@ import (
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"k8s.io/client-go/informers"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
@@ -34,13 +32,10 @@ func Main(args []string) error {
 		}
 		return err
 	}
-	log := logrus.New()
-	level, err := logrus.ParseLevel(o.LogLevel)
+	entry, err := o.Logger("tunnel-router")
 	if err != nil {
-		return fmt.Errorf("--log-level: %w", err)
+		return err
 	}
-	log.SetLevel(level)
-	entry := log.WithField("component", "tunnel-router")
 
 	dp, closeKernel, err := openDatapath(o.Config, o.CreateDevice, entry)
 	if err != nil {
@@ -61,17 +56,11 @@ func Main(args []string) error {
 	}).Info("starting tunnel router")
 	warnIfNotForwarding(entry)
 
-	restCfg, err := clientcmd.BuildConfigFromFlags("", o.Kubeconfig)
-	if err != nil {
-		return fmt.Errorf("kubernetes client configuration: %w", err)
-	}
-	restCfg.UserAgent = "kube-service-tunnel/tunnel-router"
 	// client-go's default (5 QPS, burst 10) throttles the paged initial LISTs
 	// of large clusters and the events of a full resync.
-	restCfg.QPS, restCfg.Burst = 50, 100
-	client, err := kubernetes.NewForConfig(restCfg)
+	client, err := o.KubeClient("tunnel-router", 50, 100)
 	if err != nil {
-		return fmt.Errorf("kubernetes client: %w", err)
+		return err
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()

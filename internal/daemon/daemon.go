@@ -1,0 +1,96 @@
+// Package daemon holds what the tunnel router and the endpoint agent set up
+// the same way: the options every daemon has, their KST_* environment
+// fallbacks, the logger, the Kubernetes client, and the node address both
+// daemons must agree on.
+package daemon
+
+import (
+	"flag"
+	"fmt"
+	"net/netip"
+	"os"
+
+	"github.com/sirupsen/logrus"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/flagenv"
+)
+
+// EnvPrefix prefixes the environment variable of every flag.
+const EnvPrefix = "KST_"
+
+// Common are the options every daemon has.
+type Common struct {
+	Kubeconfig string
+	LogLevel   string
+}
+
+// AddFlags registers the common options on fs.
+func (c *Common) AddFlags(fs *flag.FlagSet) {
+	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig file; empty means in-cluster configuration")
+	fs.StringVar(&c.LogLevel, "log-level", "info", "log level: debug, info, warn, error")
+}
+
+// Parse parses args, applies the KST_* environment fallbacks, then fills
+// nodeName from NODE_NAME and the kubeconfig from KUBECONFIG when unset.
+func (c *Common) Parse(fs *flag.FlagSet, args []string, nodeName *string) error {
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if err := flagenv.Apply(fs, EnvPrefix); err != nil {
+		return err
+	}
+	if *nodeName == "" {
+		*nodeName = os.Getenv("NODE_NAME")
+	}
+	if c.Kubeconfig == "" {
+		c.Kubeconfig = os.Getenv("KUBECONFIG")
+	}
+	return nil
+}
+
+// Logger returns a structured logger at --log-level, tagged with component.
+func (c *Common) Logger(component string) (*logrus.Entry, error) {
+	log := logrus.New()
+	level, err := logrus.ParseLevel(c.LogLevel)
+	if err != nil {
+		return nil, fmt.Errorf("--log-level: %w", err)
+	}
+	log.SetLevel(level)
+	return log.WithField("component", component), nil
+}
+
+// KubeClient returns a client from --kubeconfig (or the in-cluster
+// configuration) identifying itself as kube-service-tunnel/component.
+func (c *Common) KubeClient(component string, qps float32, burst int) (kubernetes.Interface, error) {
+	cfg, err := clientcmd.BuildConfigFromFlags("", c.Kubeconfig)
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes client configuration: %w", err)
+	}
+	cfg.UserAgent = "kube-service-tunnel/" + component
+	cfg.QPS, cfg.Burst = qps, burst
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes client: %w", err)
+	}
+	return client, nil
+}
+
+// NodeAddress returns a node's first IPv4 InternalIP, else its first IPv4
+// ExternalIP: where routers send a node's MPLS packets, and so the address
+// whose interface the node's endpoint agent opens to MPLS.
+func NodeAddress(n *corev1.Node) netip.Addr {
+	for _, typ := range []corev1.NodeAddressType{corev1.NodeInternalIP, corev1.NodeExternalIP} {
+		for _, a := range n.Status.Addresses {
+			if a.Type != typ {
+				continue
+			}
+			if ip, err := netip.ParseAddr(a.Address); err == nil && ip.Is4() {
+				return ip
+			}
+		}
+	}
+	return netip.Addr{}
+}
