@@ -74,6 +74,9 @@ func (p *PodNetwork) Sync(ns netns.NsHandle, want PodTunnels) ([]PodChange, erro
 	if p.node.IsOpen() && p.node.Equal(ns) {
 		return nil, errors.New("refusing to configure the node's own network namespace as a pod's (a host-network sandbox?)")
 	}
+	if !want.Pod.IP.Is4() {
+		return nil, fmt.Errorf("pod %s has no IPv4 address to check its namespace by", want.Pod)
+	}
 	nl, err := netlink.NewHandleAt(ns)
 	if err != nil {
 		return nil, fmt.Errorf("netlink handle in pod namespace: %w", err)
