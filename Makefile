@@ -24,8 +24,9 @@ deps: ## install the Debian packages the tests need (iptables, iproute2, docker.
 		&& command -v runc && test -x /usr/lib/cni/loopback && dpkg -s busybox-static; } >/dev/null 2>&1; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(APT_PACKAGES); fi
 
-assets: ## build and cache a real kube-apiserver and etcd for integration tests
+assets: ## build and cache a real kube-apiserver and etcd, and the VM lab's kernel
 	./test/tools/kube-assets.sh
+	./test/tools/lab-assets.sh
 
 test: deps assets lint build ## everything: unit, privileged (root) and integration tests, and the demo
 	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 20m $(PKGS)

@@ -1,0 +1,193 @@
+package lab
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// buildStaticGo compiles a one-file Go program with CGO_ENABLED=0.
+func buildStaticGo(t *testing.T, source string) string {
+	t.Helper()
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "go.mod"), []byte("module labhello\n\ngo 1.26\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "main.go"), []byte(source), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(dir, "hello")
+	cmd := exec.Command("go", "build", "-trimpath", "-o", bin, ".")
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOWORK=off", "GOFLAGS=")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("building the static Go program: %v\n%s", err, out)
+	}
+	return bin
+}
+
+const helloSource = `package main
+
+import "fmt"
+
+func main() { fmt.Println("static go says hello") }
+`
+
+// smokeScript proves each datapath feature the project needs; every check
+// prints "ok NAME" only when it worked.
+const smokeScript = `#!/bin/sh
+check() { name=$1; shift; if "$@"; then echo "ok $name"; else echo "FAIL $name"; fi; }
+
+check gre-p2p /sbin/ip link add g1 type gre local 10.1.1.1 remote 10.1.1.2
+check gre-external /sbin/ip link add g2 type gre external
+check mpls-labels sysctl -w net.mpls.platform_labels=1000
+check mpls-route /sbin/ip -f mpls route add 100 dev lo
+check hmark iptables -t mangle -A PREROUTING -d 10.96.0.10/32 -j HMARK \
+	--hmark-tuple src,dst,sport,dport,proto --hmark-mod 4 --hmark-offset 100 --hmark-rnd 0x1234
+iptables -t mangle -S PREROUTING
+
+/sbin/ip netns add a && /sbin/ip netns add b &&
+	/sbin/ip link add va netns a type veth peer name vb netns b &&
+	/sbin/ip -n a addr add 192.168.77.1/24 dev va && /sbin/ip -n b addr add 192.168.77.2/24 dev vb &&
+	/sbin/ip -n a link set va up && /sbin/ip -n b link set vb up
+check veth-ping /sbin/ip netns exec a ping -c 1 -W 5 192.168.77.2
+check hmark-legacy /sbin/ip netns exec a iptables-legacy -t mangle -A PREROUTING -d 10.96.0.10/32 -j HMARK \
+	--hmark-tuple src,dst,sport,dport,proto --hmark-mod 4 --hmark-offset 100 --hmark-rnd 0x1234
+
+check static-go /lab/hello
+
+check guestfwd sh -c 'wget -q -O - http://` + HostForwardAddr + `:$(cat /lab/port)/ | grep -q "from the host"'
+exit 0
+`
+
+func TestLabSmoke(t *testing.T) {
+	start := time.Now()
+	assets := Require(t)
+	t.Logf("assets ready in %v: kernel %s", time.Since(start).Round(time.Millisecond), assets.KernelVersion)
+
+	// A server on the host's loopback, the only outside address the VM
+	// may reach.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprintln(w, "hello from the host")
+	})}
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() { _ = srv.Close() })
+	port := ln.Addr().(*net.TCPAddr).Port
+
+	dir := t.TempDir()
+	portFile := filepath.Join(dir, "port")
+	if err := os.WriteFile(portFile, []byte(fmt.Sprint(port)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	hello := buildStaticGo(t, helloSource)
+
+	start = time.Now()
+	ir, err := BuildInitramfs(InitramfsOptions{
+		Assets: assets,
+		Output: filepath.Join(dir, "initrd.gz"),
+		Script: smokeScript,
+		Files:  map[string]string{"/lab/hello": hello, "/lab/port": portFile},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("initramfs built in %v: %.1f MB, %d modules", time.Since(start).Round(time.Millisecond),
+		float64(ir.Size)/(1<<20), len(ir.Modules))
+
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	start = time.Now()
+	out, code, err := Boot(ctx, ir, BootOptions{Kernel: assets.Kernel, ForwardHostPorts: []int{port}})
+	t.Logf("boot to end marker: %v", time.Since(start).Round(time.Millisecond))
+	t.Logf("serial console:\n%s", out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if code != 0 {
+		t.Errorf("run.sh exit code %d, want 0", code)
+	}
+	for _, want := range []string{
+		"ok gre-p2p", "ok gre-external", "ok mpls-labels", "ok mpls-route", "ok hmark",
+		"-j HMARK", "ok hmark-legacy", "ok veth-ping", "static go says hello", "ok static-go", "ok guestfwd",
+	} {
+		if !strings.Contains(out, want+"\n") && !strings.Contains(out, want+" ") {
+			t.Errorf("console lacks %q", want)
+		}
+	}
+}
+
+func TestParseExitCode(t *testing.T) {
+	for _, tc := range []struct {
+		out    string
+		code   int
+		wantOK bool
+	}{
+		{"boot\nM rc=0\n", 0, true},
+		{"M rc=3\nreboot: Power down\n", 3, true},
+		{"M rc=1", 0, false}, // line not complete yet
+		{"no marker\n", 0, false},
+		{"M rc=x\n", 0, false},
+	} {
+		code, ok := parseExitCode(tc.out, "M rc=")
+		if code != tc.code || ok != tc.wantOK {
+			t.Errorf("parseExitCode(%q) = %d, %v; want %d, %v", tc.out, code, ok, tc.code, tc.wantOK)
+		}
+	}
+}
+
+func TestCanonical(t *testing.T) {
+	for in, want := range map[string]string{
+		"/sbin/ip":                 "usr/sbin/ip",
+		"bin/sh":                   "usr/bin/sh",
+		"/lib64/ld-linux.so.2":     "usr/lib64/ld-linux.so.2",
+		"/lib/modules/x/veth.ko":   "usr/lib/modules/x/veth.ko",
+		"/usr/bin/wget":            "usr/bin/wget",
+		"/lab/run.sh":              "lab/run.sh",
+		"/binary":                  "binary",
+		"/lab/../etc/passwd":       "etc/passwd",
+		"/usr/sbin/../../sbin/tc":  "usr/sbin/tc",
+		"/lib":                     "usr/lib",
+		"/var/run":                 "var/run",
+		"/dev/console":             "dev/console",
+		"/usr/lib/x86_64/xtables/": "usr/lib/x86_64/xtables",
+	} {
+		if got := canonical(in); got != want {
+			t.Errorf("canonical(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
+
+func TestBootTimeout(t *testing.T) {
+	assets := Require(t)
+	ir, err := BuildInitramfs(InitramfsOptions{
+		Assets:  assets,
+		Output:  filepath.Join(t.TempDir(), "initrd.gz"),
+		Modules: []string{},
+		Script:  "sleep 600\n",
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	start := time.Now()
+	_, code, err := Boot(ctx, ir, BootOptions{Kernel: assets.Kernel})
+	if !errors.Is(err, context.DeadlineExceeded) || code != -1 {
+		t.Fatalf("Boot = %d, %v; want -1 and a deadline error", code, err)
+	}
+	if d := time.Since(start); d > 30*time.Second {
+		t.Errorf("Boot returned %v after its deadline", d)
+	}
+}
