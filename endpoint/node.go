@@ -137,7 +137,7 @@ func NewNodeNetwork(cfg Config, ns netns.NsHandle) *NodeNetwork {
 // one tunnel IP); nodeIP picks the MPLS input interface when none is
 // configured. It returns the changes made.
 func (n *NodeNetwork) Sync(served []PodTunnels, nodeIP netip.Addr) ([]NodeChange, error) {
-	nl, err := netlink.NewHandleAt(n.ns)
+	nl, err := netlink.NewHandleAt(n.ns, unix.NETLINK_ROUTE)
 	if err != nil {
 		return nil, fmt.Errorf("netlink handle in node namespace: %w", err)
 	}

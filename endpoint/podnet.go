@@ -43,6 +43,10 @@ func (GRE) Local(l netlink.Link) (netip.Addr, bool) {
 	return addr, true
 }
 
+// Netlink handles are opened for NETLINK_ROUTE only: a handle for every
+// family fails with "protocol not supported" on kernels without xfrm_user
+// (found in the lab VM).
+
 // PodNetwork configures pods' network namespaces: it reads what a namespace
 // holds, plans the difference to the desired state and applies it.
 type PodNetwork struct {
@@ -77,7 +81,7 @@ func (p *PodNetwork) Sync(ns netns.NsHandle, want PodTunnels) ([]PodChange, erro
 	if !want.Pod.IP.Is4() {
 		return nil, fmt.Errorf("pod %s has no IPv4 address to check its namespace by", want.Pod)
 	}
-	nl, err := netlink.NewHandleAt(ns)
+	nl, err := netlink.NewHandleAt(ns, unix.NETLINK_ROUTE)
 	if err != nil {
 		return nil, fmt.Errorf("netlink handle in pod namespace: %w", err)
 	}
@@ -198,7 +202,7 @@ func (p *PodNetwork) Cleanup(ns netns.NsHandle) ([]PodChange, error) {
 	if p.node.IsOpen() && p.node.Equal(ns) {
 		return nil, nil
 	}
-	nl, err := netlink.NewHandleAt(ns)
+	nl, err := netlink.NewHandleAt(ns, unix.NETLINK_ROUTE)
 	if err != nil {
 		return nil, fmt.Errorf("netlink handle: %w", err)
 	}

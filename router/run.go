@@ -15,6 +15,7 @@ import (
 	"github.com/sirupsen/logrus"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 	"k8s.io/client-go/informers"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
@@ -79,7 +80,7 @@ func Main(args []string) error {
 
 // openDatapath opens the kernel seams of the current network namespace.
 func openDatapath(cfg Config, createDevice bool, log logrus.FieldLogger) (*Datapath, func(), error) {
-	handle, err := netlink.NewHandle()
+	handle, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 	if err != nil {
 		return nil, nil, fmt.Errorf("netlink handle: %w", err)
 	}

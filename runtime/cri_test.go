@@ -496,7 +496,7 @@ func checkCRISandbox(t *testing.T, ctx context.Context, ctr *testcri.Containerd,
 		t.Fatalf("Locate opened the host's network namespace")
 	}
 	// It is the namespace the CNI plugin set up: eth0 with the pod's IP.
-	nl, err := netlink.NewHandleAt(n.Handle)
+	nl, err := netlink.NewHandleAt(n.Handle, unix.NETLINK_ROUTE)
 	if err != nil {
 		t.Fatal(err)
 	}

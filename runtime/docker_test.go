@@ -319,7 +319,7 @@ func TestDockerEngine(t *testing.T) {
 
 		// An address added through the handle shows inside the sandbox
 		// and not in the app container.
-		nl, err := netlink.NewHandleAt(ns.Handle)
+		nl, err := netlink.NewHandleAt(ns.Handle, unix.NETLINK_ROUTE)
 		if err != nil {
 			t.Fatal(err)
 		}

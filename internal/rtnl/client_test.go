@@ -303,7 +303,7 @@ func TestListFilters(t *testing.T) {
 // netlink.Encap with vishvananda/netlink, and that List decodes the result.
 func TestNetlinkRouteAddWithIPEncap(t *testing.T) {
 	ns := newTestNS(t)
-	h, err := netlink.NewHandleAt(ns.handle)
+	h, err := netlink.NewHandleAt(ns.handle, unix.NETLINK_ROUTE)
 	if err != nil {
 		t.Fatal(err)
 	}

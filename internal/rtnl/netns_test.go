@@ -12,6 +12,7 @@ import (
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 )
 
 // testNS is a fresh network namespace with lo up and a veth pair whose
@@ -65,7 +66,7 @@ func newTestNS(tb testing.TB) *testNS {
 
 func linkIndex(tb testing.TB, ns netns.NsHandle, name string) int {
 	tb.Helper()
-	nh, err := netlink.NewHandleAt(ns)
+	nh, err := netlink.NewHandleAt(ns, unix.NETLINK_ROUTE)
 	if err != nil {
 		tb.Fatalf("netlink handle: %v", err)
 	}

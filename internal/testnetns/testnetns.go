@@ -25,6 +25,7 @@ import (
 	"github.com/coreos/go-iptables/iptables"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 )
 
 // RequireRoot skips the test unless it runs as root (and KST_SKIP_PRIVILEGED
@@ -87,7 +88,7 @@ func New(tb testing.TB, loAddrs ...netip.Prefix) *NS {
 // test ends.
 func (n *NS) Netlink() *netlink.Handle {
 	n.tb.Helper()
-	h, err := netlink.NewHandleAt(n.Handle)
+	h, err := netlink.NewHandleAt(n.Handle, unix.NETLINK_ROUTE)
 	if err != nil {
 		n.tb.Fatalf("netlink handle in test netns: %v", err)
 	}

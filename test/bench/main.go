@@ -25,6 +25,7 @@ import (
 	"github.com/sirupsen/logrus"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
@@ -150,7 +151,7 @@ func newDatapath(ns *namespace) (*router.Datapath, func(), error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	nl, err := netlink.NewHandleAt(ns.handle)
+	nl, err := netlink.NewHandleAt(ns.handle, unix.NETLINK_ROUTE)
 	if err != nil {
 		rc.Close()
 		return nil, nil, err

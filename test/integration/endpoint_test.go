@@ -15,6 +15,7 @@ import (
 	"github.com/sirupsen/logrus"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -146,7 +147,7 @@ func newPodNetns(t *testing.T, node *testnetns.NS, ip netip.Addr, hostVeth strin
 		t.Fatal(err)
 	}
 	p.handle = h
-	nl, err := netlink.NewHandleAt(h)
+	nl, err := netlink.NewHandleAt(h, unix.NETLINK_ROUTE)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,0 +1,59 @@
+package lab
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+)
+
+// kernelTests are the tests of package endpoint that need GRE and MPLS.
+var kernelTests = []string{"TestKernelGREPod", "TestKernelMPLSPod", "TestKernelMPLSNode"}
+
+// TestEndpointKernelInVM runs the endpoint agent's kernel tests (real GRE
+// device in a pod, MPLS pop route, node swap route, their adoption after a
+// restart) inside the lab VM, whose kernel has what this host's lacks.
+func TestEndpointKernelInVM(t *testing.T) {
+	assets := Require(t)
+	dir := t.TempDir()
+	_, here, _, _ := runtime.Caller(0)
+	repo := filepath.Join(filepath.Dir(here), "..", "..")
+	bin := filepath.Join(dir, "endpoint.test")
+	build := exec.Command("go", "test", "-c", "-trimpath", "-o", bin, "./endpoint")
+	build.Dir = repo
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("building the endpoint test binary: %v\n%s", err, out)
+	}
+	script := `#!/bin/sh
+export PATH=/usr/sbin:/usr/bin:/sbin:/bin
+cd /tmp
+/lab/endpoint.test -test.run '^(` + strings.Join(kernelTests, "|") + `)$' -test.v -test.count=1
+echo "endpoint tests rc=$?"
+`
+	ir, err := BuildInitramfs(InitramfsOptions{Assets: assets, Output: filepath.Join(dir, "initrd.gz"), Script: script,
+		Files: map[string]string{"/lab/endpoint.test": bin}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	start := time.Now()
+	out, _, err := Boot(ctx, ir, BootOptions{Kernel: assets.Kernel})
+	t.Logf("VM ran the endpoint kernel tests in %v:\n%s", time.Since(start).Round(time.Millisecond), out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range kernelTests {
+		if !strings.Contains(out, "--- PASS: "+name) {
+			t.Errorf("%s did not pass in the VM", name)
+		}
+	}
+	if !strings.Contains(out, "endpoint tests rc=0") {
+		t.Errorf("the endpoint test binary failed in the VM")
+	}
+}
