@@ -109,26 +109,71 @@ func (b *ByIP) Locate(ctx context.Context, pod Pod) (Netns, error) {
 		return Netns{}, fmt.Errorf("pod %s: no IP to search network namespaces for", pod)
 	}
 	ip := pod.IP.Unmap()
-	self, err := statKey(b.selfNetns)
+	skip, err := b.ownAndHost()
 	if err != nil {
-		return Netns{}, fmt.Errorf("pod %s: identifying the agent's own network namespace: %w", pod, err)
+		return Netns{}, fmt.Errorf("pod %s: %w", pod, err)
 	}
-	host, err := b.hostKey()
-	if err != nil {
-		return Netns{}, fmt.Errorf("pod %s: identifying the host's network namespace: %w", pod, err)
-	}
-	skip := map[nsKey]bool{self: true, host: true}
-
 	var matches []Netns
 	defer func() {
 		for _, m := range matches {
 			m.Close()
 		}
 	}()
-	var scanErrs []error
+	scanErrs, err := b.each(ctx, skip, func(ns Netns) (bool, error) {
+		ok, err := holdsIP(ns.Handle, ip)
+		if err != nil || !ok {
+			return false, err
+		}
+		ns.Via = "netns"
+		matches = append(matches, ns)
+		return true, nil
+	})
+	if err != nil {
+		return Netns{}, fmt.Errorf("pod %s: searching network namespaces for %s: %w", pod, ip, err)
+	}
+
+	switch len(matches) {
+	case 0:
+		if len(scanErrs) > 0 {
+			return Netns{}, NotFoundf("pod %s: no network namespace holds %s outside lo (%d could not be searched, first: %v)", pod, ip, len(scanErrs), scanErrs[0])
+		}
+		return Netns{}, NotFoundf("pod %s: no network namespace holds %s outside lo", pod, ip)
+	case 1:
+		found := matches[0]
+		matches = nil // the caller owns it now
+		return found, nil
+	default:
+		paths := make([]string, len(matches))
+		for i, m := range matches {
+			paths[i] = m.Path
+		}
+		return Netns{}, fmt.Errorf("%w: pod %s: %s is held by %s", ErrAmbiguous, pod, ip, strings.Join(paths, ", "))
+	}
+}
+
+// ownAndHost returns the keys of the namespaces never handed out: the
+// agent's own and the host's.
+func (b *ByIP) ownAndHost() (map[nsKey]bool, error) {
+	self, err := statKey(b.selfNetns)
+	if err != nil {
+		return nil, fmt.Errorf("identifying the agent's own network namespace: %w", err)
+	}
+	host, err := b.hostKey()
+	if err != nil {
+		return nil, fmt.Errorf("identifying the host's network namespace: %w", err)
+	}
+	return map[nsKey]bool{self: true, host: true}, nil
+}
+
+// each opens every candidate namespace not in skip once and calls visit with
+// it; visit returns true when it keeps the handle (then it owns it),
+// otherwise each closes it. Namespaces that vanish during the scan are
+// skipped; the ones that could not be opened or visited are returned as
+// scanErrs. err is set only when ctx ends.
+func (b *ByIP) each(ctx context.Context, skip map[nsKey]bool, visit func(Netns) (keep bool, err error)) (scanErrs []error, err error) {
 	for _, c := range b.candidates(skip) {
 		if err := ctx.Err(); err != nil {
-			return Netns{}, fmt.Errorf("pod %s: searching network namespaces for %s: %w", pod, ip, err)
+			return scanErrs, err
 		}
 		handle, err := netns.GetFromPath(c.path)
 		if vanished(err) {
@@ -152,36 +197,15 @@ func (b *ByIP) Locate(ctx context.Context, pod Pod) (Netns, error) {
 			continue
 		}
 		skip[key] = true
-		ok, err := holdsIP(handle, ip)
+		keep, err := visit(Netns{Handle: handle, Path: c.path})
 		if err != nil {
-			handle.Close()
 			scanErrs = append(scanErrs, fmt.Errorf("%s: %w", c.path, err))
-			continue
 		}
-		if !ok {
+		if !keep {
 			handle.Close()
-			continue
 		}
-		matches = append(matches, Netns{Handle: handle, Path: c.path, Via: "netns"})
 	}
-
-	switch len(matches) {
-	case 0:
-		if len(scanErrs) > 0 {
-			return Netns{}, NotFoundf("pod %s: no network namespace holds %s outside lo (%d could not be searched, first: %v)", pod, ip, len(scanErrs), scanErrs[0])
-		}
-		return Netns{}, NotFoundf("pod %s: no network namespace holds %s outside lo", pod, ip)
-	case 1:
-		found := matches[0]
-		matches = nil // the caller owns it now
-		return found, nil
-	default:
-		paths := make([]string, len(matches))
-		for i, m := range matches {
-			paths[i] = m.Path
-		}
-		return Netns{}, fmt.Errorf("%w: pod %s: %s is held by %s", ErrAmbiguous, pod, ip, strings.Join(paths, ", "))
-	}
+	return scanErrs, nil
 }
 
 // candidates lists the paths of the namespaces to search, one per namespace
