@@ -12,8 +12,6 @@
 package testcri
 
 import (
-	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -21,13 +19,12 @@ import (
 	"os/exec"
 	"path/filepath"
 	goruntime "runtime"
-	"sort"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/leftover"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
@@ -445,7 +442,7 @@ func (c *Containerd) stop() {
 	// exit by themselves, shortly after.
 	var shims []int
 	for range 50 {
-		if shims = processesMentioning(c.socket); len(shims) == 0 {
+		if shims = leftover.ProcessesMentioning(c.socket); len(shims) == 0 {
 			break
 		}
 		time.Sleep(100 * time.Millisecond)
@@ -461,7 +458,7 @@ func (c *Containerd) stop() {
 			_ = syscall.Kill(pid, syscall.SIGKILL)
 		}
 	}
-	if mounts := mountsUnder(c.Dir); len(mounts) > 0 {
+	if mounts := leftover.MountsUnder(c.Dir); len(mounts) > 0 {
 		tb.Errorf("cleanup: mounts left under %s: %v; unmounting them", c.Dir, mounts)
 		for _, m := range mounts {
 			_ = syscall.Unmount(m, syscall.MNT_DETACH)
@@ -480,65 +477,4 @@ func (c *Containerd) stop() {
 	if err := os.RemoveAll(c.Dir); err != nil {
 		tb.Errorf("cleanup: %v", err)
 	}
-}
-
-// processesMentioning returns the PIDs whose command line contains s.
-func processesMentioning(s string) []int {
-	var pids []int
-	entries, _ := os.ReadDir("/proc")
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil || pid == os.Getpid() {
-			continue
-		}
-		cmdline, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-		if err == nil && bytes.Contains(cmdline, []byte(s)) {
-			pids = append(pids, pid)
-		}
-	}
-	return pids
-}
-
-// mountsUnder returns the mount points of this process's mount namespace at
-// or below dir, deepest first.
-func mountsUnder(dir string) []string {
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		return nil
-	}
-	defer f.Close()
-	var mounts []string
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		fields := strings.Fields(sc.Text())
-		if len(fields) < 5 {
-			continue
-		}
-		mp := unescapeMountinfo(fields[4])
-		if mp == dir || strings.HasPrefix(mp, dir+"/") {
-			mounts = append(mounts, mp)
-		}
-	}
-	sort.Slice(mounts, func(i, j int) bool { return len(mounts[i]) > len(mounts[j]) })
-	return mounts
-}
-
-// unescapeMountinfo undoes the octal escapes (\040 for a space) of
-// /proc/self/mountinfo.
-func unescapeMountinfo(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }

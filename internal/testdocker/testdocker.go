@@ -36,6 +36,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/leftover"
 	"github.com/docker/docker/client"
 	"golang.org/x/sys/unix"
 )
@@ -356,20 +357,20 @@ func (e *Engine) stop() error {
 			errs = append(errs, fmt.Errorf("dockerd did not stop within %s of SIGTERM; killed", stopTimeout))
 		}
 	}
-	if pids := processesUnder(e.Dir); len(pids) > 0 {
+	if pids := leftover.ProcessesMentioning(e.Dir + "/"); len(pids) > 0 {
 		for _, pid := range pids {
 			_ = unix.Kill(pid, unix.SIGKILL)
 		}
 		errs = append(errs, fmt.Errorf("processes of the engine left running, killed: %v", pids))
 	}
-	if mounts := mountsUnder(e.Dir); len(mounts) > 0 {
+	if mounts := leftover.MountsUnder(e.Dir); len(mounts) > 0 {
 		var leaked []string
-		for i := len(mounts) - 1; i >= 0; i-- {
-			_ = unix.Unmount(mounts[i], unix.MNT_DETACH)
+		for _, m := range mounts { // deepest first
+			_ = unix.Unmount(m, unix.MNT_DETACH)
 			// dockerd 20.10 bind-mounts the host's namespace there for
 			// --network host containers and never unmounts it on exit.
-			if !strings.HasSuffix(mounts[i], "/exec/netns/default") {
-				leaked = append(leaked, mounts[i])
+			if !strings.HasSuffix(m, "/exec/netns/default") {
+				leaked = append(leaked, m)
 			}
 		}
 		if len(leaked) > 0 {
@@ -388,45 +389,4 @@ func (e *Engine) logTail() string {
 		b = b[len(b)-4000:]
 	}
 	return string(b)
-}
-
-// processesUnder lists the processes whose command line names a path under
-// dir: the engine's containerd and shims, which name their sockets there.
-func processesUnder(dir string) []int {
-	entries, err := os.ReadDir("/proc")
-	if err != nil {
-		return nil
-	}
-	self := os.Getpid()
-	var pids []int
-	for _, ent := range entries {
-		pid, err := strconv.Atoi(ent.Name())
-		if err != nil || pid == self {
-			continue
-		}
-		cmdline, err := os.ReadFile("/proc/" + ent.Name() + "/cmdline")
-		if err != nil {
-			continue
-		}
-		if bytes.Contains(cmdline, []byte(dir+"/")) {
-			pids = append(pids, pid)
-		}
-	}
-	return pids
-}
-
-// mountsUnder lists the mount points under dir, in mount order.
-func mountsUnder(dir string) []string {
-	b, err := os.ReadFile("/proc/self/mountinfo")
-	if err != nil {
-		return nil
-	}
-	var out []string
-	for _, line := range strings.Split(string(b), "\n") {
-		f := strings.Fields(line)
-		if len(f) > 4 && strings.HasPrefix(f[4], dir+"/") {
-			out = append(out, f[4])
-		}
-	}
-	return out
 }
