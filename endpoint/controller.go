@@ -170,8 +170,14 @@ func NewController(cfg Config, inf Informers, locator runtime.Locator, podNet Po
 			DeleteFunc: func(obj any) { c.enqueuePod(obj); recompute(obj) },
 		}},
 		{nodeInformer.Informer(), cache.ResourceEventHandlerFuncs{
-			AddFunc:    func(any) { c.queue.Add(nodeKey) },
-			UpdateFunc: func(any, any) { c.queue.Add(nodeKey) },
+			AddFunc: func(any) { c.queue.Add(nodeKey) },
+			// Only the address matters (it picks the MPLS input interface);
+			// status heartbeats would otherwise re-read the node each time.
+			UpdateFunc: func(old, obj any) {
+				if daemon.NodeAddress(old.(*corev1.Node)) != daemon.NodeAddress(obj.(*corev1.Node)) {
+					c.queue.Add(nodeKey)
+				}
+			},
 		}},
 	}
 	for _, h := range handlers {

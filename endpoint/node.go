@@ -60,12 +60,12 @@ type nodeWant struct {
 
 // sysctlNames lists the sysctls planNode reads.
 func (w nodeWant) sysctlNames(mode Mode) []string {
-	names := []string{ipForwardSysctl()}
+	names := []string{sysctlIPForward}
 	for _, l := range w.PodLinks {
 		names = append(names, rpFilterSysctl(l))
 	}
 	if mode == ModeMPLS {
-		names = append(names, platformLabelsSysctl())
+		names = append(names, sysctlPlatformLabels)
 		for _, l := range w.MPLSInput {
 			names = append(names, mplsInputSysctl(l))
 		}
@@ -79,8 +79,8 @@ func (w nodeWant) sysctlNames(mode Mode) []string {
 func planNode(mode Mode, want nodeWant, have nodeState) []NodeChange {
 	var acts []NodeChange
 	served := len(want.PodLinks) > 0
-	if served && have.Sysctls[ipForwardSysctl()] != "1" {
-		acts = append(acts, NodeChange{Sysctl: ipForwardSysctl(), Value: "1"})
+	if served && have.Sysctls[sysctlIPForward] != "1" {
+		acts = append(acts, NodeChange{Sysctl: sysctlIPForward, Value: "1"})
 	}
 	for _, l := range want.PodLinks {
 		if have.Sysctls[rpFilterSysctl(l)] == "1" {
@@ -88,8 +88,8 @@ func planNode(mode Mode, want nodeWant, have nodeState) []NodeChange {
 		}
 	}
 	if mode == ModeMPLS && served {
-		if v, _ := strconv.Atoi(have.Sysctls[platformLabelsSysctl()]); v < mplslabel.PlatformLabels {
-			acts = append(acts, NodeChange{Sysctl: platformLabelsSysctl(), Value: strconv.Itoa(mplslabel.PlatformLabels)})
+		if v, _ := strconv.Atoi(have.Sysctls[sysctlPlatformLabels]); v < mplslabel.PlatformLabels {
+			acts = append(acts, NodeChange{Sysctl: sysctlPlatformLabels, Value: strconv.Itoa(mplslabel.PlatformLabels)})
 		}
 		for _, l := range want.MPLSInput {
 			if have.Sysctls[mplsInputSysctl(l)] != "1" {

@@ -103,16 +103,21 @@ func (a PodChange) where() string {
 	return " on device"
 }
 
-// Sysctl names a pod needs, relative to /proc/sys.
+// Sysctl names, relative to /proc/sys.
+const (
+	sysctlIPForward      = "net/ipv4/ip_forward"
+	sysctlPlatformLabels = "net/mpls/platform_labels"
+)
+
 func rpFilterSysctl(dev string) string  { return "net/ipv4/conf/" + dev + "/rp_filter" }
 func mplsInputSysctl(dev string) string { return "net/mpls/conf/" + dev + "/input" }
-func ipForwardSysctl() string           { return "net/ipv4/ip_forward" }
-func platformLabelsSysctl() string      { return "net/mpls/platform_labels" }
+
+// podSysctls lists the sysctls planPod reads in a pod.
 func podSysctls(cfg Config, podLink string) []string {
 	if cfg.Mode == ModeGRE {
 		return []string{rpFilterSysctl(cfg.Device)}
 	}
-	return []string{platformLabelsSysctl(), mplsInputSysctl(podLink), rpFilterSysctl("lo")}
+	return []string{sysctlPlatformLabels, mplsInputSysctl(podLink), rpFilterSysctl("lo")}
 }
 
 // planPod returns the changes that turn have into want, in a safe order:
@@ -181,8 +186,8 @@ func planPod(cfg Config, want PodTunnels, have podState) ([]PodChange, error) {
 		if have.PodLink == "" {
 			return nil, fmt.Errorf("no interface holds the pod IP %v", want.Pod.IP)
 		}
-		if v, _ := strconv.Atoi(have.Sysctls[platformLabelsSysctl()]); v < podPlatformLabels {
-			acts = append(acts, PodChange{Kind: actSetSysctl, Sysctl: platformLabelsSysctl(), Value: strconv.Itoa(podPlatformLabels)})
+		if v, _ := strconv.Atoi(have.Sysctls[sysctlPlatformLabels]); v < podPlatformLabels {
+			acts = append(acts, PodChange{Kind: actSetSysctl, Sysctl: sysctlPlatformLabels, Value: strconv.Itoa(podPlatformLabels)})
 		}
 		if have.Sysctls[mplsInputSysctl(have.PodLink)] != "1" {
 			acts = append(acts, PodChange{Kind: actSetSysctl, Sysctl: mplsInputSysctl(have.PodLink), Value: "1"})
