@@ -238,21 +238,9 @@ func applyPodSlice(t *testing.T, cs kubernetes.Interface, svc string, pods ...*c
 	t.Helper()
 	var eps []ep
 	for _, p := range pods {
-		eps = append(eps, ep{addr: p.Status.PodIP, node: p.Spec.NodeName})
+		eps = append(eps, ep{addr: p.Status.PodIP, node: p.Spec.NodeName, pod: p})
 	}
 	applySlice(t, cs, pods[0].Namespace, svc, svc+"-1", eps...)
-	// Point each endpoint at its pod, as the EndpointSlice controller does.
-	ctx := context.Background()
-	es, err := cs.DiscoveryV1().EndpointSlices(pods[0].Namespace).Get(ctx, svc+"-1", metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i, p := range pods {
-		es.Endpoints[i].TargetRef = &corev1.ObjectReference{Kind: "Pod", Namespace: p.Namespace, Name: p.Name, UID: p.UID}
-	}
-	if _, err := cs.DiscoveryV1().EndpointSlices(es.Namespace).Update(ctx, es, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
-	}
 }
 
 func setAnnotation(t *testing.T, cs kubernetes.Interface, ns, svc string, value *string) {

@@ -134,6 +134,7 @@ type ep struct {
 	addr  string
 	node  string
 	ready *bool
+	pod   *corev1.Pod // targetRef, as the EndpointSlice controller sets it
 }
 
 func applySlice(t *testing.T, cs kubernetes.Interface, ns, svc, name string, eps ...ep) {
@@ -147,6 +148,9 @@ func applySlice(t *testing.T, cs kubernetes.Interface, ns, svc, name string, eps
 		d := discoveryv1.Endpoint{Addresses: []string{e.addr}, Conditions: discoveryv1.EndpointConditions{Ready: e.ready}}
 		if e.node != "" {
 			d.NodeName = ptr(e.node)
+		}
+		if e.pod != nil {
+			d.TargetRef = &corev1.ObjectReference{Kind: "Pod", Namespace: e.pod.Namespace, Name: e.pod.Name, UID: e.pod.UID}
 		}
 		es.Endpoints = append(es.Endpoints, d)
 	}
