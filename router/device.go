@@ -3,6 +3,7 @@ package router
 import (
 	"errors"
 	"fmt"
+	"net"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -35,7 +36,10 @@ func (g *GREDevice) Ensure() (int, error) {
 	var notFound netlink.LinkNotFoundError
 	switch {
 	case errors.As(err, &notFound):
-		dev := &netlink.Gretun{LinkAttrs: netlink.LinkAttrs{Name: g.Name}, FlowBased: true}
+		// Local is never sent for a flow-based device, but the library
+		// derives the kind from it: without an IPv4 Local it asks for
+		// "ip6gre" (EOPNOTSUPP without the ip6_gre module; found in the lab).
+		dev := &netlink.Gretun{LinkAttrs: netlink.LinkAttrs{Name: g.Name}, FlowBased: true, Local: net.IPv4zero}
 		if err := g.Links.LinkAdd(dev); err != nil {
 			if errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.ENOTSUP) {
 				return 0, fmt.Errorf("creating flow-based GRE device %s: the kernel has no GRE support (CONFIG_NET_IPGRE, module ip_gre): %w", g.Name, err)
