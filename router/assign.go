@@ -1,7 +1,6 @@
 package router
 
 import (
-	"cmp"
 	"encoding/binary"
 	"net/netip"
 	"slices"
@@ -11,22 +10,24 @@ import (
 // tunnel routers must agree on, so it is a pure function of the bucket count and
 // the set of endpoint addresses: their order and duplicates do not matter.
 //
-// Properties (proved by the unit tests on many random endpoint sets):
-//   - Deterministic: the same set gives the same table on every router.
-//   - Balanced: every endpoint gets floor or ceil of buckets/endpoints buckets
-//     (when there are more endpoints than buckets, some get none).
-//   - Low disruption: removing an endpoint moves all of its buckets and, because
-//     exact balance must be kept, a few others (0-6 of 64 on average); adding one
-//     moves roughly buckets/(N+1) buckets plus a few. No assignment can be both
-//     exactly balanced and move only the removed endpoint's buckets for every
-//     set; TestNoAssignmentIsBothBalancedAndRemovalStable shows a small case.
+// Method: rendezvous (highest-random-weight) hashing. Every (bucket, endpoint)
+// pair gets a score from a fixed hash, and each bucket goes to the endpoint
+// with the highest score for it. Properties (proved by the unit tests):
+//   - Deterministic: the same set gives the same table on every router,
+//     whatever the order of their events, restarts or start times.
+//   - Removal-stable: removing an endpoint moves exactly its own buckets; every
+//     other flow stays where it is.
+//   - Addition-minimal: adding an endpoint moves only the buckets the new one
+//     wins, buckets/(N+1) on average, all of them to the new endpoint.
+//   - Balanced on average only: each endpoint's share is binomial around
+//     buckets/N (64 buckets, 4 endpoints: 16 +- 3.5), and an endpoint may get
+//     no bucket when there are few buckets per endpoint (see Unassigned).
+//     More --buckets give a finer balance.
 //
-// Method: every (bucket, endpoint) pair gets a score from a fixed hash (the
-// rendezvous, or highest-random-weight, score). Pairs are taken from the highest
-// score down; a pair is accepted when its bucket is still free and its endpoint
-// still has room: at most floor(B/N) buckets, and at most B mod N endpoints may
-// take one more. Without the capacity limit this is plain rendezvous hashing,
-// whose only moves on removal are the removed endpoint's buckets.
+// Exact balance was tried first and given up: no assignment can be both
+// exactly balanced and move only the removed endpoint's buckets for every set
+// (TestNoAssignmentIsBothBalancedAndRemovalStable shows a small case), and a
+// change in the endpoints must move only the flows it has to.
 //
 // The result has one entry per bucket; it is nil when there are no endpoints.
 func Assign(buckets int, endpoints []netip.Addr) []netip.Addr {
@@ -34,59 +35,20 @@ func Assign(buckets int, endpoints []netip.Addr) []netip.Addr {
 	if buckets <= 0 || len(eps) == 0 {
 		return nil
 	}
-	type pair struct {
-		score    uint64
-		bucket   int
-		endpoint int
-	}
-	pairs := make([]pair, 0, buckets*len(eps))
 	keys := make([][16]byte, len(eps))
 	for i, ep := range eps {
 		keys[i] = ep.As16()
 	}
-	for b := 0; b < buckets; b++ {
-		for e := range eps {
-			pairs = append(pairs, pair{score: pairScore(b, keys[e]), bucket: b, endpoint: e})
-		}
-	}
-	slices.SortFunc(pairs, func(x, y pair) int {
-		if c := cmp.Compare(y.score, x.score); c != 0 {
-			return c
-		}
-		if c := cmp.Compare(x.bucket, y.bucket); c != 0 {
-			return c
-		}
-		return cmp.Compare(x.endpoint, y.endpoint)
-	})
-
-	floor, extra := buckets/len(eps), buckets%len(eps)
-	owner := make([]int, buckets)
-	for i := range owner {
-		owner[i] = -1
-	}
-	load := make([]int, len(eps))
-	free := buckets
-	for _, p := range pairs {
-		if free == 0 {
-			break
-		}
-		if owner[p.bucket] >= 0 {
-			continue
-		}
-		switch {
-		case load[p.endpoint] < floor:
-		case load[p.endpoint] == floor && extra > 0:
-			extra--
-		default:
-			continue
-		}
-		owner[p.bucket] = p.endpoint
-		load[p.endpoint]++
-		free--
-	}
 	table := make([]netip.Addr, buckets)
-	for b, e := range owner {
-		table[b] = eps[e]
+	for b := range table {
+		best, bestScore := 0, pairScore(b, keys[0])
+		for e := 1; e < len(eps); e++ {
+			// Ties (a 2^-64 chance) go to the lower address: eps is sorted.
+			if score := pairScore(b, keys[e]); score > bestScore {
+				best, bestScore = e, score
+			}
+		}
+		table[b] = eps[best]
 	}
 	return table
 }

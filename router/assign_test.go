@@ -66,118 +66,89 @@ func TestAssignIsDeterministicWhateverTheOrder(t *testing.T) {
 	}
 }
 
-func TestAssignIsBalanced(t *testing.T) {
+func TestAssignUsesOnlyEndpointsAndBalancesOnAverage(t *testing.T) {
 	rng := rand.New(rand.NewSource(2))
+	for _, tc := range []struct{ buckets, endpoints int }{{64, 2}, {64, 4}, {64, 8}, {256, 4}, {256, 16}} {
+		worst, sum := 0.0, 0.0
+		const trials = 200
+		for trial := 0; trial < trials; trial++ {
+			eps := randomEndpoints(rng, tc.endpoints)
+			table := Assign(tc.buckets, eps)
+			if len(table) != tc.buckets {
+				t.Fatalf("table has %d entries, want %d", len(table), tc.buckets)
+			}
+			member := map[netip.Addr]bool{}
+			for _, ep := range eps {
+				member[ep] = true
+			}
+			for b, ep := range table {
+				if !member[ep] {
+					t.Fatalf("bucket %d goes to %v, which is not an endpoint", b, ep)
+				}
+			}
+			share := float64(tc.buckets) / float64(tc.endpoints)
+			largest := 0.0
+			for _, n := range loads(table) {
+				largest = max(largest, float64(n)/share)
+			}
+			worst, sum = max(worst, largest), sum+largest
+		}
+		// The largest of N binomial shares averages well under 1.8 times the
+		// mean at these sizes; a biased hash (one endpoint favoured) goes
+		// beyond. The log shows the real figures.
+		if avg := sum / trials; avg > 1.8 {
+			t.Errorf("buckets=%d endpoints=%d: the largest load averages %.2f times the even share", tc.buckets, tc.endpoints, avg)
+		}
+		t.Logf("buckets=%d endpoints=%d: largest load %.2f times the even share on average, %.2f at worst", tc.buckets, tc.endpoints, sum/trials, worst)
+	}
+}
+
+func TestAssignRemovalMovesOnlyItsOwnBuckets(t *testing.T) {
+	rng := rand.New(rand.NewSource(3))
 	for trial := 0; trial < 1000; trial++ {
 		buckets := bucketCounts[trial%len(bucketCounts)]
-		eps := randomEndpoints(rng, 1+rng.Intn(100))
-		table := Assign(buckets, eps)
-		if len(table) != buckets {
-			t.Fatalf("table has %d entries, want %d", len(table), buckets)
-		}
-		member := map[netip.Addr]bool{}
-		for _, ep := range eps {
-			member[ep] = true
-		}
-		for b, ep := range table {
-			if !member[ep] {
-				t.Fatalf("bucket %d goes to %v, which is not an endpoint", b, ep)
-			}
-		}
-		lo, hi := buckets/len(eps), (buckets+len(eps)-1)/len(eps)
-		l := loads(table)
-		for _, ep := range eps {
-			if l[ep] < lo || l[ep] > hi {
-				t.Fatalf("buckets=%d endpoints=%d: %v has %d buckets, want %d..%d", buckets, len(eps), ep, l[ep], lo, hi)
-			}
-		}
-		if unassigned := Unassigned(table, eps); len(unassigned) != max(0, len(eps)-buckets) {
-			t.Fatalf("buckets=%d endpoints=%d: %d unassigned, want %d", buckets, len(eps), len(unassigned), max(0, len(eps)-buckets))
-		}
-	}
-}
-
-// extraMoveBound is the most buckets, beyond the removed (or added) endpoint's
-// own share, that one change in the random trials below may move: an eighth of
-// the table plus 8. The measured average and worst case are logged; exact
-// balance makes a few such moves unavoidable.
-func extraMoveBound(buckets int) int { return buckets/8 + 8 }
-
-func TestAssignRemovalMovesItsOwnBucketsAndFewOthers(t *testing.T) {
-	rng := rand.New(rand.NewSource(3))
-	for _, buckets := range []int{16, 64, 256} {
-		worst, total, trials := 0, 0, 0
-		for trial := 0; trial < 300; trial++ {
-			eps := randomEndpoints(rng, 2+rng.Intn(min(buckets, 64)))
-			before := Assign(buckets, eps)
-			gone := eps[rng.Intn(len(eps))]
-			rest := slices.DeleteFunc(slices.Clone(eps), func(a netip.Addr) bool { return a == gone })
-			after := Assign(buckets, rest)
-			extra := 0
-			for b := range before {
-				if before[b] == gone {
-					if after[b] == gone {
-						t.Fatalf("bucket %d still goes to removed endpoint %v", b, gone)
-					}
-					continue
-				}
-				if after[b] != before[b] {
-					extra++
-				}
-			}
-			if extra > extraMoveBound(buckets) {
-				t.Fatalf("buckets=%d endpoints=%d: removing %v moved %d other buckets, bound %d", buckets, len(eps), gone, extra, extraMoveBound(buckets))
-			}
-			worst, total, trials = max(worst, extra), total+extra, trials+1
-		}
-		t.Logf("buckets=%d: removal moved on average %.2f and at worst %d buckets besides the removed endpoint's own", buckets, float64(total)/float64(trials), worst)
-	}
-}
-
-func TestAssignRemovalOfEndpointWithoutBucketsMovesNothing(t *testing.T) {
-	rng := rand.New(rand.NewSource(4))
-	for trial := 0; trial < 200; trial++ {
-		buckets := 1 + rng.Intn(16)
-		eps := randomEndpoints(rng, buckets+1+rng.Intn(20))
+		eps := randomEndpoints(rng, 2+rng.Intn(64))
 		before := Assign(buckets, eps)
-		idle := Unassigned(before, eps)
-		if len(idle) == 0 {
-			t.Fatalf("more endpoints than buckets but none idle")
-		}
-		rest := slices.DeleteFunc(slices.Clone(eps), func(a netip.Addr) bool { return a == idle[0] })
-		if after := Assign(buckets, rest); !slices.Equal(before, after) {
-			t.Fatalf("removing idle endpoint %v changed the table", idle[0])
+		gone := eps[rng.Intn(len(eps))]
+		rest := slices.DeleteFunc(slices.Clone(eps), func(a netip.Addr) bool { return a == gone })
+		after := Assign(buckets, rest)
+		for b := range before {
+			switch {
+			case before[b] == gone && after[b] == gone:
+				t.Fatalf("bucket %d still goes to removed endpoint %v", b, gone)
+			case before[b] != gone && after[b] != before[b]:
+				t.Fatalf("buckets=%d endpoints=%d: removing %v moved bucket %d from %v to %v", buckets, len(eps), gone, b, before[b], after[b])
+			}
 		}
 	}
 }
 
-func TestAssignAdditionMovesAboutOneShare(t *testing.T) {
+func TestAssignAdditionMovesOnlyToTheNewEndpoint(t *testing.T) {
 	rng := rand.New(rand.NewSource(5))
 	for _, buckets := range []int{16, 64, 256} {
-		worst := 0.0
+		total, trials := 0.0, 0
 		for trial := 0; trial < 300; trial++ {
 			eps := randomEndpoints(rng, 1+rng.Intn(min(buckets, 64)))
-			before := Assign(buckets, eps)
-			added := append(slices.Clone(eps), randomEndpoints(rng, 1)...)
-			if len(uniqueSorted(added)) == len(eps) {
+			newcomer := randomEndpoints(rng, 1)[0]
+			if slices.Contains(eps, newcomer) {
 				continue
 			}
-			after := Assign(buckets, added)
-			share := float64(buckets) / float64(len(added))
-			m := moved(before, after)
-			// The new endpoint's own share must move; allow the same small
-			// number of balance moves as on removal.
-			if float64(m) > share+float64(extraMoveBound(buckets)) {
-				t.Fatalf("buckets=%d endpoints=%d: adding one moved %d buckets, share %.1f", buckets, len(eps), m, share)
+			before := Assign(buckets, eps)
+			after := Assign(buckets, append(slices.Clone(eps), newcomer))
+			for b := range before {
+				if after[b] != before[b] && after[b] != newcomer {
+					t.Fatalf("buckets=%d endpoints=%d: adding %v moved bucket %d from %v to %v", buckets, len(eps), newcomer, b, before[b], after[b])
+				}
 			}
-			worst = max(worst, float64(m)-share)
+			total += float64(moved(before, after)) / (float64(buckets) / float64(len(eps)+1))
+			trials++
 		}
-		t.Logf("buckets=%d: adding an endpoint moved at worst %.1f buckets more than buckets/(N+1)", buckets, worst)
+		t.Logf("buckets=%d: adding an endpoint moved on average %.2f times buckets/(N+1)", buckets, total/float64(trials))
 	}
 }
 
-// TestNoAssignmentIsBothBalancedAndRemovalStable documents why Assign trades a
-// few extra moves for exact balance. An assignment that moves only the removed
+// TestNoAssignmentIsBothBalancedAndRemovalStable documents why Assign gives
+// up exact balance for removal stability. An assignment that moves only the removed
 // endpoint's buckets, for every set, must give each bucket to the top endpoint
 // of a fixed per-bucket order (rendezvous hashing). With 3 buckets and 5
 // possible endpoints, no choice of 3 orders keeps every subset balanced.

@@ -411,7 +411,7 @@ func (c *Controller) tunnelFor(vip netip.Addr) Tunnel {
 	}
 	if idle := Unassigned(table, addrs); len(idle) > 0 {
 		c.report(svc, corev1.EventTypeWarning, ReasonIdleEndpoints,
-			fmt.Sprintf("tunnel IP %v has %d ready endpoints but only %d buckets; these get no traffic: %v", vip, len(eps), c.cfg.Buckets, idle))
+			fmt.Sprintf("tunnel IP %v: %d of its %d ready endpoints own none of the %d buckets and get no traffic (raise --buckets): %v", vip, len(idle), len(eps), c.cfg.Buckets, idle))
 		return t
 	}
 	c.report(svc, corev1.EventTypeNormal, ReasonProgrammed,

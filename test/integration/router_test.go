@@ -348,8 +348,9 @@ func TestRouterMoreEndpointsThanBuckets(t *testing.T) {
 	applySlice(t, cs, ns, "wide", "wide-a", eps...)
 	tun := waitTable(t, rec, "192.0.2.40", 4, all)
 	idle := router.Unassigned(tableAddrs(tun), all)
-	if len(idle) != 2 {
-		t.Fatalf("idle endpoints %v, want 2", idle)
+	// 6 endpoints over 4 buckets: at least 2 own none.
+	if len(idle) < 2 {
+		t.Fatalf("idle endpoints %v, want at least 2", idle)
 	}
 	waitEvent(t, cs, svc, corev1.EventTypeWarning, router.ReasonIdleEndpoints, idle[0].String())
 }
