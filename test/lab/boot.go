@@ -133,7 +133,11 @@ func qemuArgs(initrd string, opts BootOptions) []string {
 	if len(opts.ForwardHostPorts) > 0 {
 		netdev := "user,id=n0,restrict=on"
 		for _, port := range opts.ForwardHostPorts {
-			netdev += fmt.Sprintf(",guestfwd=tcp:%s:%d-tcp:127.0.0.1:%d", HostForwardAddr, port, port)
+			// "cmd:" runs the command once per guest connection, its
+			// stdin/stdout being the connection. The "tcp:" form would be a
+			// single chardev connection made at start, which only one
+			// guest connection can use (client-go's second one hangs).
+			netdev += fmt.Sprintf(",guestfwd=tcp:%s:%d-cmd:%s nc 127.0.0.1 %d", HostForwardAddr, port, busyboxPath(), port)
 		}
 		// romfile= : no PXE option ROM (the ipxe-qemu package is not needed).
 		args = append(args, "-netdev", netdev, "-device", "virtio-net-pci,netdev=n0,romfile=")
@@ -200,4 +204,13 @@ func parseExitCode(out, marker string) (int, bool) {
 		return 0, false
 	}
 	return code, true
+}
+
+// busyboxPath is the host's busybox (busybox-static), whose nc relays each
+// forwarded guest connection.
+func busyboxPath() string {
+	if p, err := exec.LookPath("busybox"); err == nil {
+		return p
+	}
+	return "/bin/busybox"
 }

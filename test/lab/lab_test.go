@@ -65,6 +65,8 @@ check hmark-legacy /sbin/ip netns exec a iptables-legacy -t mangle -A PREROUTING
 check static-go /lab/hello
 
 check guestfwd sh -c 'wget -q -O - http://` + HostForwardAddr + `:$(cat /lab/port)/ | grep -q "from the host"'
+# A second connection: each guest connection needs its own relay.
+check guestfwd-again sh -c 'wget -q -O - http://` + HostForwardAddr + `:$(cat /lab/port)/ | grep -q "from the host"'
 exit 0
 `
 
@@ -120,7 +122,7 @@ func TestLabSmoke(t *testing.T) {
 	}
 	for _, want := range []string{
 		"ok gre-p2p", "ok gre-external", "ok mpls-labels", "ok mpls-route", "ok hmark",
-		"-j HMARK", "ok hmark-legacy", "ok veth-ping", "static go says hello", "ok static-go", "ok guestfwd",
+		"-j HMARK", "ok hmark-legacy", "ok veth-ping", "static go says hello", "ok static-go", "ok guestfwd", "ok guestfwd-again",
 	} {
 		if !strings.Contains(out, want+"\n") && !strings.Contains(out, want+" ") {
 			t.Errorf("console lacks %q", want)
