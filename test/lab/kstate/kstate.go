@@ -1,0 +1,325 @@
+// Package kstate snapshots the kernel networking state of a named network
+// namespace (links, IPv4 addresses, policy rules and routes of every table,
+// MPLS routes, iptables of every table) as normalised text, so the lab can
+// check that an add-on leaves a namespace exactly as it found it.
+//
+// Normalised means that two snapshots of a namespace where nothing happens
+// compare equal: no counters, timestamps, lifetimes, link statistics or
+// carrier flags, no interface indexes, and lines sorted within each section
+// (so the order of iptables rules within a chain is not compared). Sysctls
+// are not part of a snapshot: the project only ever raises them.
+//
+// It reads through the command-line tools an operator would use (iproute2's
+// ip, iptables-save), run with exec.CommandContext.
+package kstate
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"maps"
+	"os"
+	"os/exec"
+	"slices"
+	"strings"
+)
+
+// State is a snapshot of one namespace: normalised lines per section
+// ("link", "addr", "rule", "route", "mpls", "iptables/TABLE",
+// "iptables-legacy/TABLE"). A section with no lines may be absent.
+type State struct {
+	// Namespace is the name the snapshot was taken from.
+	Namespace string
+	// Sections maps a section name to its sorted lines.
+	Sections map[string][]string
+}
+
+// ipCommand is iproute2's ip: the VM also has busybox, whose ip applet
+// cannot print JSON nor run netns exec, so /sbin/ip wins when it exists.
+func ipCommand() string {
+	if _, err := os.Stat("/sbin/ip"); err == nil {
+		return "/sbin/ip"
+	}
+	return "ip"
+}
+
+// Snapshot reads the state of the named network namespace ns (one created
+// with "ip netns add").
+func Snapshot(ctx context.Context, ns string) (State, error) {
+	st := State{Namespace: ns, Sections: map[string][]string{}}
+	ip := ipCommand()
+	type source struct {
+		section   string
+		args      []string
+		normalise func([]byte) ([]string, error)
+	}
+	sources := []source{
+		{"link", []string{"-n", ns, "-d", "-j", "link", "show"}, linkLines},
+		{"addr", []string{"-n", ns, "-4", "-j", "addr", "show"}, addrLines},
+		{"rule", []string{"-n", ns, "-4", "-o", "rule", "show"}, textLines},
+		{"route", []string{"-n", ns, "-4", "-o", "route", "show", "table", "all"}, routeLines},
+	}
+	// Without the mpls_router module the kernel has no MPLS in any
+	// namespace, and ip fails; that is not a difference worth reporting.
+	if _, err := os.Stat("/proc/sys/net/mpls"); err == nil {
+		sources = append(sources, source{"mpls", []string{"-n", ns, "-o", "-f", "mpls", "route", "show"}, textLines})
+	}
+	for _, src := range sources {
+		out, err := run(ctx, ip, src.args...)
+		if err != nil {
+			return State{}, fmt.Errorf("snapshot of netns %s: %w", ns, err)
+		}
+		lines, err := src.normalise(out)
+		if err != nil {
+			return State{}, fmt.Errorf("snapshot of netns %s, %s: %w", ns, src.section, err)
+		}
+		st.add(src.section, lines)
+	}
+	// iptables-save shows the nft backend; legacy tables are separate and
+	// usually empty. A missing tool means nothing to read.
+	for _, tool := range []struct{ section, binary string }{
+		{"iptables", "iptables-save"},
+		{"iptables-legacy", "iptables-legacy-save"},
+	} {
+		path, err := exec.LookPath(tool.binary)
+		if err != nil {
+			continue
+		}
+		out, err := run(ctx, ip, "netns", "exec", ns, path)
+		if err != nil {
+			return State{}, fmt.Errorf("snapshot of netns %s: %w", ns, err)
+		}
+		for table, lines := range iptablesLines(out) {
+			st.add(tool.section+"/"+table, lines)
+		}
+	}
+	return st, nil
+}
+
+func (s State) add(section string, lines []string) {
+	if len(lines) == 0 {
+		return
+	}
+	slices.Sort(lines)
+	s.Sections[section] = lines
+}
+
+func run(ctx context.Context, name string, args ...string) ([]byte, error) {
+	cmd := exec.CommandContext(ctx, name, args...)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return nil, fmt.Errorf("%s %s: %w: %s", name, strings.Join(args, " "), err, strings.TrimSpace(stderr.String()))
+	}
+	return out, nil
+}
+
+// fallbackDevices are created by the kernel in every namespace when a tunnel
+// module loads and cannot be deleted, so they say nothing about what a
+// project left behind.
+var fallbackDevices = map[string]bool{
+	"gre0": true, "gretap0": true, "erspan0": true, "tunl0": true, "sit0": true,
+	"ip_vti0": true, "ip6tnl0": true, "ip6gre0": true, "ip6_vti0": true,
+}
+
+// linkLines turns "ip -d -j link show" into one line per link: name, kind,
+// admin state, MTU, master, alias and the tunnel endpoints. Operational
+// state, carrier, addresses and statistics are left out.
+func linkLines(out []byte) ([]string, error) {
+	var links []struct {
+		Name     string   `json:"ifname"`
+		Flags    []string `json:"flags"`
+		MTU      int      `json:"mtu"`
+		Master   string   `json:"master"`
+		Alias    string   `json:"ifalias"`
+		LinkInfo struct {
+			Kind string         `json:"info_kind"`
+			Data map[string]any `json:"info_data"`
+		} `json:"linkinfo"`
+	}
+	if err := json.Unmarshal(out, &links); err != nil {
+		return nil, fmt.Errorf("parsing ip -j link: %w", err)
+	}
+	var lines []string
+	for _, l := range links {
+		if fallbackDevices[l.Name] {
+			continue
+		}
+		kind := l.LinkInfo.Kind
+		if kind == "" {
+			kind = "none"
+		}
+		state := "down"
+		if slices.Contains(l.Flags, "UP") {
+			state = "up"
+		}
+		f := []string{l.Name, "kind=" + kind, state, fmt.Sprintf("mtu=%d", l.MTU)}
+		if l.Master != "" {
+			f = append(f, "master="+l.Master)
+		}
+		if l.Alias != "" {
+			f = append(f, fmt.Sprintf("alias=%q", l.Alias))
+		}
+		for _, k := range []string{"local", "remote"} {
+			if v, ok := l.LinkInfo.Data[k]; ok {
+				f = append(f, fmt.Sprintf("%s=%v", k, v))
+			}
+		}
+		if v, _ := l.LinkInfo.Data["external"].(bool); v {
+			f = append(f, "external")
+		}
+		lines = append(lines, strings.Join(f, " "))
+	}
+	return lines, nil
+}
+
+// addrLines turns "ip -4 -j addr show" into one line per address. Lifetimes
+// and the primary/secondary flag (which depends on the order addresses were
+// added) are left out.
+func addrLines(out []byte) ([]string, error) {
+	var links []struct {
+		Name  string `json:"ifname"`
+		Addrs []struct {
+			Local     string `json:"local"`
+			PrefixLen int    `json:"prefixlen"`
+			Peer      string `json:"address"`
+			Broadcast string `json:"broadcast"`
+			Scope     string `json:"scope"`
+			Label     string `json:"label"`
+		} `json:"addr_info"`
+	}
+	if err := json.Unmarshal(out, &links); err != nil {
+		return nil, fmt.Errorf("parsing ip -j addr: %w", err)
+	}
+	var lines []string
+	for _, l := range links {
+		for _, a := range l.Addrs {
+			f := []string{l.Name, fmt.Sprintf("%s/%d", a.Local, a.PrefixLen)}
+			if a.Peer != "" {
+				f = append(f, "peer="+a.Peer)
+			}
+			if a.Broadcast != "" {
+				f = append(f, "brd="+a.Broadcast)
+			}
+			f = append(f, "scope="+a.Scope, "label="+a.Label)
+			lines = append(lines, strings.Join(f, " "))
+		}
+	}
+	return lines, nil
+}
+
+// textLines splits one-line ("-o") output into lines with whitespace
+// collapsed.
+func textLines(out []byte) ([]string, error) {
+	var lines []string
+	for l := range strings.Lines(string(out)) {
+		if l = strings.Join(strings.Fields(l), " "); l != "" {
+			lines = append(lines, l)
+		}
+	}
+	return lines, nil
+}
+
+// routeLines is textLines without the carrier flag "linkdown" and route
+// expiry times, which change without anyone touching the routes.
+func routeLines(out []byte) ([]string, error) {
+	lines, _ := textLines(out)
+	for i, l := range lines {
+		f := strings.Fields(l)
+		kept := f[:0]
+		for j := 0; j < len(f); j++ {
+			switch f[j] {
+			case "linkdown":
+				continue
+			case "expires":
+				j++ // and its value
+				continue
+			}
+			kept = append(kept, f[j])
+		}
+		lines[i] = strings.Join(kept, " ")
+	}
+	return lines, nil
+}
+
+// iptablesLines splits iptables-save output into lines per table, without
+// comments, COMMIT and counters. A built-in chain with policy ACCEPT is left
+// out: the nft backend keeps a table and its empty built-in chains after
+// their last rule is deleted, which is the same as no table at all. Tables
+// left with no lines are absent.
+func iptablesLines(out []byte) map[string][]string {
+	tables := map[string][]string{}
+	table := ""
+	for l := range strings.Lines(string(out)) {
+		l = strings.TrimSpace(l)
+		switch {
+		case l == "" || strings.HasPrefix(l, "#") || l == "COMMIT":
+		case strings.HasPrefix(l, "*"):
+			table = l[1:]
+		case strings.HasPrefix(l, ":"):
+			// ":CHAIN POLICY [packets:bytes]"
+			f := strings.Fields(l)
+			if len(f) >= 2 && f[1] == "ACCEPT" {
+				continue
+			}
+			tables[table] = append(tables[table], strings.Join(f[:min(2, len(f))], " "))
+		default:
+			// "[packets:bytes] -A ..." when saved with counters.
+			if strings.HasPrefix(l, "[") {
+				if _, rest, ok := strings.Cut(l, "] "); ok {
+					l = rest
+				}
+			}
+			tables[table] = append(tables[table], l)
+		}
+	}
+	return tables
+}
+
+// Diff describes how b differs from a, section by section: "+ line" for a
+// line only in b, "- line" for a line only in a. It is empty when they are
+// equal.
+func Diff(a, b State) string {
+	names := map[string]bool{}
+	for n := range a.Sections {
+		names[n] = true
+	}
+	for n := range b.Sections {
+		names[n] = true
+	}
+	var sb strings.Builder
+	for _, name := range slices.Sorted(maps.Keys(names)) {
+		gone, added := difference(a.Sections[name], b.Sections[name]), difference(b.Sections[name], a.Sections[name])
+		if len(gone) == 0 && len(added) == 0 {
+			continue
+		}
+		fmt.Fprintf(&sb, "[%s]\n", name)
+		for _, l := range gone {
+			fmt.Fprintf(&sb, "- %s\n", l)
+		}
+		for _, l := range added {
+			fmt.Fprintf(&sb, "+ %s\n", l)
+		}
+	}
+	return sb.String()
+}
+
+// difference returns the lines of x not matched by a line of y, counting
+// repeated lines.
+func difference(x, y []string) []string {
+	count := map[string]int{}
+	for _, l := range y {
+		count[l]++
+	}
+	var out []string
+	for _, l := range x {
+		if count[l] > 0 {
+			count[l]--
+			continue
+		}
+		out = append(out, l)
+	}
+	return out
+}

@@ -1,0 +1,210 @@
+package workload
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"sync"
+	"time"
+
+	"github.com/vishvananda/netns"
+)
+
+// StreamOptions shape a Stream's traffic; zero values take the defaults.
+type StreamOptions struct {
+	// ChunkSize is how many bytes are sent per tick (default 1 KiB).
+	ChunkSize int
+	// Interval is the time between chunks (default 10 ms).
+	Interval time.Duration
+	// DialTimeout bounds the connection setup (default 5 s).
+	DialTimeout time.Duration
+}
+
+// StreamStats is a Stream's progress so far.
+type StreamStats struct {
+	// Sent is how many bytes were written to the connection.
+	Sent int64
+	// Verified is how many bytes came back echoed, in order and unchanged.
+	Verified int64
+	// LastVerified is when the last verified byte arrived (the start time
+	// until then), to see how long a flow stalled.
+	LastVerified time.Time
+	// Err is the first failure: the connection broke or data came back wrong.
+	Err error
+}
+
+// Stream is a long-lived ECHO connection that sends a numbered byte pattern
+// at a steady rate and checks every echoed byte, to prove an established
+// flow survives changes around it.
+type Stream struct {
+	conn *net.TCPConn
+	dst  netip.AddrPort
+	opts StreamOptions
+
+	stop     chan struct{}
+	stopOnce sync.Once
+	sendDone chan struct{}
+	recvDone chan struct{}
+
+	mu       sync.Mutex
+	stats    StreamStats
+	stopping bool // errors from here on are our own doing
+}
+
+// StartStream opens an ECHO connection to dst from network namespace ns,
+// from local port srcPort when nonzero, and starts sending.
+func StartStream(ns netns.NsHandle, dst netip.AddrPort, srcPort uint16, opts StreamOptions) (*Stream, error) {
+	if opts.ChunkSize <= 0 {
+		opts.ChunkSize = 1 << 10
+	}
+	if opts.Interval <= 0 {
+		opts.Interval = 10 * time.Millisecond
+	}
+	if opts.DialTimeout <= 0 {
+		opts.DialTimeout = 5 * time.Second
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), opts.DialTimeout)
+	defer cancel()
+	c, err := dialTCP(ctx, ns, dst, srcPort)
+	if err == nil {
+		_, err = io.WriteString(c, "ECHO\n")
+		if err != nil {
+			c.Close()
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("stream to %s from %v port %d: %w", dst, ns, srcPort, err)
+	}
+	s := &Stream{
+		conn: c, dst: dst, opts: opts,
+		stop: make(chan struct{}), sendDone: make(chan struct{}), recvDone: make(chan struct{}),
+		stats: StreamStats{LastVerified: time.Now()},
+	}
+	go s.send()
+	go s.receive()
+	return s, nil
+}
+
+// streamByte is byte i of the pattern: consecutive 8-byte big-endian
+// counters, so a lost, repeated or reordered chunk shows as a mismatch.
+func streamByte(i int64) byte {
+	return byte(uint64(i/8) >> (8 * (7 - i%8)))
+}
+
+// Stats returns the progress so far.
+func (s *Stream) Stats() StreamStats {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.stats
+}
+
+// fail records the first error, unless Stop caused it.
+func (s *Stream) fail(err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.stats.Err == nil && !s.stopping {
+		s.stats.Err = err
+	}
+}
+
+func (s *Stream) send() {
+	defer close(s.sendDone)
+	t := time.NewTicker(s.opts.Interval)
+	defer t.Stop()
+	buf := make([]byte, s.opts.ChunkSize)
+	var off int64
+	for {
+		select {
+		case <-s.stop:
+			return
+		case <-t.C:
+		}
+		for i := range buf {
+			buf[i] = streamByte(off + int64(i))
+		}
+		// A write blocks when the flow stalls; Stop unblocks it with a
+		// deadline, and the part written still counts.
+		n, err := s.conn.Write(buf)
+		off += int64(n)
+		s.mu.Lock()
+		s.stats.Sent = off
+		s.mu.Unlock()
+		if err != nil {
+			select {
+			case <-s.stop: // Stop's deadline
+			default:
+				s.fail(fmt.Errorf("write after %d bytes: %w", off, err))
+			}
+			return
+		}
+	}
+}
+
+func (s *Stream) receive() {
+	defer close(s.recvDone)
+	buf := make([]byte, 32<<10)
+	var off int64
+	for {
+		n, err := s.conn.Read(buf)
+		for i := range n {
+			if buf[i] != streamByte(off+int64(i)) {
+				s.fail(fmt.Errorf("echoed byte %d is %#x, sent %#x", off+int64(i), buf[i], streamByte(off+int64(i))))
+				return
+			}
+		}
+		if n > 0 {
+			off += int64(n)
+			s.mu.Lock()
+			s.stats.Verified = off
+			s.stats.LastVerified = time.Now()
+			s.mu.Unlock()
+		}
+		if err == io.EOF {
+			s.fail(fmt.Errorf("server closed the connection after %d echoed bytes", off))
+			return
+		}
+		if err != nil {
+			s.fail(fmt.Errorf("read after %d echoed bytes: %w", off, err))
+			return
+		}
+	}
+}
+
+// Stop stops sending, waits until every sent byte came back (or ctx ends)
+// and closes the connection. It fails if the connection broke, data came
+// back wrong, or not all bytes came back.
+func (s *Stream) Stop(ctx context.Context) (StreamStats, error) {
+	s.stopOnce.Do(func() { close(s.stop) })
+	_ = s.conn.SetWriteDeadline(time.Now())
+	<-s.sendDone
+	tick := time.NewTicker(5 * time.Millisecond)
+	defer tick.Stop()
+	var waitErr error
+	for waitErr == nil {
+		st := s.Stats()
+		if st.Err != nil || st.Verified == st.Sent {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			waitErr = fmt.Errorf("%d of %d bytes echoed: %w", st.Verified, st.Sent, ctx.Err())
+		case <-s.recvDone:
+		case <-tick.C:
+		}
+	}
+	s.mu.Lock()
+	s.stopping = true
+	s.mu.Unlock()
+	// Every byte is back, so the RST of a linger-0 close loses nothing (see
+	// dialTCP).
+	closeErr := s.conn.Close()
+	<-s.recvDone
+	st := s.Stats()
+	if err := errors.Join(st.Err, waitErr, closeErr); err != nil {
+		return st, fmt.Errorf("stream to %s: %w", s.dst, err)
+	}
+	return st, nil
+}
