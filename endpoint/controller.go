@@ -422,11 +422,15 @@ func (c *Controller) syncPod(ctx context.Context, key string) error {
 	if len(acts) > 0 {
 		log.WithField("tunnel_ips", want.TunnelIPs).Info("pod converged")
 	}
+	// A clean pod (nothing of ours in it) is not entered again until it is
+	// served; a served one must be entered when that ends.
+	c.mu.Lock()
 	if len(want.TunnelIPs) == 0 {
-		c.mu.Lock()
 		c.clean[key] = identity
-		c.mu.Unlock()
+	} else {
+		delete(c.clean, key)
 	}
+	c.mu.Unlock()
 	return nil
 }
 

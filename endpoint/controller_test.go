@@ -10,6 +10,7 @@ import (
 
 	"github.com/sirupsen/logrus"
 	"github.com/vishvananda/netns"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes/fake"
 
@@ -82,7 +83,7 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 	}
 }
 
-func startController(t *testing.T, loc *fakeLocator, pods *fakePods, objects ...k8sruntime.Object) {
+func startController(t *testing.T, loc *fakeLocator, pods *fakePods, objects ...k8sruntime.Object) *fake.Clientset {
 	t.Helper()
 	client := fake.NewClientset(objects...)
 	inf := NewInformers(client, "n1")
@@ -101,6 +102,7 @@ func startController(t *testing.T, loc *fakeLocator, pods *fakePods, objects ...
 		<-done
 		inf.Shutdown()
 	})
+	return client
 }
 
 func TestControllerPodStates(t *testing.T) {
@@ -142,4 +144,34 @@ func TestControllerPodStates(t *testing.T) {
 	if n := len(pods.history("idle")); n != 1 {
 		t.Fatalf("idle pod synced %d times, want once", n)
 	}
+}
+
+// A pod that was clean (no tunnel IP), then served, then no longer served
+// must lose its tunnel IP at once: the lab found the agent waiting for the
+// next resync because the pod was still remembered as clean.
+func TestControllerRemovesTunnelIPFromPodThatWasCleanBefore(t *testing.T) {
+	svc := tunnelService("a", "web", "192.0.2.10", time.Hour)
+	pod := testPod("a", "p", "n1", "10.1.0.11")
+	loc := &fakeLocator{found: map[netip.Addr]bool{netip.MustParseAddr("10.1.0.11"): true}, lookups: map[string]int{}}
+	pods := &fakePods{wants: map[string][]PodTunnels{}}
+	client := startController(t, loc, pods, svc, pod)
+	last := func() []netip.Addr {
+		h := pods.history("p")
+		if len(h) == 0 {
+			return nil
+		}
+		return h[len(h)-1].TunnelIPs
+	}
+	waitFor(t, "idle pod checked", func() bool { return len(pods.history("p")) == 1 })
+
+	es := slice("a", "web", ep{"10.1.0.11", "n1", "p", true})
+	ctx := context.Background()
+	if _, err := client.DiscoveryV1().EndpointSlices("a").Create(ctx, es, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "pod served", func() bool { return len(last()) == 1 })
+	if err := client.DiscoveryV1().EndpointSlices("a").Delete(ctx, es.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "tunnel IP removed from the pod", func() bool { return len(pods.history("p")) >= 3 && len(last()) == 0 })
 }
