@@ -6,7 +6,7 @@ PKGS := ./...
 # Where slow-to-build test assets (kube-apiserver, etcd) are cached.
 export KST_ASSETS_DIR ?= $(HOME)/.cache/kube-service-tunnel/assets
 
-.PHONY: help build test unit integration bench lint demo deps assets clean
+.PHONY: help build test unit integration e2e bench lint demo deps assets clean
 
 help: ## show this help
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -35,6 +35,9 @@ test: deps assets lint build ## everything: unit, privileged (root) and integrat
 
 unit: ## unit tests only (no root, no API server)
 	KST_SKIP_PRIVILEGED=1 $(GO) test -count=1 -short $(PKGS)
+
+e2e: deps assets ## the end-to-end lab: 8 scenarios x gre, mpls on real packets in the VM (KST_E2E_RUN=gre/4_ for one)
+	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 30m -run TestE2E -v ./test/e2e
 
 bench: deps assets build ## route programming vs ip -batch, disruption and RSS figures (root)
 	$(GO) run ./test/bench

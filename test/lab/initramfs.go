@@ -21,7 +21,7 @@ import (
 // nft) with HMARK, veth and bridge, and the virtio NIC used for guestfwd.
 var DefaultModules = []string{
 	"veth", "bridge", "ip_gre", "ipip", "mpls_router", "mpls_iptunnel",
-	"x_tables", "xt_HMARK", "xt_mark", "xt_tcpudp", "ip_tables", "iptable_mangle",
+	"x_tables", "xt_HMARK", "xt_mark", "xt_tcpudp", "xt_comment", "ip_tables", "iptable_mangle",
 	"nf_tables", "nft_compat", "virtio_pci", "virtio_net",
 }
 

@@ -1,0 +1,270 @@
+package lab
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"runtime"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
+)
+
+// Where a cluster run (RunCluster) puts things in the VM. Guest programs find
+// them through these paths and the environment variables below.
+const (
+	// GuestBinDir holds the static tunnel-router and tunnel-endpoint.
+	GuestBinDir = "/lab/bin"
+	// GuestKubeDir holds one kubeconfig per identity: admin.kubeconfig,
+	// tunnel-router.kubeconfig and tunnel-endpoint.kubeconfig. Each names the
+	// API server as https://APIAddr, the host's loopback address, which the
+	// guest must make reachable (see topology.Lab's API relays).
+	GuestKubeDir = "/lab/kube"
+	// GuestProgram is the caller's program.
+	GuestProgram = "/lab/program"
+
+	// EnvGuest is set to "1" for the guest program.
+	EnvGuest = "KST_LAB_GUEST"
+	// EnvAPIAddr is the API server's HOST:PORT as the kubeconfigs name it
+	// (127.0.0.1:PORT); in the VM, HostForwardAddr:PORT reaches it.
+	EnvAPIAddr = "KST_LAB_API"
+)
+
+// ManifestNamespace is the namespace of tunnel-router.yaml's ServiceAccounts.
+const ManifestNamespace = "kube-service-tunnel"
+
+// Daemon service accounts, as in tunnel-router.yaml.
+var daemonAccounts = []string{"tunnel-router", "tunnel-endpoint"}
+
+// ClusterOptions describe RunCluster's VM.
+type ClusterOptions struct {
+	// Assets are the kernel and modules (Require or PrepareAssets).
+	Assets Assets
+	// Env is a running API server on the host's loopback.
+	Env *kubeenv.Env
+	// Program is a static Go binary run in the VM as GuestProgram, with
+	// Args, from /tmp. Build it with BuildStatic or BuildStaticTest.
+	Program string
+	Args    []string
+	// Output receives the console as it is printed (may be nil).
+	Output io.Writer
+	// MemoryMB and CPUs of the VM: 0 means 2048 and 2.
+	MemoryMB, CPUs int
+}
+
+// RunCluster is the lab's whole-cluster run: it applies tunnel-router.yaml to
+// the API server (RBAC, ConfigMap, DaemonSets that nothing runs), writes a
+// kubeconfig for the admin and for each daemon's own ServiceAccount, builds
+// the two daemons statically, and boots the VM with them, the kubeconfigs
+// and the caller's program, which reaches the API server through guestfwd.
+// It returns the console output and the program's exit code.
+func RunCluster(ctx context.Context, opts ClusterOptions) (output string, exitCode int, err error) {
+	if opts.Env == nil || opts.Program == "" {
+		return "", -1, fmt.Errorf("lab: ClusterOptions needs Env and Program")
+	}
+	dir, err := os.MkdirTemp("", "kst-cluster-")
+	if err != nil {
+		return "", -1, err
+	}
+	defer os.RemoveAll(dir)
+
+	files := map[string]string{GuestProgram: opts.Program}
+	daemons, err := BuildDaemons(filepath.Join(dir, "bin"))
+	if err != nil {
+		return "", -1, err
+	}
+	for name, path := range daemons {
+		files[GuestBinDir+"/"+name] = path
+	}
+	kubeconfigs, err := writeKubeconfigs(ctx, opts.Env, filepath.Join(dir, "kube"))
+	if err != nil {
+		return "", -1, err
+	}
+	for name, path := range kubeconfigs {
+		files[GuestKubeDir+"/"+name] = path
+	}
+
+	apiAddr := strings.TrimPrefix(opts.Env.Host(), "https://")
+	_, portText, err := net.SplitHostPort(apiAddr)
+	if err != nil {
+		return "", -1, fmt.Errorf("lab: API server address: %w", err)
+	}
+	port, err := strconv.Atoi(portText)
+	if err != nil {
+		return "", -1, fmt.Errorf("lab: API server port: %w", err)
+	}
+	var args strings.Builder
+	for _, a := range opts.Args {
+		args.WriteString(" '" + strings.ReplaceAll(a, "'", `'\''`) + "'")
+	}
+	script := "#!/bin/sh\n" +
+		"export PATH=/usr/sbin:/usr/bin:/sbin:/bin " + EnvGuest + "=1 " + EnvAPIAddr + "=" + apiAddr + "\n" +
+		"cd /tmp\n" + GuestProgram + args.String() + "\n"
+	ir, err := BuildInitramfs(InitramfsOptions{Assets: opts.Assets, Output: filepath.Join(dir, "initrd.gz"), Script: script, Files: files})
+	if err != nil {
+		return "", -1, err
+	}
+	mem, cpus := opts.MemoryMB, opts.CPUs
+	if mem == 0 {
+		mem = 2048
+	}
+	if cpus == 0 {
+		cpus = 2
+	}
+	return Boot(ctx, ir, BootOptions{Kernel: opts.Assets.Kernel, MemoryMB: mem, CPUs: cpus, ForwardHostPorts: []int{port}, Output: opts.Output})
+}
+
+// writeKubeconfigs applies tunnel-router.yaml and writes admin.kubeconfig
+// plus one kubeconfig per daemon ServiceAccount into dir.
+func writeKubeconfigs(ctx context.Context, env *kubeenv.Env, dir string) (map[string]string, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, err
+	}
+	manifest, err := os.ReadFile(filepath.Join(RepoRoot(), "tunnel-router.yaml"))
+	if err != nil {
+		return nil, err
+	}
+	if err := env.ApplyYAML(ctx, env.AdminConfig(), manifest, false); err != nil {
+		return nil, fmt.Errorf("lab: applying tunnel-router.yaml: %w", err)
+	}
+	paths := map[string]string{"admin.kubeconfig": filepath.Join(dir, "admin.kubeconfig")}
+	if err := env.WriteKubeconfig(paths["admin.kubeconfig"], nil); err != nil {
+		return nil, err
+	}
+	for _, sa := range daemonAccounts {
+		cfg, err := env.ServiceAccountConfig(ctx, ManifestNamespace, sa)
+		if err != nil {
+			return nil, err
+		}
+		name := sa + ".kubeconfig"
+		paths[name] = filepath.Join(dir, name)
+		if err := env.WriteKubeconfig(paths[name], cfg); err != nil {
+			return nil, err
+		}
+	}
+	return paths, nil
+}
+
+// RepoRoot is the repository's top directory.
+func RepoRoot() string {
+	_, here, _, _ := runtime.Caller(0)
+	return filepath.Join(filepath.Dir(here), "..", "..")
+}
+
+// BuildDaemons builds static, stripped tunnel-router and tunnel-endpoint
+// binaries into dir and returns their paths by name.
+func BuildDaemons(dir string) (map[string]string, error) {
+	bins := map[string]string{}
+	for _, name := range []string{"tunnel-router", "tunnel-endpoint"} {
+		bins[name] = filepath.Join(dir, name)
+		if err := BuildStatic("./cmd/"+name, bins[name]); err != nil {
+			return nil, err
+		}
+	}
+	return bins, nil
+}
+
+// BuildStatic builds the main package pkg (relative to the repository, e.g.
+// "./test/demo/guest") as a static, stripped binary at out.
+func BuildStatic(pkg, out string) error {
+	return goBuild("build", pkg, out)
+}
+
+// BuildStaticTest builds the test binary of pkg statically at out.
+func BuildStaticTest(pkg, out string) error {
+	return goBuild("test", pkg, out)
+}
+
+func goBuild(verb, pkg, out string) error {
+	args := []string{verb}
+	if verb == "test" {
+		args = append(args, "-c")
+	}
+	args = append(args, "-trimpath", "-ldflags=-s -w", "-o", out, pkg)
+	cmd := exec.Command("go", args...)
+	cmd.Dir = RepoRoot()
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("lab: go %s: %w\n%s", strings.Join(args, " "), err, b)
+	}
+	return nil
+}
+
+// IsGuest reports whether this process is a guest program of RunCluster.
+func IsGuest() bool { return os.Getenv(EnvGuest) == "1" }
+
+// goTestResultRE matches go test -v's result lines for subtests.
+var goTestResultRE = regexp.MustCompile(`(?m)^\s*--- (PASS|FAIL|SKIP): (\S+) \(([0-9.]+s)\)`)
+
+// RunGuestTests runs the tests of package pkg (e.g. "./test/e2e") that match
+// run inside a RunCluster VM, against a real API server started on the host
+// for t, and reports each guest (sub)test as a subtest of t with the same
+// result. The whole console goes to consoleLog (kept for reading after a
+// failure) and, for a failure, its relevant part into t's log.
+func RunGuestTests(t *testing.T, pkg, run string, timeout time.Duration, consoleLog string) {
+	t.Helper()
+	assets := Require(t)
+	env := kubeenv.Start(t)
+	bin := filepath.Join(t.TempDir(), "guest.test")
+	start := time.Now()
+	if err := BuildStaticTest(pkg, bin); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("built %s's test binary in %v", pkg, time.Since(start).Round(time.Millisecond))
+	logFile, err := os.Create(consoleLog)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer logFile.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	start = time.Now()
+	out, rc, err := RunCluster(ctx, ClusterOptions{
+		Assets: assets, Env: env, Program: bin, Output: logFile,
+		Args: []string{"-test.run", run, "-test.v", "-test.count=1", "-test.timeout", timeout.String()},
+	})
+	t.Logf("VM ran %s in %v; console: %s", pkg, time.Since(start).Round(time.Millisecond), consoleLog)
+	results := goTestResultRE.FindAllStringSubmatch(out, -1)
+	for _, r := range results {
+		result, name, took := r[1], r[2], r[3]
+		t.Run(name, func(t *testing.T) {
+			switch result {
+			case "FAIL":
+				t.Errorf("failed in the VM after %s:\n%s", took, guestTestLog(out, name))
+			case "SKIP":
+				t.Skipf("skipped in the VM: %s", guestTestLog(out, name))
+			default:
+				t.Logf("passed in the VM in %s:\n%s", took, guestTestLog(out, name))
+			}
+		})
+	}
+	if err != nil || rc != 0 || len(results) == 0 {
+		t.Errorf("guest tests: exit code %d, error %v, %d results; console tail:\n%s", rc, err, len(results), lastLines(out, 80))
+	}
+}
+
+// guestTestLog returns the lines go test -v printed for test name: from its
+// "=== RUN" (or "=== NAME"/"=== CONT") to the next such header.
+func guestTestLog(out, name string) string {
+	var b strings.Builder
+	in := false
+	for _, line := range strings.Split(out, "\n") {
+		trimmed := strings.TrimSpace(line)
+		if strings.HasPrefix(trimmed, "=== ") {
+			f := strings.Fields(trimmed)
+			in = len(f) == 3 && f[2] == name
+		}
+		if in || strings.HasPrefix(trimmed, "--- FAIL: "+name+" ") {
+			b.WriteString(line + "\n")
+		}
+	}
+	return lastLines(b.String(), 200)
+}

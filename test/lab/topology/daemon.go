@@ -1,0 +1,181 @@
+package topology
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// Daemon is one of the project's daemons running in a node's namespace
+// (ip netns exec NODE BINARY FLAGS...), its output appended to LogPath.
+type Daemon struct {
+	// Name is e.g. "tunnel-router@router-a".
+	Name    string
+	NS      string
+	Path    string
+	Args    []string
+	LogPath string
+	// cleanupArgs are the flags --cleanup needs (the same mode and names).
+	cleanupArgs []string
+
+	mu      sync.Mutex
+	cmd     *exec.Cmd
+	exited  chan struct{}
+	starts  int
+	waitErr error
+}
+
+// stopTimeout is how long Stop waits after SIGTERM before SIGKILL.
+const stopTimeout = 15 * time.Second
+
+func (l *Lab) routerDaemon(n *Node) *Daemon {
+	common := []string{"--mode", l.Opts.Mode}
+	args := append([]string{
+		"--kubeconfig", filepath.Join(l.Opts.KubeDir, "tunnel-router.kubeconfig"),
+		"--node-name", n.Name,
+		"--seed", fmt.Sprintf("%#x", l.Opts.Seed),
+		"--buckets", fmt.Sprint(l.Opts.Buckets),
+	}, common...)
+	return l.daemon("tunnel-router", n, append(args, l.Opts.RouterArgs...), common)
+}
+
+func (l *Lab) agentDaemon(n *Node) *Daemon {
+	common := []string{"--mode", l.Opts.Mode, "--runtime", "netns"}
+	args := append([]string{
+		"--kubeconfig", filepath.Join(l.Opts.KubeDir, "tunnel-endpoint.kubeconfig"),
+		"--node-name", n.Name,
+		// Client segments must fit the tunnel without relying on ICMP.
+		"--pod-advmss", "1400",
+	}, common...)
+	return l.daemon("tunnel-endpoint", n, append(args, l.Opts.EndpointArgs...), common)
+}
+
+func (l *Lab) daemon(binary string, n *Node, args, cleanupArgs []string) *Daemon {
+	name := binary + "@" + n.Name
+	return &Daemon{
+		Name: name, NS: n.Name, Path: filepath.Join(l.Opts.BinDir, binary), Args: args,
+		LogPath: filepath.Join(l.Opts.WorkDir, name+".log"), cleanupArgs: cleanupArgs,
+	}
+}
+
+// Start starts the daemon; it fails if it is already running.
+func (d *Daemon) Start() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.cmd != nil {
+		return fmt.Errorf("%s is already running", d.Name)
+	}
+	logFile, err := os.OpenFile(d.LogPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return err
+	}
+	defer logFile.Close()
+	d.starts++
+	fmt.Fprintf(logFile, "=== lab: start #%d: %s %s\n", d.starts, d.Path, strings.Join(d.Args, " "))
+	cmd := exec.Command(ipPath(), append([]string{"netns", "exec", d.NS, d.Path}, d.Args...)...)
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("starting %s: %w", d.Name, err)
+	}
+	d.cmd, d.exited = cmd, make(chan struct{})
+	go func(exited chan struct{}) {
+		err := cmd.Wait()
+		d.mu.Lock()
+		d.waitErr = err
+		d.mu.Unlock()
+		close(exited)
+	}(d.exited)
+	return nil
+}
+
+// Running reports whether the daemon was started and has not exited.
+func (d *Daemon) Running() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.cmd == nil {
+		return false
+	}
+	select {
+	case <-d.exited:
+		return false
+	default:
+		return true
+	}
+}
+
+// Stop sends SIGTERM and waits for the exit (SIGKILL after 15 s). It
+// returns an error if the daemon exited with a failure; stopping a daemon
+// that is not running does nothing.
+func (d *Daemon) Stop() error { return d.stop(syscall.SIGTERM) }
+
+// Kill stops the daemon with SIGKILL, as a crash would.
+func (d *Daemon) Kill() error { return d.stop(syscall.SIGKILL) }
+
+func (d *Daemon) stop(sig syscall.Signal) error {
+	d.mu.Lock()
+	cmd, exited := d.cmd, d.exited
+	d.mu.Unlock()
+	if cmd == nil {
+		return nil
+	}
+	_ = cmd.Process.Signal(sig)
+	select {
+	case <-exited:
+	case <-time.After(stopTimeout):
+		_ = cmd.Process.Kill()
+		<-exited
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.cmd = nil
+	err := d.waitErr
+	var exitErr *exec.ExitError
+	if sig == syscall.SIGKILL && errors.As(err, &exitErr) {
+		err = nil
+	}
+	if err != nil {
+		return fmt.Errorf("%s exited: %w", d.Name, err)
+	}
+	return nil
+}
+
+// Restart stops the daemon with SIGTERM and starts it again.
+func (d *Daemon) Restart() error {
+	if err := d.Stop(); err != nil {
+		return err
+	}
+	return d.Start()
+}
+
+// LogTail returns the last n lines of the daemon's log.
+func (d *Daemon) LogTail(n int) string {
+	b, err := os.ReadFile(d.LogPath)
+	if err != nil {
+		return err.Error()
+	}
+	lines := bytes.Split(bytes.TrimRight(b, "\n"), []byte("\n"))
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return string(bytes.Join(lines, []byte("\n")))
+}
+
+// Logs returns the last n lines of every daemon's log, for a failure report.
+func (l *Lab) Logs(n int) string {
+	var b strings.Builder
+	for _, node := range l.Nodes() {
+		for _, d := range []*Daemon{node.Router, node.Agent} {
+			if d != nil {
+				fmt.Fprintf(&b, "----- %s (last %d lines)\n%s\n", d.Name, n, d.LogTail(n))
+			}
+		}
+	}
+	return b.String()
+}

@@ -1,0 +1,235 @@
+package topology
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/cmdnu/kube-service-tunnel/hmark"
+	"github.com/cmdnu/kube-service-tunnel/router"
+)
+
+// HMARK returns the routers' HMARK parameters, to compute a flow's bucket.
+func (l *Lab) HMARK() hmark.Params {
+	return hmark.Params{Buckets: uint32(l.Opts.Buckets), Offset: router.DefaultMarkOffset, Seed: l.Opts.Seed}
+}
+
+// A router's bucket route for a tunnel IP in `ip route show table all`
+// output: GRE "VIP encap ip id 0 src 0.0.0.0 dst POD ... table T", MPLS "VIP
+// encap mpls LABEL via NODE dev eth0 table T"; a node's swap route "LABEL as
+// to 100 via inet POD dev cni0".
+var (
+	greDstRE   = regexp.MustCompile(`encap ip .*\bdst (\S+)`)
+	mplsEncRE  = regexp.MustCompile(`encap mpls\s+(\d+)\S*\s+via (?:inet )?(\S+)`)
+	tableRE    = regexp.MustCompile(`\btable (\d+)\b`)
+	mplsSwapRE = regexp.MustCompile(`^(\d+) as to \S+ via inet (\S+)`)
+)
+
+// BucketTable reads the router's kernel routes for vip and returns, for each
+// bucket, the pod the kernel sends that bucket's flows to (the zero Addr
+// where the bucket has no route). In MPLS mode the label is resolved to the
+// pod through the node's swap route.
+func (l *Lab) BucketTable(ctx context.Context, r *Node, vip netip.Addr) ([]netip.Addr, error) {
+	routes, err := l.bucketRoutes(ctx, r, vip)
+	if err != nil {
+		return nil, err
+	}
+	table := make([]netip.Addr, l.Opts.Buckets)
+	swaps := map[netip.Addr]map[string]netip.Addr{} // node -> label -> pod
+	for bucket, line := range routes {
+		var pod netip.Addr
+		if m := greDstRE.FindStringSubmatch(line); m != nil {
+			pod, err = netip.ParseAddr(m[1])
+		} else if m := mplsEncRE.FindStringSubmatch(line); m != nil {
+			node, perr := netip.ParseAddr(m[2])
+			if perr != nil {
+				return nil, fmt.Errorf("%s: MPLS route %q: %w", r.Name, line, perr)
+			}
+			if swaps[node] == nil {
+				if swaps[node], err = l.mplsSwaps(ctx, node); err != nil {
+					return nil, err
+				}
+			}
+			var ok bool
+			if pod, ok = swaps[node][m[1]]; !ok {
+				return nil, fmt.Errorf("%s: bucket %d label %s has no swap route on node %s", r.Name, bucket, m[1], node)
+			}
+		} else {
+			return nil, fmt.Errorf("%s: unexpected route for %s: %q", r.Name, vip, line)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("%s: route %q: %w", r.Name, line, err)
+		}
+		table[bucket] = pod
+	}
+	return table, nil
+}
+
+// bucketRoutes returns the router's route lines for vip by bucket.
+func (l *Lab) bucketRoutes(ctx context.Context, r *Node, vip netip.Addr) (map[int]string, error) {
+	out, err := IP(ctx, "-n", r.Name, "route", "show", "table", "all", "proto", "245")
+	if err != nil {
+		return nil, err
+	}
+	routes := map[int]string{}
+	for _, line := range strings.Split(out, "\n") {
+		f := strings.Fields(line)
+		if len(f) == 0 || (f[0] != vip.String() && f[0] != vip.String()+"/32") {
+			continue
+		}
+		tm := tableRE.FindStringSubmatch(line)
+		if tm == nil {
+			continue
+		}
+		t, _ := strconv.Atoi(tm[1])
+		if bucket := t - router.DefaultTableBase; bucket >= 0 && bucket < l.Opts.Buckets {
+			routes[bucket] = line
+		}
+	}
+	return routes, nil
+}
+
+// mplsSwaps reads the worker's MPLS swap routes: label -> pod.
+func (l *Lab) mplsSwaps(ctx context.Context, nodeAddr netip.Addr) (map[string]netip.Addr, error) {
+	var node *Node
+	for _, w := range l.Workers {
+		if w.Addr == nodeAddr {
+			node = w
+		}
+	}
+	if node == nil {
+		return nil, fmt.Errorf("no worker has address %s", nodeAddr)
+	}
+	out, err := IP(ctx, "-n", node.Name, "-f", "mpls", "route", "show")
+	if err != nil {
+		return nil, err
+	}
+	swaps := map[string]netip.Addr{}
+	for _, line := range strings.Split(out, "\n") {
+		if m := mplsSwapRE.FindStringSubmatch(strings.TrimSpace(line)); m != nil {
+			if a, err := netip.ParseAddr(m[2]); err == nil {
+				swaps[m[1]] = a
+			}
+		}
+	}
+	return swaps, nil
+}
+
+// PodHasAddr reports whether the pod's namespace holds addr.
+func PodHasAddr(ctx context.Context, p *Pod, addr netip.Addr) (bool, error) {
+	out, err := IP(ctx, "-n", p.Name, "-o", "addr", "show")
+	if err != nil {
+		return false, err
+	}
+	return strings.Contains(out, " "+addr.String()+"/32 "), nil
+}
+
+// WaitTunnel waits (up to a minute, or ctx) until every router sends every
+// bucket of vip to one of pods, together using exactly those pods, both
+// routers agree, and each of pods holds vip. It returns the bucket table.
+func (l *Lab) WaitTunnel(ctx context.Context, vip netip.Addr, pods ...*Pod) ([]netip.Addr, error) {
+	want := addrs(pods)
+	slices.SortFunc(want, func(a, b netip.Addr) int { return a.Compare(b) })
+	var table []netip.Addr
+	err := l.poll(ctx, time.Minute, func() (bool, string, error) {
+		var first []netip.Addr
+		for _, r := range l.Routers {
+			t, err := l.BucketTable(ctx, r, vip)
+			if err != nil {
+				// e.g. the router is faster than the node's agent (MPLS).
+				return false, err.Error(), nil
+			}
+			used := distinct(t)
+			if !slices.Equal(used, want) || slices.Contains(t, netip.Addr{}) {
+				return false, fmt.Sprintf("%s sends %s to %v (want every bucket on %v)", r.Name, vip, used, want), nil
+			}
+			if first == nil {
+				first = t
+			} else if !slices.Equal(first, t) {
+				return false, fmt.Sprintf("routers disagree on %s", vip), nil
+			}
+		}
+		for _, p := range pods {
+			ok, err := PodHasAddr(ctx, p, vip)
+			if err != nil || !ok {
+				return false, fmt.Sprintf("%s does not hold %s yet", p.Name, vip), err
+			}
+		}
+		table = first
+		return true, "", nil
+	})
+	return table, err
+}
+
+// WaitNoTunnel waits until no router has a route or HMARK rule for vip and
+// no pod holds it.
+func (l *Lab) WaitNoTunnel(ctx context.Context, vip netip.Addr) error {
+	return l.poll(ctx, time.Minute, func() (bool, string, error) {
+		for _, r := range l.Routers {
+			routes, err := l.bucketRoutes(ctx, r, vip)
+			if err != nil {
+				return false, "", err
+			}
+			if len(routes) > 0 {
+				return false, fmt.Sprintf("%s still has %d bucket routes for %s", r.Name, len(routes), vip), nil
+			}
+			rules, err := InNS(ctx, r.Name, "iptables-save", "-t", "mangle")
+			if err != nil {
+				return false, "", err
+			}
+			if strings.Contains(rules, vip.String()+"/32") {
+				return false, fmt.Sprintf("%s still marks %s", r.Name, vip), nil
+			}
+		}
+		for _, p := range l.Pods {
+			if ok, err := PodHasAddr(ctx, p, vip); err != nil || ok {
+				return false, fmt.Sprintf("%s still holds %s", p.Name, vip), err
+			}
+		}
+		return true, "", nil
+	})
+}
+
+// distinct returns the sorted valid addresses of t, each once.
+func distinct(t []netip.Addr) []netip.Addr {
+	var out []netip.Addr
+	for _, a := range t {
+		if a.IsValid() && !slices.Contains(out, a) {
+			out = append(out, a)
+		}
+	}
+	slices.SortFunc(out, func(a, b netip.Addr) int { return a.Compare(b) })
+	return out
+}
+
+// poll calls check every 200 ms until it reports done, fails, ctx ends or
+// timeout passes; the error then carries check's last reason. Every 10 s of
+// waiting it logs the reason.
+func (l *Lab) poll(ctx context.Context, timeout time.Duration, check func() (done bool, reason string, err error)) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	start, lastLog := time.Now(), time.Now()
+	for {
+		done, reason, err := check()
+		if err != nil {
+			return err
+		}
+		if done {
+			return nil
+		}
+		if time.Since(lastLog) > 10*time.Second {
+			l.logf("still waiting after %v: %s", time.Since(start).Round(time.Second), reason)
+			lastLog = time.Now()
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("timed out after %v: %s", time.Since(start).Round(time.Second), reason)
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+}

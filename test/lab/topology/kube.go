@@ -1,0 +1,254 @@
+package topology
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
+)
+
+// Ports every lab Service exposes and every lab pod serves: well-known ports
+// that NodePort services could not offer.
+const (
+	TCPPort = 80
+	UDPPort = 53
+)
+
+func (l *Lab) connectKube(ctx context.Context) error {
+	cfg, err := clientcmd.BuildConfigFromFlags("", filepath.Join(l.Opts.KubeDir, "admin.kubeconfig"))
+	if err != nil {
+		return fmt.Errorf("admin kubeconfig: %w", err)
+	}
+	cfg.QPS, cfg.Burst = 100, 200
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return err
+	}
+	l.Kube = cs
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		_, err := cs.Discovery().ServerVersion()
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("API server at %s (relayed to %s) not reachable: %w", l.Opts.APIAddr, l.Opts.Upstream, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// createClusterObjects creates the namespace, the Nodes (tunnel ones
+// labelled node=tunnel) with their InternalIP, and a running, ready Pod
+// with nodeName and podIP for every pod namespace.
+func (l *Lab) createClusterObjects(ctx context.Context) error {
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: l.Opts.Namespace}}
+	if _, err := l.Kube.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return fmt.Errorf("create namespace %s: %w", l.Opts.Namespace, err)
+	}
+	for _, n := range l.Nodes() {
+		node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n.Name, Labels: map[string]string{}}}
+		if n.Tunnel {
+			node.Labels["node"] = "tunnel"
+		}
+		if n.PodCIDR.IsValid() {
+			node.Spec.PodCIDR = n.PodCIDR.String()
+		}
+		_ = l.Kube.CoreV1().Nodes().Delete(ctx, n.Name, metav1.DeleteOptions{})
+		created, err := l.Kube.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{})
+		if err != nil {
+			return fmt.Errorf("create node %s: %w", n.Name, err)
+		}
+		created.Status.Addresses = []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: n.Addr.String()}, {Type: corev1.NodeHostName, Address: n.Name}}
+		created.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue}}
+		if _, err := l.Kube.CoreV1().Nodes().UpdateStatus(ctx, created, metav1.UpdateOptions{}); err != nil {
+			return fmt.Errorf("node %s status: %w", n.Name, err)
+		}
+	}
+	for _, p := range l.Pods {
+		if err := l.createPod(ctx, p); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (l *Lab) createPod(ctx context.Context, p *Pod) error {
+	pods := l.Kube.CoreV1().Pods(l.Opts.Namespace)
+	_ = pods.Delete(ctx, p.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)})
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: p.Name, Labels: map[string]string{"app": "lab"}},
+		Spec: corev1.PodSpec{NodeName: p.Node.Name, Containers: []corev1.Container{{
+			Name: "server", Image: "lab/server:1",
+			Ports: []corev1.ContainerPort{{ContainerPort: TCPPort, Protocol: corev1.ProtocolTCP}, {ContainerPort: UDPPort, Protocol: corev1.ProtocolUDP}},
+		}}},
+	}
+	created, err := pods.Create(ctx, pod, metav1.CreateOptions{})
+	if err != nil {
+		return fmt.Errorf("create pod %s: %w", p.Name, err)
+	}
+	created.Status = corev1.PodStatus{
+		Phase: corev1.PodRunning, PodIP: p.Addr.String(), PodIPs: []corev1.PodIP{{IP: p.Addr.String()}},
+		HostIP:     p.Node.Addr.String(),
+		Conditions: []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}},
+	}
+	updated, err := pods.UpdateStatus(ctx, created, metav1.UpdateOptions{})
+	if err != nil {
+		return fmt.Errorf("pod %s status: %w", p.Name, err)
+	}
+	p.UID = updated.UID
+	return nil
+}
+
+// deleteClusterObjects deletes the lab's Pods and Services (the namespace
+// stays: without a controller-manager it would never finish terminating).
+func (l *Lab) deleteClusterObjects(ctx context.Context) error {
+	now := metav1.DeleteOptions{GracePeriodSeconds: new(int64)}
+	if err := l.Kube.CoreV1().Pods(l.Opts.Namespace).DeleteCollection(ctx, now, metav1.ListOptions{}); err != nil {
+		return fmt.Errorf("delete lab pods: %w", err)
+	}
+	svcs, err := l.Kube.CoreV1().Services(l.Opts.Namespace).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return fmt.Errorf("list lab services: %w", err)
+	}
+	for _, s := range svcs.Items {
+		if err := l.DeleteService(ctx, s.Name); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Service is a lab Service: TCPPort and UDPPort, backed by lab pods.
+type Service struct {
+	Name string
+	// Annotation is the raw value of cmd.nu/tunnel ("" removes it): a
+	// tunnel IP, or anything else to test bad input.
+	Annotation string
+	Endpoints  []Endpoint
+}
+
+// Endpoint is one pod of a Service's EndpointSlice with its conditions.
+type Endpoint struct {
+	Pod *Pod
+	// Terminating marks the endpoint serving but not ready (draining).
+	Terminating bool
+}
+
+// Ready returns ready endpoints for pods.
+func Ready(pods ...*Pod) []Endpoint {
+	eps := make([]Endpoint, 0, len(pods))
+	for _, p := range pods {
+		eps = append(eps, Endpoint{Pod: p})
+	}
+	return eps
+}
+
+// ApplyService creates or updates the Service and its one EndpointSlice
+// (named NAME-lab), as the endpoint slice controller would.
+func (l *Lab) ApplyService(ctx context.Context, s Service) error {
+	svcs := l.Kube.CoreV1().Services(l.Opts.Namespace)
+	svc, err := svcs.Get(ctx, s.Name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		svc = &corev1.Service{
+			ObjectMeta: metav1.ObjectMeta{Name: s.Name},
+			Spec: corev1.ServiceSpec{Selector: map[string]string{"app": "lab"}, Ports: []corev1.ServicePort{
+				{Name: "tcp", Protocol: corev1.ProtocolTCP, Port: TCPPort, TargetPort: intstr.FromInt32(TCPPort)},
+				{Name: "udp", Protocol: corev1.ProtocolUDP, Port: UDPPort, TargetPort: intstr.FromInt32(UDPPort)},
+			}},
+		}
+	} else if err != nil {
+		return fmt.Errorf("get service %s: %w", s.Name, err)
+	}
+	if s.Annotation != "" {
+		if svc.Annotations == nil {
+			svc.Annotations = map[string]string{}
+		}
+		svc.Annotations[tunnelclaim.Annotation] = s.Annotation
+	} else {
+		delete(svc.Annotations, tunnelclaim.Annotation)
+	}
+	if svc.ResourceVersion == "" {
+		_, err = svcs.Create(ctx, svc, metav1.CreateOptions{})
+	} else {
+		_, err = svcs.Update(ctx, svc, metav1.UpdateOptions{})
+	}
+	if err != nil {
+		return fmt.Errorf("write service %s: %w", s.Name, err)
+	}
+	return l.applySlice(ctx, s)
+}
+
+func (l *Lab) applySlice(ctx context.Context, s Service) error {
+	slices := l.Kube.DiscoveryV1().EndpointSlices(l.Opts.Namespace)
+	tcp, udp := corev1.ProtocolTCP, corev1.ProtocolUDP
+	tcpName, udpName := "tcp", "udp"
+	tcpPort, udpPort := int32(TCPPort), int32(UDPPort)
+	es := &discoveryv1.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Name: s.Name + "-lab", Labels: map[string]string{discoveryv1.LabelServiceName: s.Name}},
+		AddressType: discoveryv1.AddressTypeIPv4,
+		Ports: []discoveryv1.EndpointPort{
+			{Name: &tcpName, Protocol: &tcp, Port: &tcpPort},
+			{Name: &udpName, Protocol: &udp, Port: &udpPort},
+		},
+	}
+	for _, e := range s.Endpoints {
+		node := e.Pod.Node.Name
+		ready, serving, terminating := !e.Terminating, true, e.Terminating
+		es.Endpoints = append(es.Endpoints, discoveryv1.Endpoint{
+			Addresses: []string{e.Pod.Addr.String()},
+			NodeName:  &node,
+			TargetRef: &corev1.ObjectReference{Kind: "Pod", Namespace: l.Opts.Namespace, Name: e.Pod.Name, UID: e.Pod.UID},
+			Conditions: discoveryv1.EndpointConditions{
+				Ready: &ready, Serving: &serving, Terminating: &terminating,
+			},
+		})
+	}
+	existing, err := slices.Get(ctx, es.Name, metav1.GetOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		_, err = slices.Create(ctx, es, metav1.CreateOptions{})
+	case err == nil:
+		es.ResourceVersion = existing.ResourceVersion
+		_, err = slices.Update(ctx, es, metav1.UpdateOptions{})
+	}
+	if err != nil {
+		return fmt.Errorf("write endpoint slice %s: %w", es.Name, err)
+	}
+	return nil
+}
+
+// DeleteService deletes the Service and its EndpointSlice.
+func (l *Lab) DeleteService(ctx context.Context, name string) error {
+	err := l.Kube.CoreV1().Services(l.Opts.Namespace).Delete(ctx, name, metav1.DeleteOptions{})
+	if err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("delete service %s: %w", name, err)
+	}
+	err = l.Kube.DiscoveryV1().EndpointSlices(l.Opts.Namespace).DeleteCollection(ctx, metav1.DeleteOptions{},
+		metav1.ListOptions{LabelSelector: discoveryv1.LabelServiceName + "=" + name})
+	if err != nil {
+		return fmt.Errorf("delete endpoint slices of %s: %w", name, err)
+	}
+	return nil
+}
+
+// Events returns the events recorded on the Service.
+func (l *Lab) Events(ctx context.Context, service string) ([]corev1.Event, error) {
+	evs, err := l.Kube.CoreV1().Events(l.Opts.Namespace).List(ctx, metav1.ListOptions{
+		FieldSelector: "involvedObject.kind=Service,involvedObject.name=" + service,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("events of service %s: %w", service, err)
+	}
+	return evs.Items, nil
+}

@@ -1,0 +1,219 @@
+package topology
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"strings"
+
+	"github.com/vishvananda/netns"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/nsexec"
+)
+
+// ipPath is iproute2's ip: /sbin/ip in the VM, where busybox's sh would
+// otherwise run its own ip applet.
+func ipPath() string {
+	if _, err := os.Stat("/sbin/ip"); err == nil {
+		return "/sbin/ip"
+	}
+	return "ip"
+}
+
+// IP runs iproute2's ip with args and returns its output.
+func IP(ctx context.Context, args ...string) (string, error) {
+	out, err := exec.CommandContext(ctx, ipPath(), args...).CombinedOutput()
+	if err != nil {
+		return string(out), fmt.Errorf("ip %s: %w: %s", strings.Join(args, " "), err, strings.TrimSpace(string(out)))
+	}
+	return string(out), nil
+}
+
+// InNS runs a command inside the named namespace (ip netns exec) and
+// returns its combined output.
+func InNS(ctx context.Context, ns, name string, args ...string) (string, error) {
+	return IP(ctx, append([]string{"netns", "exec", ns, name}, args...)...)
+}
+
+// Sysctl sets a sysctl (dotted name, e.g. net.ipv4.ip_forward) inside the
+// named namespace.
+func Sysctl(ctx context.Context, ns, name, value string) error {
+	h, err := netns.GetFromName(ns)
+	if err != nil {
+		return fmt.Errorf("sysctl %s in %s: %w", name, ns, err)
+	}
+	defer h.Close()
+	path := "/proc/sys/" + strings.ReplaceAll(name, ".", "/")
+	err = nsexec.Do(h, func() error { return os.WriteFile(path, []byte(value), 0o644) })
+	if err != nil {
+		return fmt.Errorf("sysctl %s=%s in %s: %w", name, value, ns, err)
+	}
+	return nil
+}
+
+// script runs ip commands, one per line, failing on the first error.
+func script(ctx context.Context, lines ...string) error {
+	for _, line := range lines {
+		if _, err := IP(ctx, strings.Fields(line)...); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (l *Lab) allNamespaces() []string {
+	names := []string{ClientNS, GatewayNS}
+	for _, n := range l.Nodes() {
+		names = append(names, n.Name)
+	}
+	for _, p := range l.Pods {
+		names = append(names, p.Name)
+	}
+	return names
+}
+
+// buildNetwork creates every namespace, link, address and route.
+func (l *Lab) buildNetwork(ctx context.Context) error {
+	_ = l.deleteNamespaces() // leftovers of an interrupted run
+	for _, name := range l.allNamespaces() {
+		if err := script(ctx, "netns add "+name, "-n "+name+" link set lo up"); err != nil {
+			return err
+		}
+	}
+	gw, fabric := GatewayNS, fabricNet.Bits()
+	// The gateway: a bridge for the node network, a link to the client,
+	// routes to the pod CIDRs; tunnel IPs are routed by RouteTunnelsVia.
+	if err := script(ctx,
+		fmt.Sprintf("-n %s link add %s type bridge", gw, FabricBridge),
+		fmt.Sprintf("-n %s addr add %s/%d dev %s", gw, GatewayAddr, fabric, FabricBridge),
+		fmt.Sprintf("-n %s link set %s up", gw, FabricBridge),
+		fmt.Sprintf("-n %s link add eth0 type veth peer name client netns %s", ClientNS, gw),
+		fmt.Sprintf("-n %s addr add %s/%d dev eth0", ClientNS, ClientAddr, clientNet.Bits()),
+		fmt.Sprintf("-n %s link set eth0 up", ClientNS),
+		fmt.Sprintf("-n %s route add default via %s", ClientNS, clientNet.Addr().Next()),
+		fmt.Sprintf("-n %s addr add %s/%d dev client", gw, clientNet.Addr().Next(), clientNet.Bits()),
+		fmt.Sprintf("-n %s link set client up", gw),
+	); err != nil {
+		return err
+	}
+	for _, n := range l.Nodes() {
+		if err := script(ctx,
+			fmt.Sprintf("-n %s link add eth0 type veth peer name %s netns %s", n.Name, n.Name, gw),
+			fmt.Sprintf("-n %s link set %s master %s up", gw, n.Name, FabricBridge),
+			fmt.Sprintf("-n %s addr add %s/%d dev eth0", n.Name, n.Addr, fabric),
+			fmt.Sprintf("-n %s link set eth0 up", n.Name),
+			fmt.Sprintf("-n %s route add default via %s", n.Name, GatewayAddr),
+		); err != nil {
+			return err
+		}
+	}
+	// Pod CIDRs are routed to their workers, as a CNI in host-gateway mode
+	// (or BGP) would do, on the gateway and on the routers.
+	for _, w := range l.Workers {
+		for _, ns := range append([]string{gw}, names(l.Routers)...) {
+			if _, err := IP(ctx, "-n", ns, "route", "add", w.PodCIDR.String(), "via", w.Addr.String()); err != nil {
+				return err
+			}
+		}
+		if err := script(ctx,
+			fmt.Sprintf("-n %s link add %s type bridge", w.Name, PodBridge),
+			fmt.Sprintf("-n %s addr add %s/%d dev %s", w.Name, w.PodCIDR.Addr().Next(), w.PodCIDR.Bits(), PodBridge),
+			fmt.Sprintf("-n %s link set %s up", w.Name, PodBridge),
+		); err != nil {
+			return err
+		}
+	}
+	for _, p := range l.Pods {
+		w := p.Node
+		if err := script(ctx,
+			fmt.Sprintf("-n %s link add eth0 type veth peer name veth-%s netns %s", p.Name, p.Name, w.Name),
+			fmt.Sprintf("-n %s link set veth-%s master %s up", w.Name, p.Name, PodBridge),
+			fmt.Sprintf("-n %s addr add %s/%d dev eth0", p.Name, p.Addr, w.PodCIDR.Bits()),
+			fmt.Sprintf("-n %s link set eth0 up", p.Name),
+			fmt.Sprintf("-n %s route add default via %s", p.Name, w.PodCIDR.Addr().Next()),
+		); err != nil {
+			return err
+		}
+	}
+	// Forwarding: the gateway and every node (the CNI sets it on workers; the
+	// router only warns when it is off). The gateway's reverse-path filter is
+	// loose, as replies from tunnel IPs come from workers.
+	for _, ns := range append([]string{gw}, names(l.Nodes())...) {
+		if err := Sysctl(ctx, ns, "net.ipv4.ip_forward", "1"); err != nil {
+			return err
+		}
+	}
+	if err := Sysctl(ctx, gw, "net.ipv4.conf.all.rp_filter", "2"); err != nil {
+		return err
+	}
+	// Hash ECMP routes to the routers on the whole 5-tuple, as datacenter
+	// routers do.
+	if err := Sysctl(ctx, gw, "net.ipv4.fib_multipath_hash_policy", "1"); err != nil {
+		return err
+	}
+	return l.RouteTunnelsVia(ctx, l.Routers...)
+}
+
+// RouteTunnelsVia points the gateway's route for TunnelNet at the given
+// routers: one is a plain route, several an ECMP route hashed per flow. It
+// is what BGP would do when routers come and go.
+func (l *Lab) RouteTunnelsVia(ctx context.Context, routers ...*Node) error {
+	if len(routers) == 0 {
+		return errors.New("topology: RouteTunnelsVia needs a router")
+	}
+	args := []string{"-n", GatewayNS, "route", "replace", TunnelNet.String()}
+	if len(routers) == 1 {
+		args = append(args, "via", routers[0].Addr.String())
+	} else {
+		for _, r := range routers {
+			args = append(args, "nexthop", "via", r.Addr.String())
+		}
+	}
+	_, err := IP(ctx, args...)
+	return err
+}
+
+// SetNodeLink sets the node's fabric link up or down from the gateway side,
+// which is what a node losing power looks like to the rest of the network.
+func (l *Lab) SetNodeLink(ctx context.Context, n *Node, up bool) error {
+	state := "down"
+	if up {
+		state = "up"
+	}
+	_, err := IP(ctx, "-n", GatewayNS, "link", "set", n.Name, state)
+	return err
+}
+
+// deleteNamespaces deletes the lab's namespaces that exist.
+func (l *Lab) deleteNamespaces() error {
+	var errs []error
+	for _, name := range l.allNamespaces() {
+		if _, err := os.Stat("/run/netns/" + name); err != nil {
+			continue
+		}
+		if _, err := IP(context.Background(), "netns", "del", name); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func names(nodes []*Node) []string {
+	var out []string
+	for _, n := range nodes {
+		out = append(out, n.Name)
+	}
+	return out
+}
+
+// addrs returns the pods' addresses.
+func addrs(pods []*Pod) []netip.Addr {
+	var out []netip.Addr
+	for _, p := range pods {
+		out = append(out, p.Addr)
+	}
+	return out
+}

@@ -1,0 +1,346 @@
+// Package topology builds the lab's cluster inside one Linux kernel (the lab
+// VM's): network namespaces for an external client, a gateway standing for
+// the datacenter router, two tunnel routers and two worker nodes with their
+// pods, the Kubernetes objects a real cluster would have for them, and the
+// project's real daemons running in the nodes' namespaces as their own
+// ServiceAccounts. The end-to-end tests, the demo and later the BGP tests and
+// benchmarks build on it.
+//
+//	client 198.51.100.10 ── gateway ──┬── router-a 172.20.0.11 ┐ node=tunnel
+//	              (routes 203.0.113.0/24 ├── router-b 172.20.0.12 ┘
+//	               to the routers)    ├── worker-a 172.20.0.21 ── cni0 10.244.1.1 ── pod-a1 .11, pod-a2 .12
+//	                                  └── worker-b 172.20.0.22 ── cni0 10.244.2.1 ── pod-b1 .11, pod-b2 .12
+//
+// The gateway's "fabric" bridge is the node network; every node's eth0 is a
+// port of it. Pod CIDRs are routed (gateway and routers know which worker
+// holds which CIDR). Pods answer clients directly: pod -> worker -> gateway
+// -> client, never through a router.
+//
+// Every namespace is named (ip netns), so `ip -n NAME ...` shows it, and the
+// endpoint agent finds pods with --runtime netns. Up needs root and a kernel
+// with GRE or MPLS for the mode asked (the lab VM); it must run in the VM's
+// root namespace, where the API server is reachable at Options.Upstream.
+package topology
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+
+	"github.com/vishvananda/netns"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/nsrelay"
+)
+
+// Addresses of the lab. Tunnel IPs are taken from TunnelNet.
+var (
+	ClientAddr  = netip.MustParseAddr("198.51.100.10")
+	GatewayAddr = netip.MustParseAddr("172.20.0.1")
+	TunnelNet   = netip.MustParsePrefix("203.0.113.0/24")
+	clientNet   = netip.MustParsePrefix("198.51.100.0/24")
+	fabricNet   = netip.MustParsePrefix("172.20.0.0/24")
+)
+
+// Names of the lab's namespaces that are not nodes or pods.
+const (
+	ClientNS  = "client"
+	GatewayNS = "gateway"
+	// FabricBridge is the gateway's bridge that every node's eth0 joins.
+	FabricBridge = "fabric"
+	// PodBridge is each worker's bridge to its pods.
+	PodBridge = "cni0"
+)
+
+// Options describe a lab. Zero values take the defaults shown.
+type Options struct {
+	// Mode is "gre" or "mpls", given to both daemons.
+	Mode string
+	// Seed and Buckets are the routers' HMARK seed and bucket count
+	// (0x5eed1e55, 64).
+	Seed    uint32
+	Buckets int
+	// APIAddr is the API server's address as the kubeconfigs name it
+	// ($KST_LAB_API); Upstream is where it is reachable from the calling
+	// process's namespace (lab.HostForwardAddr with APIAddr's port). Up
+	// relays APIAddr to Upstream in every namespace that talks to it.
+	APIAddr, Upstream string
+	// KubeDir holds admin.kubeconfig, tunnel-router.kubeconfig and
+	// tunnel-endpoint.kubeconfig (/lab/kube); BinDir the daemons (/lab/bin).
+	KubeDir, BinDir string
+	// WorkDir receives the daemons' logs (/tmp/lab).
+	WorkDir string
+	// Namespace is the Kubernetes namespace of the pods and Services ("lab").
+	Namespace string
+	// PodsPerWorker is the number of pods on each worker (2).
+	PodsPerWorker int
+	// RouterArgs and EndpointArgs are appended to the daemons' flags.
+	RouterArgs, EndpointArgs []string
+	// Log receives one line per step (nil: discarded).
+	Log io.Writer
+}
+
+func (o *Options) setDefaults() error {
+	if o.Mode == "" {
+		o.Mode = "gre"
+	}
+	if o.Mode != "gre" && o.Mode != "mpls" {
+		return fmt.Errorf("topology: mode %q is neither gre nor mpls", o.Mode)
+	}
+	if o.Seed == 0 {
+		o.Seed = 0x5eed1e55
+	}
+	if o.Buckets == 0 {
+		o.Buckets = 64
+	}
+	if o.APIAddr == "" {
+		o.APIAddr = os.Getenv("KST_LAB_API")
+	}
+	if o.APIAddr == "" {
+		return errors.New("topology: no API server address (Options.APIAddr or $KST_LAB_API)")
+	}
+	if o.Upstream == "" {
+		_, port, _ := strings.Cut(o.APIAddr, ":")
+		o.Upstream = "10.0.2.100:" + port
+	}
+	if o.KubeDir == "" {
+		o.KubeDir = "/lab/kube"
+	}
+	if o.BinDir == "" {
+		o.BinDir = "/lab/bin"
+	}
+	if o.WorkDir == "" {
+		o.WorkDir = "/tmp/lab"
+	}
+	if o.Namespace == "" {
+		o.Namespace = "lab"
+	}
+	if o.PodsPerWorker == 0 {
+		o.PodsPerWorker = 2
+	}
+	if o.Log == nil {
+		o.Log = io.Discard
+	}
+	return nil
+}
+
+// Host is a network namespace with its main address.
+type Host struct {
+	Name string
+	Addr netip.Addr
+}
+
+// NS opens the namespace; the caller closes the handle.
+func (h *Host) NS() (netns.NsHandle, error) {
+	ns, err := netns.GetFromName(h.Name)
+	if err != nil {
+		return ns, fmt.Errorf("opening network namespace %s: %w", h.Name, err)
+	}
+	return ns, nil
+}
+
+// Node is a Kubernetes node: a namespace whose eth0 is on the fabric.
+type Node struct {
+	Host
+	// Tunnel nodes carry the label node=tunnel and run the router.
+	Tunnel bool
+	// PodCIDR is a worker's pod network (invalid on routers).
+	PodCIDR netip.Prefix
+	// Router runs on tunnel nodes, Agent (the endpoint agent) on workers.
+	Router, Agent *Daemon
+}
+
+// Pod is a pod namespace behind a worker's cni0.
+type Pod struct {
+	Host
+	Node *Node
+	// UID is the Kubernetes Pod's, once created.
+	UID types.UID
+}
+
+// Lab is a running topology.
+type Lab struct {
+	Opts    Options
+	Client  *Host
+	Gateway *Host
+	Routers []*Node
+	Workers []*Node
+	Pods    []*Pod
+	// Kube is an admin client.
+	Kube kubernetes.Interface
+
+	relays []func()
+}
+
+// Up builds the namespaces and links, relays the API server into them,
+// creates the Nodes and Pods in Kubernetes, and starts a router on each
+// tunnel node and an endpoint agent on each worker. Call Down when done,
+// also after an error.
+func Up(ctx context.Context, opts Options) (*Lab, error) {
+	if err := opts.setDefaults(); err != nil {
+		return nil, err
+	}
+	l := &Lab{Opts: opts}
+	l.Client = &Host{Name: ClientNS, Addr: ClientAddr}
+	l.Gateway = &Host{Name: GatewayNS, Addr: GatewayAddr}
+	for i, name := range []string{"router-a", "router-b"} {
+		l.Routers = append(l.Routers, &Node{Host: Host{Name: name, Addr: fabricAddr(11 + i)}, Tunnel: true})
+	}
+	for i, name := range []string{"worker-a", "worker-b"} {
+		w := &Node{Host: Host{Name: name, Addr: fabricAddr(21 + i)}, PodCIDR: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 244, byte(1 + i), 0}), 24)}
+		l.Workers = append(l.Workers, w)
+		for j := range opts.PodsPerWorker {
+			// pod-a1 10.244.1.11, pod-a2 10.244.1.12, pod-b1 10.244.2.11, ...
+			addr := w.PodCIDR.Addr().As4()
+			addr[3] = byte(11 + j)
+			l.Pods = append(l.Pods, &Pod{Host: Host{Name: fmt.Sprintf("pod-%c%d", 'a'+i, j+1), Addr: netip.AddrFrom4(addr)}, Node: w})
+		}
+	}
+	if err := os.MkdirAll(opts.WorkDir, 0o755); err != nil {
+		return l, err
+	}
+	l.logf("building the network: client, gateway, %d routers, %d workers, %d pods", len(l.Routers), len(l.Workers), len(l.Pods))
+	if err := l.buildNetwork(ctx); err != nil {
+		return l, err
+	}
+	if err := l.relayAPI(); err != nil {
+		return l, err
+	}
+	if err := l.connectKube(ctx); err != nil {
+		return l, err
+	}
+	l.logf("creating Nodes and Pods in Kubernetes namespace %s", opts.Namespace)
+	if err := l.createClusterObjects(ctx); err != nil {
+		return l, err
+	}
+	for _, r := range l.Routers {
+		r.Router = l.routerDaemon(r)
+		if err := r.Router.Start(); err != nil {
+			return l, err
+		}
+	}
+	for _, w := range l.Workers {
+		w.Agent = l.agentDaemon(w)
+		if err := w.Agent.Start(); err != nil {
+			return l, err
+		}
+	}
+	l.logf("started %d tunnel routers and %d endpoint agents in %s mode", len(l.Routers), len(l.Workers), opts.Mode)
+	return l, nil
+}
+
+// Down stops the daemons, runs their --cleanup, deletes the Pods and every
+// namespace, and stops the API relays. It returns the first error but does
+// every step.
+func (l *Lab) Down(ctx context.Context) error {
+	var errs []error
+	for _, n := range l.Nodes() {
+		for _, d := range []*Daemon{n.Router, n.Agent} {
+			if d != nil {
+				errs = append(errs, d.Stop())
+			}
+		}
+	}
+	for _, r := range l.Routers {
+		if r.Router != nil {
+			errs = append(errs, l.cleanup(ctx, r, r.Router))
+		}
+	}
+	for _, w := range l.Workers {
+		if w.Agent != nil {
+			errs = append(errs, l.cleanup(ctx, w, w.Agent))
+		}
+	}
+	if l.Kube != nil {
+		errs = append(errs, l.deleteClusterObjects(ctx))
+	}
+	for _, stop := range l.relays {
+		stop()
+	}
+	l.relays = nil
+	errs = append(errs, l.deleteNamespaces())
+	return errors.Join(errs...)
+}
+
+// cleanup runs a stopped daemon's --cleanup in its node's namespace.
+func (l *Lab) cleanup(ctx context.Context, n *Node, d *Daemon) error {
+	args := append([]string{"netns", "exec", n.Name, d.Path, "--cleanup"}, d.cleanupArgs...)
+	out, err := exec.CommandContext(ctx, ipPath(), args...).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("%s --cleanup on %s: %w: %s", filepath.Base(d.Path), n.Name, err, out)
+	}
+	return nil
+}
+
+// Nodes are the routers, then the workers.
+func (l *Lab) Nodes() []*Node { return append(append([]*Node(nil), l.Routers...), l.Workers...) }
+
+// PodByAddr returns the pod with this address, or nil.
+func (l *Lab) PodByAddr(a netip.Addr) *Pod {
+	for _, p := range l.Pods {
+		if p.Addr == a {
+			return p
+		}
+	}
+	return nil
+}
+
+// PodByName returns the pod of this name, or nil.
+func (l *Lab) PodByName(name string) *Pod {
+	for _, p := range l.Pods {
+		if p.Name == name {
+			return p
+		}
+	}
+	return nil
+}
+
+// TunnelIP returns the i-th address of TunnelNet (1-based: 203.0.113.i).
+func TunnelIP(i int) netip.Addr {
+	b := TunnelNet.Addr().As4()
+	b[3] = byte(i)
+	return netip.AddrFrom4(b)
+}
+
+func fabricAddr(host int) netip.Addr {
+	b := fabricNet.Addr().As4()
+	b[3] = byte(host)
+	return netip.AddrFrom4(b)
+}
+
+func (l *Lab) logf(format string, args ...any) {
+	fmt.Fprintf(l.Opts.Log, format+"\n", args...)
+}
+
+func (l *Lab) relayAPI() error {
+	targets := []string{""} // "": this process's own namespace
+	for _, n := range l.Nodes() {
+		targets = append(targets, n.Name)
+	}
+	for _, name := range targets {
+		var ns netns.NsHandle
+		var err error
+		if name == "" {
+			ns, err = netns.Get()
+		} else {
+			ns, err = netns.GetFromName(name)
+		}
+		if err != nil {
+			return fmt.Errorf("relaying the API server into %q: %w", name, err)
+		}
+		stop, err := nsrelay.Relay(ns, l.Opts.APIAddr, l.Opts.Upstream)
+		ns.Close()
+		if err != nil {
+			return fmt.Errorf("relaying the API server into %q: %w", name, err)
+		}
+		l.relays = append(l.relays, stop)
+	}
+	return nil
+}
