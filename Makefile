@@ -46,8 +46,8 @@ lint: ## go vet and gofmt
 	$(GO) vet $(PKGS)
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
-demo: deps assets build ## run the router against a real API server on this host and show what it programs
-	go run ./test/demo
+demo: deps assets ## boot the lab VM, deploy examples/echo.yaml and show a client reaching its pods through the tunnel IP
+	$(GO) run ./test/demo
 
 clean: ## remove build output
 	rm -rf $(BIN)

@@ -20,7 +20,7 @@ import (
 )
 
 // The scenarios of issue 4, in order; each uses its own tunnel IP
-// (203.0.113.N) and Service, and removes them when it ends.
+// (192.0.2.N) and Service, and removes them when it ends.
 var scenarios = []scenario{
 	{"1_reach_pod_with_client_address", reachPod},
 	{"2_routers_agree_on_every_flow", routersAgree},

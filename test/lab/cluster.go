@@ -54,6 +54,8 @@ type ClusterOptions struct {
 	// Args, from /tmp. Build it with BuildStatic or BuildStaticTest.
 	Program string
 	Args    []string
+	// Files are more host files to put in the VM, by VM path.
+	Files map[string]string
 	// Output receives the console as it is printed (may be nil).
 	Output io.Writer
 	// MemoryMB and CPUs of the VM: 0 means 2048 and 2.
@@ -77,6 +79,9 @@ func RunCluster(ctx context.Context, opts ClusterOptions) (output string, exitCo
 	defer os.RemoveAll(dir)
 
 	files := map[string]string{GuestProgram: opts.Program}
+	for vmPath, hostPath := range opts.Files {
+		files[vmPath] = hostPath
+	}
 	daemons, err := BuildDaemons(filepath.Join(dir, "bin"))
 	if err != nil {
 		return "", -1, err

@@ -87,7 +87,7 @@ func (l *Lab) createPod(ctx context.Context, p *Pod) error {
 	pods := l.Kube.CoreV1().Pods(l.Opts.Namespace)
 	_ = pods.Delete(ctx, p.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)})
 	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: p.Name, Labels: map[string]string{"app": "lab"}},
+		ObjectMeta: metav1.ObjectMeta{Name: p.Name, Labels: l.Opts.PodLabels},
 		Spec: corev1.PodSpec{NodeName: p.Node.Name, Containers: []corev1.Container{{
 			Name: "server", Image: "lab/server:1",
 			Ports: []corev1.ContainerPort{{ContainerPort: TCPPort, Protocol: corev1.ProtocolTCP}, {ContainerPort: UDPPort, Protocol: corev1.ProtocolUDP}},
@@ -162,7 +162,7 @@ func (l *Lab) ApplyService(ctx context.Context, s Service) error {
 	if apierrors.IsNotFound(err) {
 		svc = &corev1.Service{
 			ObjectMeta: metav1.ObjectMeta{Name: s.Name},
-			Spec: corev1.ServiceSpec{Selector: map[string]string{"app": "lab"}, Ports: []corev1.ServicePort{
+			Spec: corev1.ServiceSpec{Selector: l.Opts.PodLabels, Ports: []corev1.ServicePort{
 				{Name: "tcp", Protocol: corev1.ProtocolTCP, Port: TCPPort, TargetPort: intstr.FromInt32(TCPPort)},
 				{Name: "udp", Protocol: corev1.ProtocolUDP, Port: UDPPort, TargetPort: intstr.FromInt32(UDPPort)},
 			}},
@@ -186,23 +186,26 @@ func (l *Lab) ApplyService(ctx context.Context, s Service) error {
 	if err != nil {
 		return fmt.Errorf("write service %s: %w", s.Name, err)
 	}
-	return l.applySlice(ctx, s)
+	return l.ApplyEndpoints(ctx, s.Name, s.Endpoints)
 }
 
-func (l *Lab) applySlice(ctx context.Context, s Service) error {
+// ApplyEndpoints creates or updates the one EndpointSlice (NAME-lab) of
+// Service name, as the endpoint slice controller would; for Services
+// created otherwise, e.g. from a manifest.
+func (l *Lab) ApplyEndpoints(ctx context.Context, service string, endpoints []Endpoint) error {
 	slices := l.Kube.DiscoveryV1().EndpointSlices(l.Opts.Namespace)
 	tcp, udp := corev1.ProtocolTCP, corev1.ProtocolUDP
 	tcpName, udpName := "tcp", "udp"
 	tcpPort, udpPort := int32(TCPPort), int32(UDPPort)
 	es := &discoveryv1.EndpointSlice{
-		ObjectMeta:  metav1.ObjectMeta{Name: s.Name + "-lab", Labels: map[string]string{discoveryv1.LabelServiceName: s.Name}},
+		ObjectMeta:  metav1.ObjectMeta{Name: service + "-lab", Labels: map[string]string{discoveryv1.LabelServiceName: service}},
 		AddressType: discoveryv1.AddressTypeIPv4,
 		Ports: []discoveryv1.EndpointPort{
 			{Name: &tcpName, Protocol: &tcp, Port: &tcpPort},
 			{Name: &udpName, Protocol: &udp, Port: &udpPort},
 		},
 	}
-	for _, e := range s.Endpoints {
+	for _, e := range endpoints {
 		node := e.Pod.Node.Name
 		ready, serving, terminating := !e.Terminating, true, e.Terminating
 		es.Endpoints = append(es.Endpoints, discoveryv1.Endpoint{

@@ -7,7 +7,7 @@
 // benchmarks build on it.
 //
 //	client 198.51.100.10 ── gateway ──┬── router-a 172.20.0.11 ┐ node=tunnel
-//	              (routes 203.0.113.0/24 ├── router-b 172.20.0.12 ┘
+//	                (routes 192.0.2.0/24 ├── router-b 172.20.0.12 ┘
 //	               to the routers)    ├── worker-a 172.20.0.21 ── cni0 10.244.1.1 ── pod-a1 .11, pod-a2 .12
 //	                                  └── worker-b 172.20.0.22 ── cni0 10.244.2.1 ── pod-b1 .11, pod-b2 .12
 //
@@ -44,7 +44,7 @@ import (
 var (
 	ClientAddr  = netip.MustParseAddr("198.51.100.10")
 	GatewayAddr = netip.MustParseAddr("172.20.0.1")
-	TunnelNet   = netip.MustParsePrefix("203.0.113.0/24")
+	TunnelNet   = netip.MustParsePrefix("192.0.2.0/24")
 	clientNet   = netip.MustParsePrefix("198.51.100.0/24")
 	fabricNet   = netip.MustParsePrefix("172.20.0.0/24")
 )
@@ -81,6 +81,8 @@ type Options struct {
 	Namespace string
 	// PodsPerWorker is the number of pods on each worker (2).
 	PodsPerWorker int
+	// PodLabels label every Pod, and select them in lab Services (app=lab).
+	PodLabels map[string]string
 	// RouterArgs and EndpointArgs are appended to the daemons' flags.
 	RouterArgs, EndpointArgs []string
 	// Log receives one line per step (nil: discarded).
@@ -124,6 +126,9 @@ func (o *Options) setDefaults() error {
 	}
 	if o.PodsPerWorker == 0 {
 		o.PodsPerWorker = 2
+	}
+	if o.PodLabels == nil {
+		o.PodLabels = map[string]string{"app": "lab"}
 	}
 	if o.Log == nil {
 		o.Log = io.Discard
@@ -302,7 +307,7 @@ func (l *Lab) PodByName(name string) *Pod {
 	return nil
 }
 
-// TunnelIP returns the i-th address of TunnelNet (1-based: 203.0.113.i).
+// TunnelIP returns the i-th address of TunnelNet (192.0.2.i).
 func TunnelIP(i int) netip.Addr {
 	b := TunnelNet.Addr().As4()
 	b[3] = byte(i)

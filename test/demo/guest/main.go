@@ -1,0 +1,367 @@
+// Command guest is the part of `make demo` that runs inside the lab VM: it
+// builds the lab's cluster (test/lab/topology), deploys examples/echo.yaml,
+// and shows a client reaching the pods through the tunnel IP on a real
+// GRE datapath. test/demo boots it; it is not meant to be run by hand.
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+	"os"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/vishvananda/netns"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	k8sruntime "k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/kubernetes/scheme"
+
+	"github.com/cmdnu/kube-service-tunnel/hmark"
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
+	"github.com/cmdnu/kube-service-tunnel/test/lab/topology"
+	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
+)
+
+// ExampleFile is examples/echo.yaml, placed in the VM by test/demo.
+const ExampleFile = "/lab/examples/echo.yaml"
+
+func main() {
+	if err := run(context.Background()); err != nil {
+		fmt.Println("\ndemo failed:", err)
+		os.Exit(1)
+	}
+}
+
+func step(format string, args ...any) {
+	fmt.Printf("\n==> "+format+"\n", args...)
+}
+
+func say(format string, args ...any) {
+	fmt.Printf("    "+format+"\n", args...)
+}
+
+type prefixWriter struct{}
+
+func (prefixWriter) Write(p []byte) (int, error) {
+	for _, line := range strings.Split(strings.TrimRight(string(p), "\n"), "\n") {
+		say("lab: %s", line)
+	}
+	return len(p), nil
+}
+
+func run(ctx context.Context) (err error) {
+	svc, err := exampleService()
+	if err != nil {
+		return err
+	}
+	vip, err := tunnelclaim.ParseIP(svc.Annotations[tunnelclaim.Annotation])
+	if err != nil {
+		return fmt.Errorf("%s: %w", ExampleFile, err)
+	}
+	port := uint16(svc.Spec.Ports[0].Port)
+	dst := netip.AddrPortFrom(vip, port)
+
+	step("Building the cluster inside the VM: every machine is a network namespace")
+	l, err := topology.Up(ctx, topology.Options{Mode: "gre", Namespace: svc.Namespace, PodLabels: svc.Spec.Selector, Log: prefixWriter{}})
+	defer func() {
+		step("Cleaning up: stopping the daemons, running their --cleanup, deleting the namespaces")
+		if derr := l.Down(context.Background()); derr != nil && err == nil {
+			err = derr
+		}
+	}()
+	if err != nil {
+		return err
+	}
+	say("client      %v, outside the cluster", topology.ClientAddr)
+	say("gateway     the datacenter router: routes %v to the tunnel routers", topology.TunnelNet)
+	for _, r := range l.Routers {
+		say("%-11s %v  label node=tunnel, runs tunnel-router (gre mode)", r.Name, r.Addr)
+	}
+	for _, w := range l.Workers {
+		var pods []string
+		for _, p := range l.Pods {
+			if p.Node == w {
+				pods = append(pods, fmt.Sprintf("%s %v", p.Name, p.Addr))
+			}
+		}
+		say("%-11s %v  runs tunnel-endpoint; pods: %s", w.Name, w.Addr, strings.Join(pods, ", "))
+	}
+	for _, p := range l.Pods {
+		ns, err := p.NS()
+		if err != nil {
+			return err
+		}
+		srv, err := workload.Serve(ns, p.Name, []int{int(port)}, nil)
+		ns.Close()
+		if err != nil {
+			return err
+		}
+		defer srv.Close()
+	}
+	say("each pod runs a small server on port %d that answers with its name and the client address it saw", port)
+
+	step("Deploying examples/echo.yaml: Service %s/%s with annotation %s: %v", svc.Namespace, svc.Name, tunnelclaim.Annotation, vip)
+	if err := applyExample(ctx, l); err != nil {
+		return err
+	}
+	say("no kubelet or controller-manager runs here, so the lab plays their part: the four")
+	say("pods above are the Deployment's, and the lab writes the Service's EndpointSlice")
+	if err := l.ApplyEndpoints(ctx, svc.Name, topology.Ready(l.Pods...)); err != nil {
+		return err
+	}
+	start := time.Now()
+	table, err := l.WaitTunnel(ctx, vip, l.Pods...)
+	if err != nil {
+		return err
+	}
+	say("both routers and all four pods programmed %v in %v", vip, time.Since(start).Round(time.Millisecond))
+
+	client, err := l.Client.NS()
+	if err != nil {
+		return err
+	}
+	defer client.Close()
+
+	step("A client connects to %v from %v", dst, topology.ClientAddr)
+	id, err := who(ctx, client, dst, 0)
+	if err != nil {
+		return err
+	}
+	say("answered by %s, which saw the client as %v  <- the client's real address", id.Pod, id.Peer)
+	say("the pod received the connection on %v: the tunnel IP itself, not a node port", id.Local)
+	if id.Peer.Addr() != topology.ClientAddr {
+		return fmt.Errorf("the pod saw %v, not the client's address", id.Peer)
+	}
+
+	step("How it got there: router-a's kernel state for %v", vip)
+	show(ctx, "iptables -t mangle -S KST-HMARK (hashes each flow into one of 64 buckets)", "router-a", "iptables", "-t", "mangle", "-S", "KST-HMARK")
+	showFirst(ctx, "ip rule (one rule per bucket: packet mark -> routing table)", 2, "-n", "router-a", "rule", "show")
+	showFirst(ctx, "ip route show table 7600 (bucket 0's table: encapsulate to one pod over GRE)", 1, "-n", "router-a", "route", "show", "table", "7600")
+	showFirst(ctx, fmt.Sprintf("ip -d addr show kst-decap, in %s (the endpoint agent's decapsulation device)", id.Pod), 4, "-n", id.Pod, "-d", "addr", "show", "kst-decap")
+
+	step("The bucket table of %v (bucket -> pod), read from router-a's routes", vip)
+	printTable(l, table)
+
+	step("The same flow is chosen by both routers")
+	say("the client makes 8 connections with fixed source ports, first through router-a only,")
+	say("then through router-b only (the gateway's route moves, as when a router fails):")
+	say("%-22s %-7s %-10s %-10s %s", "client", "bucket", "router-a", "router-b", "bucket table")
+	ports := []uint16{40001, 40002, 40003, 40004, 40005, 40006, 40007, 40008}
+	seen := make([]map[uint16]string, len(l.Routers))
+	for i, r := range l.Routers {
+		if err := l.RouteTunnelsVia(ctx, r); err != nil {
+			return err
+		}
+		seen[i] = map[uint16]string{}
+		for _, p := range ports {
+			id, err := who(ctx, client, dst, p)
+			if err != nil {
+				return err
+			}
+			seen[i][p] = id.Pod
+		}
+	}
+	if err := l.RouteTunnelsVia(ctx, l.Routers...); err != nil {
+		return err
+	}
+	params := l.HMARK()
+	for _, p := range ports {
+		b := params.Bucket(hmark.Flow{Src: topology.ClientAddr, Dst: vip, SrcPort: p, DstPort: port, Proto: 6})
+		want := l.PodByAddr(table[b]).Name
+		say("%-22s %-7d %-10s %-10s %s", fmt.Sprintf("%v:%d", topology.ClientAddr, p), b, seen[0][p], seen[1][p], want)
+		if seen[0][p] != seen[1][p] || seen[0][p] != want {
+			return errors.New("the routers disagree on a flow")
+		}
+	}
+	say("every flow reached the same pod through either router: a router can fail without moving a flow")
+
+	step("Scaling down: %s goes away; only the flows it served move", l.Pods[0].Name)
+	flows := make([]uint16, 100)
+	for i := range flows {
+		flows[i] = 45000 + uint16(i)
+	}
+	before, err := podPerFlow(ctx, client, dst, flows)
+	if err != nil {
+		return err
+	}
+	if err := l.ApplyEndpoints(ctx, svc.Name, topology.Ready(l.Pods[1:]...)); err != nil {
+		return err
+	}
+	if _, err := l.WaitTunnel(ctx, vip, l.Pods[1:]...); err != nil {
+		return err
+	}
+	after, err := podPerFlow(ctx, client, dst, flows)
+	if err != nil {
+		return err
+	}
+	own, others := 0, 0
+	for _, f := range flows {
+		switch {
+		case before[f] == l.Pods[0].Name:
+			own++
+		case after[f] != before[f]:
+			others++
+		}
+	}
+	say("of 100 client flows, %d were served by %s and moved; %d others moved", own, l.Pods[0].Name, others)
+	if others != 0 {
+		return errors.New("flows of other pods moved")
+	}
+
+	step("Deleting the Service: routers and pods forget %v", vip)
+	if err := l.Kube.CoreV1().Services(svc.Namespace).Delete(ctx, svc.Name, metav1.DeleteOptions{}); err != nil {
+		return err
+	}
+	if err := l.WaitNoTunnel(ctx, vip); err != nil {
+		return err
+	}
+	say("no route, rule, HMARK rule, device or address for %v is left on any router or pod", vip)
+	evs, err := l.Events(ctx, svc.Name)
+	if err != nil {
+		return err
+	}
+	step("Events the routers recorded on Service %s/%s", svc.Namespace, svc.Name)
+	for _, e := range evs {
+		say("%-7s %-17s %s: %s", e.Type, e.Reason, e.Source.Host, e.Message)
+	}
+	return nil
+}
+
+// exampleService reads the Service out of examples/echo.yaml.
+func exampleService() (*corev1.Service, error) {
+	objs, err := exampleObjects()
+	if err != nil {
+		return nil, err
+	}
+	for _, o := range objs {
+		if svc, ok := o.(*corev1.Service); ok {
+			return svc, nil
+		}
+	}
+	return nil, fmt.Errorf("%s has no Service", ExampleFile)
+}
+
+// applyExample creates the example's Deployment (no controller runs it here)
+// and its Service; topology.Up created the namespace.
+func applyExample(ctx context.Context, l *topology.Lab) error {
+	objs, err := exampleObjects()
+	if err != nil {
+		return err
+	}
+	for _, o := range objs {
+		switch obj := o.(type) {
+		case *appsv1.Deployment:
+			if _, err := l.Kube.AppsV1().Deployments(obj.Namespace).Create(ctx, obj, metav1.CreateOptions{}); err != nil {
+				return fmt.Errorf("creating Deployment %s/%s: %w", obj.Namespace, obj.Name, err)
+			}
+			say("created Deployment %s/%s (%d replicas)", obj.Namespace, obj.Name, *obj.Spec.Replicas)
+		case *corev1.Service:
+			if _, err := l.Kube.CoreV1().Services(obj.Namespace).Create(ctx, obj, metav1.CreateOptions{}); err != nil {
+				return fmt.Errorf("creating Service %s/%s: %w", obj.Namespace, obj.Name, err)
+			}
+			say("created Service %s/%s, port %d", obj.Namespace, obj.Name, obj.Spec.Ports[0].Port)
+		}
+	}
+	return nil
+}
+
+// exampleObjects decodes every document of examples/echo.yaml.
+func exampleObjects() ([]k8sruntime.Object, error) {
+	raw, err := os.ReadFile(ExampleFile)
+	if err != nil {
+		return nil, err
+	}
+	reader := yaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(raw)))
+	var out []k8sruntime.Object
+	for {
+		doc, err := reader.Read()
+		if errors.Is(err, io.EOF) {
+			return out, nil
+		}
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", ExampleFile, err)
+		}
+		if len(bytes.TrimSpace(doc)) == 0 {
+			continue
+		}
+		obj, _, err := scheme.Codecs.UniversalDeserializer().Decode(doc, nil, nil)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", ExampleFile, err)
+		}
+		out = append(out, obj)
+	}
+}
+
+// who asks dst who answers, from the client, with a fixed source port (0:
+// any).
+func who(ctx context.Context, client netns.NsHandle, dst netip.AddrPort, port uint16) (workload.Identity, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	return workload.Who(ctx, client, "tcp", dst, port)
+}
+
+// podPerFlow connects once from each source port and names the pod that
+// answered.
+func podPerFlow(ctx context.Context, client netns.NsHandle, dst netip.AddrPort, ports []uint16) (map[uint16]string, error) {
+	out := map[uint16]string{}
+	for _, p := range ports {
+		id, err := who(ctx, client, dst, p)
+		if err != nil {
+			return nil, err
+		}
+		out[p] = id.Pod
+	}
+	return out, nil
+}
+
+// show prints a command's output run in a namespace, under a title.
+func show(ctx context.Context, title, ns, name string, args ...string) {
+	out, err := topology.InNS(ctx, ns, name, args...)
+	printOutput(title, out, err, 0)
+}
+
+// showFirst prints the first n lines of an ip command's output.
+func showFirst(ctx context.Context, title string, n int, args ...string) {
+	out, err := topology.IP(ctx, args...)
+	printOutput(title, out, err, n)
+}
+
+func printOutput(title, out string, err error, n int) {
+	say("$ %s", title)
+	if err != nil {
+		say("  (failed: %v)", err)
+		return
+	}
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	if n > 0 && len(lines) > n {
+		lines = append(lines[:n], "...")
+	}
+	for _, line := range lines {
+		say("  %s", strings.TrimSpace(line))
+	}
+}
+
+func printTable(l *topology.Lab, table []netip.Addr) {
+	byPod := map[string][]int{}
+	for b, a := range table {
+		name := l.PodByAddr(a).Name
+		byPod[name] = append(byPod[name], b)
+	}
+	names := make([]string, 0, len(byPod))
+	for n := range byPod {
+		names = append(names, n)
+	}
+	slices.Sort(names)
+	for _, n := range names {
+		say("%-7s %2d buckets: %v", n, len(byPod[n]), byPod[n])
+	}
+}
