@@ -153,6 +153,11 @@ func (l *Lab) WaitTunnel(ctx context.Context, vip netip.Addr, pods ...*Pod) ([]n
 			} else if !slices.Equal(first, t) {
 				return false, fmt.Sprintf("routers disagree on %s", vip), nil
 			}
+			// The router adds the HMARK rule after the bucket routes; until
+			// then the tunnel IP's packets are not marked.
+			if marked, err := l.marks(ctx, r, vip); err != nil || !marked {
+				return false, fmt.Sprintf("%s does not mark %s yet", r.Name, vip), err
+			}
 		}
 		for _, p := range pods {
 			ok, err := PodHasAddr(ctx, p, vip)
@@ -178,12 +183,8 @@ func (l *Lab) WaitNoTunnel(ctx context.Context, vip netip.Addr) error {
 			if len(routes) > 0 {
 				return false, fmt.Sprintf("%s still has %d bucket routes for %s", r.Name, len(routes), vip), nil
 			}
-			rules, err := InNS(ctx, r.Name, "iptables-save", "-t", "mangle")
-			if err != nil {
-				return false, "", err
-			}
-			if strings.Contains(rules, vip.String()+"/32") {
-				return false, fmt.Sprintf("%s still marks %s", r.Name, vip), nil
+			if marked, err := l.marks(ctx, r, vip); err != nil || marked {
+				return false, fmt.Sprintf("%s still marks %s", r.Name, vip), err
 			}
 		}
 		for _, p := range l.Pods {
@@ -193,6 +194,20 @@ func (l *Lab) WaitNoTunnel(ctx context.Context, vip netip.Addr) error {
 		}
 		return true, "", nil
 	})
+}
+
+// marks reports whether the router has an HMARK rule for vip.
+func (l *Lab) marks(ctx context.Context, r *Node, vip netip.Addr) (bool, error) {
+	rules, err := InNS(ctx, r.Name, "iptables-save", "-t", "mangle")
+	if err != nil {
+		return false, err
+	}
+	for _, line := range strings.Split(rules, "\n") {
+		if strings.Contains(line, " -d "+vip.String()+"/32 ") && strings.Contains(line, "-j HMARK") {
+			return true, nil
+		}
+	}
+	return false, nil
 }
 
 // distinct returns the sorted valid addresses of t, each once.
