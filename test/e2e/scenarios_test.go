@@ -228,7 +228,10 @@ func routerFailover(t *testing.T, e *env) {
 		}
 		_ = e.RouteTunnelsVia(ctx, e.Routers...)
 	})
+	// One busy connection, and 200 light ones to measure the share of
+	// disrupted flows (each spread over the pods by its own bucket).
 	stream := startStream(t, e, vip, 42000)
+	flows := startLightFlows(t, e, vip, 42001, 200)
 	waitVerified(t, stream, 64<<10, "before the failure")
 
 	// router-a dies: its process and its link are gone, and the route moves.
@@ -243,9 +246,78 @@ func routerFailover(t *testing.T, e *env) {
 	}
 	failedAt := time.Now()
 	atFailure := stream.Stats().Verified
+	before := progress(flows)
 	waitVerified(t, stream, atFailure+128<<10, "after the route moved to "+survivor.Name)
-	t.Logf("the connection went on through %s %v after %s died", survivor.Name, stream.Stats().LastVerified.Sub(failedAt).Round(time.Millisecond), dead.Name)
+	t.Logf("the busy connection went on through %s %v after %s died", survivor.Name, stream.Stats().LastVerified.Sub(failedAt).Round(time.Millisecond), dead.Name)
 	stopStream(t, stream)
+
+	disrupted, slowest := disruptedFlows(t, flows, before, failedAt)
+	t.Logf("%d of %d light flows disrupted (%.1f%%) when %s died; the last one resumed %v after the failure", disrupted, len(flows), 100*float64(disrupted)/float64(len(flows)), dead.Name, slowest.Round(10*time.Millisecond))
+}
+
+// lightChunk is what each light flow sends every 100 ms.
+const lightChunk = 64
+
+// startLightFlows opens n light echo flows from consecutive source ports
+// (spread over the pods by their buckets) and waits until each has echoed.
+func startLightFlows(t *testing.T, e *env, vip netip.Addr, firstPort uint16, n int) []*workload.Stream {
+	t.Helper()
+	light := workload.StreamOptions{ChunkSize: lightChunk, Interval: 100 * time.Millisecond}
+	flows := make([]*workload.Stream, n)
+	for i := range flows {
+		s, err := workload.StartStream(e.client, netip.AddrPortFrom(vip, tcpPort), firstPort+uint16(i), light)
+		if err != nil {
+			t.Fatalf("flow from port %d: %v", firstPort+uint16(i), err)
+		}
+		t.Cleanup(func() { _, _ = s.Stop(context.Background()) })
+		flows[i] = s
+	}
+	for _, f := range flows {
+		waitVerified(t, f, 2*lightChunk, "before the event")
+	}
+	return flows
+}
+
+// progress returns each flow's verified bytes.
+func progress(flows []*workload.Stream) []int64 {
+	out := make([]int64, len(flows))
+	for i, f := range flows {
+		out[i] = f.Stats().Verified
+	}
+	return out
+}
+
+// disruptedFlows stops the flows and counts those the event at `since`
+// disrupted: broken, a byte lost, or not 3 more chunks echoed within 30 s.
+// It also returns how long the slowest flow took to echo again.
+func disruptedFlows(t *testing.T, flows []*workload.Stream, before []int64, since time.Time) (int, time.Duration) {
+	t.Helper()
+	resumed := make([]time.Duration, len(flows))
+	for pending := len(flows); pending > 0 && time.Since(since) < 30*time.Second; {
+		pending = 0
+		for i, f := range flows {
+			st := f.Stats()
+			if resumed[i] == 0 && st.Verified > before[i] {
+				resumed[i] = time.Since(since)
+			}
+			if st.Verified < before[i]+3*lightChunk && st.Err == nil {
+				pending++
+			}
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	disrupted, slowest := 0, time.Duration(0)
+	for i, f := range flows {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		stats, err := f.Stop(ctx)
+		cancel()
+		if err != nil || stats.Verified < before[i]+3*lightChunk || stats.Verified != stats.Sent {
+			disrupted++
+			t.Errorf("flow %d disrupted: %v (sent %d, echoed %d)", i, err, stats.Sent, stats.Verified)
+		}
+		slowest = max(slowest, resumed[i])
+	}
+	return disrupted, slowest
 }
 
 // 4. Removing one endpoint of N moves only the flows of its buckets; adding
@@ -407,8 +479,10 @@ func restartsKeepConnection(t *testing.T, e *env) {
 	vip := topology.TunnelIP(6)
 	e.deploy(t, "restarts", vip, e.Pods...)
 	stream := startStream(t, e, vip, 44000)
+	flows := startLightFlows(t, e, vip, 44001, 200)
 	waitVerified(t, stream, 64<<10, "before the restarts")
 	before := snapshotAll(t, e)
+	restartedAt, echoed := time.Now(), progress(flows)
 	for _, n := range e.Nodes() {
 		for _, d := range []*topology.Daemon{n.Agent, n.Router} {
 			if d == nil {
@@ -430,7 +504,9 @@ func restartsKeepConnection(t *testing.T, e *env) {
 	}
 	waitVerified(t, stream, stream.Stats().Verified+64<<10, "after the restarts")
 	stats := stopStream(t, stream)
-	t.Logf("the connection stayed up across %d daemon restarts: %d bytes sent, %d echoed back intact", len(e.Nodes()), stats.Sent, stats.Verified)
+	t.Logf("the busy connection stayed up across %d daemon restarts: %d bytes sent, %d echoed back intact", len(e.Nodes()), stats.Sent, stats.Verified)
+	disrupted, _ := disruptedFlows(t, flows, echoed, restartedAt)
+	t.Logf("%d of %d light flows disrupted (%.1f%%) by the restarts", disrupted, len(flows), 100*float64(disrupted)/float64(len(flows)))
 }
 
 // 7. A bad annotation gets a Warning event; the other tunnel IPs keep working.
