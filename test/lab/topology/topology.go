@@ -243,8 +243,11 @@ func Up(ctx context.Context, opts Options) (*Lab, error) {
 
 // Down stops the daemons, runs their --cleanup, deletes the Pods and every
 // namespace, and stops the API relays. It returns the first error but does
-// every step.
+// every step. It is safe on the nil Lab of a failed Up.
 func (l *Lab) Down(ctx context.Context) error {
+	if l == nil {
+		return nil
+	}
 	var errs []error
 	for _, n := range l.Nodes() {
 		for _, d := range []*Daemon{n.Router, n.Agent} {
