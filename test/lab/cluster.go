@@ -16,26 +16,17 @@ import (
 	"time"
 
 	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
+	"github.com/cmdnu/kube-service-tunnel/test/lab/guest"
 )
 
-// Where a cluster run (RunCluster) puts things in the VM. Guest programs find
-// them through these paths and the environment variables below.
+// Where a cluster run puts things in the VM, and how the guest program
+// learns the API server's address: see package guest.
 const (
-	// GuestBinDir holds the static tunnel-router and tunnel-endpoint.
-	GuestBinDir = "/lab/bin"
-	// GuestKubeDir holds one kubeconfig per identity: admin.kubeconfig,
-	// tunnel-router.kubeconfig and tunnel-endpoint.kubeconfig. Each names the
-	// API server as https://APIAddr, the host's loopback address, which the
-	// guest must make reachable (see topology.Lab's API relays).
-	GuestKubeDir = "/lab/kube"
-	// GuestProgram is the caller's program.
-	GuestProgram = "/lab/program"
-
-	// EnvGuest is set to "1" for the guest program.
-	EnvGuest = "KST_LAB_GUEST"
-	// EnvAPIAddr is the API server's HOST:PORT as the kubeconfigs name it
-	// (127.0.0.1:PORT); in the VM, HostForwardAddr:PORT reaches it.
-	EnvAPIAddr = "KST_LAB_API"
+	GuestBinDir  = guest.BinDir
+	GuestKubeDir = guest.KubeDir
+	GuestProgram = guest.Program
+	EnvGuest     = guest.EnvGuest
+	EnvAPIAddr   = guest.EnvAPIAddr
 )
 
 // ManifestNamespace is the namespace of tunnel-router.yaml's ServiceAccounts.

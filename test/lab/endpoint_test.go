@@ -2,10 +2,7 @@ package lab
 
 import (
 	"context"
-	"os"
-	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -20,14 +17,9 @@ var kernelTests = []string{"TestKernelGREPod", "TestKernelMPLSPod", "TestKernelM
 func TestEndpointKernelInVM(t *testing.T) {
 	assets := Require(t)
 	dir := t.TempDir()
-	_, here, _, _ := runtime.Caller(0)
-	repo := filepath.Join(filepath.Dir(here), "..", "..")
 	bin := filepath.Join(dir, "endpoint.test")
-	build := exec.Command("go", "test", "-c", "-trimpath", "-o", bin, "./endpoint")
-	build.Dir = repo
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("building the endpoint test binary: %v\n%s", err, out)
+	if err := BuildStaticTest("./endpoint", bin); err != nil {
+		t.Fatal(err)
 	}
 	script := `#!/bin/sh
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin

@@ -14,6 +14,8 @@ import (
 	"regexp"
 	"strings"
 	"text/template"
+
+	"github.com/cmdnu/kube-service-tunnel/test/lab/guest"
 )
 
 // DefaultModules are the kernel modules /init loads when
@@ -34,7 +36,7 @@ const RunScript = "/lab/run.sh"
 // host's 127.0.0.1:PORT. Nothing else outside the VM is reachable.
 const (
 	GuestAddr       = "10.0.2.15/24"
-	HostForwardAddr = "10.0.2.100"
+	HostForwardAddr = guest.HostForwardAddr
 )
 
 // xtablesPluginDir is where iptables looks for its extensions (libxt_HMARK.so

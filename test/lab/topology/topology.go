@@ -38,6 +38,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/nsrelay"
+	"github.com/cmdnu/kube-service-tunnel/test/lab/guest"
 )
 
 // Addresses of the lab. Tunnel IPs are taken from TunnelNet.
@@ -69,7 +70,7 @@ type Options struct {
 	Buckets int
 	// APIAddr is the API server's address as the kubeconfigs name it
 	// ($KST_LAB_API); Upstream is where it is reachable from the calling
-	// process's namespace (lab.HostForwardAddr with APIAddr's port). Up
+	// process's namespace (guest.HostForwardAddr with APIAddr's port). Up
 	// relays APIAddr to Upstream in every namespace that talks to it.
 	APIAddr, Upstream string
 	// KubeDir holds admin.kubeconfig, tunnel-router.kubeconfig and
@@ -103,20 +104,20 @@ func (o *Options) setDefaults() error {
 		o.Buckets = 64
 	}
 	if o.APIAddr == "" {
-		o.APIAddr = os.Getenv("KST_LAB_API")
+		o.APIAddr = os.Getenv(guest.EnvAPIAddr)
 	}
 	if o.APIAddr == "" {
-		return errors.New("topology: no API server address (Options.APIAddr or $KST_LAB_API)")
+		return errors.New("topology: no API server address (Options.APIAddr or $" + guest.EnvAPIAddr + ")")
 	}
 	if o.Upstream == "" {
 		_, port, _ := strings.Cut(o.APIAddr, ":")
-		o.Upstream = "10.0.2.100:" + port
+		o.Upstream = guest.HostForwardAddr + ":" + port
 	}
 	if o.KubeDir == "" {
-		o.KubeDir = "/lab/kube"
+		o.KubeDir = guest.KubeDir
 	}
 	if o.BinDir == "" {
-		o.BinDir = "/lab/bin"
+		o.BinDir = guest.BinDir
 	}
 	if o.WorkDir == "" {
 		o.WorkDir = "/tmp/lab"
