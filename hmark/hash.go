@@ -1,7 +1,10 @@
 // Package hmark owns the router's flow-to-bucket hashing: a pure Go copy of
 // the kernel's iptables HMARK mark computation (so that the project can
 // predict which bucket, and so which routing table, a flow uses), and the
-// router's own mangle chain that installs one HMARK rule per tunnel IP.
+// router's own mangle chain that installs one HMARK rule per tunnel IP,
+// each with the offset of the routing generation the tunnel IP is on; in
+// sticky mode the chain also keeps every flow on the decision it started
+// with (conntrack marks, untracked SYNs in a raw chain: see Sticky).
 package hmark
 
 import (

@@ -126,7 +126,7 @@ func TestKernelMarksMatchGo(t *testing.T) {
 			t.Fatalf("NewChain(%v): %v", params, err)
 		}
 		restorer.Calls = 0
-		changed, err := chain.Sync(kernelVIPs)
+		changed, err := chain.Sync(targetsOf(kernelVIPs...))
 		if err != nil {
 			t.Fatalf("Sync with %v: %v", params, err)
 		}
@@ -556,7 +556,7 @@ func testSyncInNetns(t *testing.T, binary string, restore bool) {
 		t.Helper()
 		ipt.Writes, restorer.Calls = 0, 0
 		before := mangleS()
-		changed, err := c.Sync(vips)
+		changed, err := c.Sync(targetsOf(vips...))
 		if err != nil {
 			t.Fatalf("%s: Sync: %v", step, err)
 		}
@@ -667,7 +667,7 @@ func testSyncManyVIPsInNetns(t *testing.T, binary string) {
 		}
 		ipt.Writes, restorer.Calls = 0, 0
 		start := time.Now()
-		changed, err := chain.Sync(vips)
+		changed, err := chain.Sync(targetsOf(vips...))
 		took := time.Since(start)
 		if err != nil {
 			t.Fatalf("%s: Sync: %v", step, err)

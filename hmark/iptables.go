@@ -44,7 +44,12 @@ const (
 	// Table is the iptables table that holds the router's chain: HMARK
 	// must mark packets before the routing decision.
 	Table = "mangle"
-	// ParentChain is the built-in chain that jumps to the router's chain.
+	// RawTable holds, in sticky mode, a chain of the same name that keeps
+	// SYNs to the tunnel IPs untracked: the raw table is the only one seen
+	// before conntrack.
+	RawTable = "raw"
+	// ParentChain is the built-in chain that jumps to the router's chain,
+	// in each table.
 	ParentChain = "PREROUTING"
 	// DefaultChainName is the router's own chain when none is configured.
 	DefaultChainName = "KST-HMARK"
@@ -115,12 +120,28 @@ func (r *ExecRestorer) Restore(table string, payload []byte) error {
 	return nil
 }
 
+// Target is one tunnel IP and the HMARK offset its rule marks with: the
+// mark of bucket 0 of the routing generation the tunnel IP is on. The
+// router keeps several generations of routing tables per tunnel IP (see
+// Sticky); moving a tunnel IP to a new generation is a Sync with another
+// Offset for it.
+type Target struct {
+	// VIP is the tunnel IP (IPv4; 4-in-6 addresses are unmapped).
+	VIP netip.Addr
+	// Offset is the tunnel IP's --hmark-offset. 0 means the chain's
+	// Params.Offset, so a router without generations passes no offset.
+	Offset uint32
+}
+
 // Chain is the router's own chain in the mangle table: one HMARK rule per
-// tunnel IP, and a single jump to it from mangle PREROUTING. Chain owns
-// everything inside its chain (and removes what it did not write), but only
-// its jump rule in PREROUTING and nothing in any other chain. It assumes it
-// is the only writer of its chain: calls must not run concurrently, nor two
-// routers share a network namespace.
+// tunnel IP, and a single jump to it from mangle PREROUTING. In sticky mode
+// (see SetSticky) the mangle chain also restores and saves each flow's
+// decision, and a chain of the same name in the raw table, jumped to once
+// from raw PREROUTING, keeps SYNs to the tunnel IPs untracked. Chain owns
+// everything inside its chains (and removes what it did not write), but
+// only its jump rules in PREROUTING and nothing in any other chain. It
+// assumes it is the only writer of its chains: calls must not run
+// concurrently, nor two routers share a network namespace.
 type Chain struct {
 	ipt    IPTables
 	name   string
@@ -128,6 +149,8 @@ type Chain struct {
 	// restorer rewrites the chain's rules in one call; nil when ipt offers
 	// none, and then rules are written one by one through ipt.
 	restorer Restorer
+	// sticky is nil in stateless mode.
+	sticky *Sticky
 }
 
 // NewChain returns the router's chain named name (DefaultChainName when
@@ -191,73 +214,134 @@ func (c *Chain) Name() string { return c.name }
 // Params returns the HMARK parameters the chain installs.
 func (c *Chain) Params() Params { return c.params }
 
-// Sync makes the kernel match the desired state for vips, level-triggered:
-// the chain exists, mangle PREROUTING holds exactly one jump to it, and the
-// chain holds exactly one HMARK rule per tunnel IP with c's parameters and
-// nothing else. It reads what is there (one `iptables -S` of PREROUTING and
-// one of the chain), compares it semantically (iptables prints HMARK rules
-// in its own normalized form) and writes only when something differs. A
-// state that is already right costs no write at all, which is how a
-// restarted router adopts what its predecessor left.
+// Sync makes the kernel match the desired state for targets,
+// level-triggered: the chain exists, mangle PREROUTING holds exactly one
+// jump to it, and the chain holds exactly one HMARK rule per tunnel IP,
+// with that target's offset (Offset 0: the chain's Params.Offset) and the
+// chain's other parameters, and nothing else (in sticky mode, also the
+// fixed rules around them and the raw chain: see SetSticky). Targets must
+// not repeat a tunnel IP. It reads what is there (one `iptables -S` of
+// each PREROUTING and of each chain), compares it semantically (iptables
+// prints HMARK rules in its own normalized form, the offset in hex) and
+// writes only when something differs. A state that is already right costs
+// no write at all, which is how a restarted router adopts what its
+// predecessor left (see Offsets for adopting each tunnel IP's generation).
 //
-// The chain is created and the jump fixed through go-iptables (inserted
-// before any stale jump is deleted). When the chain's rules differ from the
+// The chains are created and the jumps fixed through go-iptables (inserted
+// before any stale jump is deleted). When a chain's rules differ from the
 // desired ones (a tunnel IP missing or gone, a rule with other parameters
-// after a config change, a duplicate, a rule Chain did not write), Sync
-// replaces the chain's whole content in one iptables-restore --noflush
-// call: the chain declared (which flushes it and nothing else) and one rule
-// per tunnel IP appended, in address order. That is atomic, so packets see
-// either the old rules or the new ones, never a chain in between; it also
-// resets the packet and byte counters of every rule in the chain (see
-// Counters). Without a restorer (see NewChain) the missing rules are
-// appended and the unwanted ones deleted, one iptables call each.
+// or another offset, a duplicate, a rule Chain did not write, fixed rules
+// missing or out of order), Sync replaces the chain's whole content in one
+// iptables-restore --noflush call: the chain declared (which flushes it
+// and nothing else) and the desired rules, tunnel IPs in address order.
+// That is atomic, so packets see either the old rules or the new ones,
+// never a chain in between; it also resets the packet and byte counters of
+// every rule in the chain (see Counters). Without a restorer (see
+// NewChain) the missing rules are added and the unwanted ones deleted, one
+// iptables call each (new tunnel IPs' rules inserted before the save rule
+// in sticky mode); when the sticky fixed rules are wrong, the whole
+// desired content is appended after the old rules, then the old rules
+// deleted, so that the chain is never empty.
+//
+// The order is fixed: mangle chain and jump; in sticky mode, raw chain and
+// jump, then raw rules for new tunnel IPs; the mangle rules; then raw
+// rules of tunnel IPs gone (in stateless mode, the raw chain and its
+// canonical jump left by a sticky run). So a tunnel IP's SYNs are
+// untracked before it is hashed and until it is no longer hashed. Either
+// order would be safe for packets: a hashed flow whose SYN was tracked
+// only stays on fresh hash decisions (stateless), and an untracked SYN
+// without a hash rule is not routed by mark.
 //
 // changed is the number of differences Sync repaired, not the number of
-// rules written: 1 for a created chain, 1 per jump inserted or deleted, and
-// for the chain's rules the number added plus the number removed (a rule
-// whose parameters changed counts 2), although a restore rewrites every
-// rule. When an error stops Sync part way, changed counts what was applied
-// before it; a failed restore applies nothing.
+// rules written: 1 per chain created, 1 per jump inserted or deleted, and
+// for each chain's rules the number added plus the number removed (a rule
+// whose parameters or offset changed counts 2, a fixed rule out of place
+// too), although a restore rewrites every rule. Removing the raw chain of
+// an earlier sticky run counts its jump, its rules and the chain. When an
+// error stops Sync part way, changed counts what was applied before it; a
+// failed restore applies nothing.
 //
 // Errors never show the seed: go-iptables puts the whole command line in
 // its errors, and iptables-restore may quote a line of its input, so Chain
 // replaces the seed there with its fingerprint.
-func (c *Chain) Sync(vips []netip.Addr) (changed int, err error) {
-	changed, err = c.sync(vips)
+func (c *Chain) Sync(targets []Target) (changed int, err error) {
+	changed, err = c.sync(targets)
 	return changed, c.redactSeed(err)
 }
 
-func (c *Chain) sync(vips []netip.Addr) (changed int, err error) {
-	want, err := normalizeVIPs(vips)
+func (c *Chain) sync(targets []Target) (changed int, err error) {
+	want, err := c.normalizeTargets(targets)
 	if err != nil {
 		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
 	}
 
-	exists, err := c.ipt.ChainExists(Table, c.name)
-	if err != nil {
-		return changed, fmt.Errorf("hmark: sync chain %s: check chain: %w", c.name, err)
-	}
-	if !exists {
-		if err := c.ipt.NewChain(Table, c.name); err != nil {
-			return changed, fmt.Errorf("hmark: sync chain %s: create chain: %w", c.name, err)
-		}
-		changed++
-	}
-
-	n, err := c.syncJump()
+	n, err := c.ensureChain(Table)
 	changed += n
 	if err != nil {
 		return changed, err
 	}
-	n, err = c.syncRules(want)
+	n, err = c.syncJump(Table)
+	changed += n
+	if err != nil {
+		return changed, err
+	}
+
+	var raw rawPlan
+	if c.sticky != nil {
+		n, err = c.ensureChain(RawTable)
+		changed += n
+		if err != nil {
+			return changed, err
+		}
+		n, err = c.syncJump(RawTable)
+		changed += n
+		if err != nil {
+			return changed, err
+		}
+		if raw, err = c.planRaw(want); err != nil {
+			return changed, err
+		}
+		n, err = c.addRawRules(want, &raw)
+		changed += n
+		if err != nil {
+			return changed, err
+		}
+	}
+
+	n, err = c.syncMangleRules(want)
+	changed += n
+	if err != nil {
+		return changed, err
+	}
+
+	if c.sticky != nil {
+		n, err = c.removeRawRules(want, &raw)
+	} else {
+		n, err = c.removeRawChain()
+	}
 	changed += n
 	return changed, err
 }
 
-// syncJump leaves exactly one jump rule to c in PREROUTING, in its
+// ensureChain creates c's chain in table if it is missing.
+func (c *Chain) ensureChain(table string) (changed int, err error) {
+	exists, err := c.ipt.ChainExists(table, c.name)
+	if err != nil {
+		return 0, fmt.Errorf("hmark: sync chain %s: table %s: check chain: %w", c.name, table, err)
+	}
+	if exists {
+		return 0, nil
+	}
+	if err := c.ipt.NewChain(table, c.name); err != nil {
+		return 0, fmt.Errorf("hmark: sync chain %s: table %s: create chain: %w", c.name, table, err)
+	}
+	return 1, nil
+}
+
+// syncJump leaves exactly one jump rule to c in table's PREROUTING, in its
 // canonical form; other rules that jump or go to c there are deleted.
-func (c *Chain) syncJump() (changed int, err error) {
-	rules, err := c.listRules(ParentChain, false)
+func (c *Chain) syncJump(table string) (changed int, err error) {
+	rules, err := c.listRules(table, ParentChain, false)
 	if err != nil {
 		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
 	}
@@ -275,76 +359,213 @@ func (c *Chain) syncJump() (changed int, err error) {
 	}
 	if !haveCanonical {
 		// Insert before deleting, so that traffic is never left unmarked.
-		if err := c.ipt.Insert(Table, ParentChain, 1, c.jumpSpec()...); err != nil {
-			return changed, fmt.Errorf("hmark: sync chain %s: insert jump in %s: %w", c.name, ParentChain, err)
+		if err := c.ipt.Insert(table, ParentChain, 1, c.jumpSpec()...); err != nil {
+			return changed, fmt.Errorf("hmark: sync chain %s: table %s: insert jump in %s: %w", c.name, table, ParentChain, err)
 		}
 		changed++
 	}
 	for _, r := range stale {
 		// By spec, not position: other agents write PREROUTING too.
-		if err := c.ipt.Delete(Table, ParentChain, r.spec...); err != nil {
-			return changed, fmt.Errorf("hmark: sync chain %s: delete stale jump %q from %s: %w",
-				c.name, strings.Join(r.spec, " "), ParentChain, err)
+		if err := c.ipt.Delete(table, ParentChain, r.spec...); err != nil {
+			return changed, fmt.Errorf("hmark: sync chain %s: table %s: delete stale jump %q from %s: %w",
+				c.name, table, strings.Join(r.spec, " "), ParentChain, err)
 		}
 		changed++
 	}
 	return changed, nil
 }
 
-// syncRules leaves exactly one canonical HMARK rule per wanted tunnel IP
-// (want is sorted and without duplicates) in c's own chain and nothing
-// else there, and returns the number of rules added plus removed.
-func (c *Chain) syncRules(want []netip.Addr) (changed int, err error) {
-	rules, err := c.listRules(c.name, false)
+// desiredRule is one rule of the desired content of a chain.
+type desiredRule struct {
+	spec []string
+	// vip is the tunnel IP of an HMARK or raw rule, invalid for a fixed
+	// rule.
+	vip netip.Addr
+	// missing is set when the chain lacks the rule where it belongs.
+	missing bool
+}
+
+// syncMangleRules leaves exactly the desired content in c's mangle chain:
+// in sticky mode the fixed head rules, one canonical HMARK rule per target
+// (want is sorted and without duplicates), the save rule; in stateless
+// mode only the HMARK rules. It returns the number of rules added plus
+// removed.
+func (c *Chain) syncMangleRules(want []Target) (changed int, err error) {
+	rules, err := c.listRules(Table, c.name, false)
 	if err != nil {
 		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
 	}
-	wanted := make(map[netip.Addr]bool, len(want))
-	for _, vip := range want {
-		wanted[vip] = true
+	head, tail := c.fixedMangleRules()
+	n := len(rules)
+	kept := make([]bool, n)
+	structureOK := true
+	var desired []desiredRule
+	// The fixed rules are matched in order: the head from the top, the
+	// tail from the bottom; the HMARK rules count only between them. The
+	// chain has the right structure when the head is the top of the chain
+	// and the tail its bottom. (changed then counts a fixed rule out of
+	// place as removed and added; the matching is greedy, so in odd
+	// states it may count a few more.)
+	from := 0 // the HMARK rules start here
+	for k, spec := range head {
+		i := slices.IndexFunc(rules[from:], func(r rule) bool { return slices.Equal(r.spec, spec) })
+		if i >= 0 {
+			kept[from+i] = true
+			from += i + 1
+		}
+		structureOK = structureOK && i >= 0 && from == k+1
+		desired = append(desired, desiredRule{spec: spec, missing: i < 0})
 	}
-	kept := make(map[netip.Addr]bool, len(want))
+	to := n // and end here
+	tailRules := make([]desiredRule, len(tail))
+	for k := len(tail) - 1; k >= 0; k-- {
+		found := -1
+		for i := to - 1; i >= from; i-- {
+			if slices.Equal(rules[i].spec, tail[k]) {
+				found = i
+				break
+			}
+		}
+		if found >= 0 {
+			kept[found] = true
+			to = found
+		}
+		structureOK = structureOK && found >= 0 && found == n-len(tail)+k
+		tailRules[k] = desiredRule{spec: tail[k], missing: found < 0}
+	}
+
+	offsets := make(map[netip.Addr]uint32, len(want))
+	for _, t := range want {
+		offsets[t.VIP] = t.Offset
+	}
+	keptVIP := make(map[netip.Addr]bool, len(want))
 	var stale []int // 1-based positions in the chain, ascending
-	for _, r := range rules {
+	for i, r := range rules {
+		if kept[i] {
+			continue
+		}
 		vip, params, ok := r.vipRule()
-		if ok && params == c.params && wanted[vip] && !kept[vip] {
-			kept[vip] = true
+		if offset, wanted := offsets[vip]; ok && wanted && i >= from && i < to && !keptVIP[vip] && params == c.paramsAt(offset) {
+			keptVIP[vip] = true
+			kept[i] = true
 			continue
 		}
 		stale = append(stale, r.pos)
 	}
-	missing := make([]netip.Addr, 0, len(want)-len(kept))
-	for _, vip := range want {
-		if !kept[vip] {
-			missing = append(missing, vip)
+	var missingVIPs []Target
+	for _, t := range want {
+		d := desiredRule{spec: c.ruleSpec(t.VIP, t.Offset), vip: t.VIP, missing: !keptVIP[t.VIP]}
+		desired = append(desired, d)
+		if d.missing {
+			missingVIPs = append(missingVIPs, t)
 		}
 	}
-	if len(missing) == 0 && len(stale) == 0 {
+	desired = append(desired, tailRules...)
+
+	missing := 0
+	for _, d := range desired {
+		if d.missing {
+			missing++
+		}
+	}
+	if missing == 0 && len(stale) == 0 && structureOK {
 		return 0, nil
 	}
-	if c.restorer == nil {
-		return c.syncRulesOneByOne(missing, stale)
+	if c.restorer != nil {
+		if err := c.restorer.Restore(Table, c.restorePayload(Table, desired)); err != nil {
+			return 0, fmt.Errorf("hmark: sync chain %s: table %s: restore %d rules (%d to add, %d to remove): %w",
+				c.name, Table, len(desired), missing, len(stale), err)
+		}
+		return missing + len(stale), nil
 	}
-	if err := c.restorer.Restore(Table, c.restorePayload(want)); err != nil {
-		return 0, fmt.Errorf("hmark: sync chain %s: restore %d rules (%d to add, %d to remove): %w",
-			c.name, len(want), len(missing), len(stale), err)
+	if !structureOK {
+		return c.rewriteOneByOne(Table, desired, n, stale)
 	}
-	return len(missing) + len(stale), nil
+	// Add first: the HMARK rules all continue (HMARK is not a terminating
+	// target), so with both an old and a new rule for a tunnel IP the
+	// later, new one sets the mark until the old one is gone. The tail
+	// (the save rule) must stay after the HMARK rules: insert new ones just
+	// before it, in address order. Without a tail, append.
+	pos := n - len(tail) + 1
+	for _, t := range missingVIPs {
+		spec := c.ruleSpec(t.VIP, t.Offset)
+		if len(tail) == 0 {
+			err = c.ipt.Append(Table, c.name, spec...)
+		} else {
+			err = c.ipt.Insert(Table, c.name, pos, spec...)
+			pos++
+		}
+		if err != nil {
+			return changed, fmt.Errorf("hmark: sync chain %s: table %s: add rule for vip %s: %w", c.name, Table, t.VIP, err)
+		}
+		changed++
+	}
+	// Delete from the end, so that the positions listed stay valid; the
+	// added rules come after all of them.
+	n, err = c.deleteByPosition(Table, stale)
+	return changed + n, err
+}
+
+// rewriteOneByOne replaces the n rules of c's chain in table by desired
+// without a restorer: it appends every desired rule after the old ones,
+// then deletes the old ones from the bottom up, so that packets always
+// meet a whole content (the old one first, which may return early), never
+// an empty chain. Only the appends of missing rules and the deletes of
+// stale ones (positions in stale) count as changes.
+func (c *Chain) rewriteOneByOne(table string, desired []desiredRule, n int, stale []int) (changed int, err error) {
+	for _, d := range desired {
+		if err := c.ipt.Append(table, c.name, d.spec...); err != nil {
+			return changed, fmt.Errorf("hmark: sync chain %s: table %s: append rule %s: %w", c.name, table, d.describe(), err)
+		}
+		if d.missing {
+			changed++
+		}
+	}
+	for pos := n; pos >= 1; pos-- {
+		if err := c.ipt.DeleteById(table, c.name, pos); err != nil {
+			return changed, fmt.Errorf("hmark: sync chain %s: table %s: delete old rule %d: %w", c.name, table, pos, err)
+		}
+		if _, found := slices.BinarySearch(stale, pos); found {
+			changed++
+		}
+	}
+	return changed, nil
+}
+
+// describe names a desired rule in errors.
+func (d desiredRule) describe() string {
+	if d.vip.IsValid() {
+		return "for vip " + d.vip.String()
+	}
+	return strconv.Quote(strings.Join(d.spec, " "))
+}
+
+// deleteByPosition deletes the rules at positions (ascending) of c's chain
+// in table, from the last one up, so that the positions listed stay valid.
+func (c *Chain) deleteByPosition(table string, positions []int) (changed int, err error) {
+	for i := len(positions) - 1; i >= 0; i-- {
+		if err := c.ipt.DeleteById(table, c.name, positions[i]); err != nil {
+			return changed, fmt.Errorf("hmark: sync chain %s: table %s: delete stale rule %d: %w", c.name, table, positions[i], err)
+		}
+		changed++
+	}
+	return changed, nil
 }
 
 // restorePayload is the iptables-restore input that replaces the content
-// of c's chain with one rule per tunnel IP of want, in want's order. With
-// --noflush, declaring the chain flushes it (and creates it if absent);
-// no other chain is declared, so no other chain changes. No word needs
-// quoting: the chain name is validated, the comment is RuleComment.
-func (c *Chain) restorePayload(want []netip.Addr) []byte {
+// of c's chain in table with desired, in order. With --noflush, declaring
+// the chain flushes it (and creates it if absent); no other chain is
+// declared, so no other chain changes. No word needs quoting: the chain
+// name is validated, the comment is RuleComment, the rest are numbers,
+// addresses and option names.
+func (c *Chain) restorePayload(table string, desired []desiredRule) []byte {
 	var b bytes.Buffer
-	b.Grow(64 + len(want)*(len(c.name)+200))
-	fmt.Fprintf(&b, "*%s\n:%s - [0:0]\n", Table, c.name)
-	for _, vip := range want {
+	b.Grow(64 + len(desired)*(len(c.name)+200))
+	fmt.Fprintf(&b, "*%s\n:%s - [0:0]\n", table, c.name)
+	for _, d := range desired {
 		b.WriteString("-A ")
 		b.WriteString(c.name)
-		for _, w := range c.ruleSpec(vip) {
+		for _, w := range d.spec {
 			b.WriteByte(' ')
 			b.WriteString(w)
 		}
@@ -354,39 +575,32 @@ func (c *Chain) restorePayload(want []netip.Addr) []byte {
 	return b.Bytes()
 }
 
-// syncRulesOneByOne appends the rules for missing and deletes the rules at
-// the positions in stale (ascending), one iptables call each, for a Chain
-// without a restorer.
-func (c *Chain) syncRulesOneByOne(missing []netip.Addr, stale []int) (changed int, err error) {
-	// Append first: the chain's rules all continue (HMARK is not a
-	// terminating target), so with both an old and a new rule for a tunnel
-	// IP the later, new one sets the mark until the old one is gone.
-	for _, vip := range missing {
-		if err := c.ipt.Append(Table, c.name, c.ruleSpec(vip)...); err != nil {
-			return changed, fmt.Errorf("hmark: sync chain %s: append rule for vip %s: %w", c.name, vip, err)
-		}
-		changed++
-	}
-	// Delete from the end, so that the positions listed stay valid; the
-	// appended rules come after all of them.
-	for i := len(stale) - 1; i >= 0; i-- {
-		if err := c.ipt.DeleteById(Table, c.name, stale[i]); err != nil {
-			return changed, fmt.Errorf("hmark: sync chain %s: delete stale rule %d: %w", c.name, stale[i], err)
-		}
-		changed++
-	}
-	return changed, nil
-}
-
-// Cleanup removes the jump rules to c from PREROUTING, then c's chain with
-// its rules. What is already absent is not an error. It fails if a rule
-// outside PREROUTING still refers to the chain: Chain never touches those.
+// Cleanup removes the jump rules to c from mangle PREROUTING, then c's
+// mangle chain with its rules, then the same in the raw table (where a
+// sticky Chain has its chain). What is already absent is not an error. It
+// fails if a rule outside PREROUTING still refers to a chain: Chain never
+// touches those.
 func (c *Chain) Cleanup() error {
-	return c.redactSeed(c.cleanup())
+	err := c.cleanup(Table)
+	if err == nil {
+		err = c.cleanup(RawTable)
+	}
+	return c.redactSeed(err)
 }
 
-func (c *Chain) cleanup() error {
-	rules, err := c.listRules(ParentChain, false)
+func (c *Chain) cleanup(table string) error {
+	if table != Table {
+		// A raw chain is rare (sticky mode only); a jump to a missing
+		// chain cannot exist.
+		exists, err := c.ipt.ChainExists(table, c.name)
+		if err != nil {
+			return fmt.Errorf("hmark: cleanup chain %s: table %s: check chain: %w", c.name, table, err)
+		}
+		if !exists {
+			return nil
+		}
+	}
+	rules, err := c.listRules(table, ParentChain, false)
 	if err != nil {
 		return fmt.Errorf("hmark: cleanup chain %s: %w", c.name, err)
 	}
@@ -394,41 +608,83 @@ func (c *Chain) cleanup() error {
 		if !r.targets(c.name) {
 			continue
 		}
-		if err := c.ipt.Delete(Table, ParentChain, r.spec...); err != nil {
-			return fmt.Errorf("hmark: cleanup chain %s: delete jump %q from %s: %w",
-				c.name, strings.Join(r.spec, " "), ParentChain, err)
+		if err := c.ipt.Delete(table, ParentChain, r.spec...); err != nil {
+			return fmt.Errorf("hmark: cleanup chain %s: table %s: delete jump %q from %s: %w",
+				c.name, table, strings.Join(r.spec, " "), ParentChain, err)
 		}
 	}
-	exists, err := c.ipt.ChainExists(Table, c.name)
+	exists, err := c.ipt.ChainExists(table, c.name)
 	if err != nil {
-		return fmt.Errorf("hmark: cleanup chain %s: check chain: %w", c.name, err)
+		return fmt.Errorf("hmark: cleanup chain %s: table %s: check chain: %w", c.name, table, err)
 	}
 	if !exists {
 		return nil
 	}
-	if err := c.ipt.ClearChain(Table, c.name); err != nil {
-		return fmt.Errorf("hmark: cleanup chain %s: flush: %w", c.name, err)
+	if err := c.ipt.ClearChain(table, c.name); err != nil {
+		return fmt.Errorf("hmark: cleanup chain %s: table %s: flush: %w", c.name, table, err)
 	}
-	if err := c.ipt.DeleteChain(Table, c.name); err != nil {
-		return fmt.Errorf("hmark: cleanup chain %s: delete chain: %w", c.name, err)
+	if err := c.ipt.DeleteChain(table, c.name); err != nil {
+		return fmt.Errorf("hmark: cleanup chain %s: table %s: delete chain: %w", c.name, table, err)
 	}
 	return nil
 }
 
+// Offsets returns, by tunnel IP, the offset of each HMARK rule in c's
+// mangle chain that Chain would write but for its offset: our comment,
+// /32, the full tuple masks, and the Buckets and Seed of c's Params. A
+// restarted router reads it to adopt the generation each tunnel IP is on,
+// then passes those offsets to Sync, which then writes nothing. Should a
+// tunnel IP have several such rules, the last one is reported: HMARK
+// continues, so the last one sets the mark. A missing chain gives an
+// empty map and no error.
+func (c *Chain) Offsets() (map[netip.Addr]uint32, error) {
+	offsets, err := c.offsets()
+	return offsets, c.redactSeed(err)
+}
+
+func (c *Chain) offsets() (map[netip.Addr]uint32, error) {
+	exists, err := c.ipt.ChainExists(Table, c.name)
+	if err != nil {
+		return nil, fmt.Errorf("hmark: offsets of chain %s: check chain: %w", c.name, err)
+	}
+	offsets := make(map[netip.Addr]uint32)
+	if !exists {
+		return offsets, nil
+	}
+	rules, err := c.listRules(Table, c.name, false)
+	if err != nil {
+		return nil, fmt.Errorf("hmark: offsets of chain %s: %w", c.name, err)
+	}
+	for _, r := range rules {
+		if vip, params, ok := r.vipRule(); ok && c.sameHash(params) {
+			offsets[vip] = params.Offset
+		}
+	}
+	return offsets, nil
+}
+
 // Counters returns the packet and byte counters of the chain's HMARK rules
-// with c's parameters, by tunnel IP (summed should a tunnel IP have more
-// than one such rule). Other rules are left out. The counters run from when
-// the rule was written: a Sync that restores the chain (because any of its
-// rules differed) writes every rule anew, with zero counters.
+// with c's Buckets and Seed (any offset), by tunnel IP (summed should a
+// tunnel IP have more than one such rule). Other rules are left out. The
+// counters run from when the rule was written: a Sync that restores the
+// chain (because any of its rules differed) writes every rule anew, with
+// zero counters.
+//
+// In sticky mode a packet whose flow has a saved decision leaves the
+// chain before the HMARK rules, so the counters count only the packets
+// that took a fresh hash decision: a TCP flow's untracked SYN and first
+// tracked packet, the first packet of other flows, every packet of a TCP
+// flow on a closing conntrack entry, and packets conntrack could not
+// track. They count new flows, not traffic.
 func (c *Chain) Counters() (map[netip.Addr]Counter, error) {
-	rules, err := c.listRules(c.name, true)
+	rules, err := c.listRules(Table, c.name, true)
 	if err != nil {
 		return nil, c.redactSeed(fmt.Errorf("hmark: counters of chain %s: %w", c.name, err))
 	}
 	counters := make(map[netip.Addr]Counter)
 	for _, r := range rules {
 		vip, params, ok := r.vipRule()
-		if !ok || params != c.params {
+		if !ok || !c.sameHash(params) {
 			continue
 		}
 		if !r.hasCounters {
@@ -440,6 +696,54 @@ func (c *Chain) Counters() (map[netip.Addr]Counter, error) {
 		counters[vip] = sum
 	}
 	return counters, nil
+}
+
+// sameHash reports whether p hashes like c's Params: same Buckets and
+// Seed, whatever the offset.
+func (c *Chain) sameHash(p Params) bool {
+	return p.Buckets == c.params.Buckets && p.Seed == c.params.Seed
+}
+
+// paramsAt is c's Params with offset.
+func (c *Chain) paramsAt(offset uint32) Params {
+	p := c.params
+	p.Offset = offset
+	return p
+}
+
+// normalizeTargets checks every target and returns them with their tunnel
+// IP unmapped and their effective offset (0 replaced by Params.Offset),
+// sorted by tunnel IP. A tunnel IP that is not IPv4 or repeats, an offset
+// whose marks overflow 32 bits or (in sticky mode) leave the block, are
+// errors.
+func (c *Chain) normalizeTargets(targets []Target) ([]Target, error) {
+	out := make([]Target, 0, len(targets))
+	for _, t := range targets {
+		v := t.VIP.Unmap()
+		if !v.Is4() {
+			return nil, fmt.Errorf("vip %q is not an IPv4 address", t.VIP)
+		}
+		offset := t.Offset
+		if offset == 0 {
+			offset = c.params.Offset
+		}
+		if err := c.paramsAt(offset).Validate(); err != nil {
+			return nil, fmt.Errorf("vip %s: %w", v, err)
+		}
+		if c.sticky != nil {
+			if err := c.sticky.checkOffset(offset, c.params.Buckets); err != nil {
+				return nil, fmt.Errorf("vip %s: %w", v, err)
+			}
+		}
+		out = append(out, Target{VIP: v, Offset: offset})
+	}
+	slices.SortFunc(out, func(a, b Target) int { return a.VIP.Compare(b.VIP) })
+	for i := 1; i < len(out); i++ {
+		if out[i].VIP == out[i-1].VIP {
+			return nil, fmt.Errorf("vip %s appears more than once in the targets", out[i].VIP)
+		}
+	}
+	return out, nil
 }
 
 // redactSeed hides c's seed, in the form Chain writes it and iptables
@@ -470,37 +774,38 @@ func (c *Chain) jumpSpec() []string {
 	return []string{"-m", "comment", "--comment", RuleComment, "-j", c.name}
 }
 
-// ruleSpec is the HMARK rule for vip, as it is written. iptables prints it
-// back in another form (see vipRule).
-func (c *Chain) ruleSpec(vip netip.Addr) []string {
+// ruleSpec is the HMARK rule for vip with offset, as it is written.
+// iptables prints it back in another form (see vipRule).
+func (c *Chain) ruleSpec(vip netip.Addr, offset uint32) []string {
 	return []string{
 		"-d", netip.PrefixFrom(vip, 32).String(),
 		"-m", "comment", "--comment", RuleComment,
 		"-j", "HMARK",
 		"--hmark-tuple", "src,dst,sport,dport,proto",
 		"--hmark-mod", strconv.FormatUint(uint64(c.params.Buckets), 10),
-		"--hmark-offset", strconv.FormatUint(uint64(c.params.Offset), 10),
+		"--hmark-offset", strconv.FormatUint(uint64(offset), 10),
 		"--hmark-rnd", fmt.Sprintf("0x%08x", c.params.Seed),
 	}
 }
 
-// listRules lists and parses the rules of chain (not its -N/-P lines).
-func (c *Chain) listRules(chain string, withCounters bool) ([]rule, error) {
+// listRules lists and parses the rules of chain in table (not its -N/-P
+// lines).
+func (c *Chain) listRules(table, chain string, withCounters bool) ([]rule, error) {
 	var lines []string
 	var err error
 	if withCounters {
-		lines, err = c.ipt.ListWithCounters(Table, chain)
+		lines, err = c.ipt.ListWithCounters(table, chain)
 	} else {
-		lines, err = c.ipt.List(Table, chain)
+		lines, err = c.ipt.List(table, chain)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("list %s %s: %w", Table, chain, err)
+		return nil, fmt.Errorf("list %s %s: %w", table, chain, err)
 	}
 	var rules []rule
 	for _, line := range lines {
 		r, ok, err := parseRule(line, chain, withCounters)
 		if err != nil {
-			return nil, fmt.Errorf("list %s %s: %w", Table, chain, err)
+			return nil, fmt.Errorf("list %s %s: %w", table, chain, err)
 		}
 		if !ok {
 			continue
@@ -509,21 +814,6 @@ func (c *Chain) listRules(chain string, withCounters bool) ([]rule, error) {
 		rules = append(rules, r)
 	}
 	return rules, nil
-}
-
-// normalizeVIPs checks that every tunnel IP is IPv4 and returns them
-// unmapped, sorted and without duplicates.
-func normalizeVIPs(vips []netip.Addr) ([]netip.Addr, error) {
-	out := make([]netip.Addr, 0, len(vips))
-	for _, vip := range vips {
-		v := vip.Unmap()
-		if !v.Is4() {
-			return nil, fmt.Errorf("vip %q is not an IPv4 address", vip)
-		}
-		out = append(out, v)
-	}
-	slices.SortFunc(out, netip.Addr.Compare)
-	return slices.Compact(out), nil
 }
 
 // validateChainName rejects names iptables would refuse or misread.
@@ -611,7 +901,8 @@ func (r rule) isCanonicalJump(chain string) bool {
 //	  --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff
 //	  --hmark-rnd 0x0000abcd --hmark-mod N --hmark-offset N
 //
-// (--hmark-offset only when it was given; absent means 0). Anything else in
+// (--hmark-offset only when it was given; absent means 0; iptables 1.8.9
+// prints it in decimal, others in hex: both are read). Anything else in
 // the rule (another match, a negation, a port or SPI override, the ct tuple,
 // a partial mask) makes it not ours.
 func (r rule) vipRule() (vip netip.Addr, params Params, ok bool) {

@@ -42,28 +42,40 @@ type fakeRule struct {
 
 var errFake = errors.New("fake iptables failure")
 
-// builtinChains are mangle's built-in chains, listed with a policy.
-var builtinChains = []string{"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"}
+// builtinChains are mangle's built-in chains, listed with a policy;
+// rawBuiltinChains are raw's.
+var (
+	builtinChains    = []string{"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"}
+	rawBuiltinChains = []string{"PREROUTING", "OUTPUT"}
+)
 
 var (
 	_ IPTables = (*fakeIPTables)(nil)
 	_ Restorer = (*fakeIPTables)(nil)
 )
 
-// newFakeIPTables returns a fake with the built-in mangle chains, then
-// lines in `iptables -t mangle -S` form ("-N X", "-A X ...") applied.
+// newFakeIPTables returns a fake with the built-in mangle and raw chains,
+// then lines in `iptables -t mangle -S` form ("-N X", "-A X ...") applied;
+// a line starting with "-t raw" is for the raw table.
 func newFakeIPTables(t *testing.T, lines ...string) *fakeIPTables {
 	t.Helper()
 	f := &fakeIPTables{chains: make(map[string][]fakeRule)}
 	for _, c := range builtinChains {
 		f.addChain("mangle/" + c)
 	}
+	for _, c := range rawBuiltinChains {
+		f.addChain("raw/" + c)
+	}
 	for _, line := range lines {
 		words, err := splitWords(line)
 		if err != nil || len(words) < 2 {
 			t.Fatalf("bad seed line %q: %v", line, err)
 		}
-		key := "mangle/" + words[1]
+		table := "mangle"
+		if words[0] == "-t" {
+			table, words = words[1], words[2:]
+		}
+		key := table + "/" + words[1]
 		switch words[0] {
 		case "-N":
 			f.addChain(key)
@@ -133,6 +145,9 @@ func (f *fakeIPTables) DeleteChain(table, chain string) error {
 		return fmt.Errorf("chain %s is not empty", chain)
 	}
 	for _, k := range f.order {
+		if !strings.HasPrefix(k, table+"/") {
+			continue // references do not cross tables
+		}
 		for _, r := range f.chains[k] {
 			if slices.Contains(strings.Fields(r.spec), chain) {
 				return fmt.Errorf("chain %s is referenced from %s", chain, k)
@@ -339,11 +354,18 @@ func quoteWords(words []string) []string {
 }
 
 // dump returns the fake's mangle table as `iptables -t mangle -S` would.
-func (f *fakeIPTables) dump() string {
+func (f *fakeIPTables) dump() string { return f.dumpTable("mangle") }
+
+// dumpTable returns one of the fake's tables as `iptables -t TABLE -S`
+// would.
+func (f *fakeIPTables) dumpTable(table string) string {
 	var lines []string
 	for _, key := range f.order {
-		chain := strings.TrimPrefix(key, "mangle/")
-		l, _ := f.list("mangle", chain, false)
+		chain, ok := strings.CutPrefix(key, table+"/")
+		if !ok {
+			continue
+		}
+		l, _ := f.list(table, chain, false)
 		lines = append(lines, l...)
 	}
 	return strings.Join(lines, "\n")
@@ -373,6 +395,16 @@ var (
 		`-A PREROUTING -p tcp -m comment --comment "someone else's \"rule\"" -j MARK --set-xmark 0x9/0xffffffff`,
 	}
 )
+
+// targetsOf returns one Target per tunnel IP, each on the chain's own
+// offset (Offset 0).
+func targetsOf(vips ...netip.Addr) []Target {
+	targets := make([]Target, len(vips))
+	for i, vip := range vips {
+		targets[i] = Target{VIP: vip}
+	}
+	return targets
+}
 
 func newTestChain(t *testing.T, ipt IPTables, params Params) *Chain {
 	t.Helper()
@@ -426,7 +458,7 @@ type plainIPTables struct{ IPTables }
 func TestSyncFromScratch(t *testing.T) {
 	f := newFakeIPTables(t, othersLines...)
 	c := newTestChain(t, f, testParams)
-	changed, err := c.Sync([]netip.Addr{vipC, vipA, vipB, vipA})
+	changed, err := c.Sync(targetsOf(vipC, vipA, vipB))
 	if err != nil {
 		t.Fatalf("Sync: %v", err)
 	}
@@ -461,7 +493,7 @@ COMMIT
 func TestSyncFromScratchOneByOne(t *testing.T) {
 	f := newFakeIPTables(t, othersLines...)
 	c := newTestChain(t, plainIPTables{f}, testParams)
-	changed, err := c.Sync([]netip.Addr{vipC, vipA, vipB, vipA})
+	changed, err := c.Sync(targetsOf(vipC, vipA, vipB))
 	if err != nil {
 		t.Fatalf("Sync: %v", err)
 	}
@@ -508,7 +540,7 @@ func TestSyncAdoptsWithoutWrites(t *testing.T) {
 				if !restore {
 					ipt = plainIPTables{f}
 				}
-				changed, err := newTestChain(t, ipt, tt.params).Sync([]netip.Addr{vipA, vipB})
+				changed, err := newTestChain(t, ipt, tt.params).Sync(targetsOf(vipA, vipB))
 				if err != nil {
 					t.Fatalf("Sync (restore %v): %v", restore, err)
 				}
@@ -582,7 +614,7 @@ func TestSyncRepairs(t *testing.T) {
 				if !restore {
 					ipt, wantWrites = plainIPTables{f}, tt.oneByOne
 				}
-				changed, err := newTestChain(t, ipt, testParams).Sync([]netip.Addr{vipB, vipA})
+				changed, err := newTestChain(t, ipt, testParams).Sync(targetsOf(vipB, vipA))
 				if err != nil {
 					t.Fatalf("Sync: %v", err)
 				}
@@ -602,7 +634,7 @@ func TestSyncRepairs(t *testing.T) {
 				}
 				// A second Sync has nothing left to do.
 				f.writes = nil
-				if changed, err := newTestChain(t, ipt, testParams).Sync([]netip.Addr{vipA, vipB}); err != nil || changed != 0 || len(f.writes) != 0 {
+				if changed, err := newTestChain(t, ipt, testParams).Sync(targetsOf(vipA, vipB)); err != nil || changed != 0 || len(f.writes) != 0 {
 					t.Errorf("second Sync: changed %d, err %v, writes %q; want 0, nil, none", changed, err, f.writes)
 				}
 			})
@@ -626,7 +658,7 @@ func TestSyncEmptyVIPsEmptiesChain(t *testing.T) {
 
 func TestSyncRejectsNonIPv4(t *testing.T) {
 	f := newFakeIPTables(t)
-	_, err := newTestChain(t, f, testParams).Sync([]netip.Addr{vipA, netip.MustParseAddr("2001:db8::1")})
+	_, err := newTestChain(t, f, testParams).Sync(targetsOf(vipA, netip.MustParseAddr("2001:db8::1")))
 	if err == nil || !strings.Contains(err.Error(), "not an IPv4") {
 		t.Errorf("Sync with an IPv6 tunnel IP: err = %v, want not an IPv4 address", err)
 	}
@@ -634,7 +666,7 @@ func TestSyncRejectsNonIPv4(t *testing.T) {
 		t.Errorf("writes %q, want none", f.writes)
 	}
 	mapped := netip.AddrFrom16(vipA.As16())
-	if _, err := newTestChain(t, f, testParams).Sync([]netip.Addr{mapped}); err != nil {
+	if _, err := newTestChain(t, f, testParams).Sync(targetsOf(mapped)); err != nil {
 		t.Errorf("Sync with 4-in-6 %s: %v", mapped, err)
 	}
 }
@@ -646,7 +678,7 @@ func TestSyncRejectsNonIPv4(t *testing.T) {
 func TestSyncRestoreFailure(t *testing.T) {
 	f := newFakeIPTables(t, slices.Concat(othersLines, []string{printedChainN, printedRuleC})...)
 	f.failWrite = "restore mangle"
-	changed, err := newTestChain(t, f, testParams).Sync([]netip.Addr{vipA, vipB})
+	changed, err := newTestChain(t, f, testParams).Sync(targetsOf(vipA, vipB))
 	if !errors.Is(err, errFake) {
 		t.Fatalf("Sync err = %v, want it to wrap the restorer's error", err)
 	}
@@ -670,7 +702,7 @@ func TestSyncRestoreFailure(t *testing.T) {
 func TestSyncWrapsErrors(t *testing.T) {
 	f := newFakeIPTables(t, slices.Concat(othersLines, []string{printedChainN, printedJump})...)
 	f.failWrite = "append mangle/KST-HMARK -d 10.96.0.20/32"
-	changed, err := newTestChain(t, plainIPTables{f}, testParams).Sync([]netip.Addr{vipA, vipB})
+	changed, err := newTestChain(t, plainIPTables{f}, testParams).Sync(targetsOf(vipA, vipB))
 	if !errors.Is(err, errFake) {
 		t.Fatalf("Sync err = %v, want it to wrap the iptables error", err)
 	}
@@ -704,7 +736,7 @@ func TestSyncLargeDiffOneRestore(t *testing.T) {
 	const n = 10000
 	vips := manyVIPs(n)
 	f := newFakeIPTables(t, othersLines...)
-	changed, err := newTestChain(t, f, testParams).Sync(vips)
+	changed, err := newTestChain(t, f, testParams).Sync(targetsOf(vips...))
 	if err != nil {
 		t.Fatalf("Sync: %v", err)
 	}
@@ -733,13 +765,13 @@ func TestSyncLargeDiffOneRestore(t *testing.T) {
 	checkChain("first sync", vips)
 
 	f.writes = nil
-	if changed, err := newTestChain(t, f, testParams).Sync(vips); err != nil || changed != 0 || len(f.writes) != 0 {
+	if changed, err := newTestChain(t, f, testParams).Sync(targetsOf(vips...)); err != nil || changed != 0 || len(f.writes) != 0 {
 		t.Errorf("adoption: changed %d, err %v, writes %q; want 0, nil, none", changed, err, f.writes)
 	}
 
 	swapped := slices.Concat(vips[1:], []netip.Addr{netip.MustParseAddr("10.200.0.1")})
 	f.writes, f.restores = nil, nil
-	changed, err = newTestChain(t, f, testParams).Sync(swapped)
+	changed, err = newTestChain(t, f, testParams).Sync(targetsOf(swapped...))
 	if err != nil || changed != 2 {
 		t.Errorf("swap one tunnel IP: changed %d, err %v; want 2, nil", changed, err)
 	}
@@ -755,7 +787,7 @@ func TestSyncLargeDiffOneRestore(t *testing.T) {
 
 	f.writes = nil
 	other := Params{Buckets: 32, Offset: testParams.Offset, Seed: testParams.Seed}
-	if changed, err := newTestChain(t, f, other).Sync(swapped); err != nil || changed != 2*n || !slices.Equal(f.writes, []string{"restore mangle"}) {
+	if changed, err := newTestChain(t, f, other).Sync(targetsOf(swapped...)); err != nil || changed != 2*n || !slices.Equal(f.writes, []string{"restore mangle"}) {
 		t.Errorf("config change: changed %d, err %v, writes %q; want %d, nil, one restore", changed, err, f.writes, 2*n)
 	}
 }
@@ -782,7 +814,7 @@ func TestExecRestorer(t *testing.T) {
 	if err != nil {
 		t.Fatalf("NewChainWithRestorer: %v", err)
 	}
-	if changed, err := c.Sync([]netip.Addr{vipA}); err != nil || changed != 1 {
+	if changed, err := c.Sync(targetsOf(vipA)); err != nil || changed != 1 {
 		t.Fatalf("Sync = %d, %v; want 1, nil", changed, err)
 	}
 	args, _ := os.ReadFile(filepath.Join(dir, "args"))
@@ -790,7 +822,7 @@ func TestExecRestorer(t *testing.T) {
 	if string(args) != "--noflush --wait\n" {
 		t.Errorf("iptables-restore ran with %q, want --noflush --wait", args)
 	}
-	if want := string(c.restorePayload([]netip.Addr{vipA})); string(stdin) != want || !strings.HasPrefix(want, "*mangle\n:KST-HMARK - [0:0]\n-A KST-HMARK -d 10.96.0.10/32 ") {
+	if want := string(c.restorePayload(Table, []desiredRule{{spec: c.ruleSpec(vipA, testParams.Offset)}})); string(stdin) != want || !strings.HasPrefix(want, "*mangle\n:KST-HMARK - [0:0]\n-A KST-HMARK -d 10.96.0.10/32 ") {
 		t.Errorf("iptables-restore read:\n%s\nwant:\n%s", stdin, want)
 	}
 
@@ -800,7 +832,7 @@ func TestExecRestorer(t *testing.T) {
 	if err != nil {
 		t.Fatalf("NewChainWithRestorer: %v", err)
 	}
-	changed, err := c.Sync([]netip.Addr{vipA, vipB})
+	changed, err := c.Sync(targetsOf(vipA, vipB))
 	if err == nil || changed != 0 {
 		t.Fatalf("Sync with a failing iptables-restore = %d, %v; want 0 and an error", changed, err)
 	}

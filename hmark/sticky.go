@@ -1,0 +1,378 @@
+package hmark
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/bits"
+	"net/netip"
+	"slices"
+	"strconv"
+)
+
+// Sticky turns on connection stickiness: a flow keeps the HMARK decision
+// it got when it started, even after its tunnel IP moved to another
+// generation (another Offset), so that an endpoint can be drained without
+// breaking established connections. The decision is saved in the
+// conntrack mark (connmark) of the flow's first tracked packet and
+// restored on every later one.
+//
+// Why the rules look the way they do (see SetSticky for the rules):
+//
+//   - Routing is asymmetric: the router sees only the client's packets,
+//     endpoints answer clients directly. A TCP flow whose SYN conntrack
+//     tracked stays in SYN_SENT (it never sees the SYN-ACK) and every
+//     later packet is INVALID (no conntrack entry attached, so no
+//     connmark to restore). So SYNs to
+//     tunnel IPs are not tracked (raw table, CT --notrack): the next packet
+//     (the ACK) is picked up mid-stream (nf_conntrack_tcp_loose, on by
+//     default) as ESTABLISHED [UNREPLIED], and every later packet is
+//     tracked, its entry refreshed (300 s) by each packet. The untracked
+//     SYN and that first ACK both take a fresh hash decision: the same one,
+//     unless a Sync moved the tunnel IP to another generation between them
+//     (a window of one round trip, which only that connection's handshake
+//     can fall into).
+//   - A client FIN moves the entry to FIN_WAIT, CLOSE_WAIT or TIME_WAIT
+//     (at most 120 s). A new connection on the same 4-tuple within that
+//     time would hit the stale entry: its (untracked) SYN would take the
+//     current generation and its ACK restore the old one. So a TCP mark
+//     is restored only while the entry's remaining lifetime, after
+//     conntrack refreshed it for this packet (-m conntrack --ctexpire), is
+//     above TCPMinExpire, the longest closing-state timeout: only in the
+//     established state. Such a connection keeps taking fresh decisions
+//     (of the current generation) until the stale entry expires. A client
+//     RST removes an unreplied entry at once. UDP, ICMP and other
+//     protocols always restore.
+//   - HMARK sets the whole skb mark. Block and Mask reserve a block of
+//     marks for the router: every mark HMARK gives (every generation's
+//     Offset .. Offset+Buckets-1) lies in it, a packet whose mark is in it
+//     has its decision (restored, or set by an earlier rule), and a
+//     connmark in it is a saved decision. Block is not 0: connmark 0 means
+//     "no decision saved yet".
+type Sticky struct {
+	// Block is the value every router mark has under Mask.
+	Block uint32
+	// Mask selects the bits of a mark that Block fixes.
+	Mask uint32
+	// TCPMinExpire is the remaining conntrack lifetime, in seconds, at or
+	// below which a TCP flow's saved decision is not restored: the longest
+	// timeout of the closing states (nf_conntrack_tcp_timeout_fin_wait,
+	// _close_wait, _time_wait: 120 by default), below the established one
+	// (nf_conntrack_tcp_timeout_established or, for the router's unreplied
+	// flows, _unacknowledged: 300 by default).
+	TCPMinExpire uint32
+}
+
+// DefaultTCPMinExpire is the longest default closing-state timeout of
+// TCP conntrack (TIME_WAIT and FIN_WAIT, 120 s).
+const DefaultTCPMinExpire = 120
+
+// validate checks s for the chain's params (see SetSticky).
+func (s *Sticky) validate(params Params) error {
+	switch {
+	case s.Mask == 0:
+		return errors.New("sticky mark mask is 0")
+	case s.Block == 0:
+		return errors.New("sticky mark block is 0 (connmark 0 means no decision saved)")
+	case s.Block&^s.Mask != 0:
+		return fmt.Errorf("sticky mark block %#x has bits outside mask %#x", s.Block, s.Mask)
+	case s.TCPMinExpire == math.MaxUint32:
+		return fmt.Errorf("sticky TCP minimum expiry must be below %d", uint32(math.MaxUint32))
+	}
+	return s.checkOffset(params.Offset, params.Buckets)
+}
+
+// checkOffset reports whether every mark offset .. offset+buckets-1 is in
+// the block (mark&Mask == Block). The marks of the range all share the
+// bits above the highest bit in which its first and last mark differ, and
+// take both values of that bit and of every bit below it; so the range is
+// in the block if its first mark is and Mask has none of those low bits.
+func (s *Sticky) checkOffset(offset, buckets uint32) error {
+	last := offset + buckets - 1
+	varying := uint32(uint64(1)<<bits.Len32(offset^last) - 1)
+	if offset&s.Mask != s.Block || s.Mask&varying != 0 {
+		return fmt.Errorf("marks %#x-%#x (offset %d, %d buckets) are not all in the sticky block %s",
+			offset, last, offset, buckets, s.markArg())
+	}
+	return nil
+}
+
+// markArg is Block/Mask as iptables prints a mark match: hex, the mask
+// left out when it is 0xffffffff.
+func (s *Sticky) markArg() string {
+	if s.Mask == math.MaxUint32 {
+		return fmt.Sprintf("%#x", s.Block)
+	}
+	return fmt.Sprintf("%#x/%#x", s.Block, s.Mask)
+}
+
+// ctexpireArg is the --ctexpire range above TCPMinExpire, as iptables
+// prints it (one number when the range has one).
+func (s *Sticky) ctexpireArg() string {
+	lo := uint64(s.TCPMinExpire) + 1
+	if lo == math.MaxUint32 {
+		return strconv.FormatUint(lo, 10)
+	}
+	return fmt.Sprintf("%d:%d", lo, uint32(math.MaxUint32))
+}
+
+// Sticky returns a copy of the chain's sticky settings, nil in stateless
+// mode.
+func (c *Chain) Sticky() *Sticky {
+	if c.sticky == nil {
+		return nil
+	}
+	s := *c.sticky
+	return &s
+}
+
+// SetSticky chooses the chain's mode for the following Syncs: nil is
+// stateless (one HMARK rule per tunnel IP, every packet hashed anew), a
+// Sticky keeps each flow on the decision it started with (see Sticky for
+// why). Call it once, before the first Sync; nothing is written until
+// Sync. It fails, changing nothing, unless Mask and Block are not 0, Block
+// lies within Mask, every mark of the chain's Params (Offset ..
+// Offset+Buckets-1) is in the block, and TCPMinExpire is below
+// 4294967295. Sync checks the same of every Target's offset.
+//
+// In sticky mode the mangle chain holds, in this order (BLOCK/MASK the
+// block, N = TCPMinExpire+1):
+//
+//	-p tcp -m connmark --mark BLOCK/MASK -m conntrack --ctexpire N:4294967295 -j CONNMARK --restore-mark
+//	! -p tcp -m connmark --mark BLOCK/MASK -j CONNMARK --restore-mark
+//	-m mark --mark BLOCK/MASK -j RETURN
+//	-d VIP/32 -j HMARK ...   (one per tunnel IP, with its own offset)
+//	-m connmark --mark 0x0 -m mark --mark BLOCK/MASK -j CONNMARK --save-mark
+//
+// (each with the comment RuleComment): a tracked flow with a saved
+// decision gets it back and leaves the chain; any other packet to a tunnel
+// IP is hashed, and the decision saved if its flow has none yet. Untracked
+// packets (the SYNs) match no connmark, so they are hashed and nothing is
+// saved. The raw chain holds, per tunnel IP,
+//
+//	-d VIP/32 -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -j CT --notrack
+//
+// Leaving sticky mode (SetSticky(nil), then Sync) turns the mangle chain
+// back into its stateless content and removes the raw chain and its jump.
+func (c *Chain) SetSticky(s *Sticky) error {
+	if s == nil {
+		c.sticky = nil
+		return nil
+	}
+	if err := s.validate(c.params); err != nil {
+		return fmt.Errorf("hmark: chain %s: set sticky: %w", c.name, err)
+	}
+	cp := *s
+	c.sticky = &cp
+	return nil
+}
+
+// rawPlan is the difference between c's raw chain and the desired one,
+// read before the mangle rules change, applied in two steps around them.
+type rawPlan struct {
+	// missing are the wanted tunnel IPs without their rule, sorted.
+	missing []netip.Addr
+	// stale are the 1-based positions (ascending) of every other rule.
+	stale []int
+	// staleVIPs are the tunnel IPs no longer wanted that still have a
+	// canonical rule (once each, sorted).
+	staleVIPs []netip.Addr
+	// restoredAdds records that addRawRules restored the chain with the
+	// rules of staleVIPs kept, so that only those are left to remove.
+	restoredAdds bool
+}
+
+// planRaw compares c's raw chain with one notrack rule per tunnel IP of
+// want.
+func (c *Chain) planRaw(want []Target) (rawPlan, error) {
+	rules, err := c.listRules(RawTable, c.name, false)
+	if err != nil {
+		return rawPlan{}, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
+	}
+	wanted := make(map[netip.Addr]bool, len(want))
+	for _, t := range want {
+		wanted[t.VIP] = true
+	}
+	var plan rawPlan
+	kept := make(map[netip.Addr]bool, len(want))
+	seenStale := make(map[netip.Addr]bool)
+	for _, r := range rules {
+		vip, ok := r.rawVIPRule()
+		if ok && wanted[vip] && !kept[vip] {
+			kept[vip] = true
+			continue
+		}
+		plan.stale = append(plan.stale, r.pos)
+		if ok && !wanted[vip] && !seenStale[vip] {
+			seenStale[vip] = true
+			plan.staleVIPs = append(plan.staleVIPs, vip)
+		}
+	}
+	slices.SortFunc(plan.staleVIPs, netip.Addr.Compare)
+	for _, t := range want {
+		if !kept[t.VIP] {
+			plan.missing = append(plan.missing, t.VIP)
+		}
+	}
+	return plan, nil
+}
+
+// addRawRules is the first step of plan, before the mangle rules change:
+// the raw rules of new tunnel IPs are added, the rules of tunnel IPs gone
+// kept. With a restorer, the chain is restored with the rules of want and
+// of plan.staleVIPs (in address order), which drops the rules that are
+// neither (duplicates, rules Chain did not write): those count here.
+func (c *Chain) addRawRules(want []Target, plan *rawPlan) (changed int, err error) {
+	if len(plan.missing) == 0 {
+		return 0, nil
+	}
+	if c.restorer == nil {
+		for _, vip := range plan.missing {
+			if err := c.ipt.Append(RawTable, c.name, rawRuleSpec(vip)...); err != nil {
+				return changed, fmt.Errorf("hmark: sync chain %s: table %s: append rule for vip %s: %w", c.name, RawTable, vip, err)
+			}
+			changed++
+		}
+		return changed, nil
+	}
+	vips := make([]netip.Addr, 0, len(want)+len(plan.staleVIPs))
+	for _, t := range want {
+		vips = append(vips, t.VIP)
+	}
+	vips = append(vips, plan.staleVIPs...)
+	slices.SortFunc(vips, netip.Addr.Compare)
+	if err := c.restorer.Restore(RawTable, c.restorePayload(RawTable, c.rawDesired(vips))); err != nil {
+		return 0, fmt.Errorf("hmark: sync chain %s: table %s: restore %d rules (%d to add): %w",
+			c.name, RawTable, len(vips), len(plan.missing), err)
+	}
+	plan.restoredAdds = true
+	return len(plan.missing) + len(plan.stale) - len(plan.staleVIPs), nil
+}
+
+// removeRawRules is the second step of plan, after the mangle rules
+// changed: the raw chain is left with exactly one rule per tunnel IP of
+// want.
+func (c *Chain) removeRawRules(want []Target, plan *rawPlan) (changed int, err error) {
+	if c.restorer == nil {
+		// The appended rules come after every stale one.
+		return c.deleteByPosition(RawTable, plan.stale)
+	}
+	left := len(plan.stale)
+	if plan.restoredAdds {
+		left = len(plan.staleVIPs)
+	}
+	if left == 0 {
+		return 0, nil
+	}
+	vips := make([]netip.Addr, len(want))
+	for i, t := range want {
+		vips[i] = t.VIP
+	}
+	if err := c.restorer.Restore(RawTable, c.restorePayload(RawTable, c.rawDesired(vips))); err != nil {
+		return 0, fmt.Errorf("hmark: sync chain %s: table %s: restore %d rules (%d to remove): %w",
+			c.name, RawTable, len(vips), left, err)
+	}
+	return left, nil
+}
+
+// rawDesired is the raw chain's content for vips (in their order).
+func (c *Chain) rawDesired(vips []netip.Addr) []desiredRule {
+	desired := make([]desiredRule, len(vips))
+	for i, vip := range vips {
+		desired[i] = desiredRule{spec: rawRuleSpec(vip), vip: vip}
+	}
+	return desired
+}
+
+// removeRawChain, in stateless mode, removes what a sticky run left in the
+// raw table: the canonical jumps to c from raw PREROUTING, then c's raw
+// chain. It touches no other rule: should another rule still jump to the
+// chain, deleting it fails and Sync reports it.
+func (c *Chain) removeRawChain() (changed int, err error) {
+	exists, err := c.ipt.ChainExists(RawTable, c.name)
+	if err != nil {
+		return 0, fmt.Errorf("hmark: sync chain %s: table %s: check chain: %w", c.name, RawTable, err)
+	}
+	if !exists {
+		return 0, nil
+	}
+	jumps, err := c.listRules(RawTable, ParentChain, false)
+	if err != nil {
+		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
+	}
+	for _, r := range jumps {
+		if !r.isCanonicalJump(c.name) {
+			continue
+		}
+		if err := c.ipt.Delete(RawTable, ParentChain, r.spec...); err != nil {
+			return changed, fmt.Errorf("hmark: sync chain %s: table %s: delete jump from %s: %w", c.name, RawTable, ParentChain, err)
+		}
+		changed++
+	}
+	rules, err := c.listRules(RawTable, c.name, false)
+	if err != nil {
+		return changed, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
+	}
+	if len(rules) > 0 {
+		if err := c.ipt.ClearChain(RawTable, c.name); err != nil {
+			return changed, fmt.Errorf("hmark: sync chain %s: table %s: flush: %w", c.name, RawTable, err)
+		}
+		changed += len(rules)
+	}
+	if err := c.ipt.DeleteChain(RawTable, c.name); err != nil {
+		return changed, fmt.Errorf("hmark: sync chain %s: table %s: delete chain: %w", c.name, RawTable, err)
+	}
+	return changed + 1, nil
+}
+
+// fixedMangleRules are the rules of the mangle chain before (head) and
+// after (tail) the HMARK rules: none in stateless mode; in sticky mode
+// the restore rules and the RETURN, and the save rule (see SetSticky).
+// They are written exactly as iptables 1.8 (nft and legacy) prints them,
+// so that Sync compares them word for word.
+func (c *Chain) fixedMangleRules() (head, tail [][]string) {
+	s := c.sticky
+	if s == nil {
+		return nil, nil
+	}
+	comment := []string{"-m", "comment", "--comment", RuleComment}
+	fullMasks := []string{"--nfmask", "0xffffffff", "--ctmask", "0xffffffff"}
+	restoreTCP := slices.Concat(
+		[]string{"-p", "tcp", "-m", "connmark", "--mark", s.markArg(), "-m", "conntrack", "--ctexpire", s.ctexpireArg()},
+		comment, []string{"-j", "CONNMARK", "--restore-mark"}, fullMasks)
+	restoreOther := slices.Concat(
+		[]string{"!", "-p", "tcp", "-m", "connmark", "--mark", s.markArg()},
+		comment, []string{"-j", "CONNMARK", "--restore-mark"}, fullMasks)
+	skipDecided := slices.Concat([]string{"-m", "mark", "--mark", s.markArg()}, comment, []string{"-j", "RETURN"})
+	save := slices.Concat(
+		[]string{"-m", "connmark", "--mark", "0x0", "-m", "mark", "--mark", s.markArg()},
+		comment, []string{"-j", "CONNMARK", "--save-mark"}, fullMasks)
+	return [][]string{restoreTCP, restoreOther, skipDecided}, [][]string{save}
+}
+
+// rawRuleSpec is the raw-table rule that keeps SYNs to vip untracked, as it is
+// written and as iptables prints it.
+func rawRuleSpec(vip netip.Addr) []string {
+	return []string{
+		"-d", netip.PrefixFrom(vip, 32).String(),
+		"-p", "tcp", "-m", "tcp", "--tcp-flags", "FIN,SYN,RST,ACK", "SYN",
+		"-m", "comment", "--comment", RuleComment,
+		"-j", "CT", "--notrack",
+	}
+}
+
+// rawVIPRule recognizes r as a raw-table rule Chain writes for a tunnel
+// IP: exactly rawRuleSpec(VIP).
+func (r rule) rawVIPRule() (vip netip.Addr, ok bool) {
+	if len(r.spec) < 2 || r.spec[0] != "-d" {
+		return netip.Addr{}, false
+	}
+	p, err := netip.ParsePrefix(r.spec[1])
+	if err != nil || p.Bits() != 32 || !p.Addr().Is4() {
+		return netip.Addr{}, false
+	}
+	if !slices.Equal(r.spec, rawRuleSpec(p.Addr())) {
+		return netip.Addr{}, false
+	}
+	return p.Addr(), true
+}

@@ -1,0 +1,588 @@
+package hmark
+
+// Privileged tests of sticky mode: the rules as the real iptables prints
+// them (adoption without writes), and stickiness itself on the real
+// kernel, with the router seeing only the client's half of each flow.
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
+	"maps"
+	"net"
+	"net/netip"
+	"os"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
+)
+
+// TestStickySyncInNetns drives a sticky Chain against the real iptables of
+// each backend, with and without a restorer: creation of both chains,
+// adoption by a new Chain without any write (which proves that Chain
+// writes its rules exactly as iptables prints them), Offsets, moving one
+// tunnel IP to another generation, leaving and re-entering sticky mode,
+// and Cleanup.
+func TestStickySyncInNetns(t *testing.T) {
+	for _, binary := range iptablesBinaries {
+		t.Run(binary, func(t *testing.T) { testStickySyncInNetns(t, binary, true) })
+		t.Run(binary+"/one-by-one", func(t *testing.T) { testStickySyncInNetns(t, binary, false) })
+	}
+}
+
+func testStickySyncInNetns(t *testing.T, binary string, restore bool) {
+	ns := testnetns.New(t)
+	ipt := ns.IPTables(binary)
+	restorer := newNSRestorer(ns, binary)
+	tableS := func(table string) string { return ns.Run(binary, "-t", table, "-S") }
+	ns.Run(binary, "-t", "raw", "-A", "PREROUTING", "-p", "udp", "--dport", "53", "-j", "CT", "--notrack")
+	ns.Run(binary, "-t", "mangle", "-A", "PREROUTING", "-p", "tcp", "-j", "MARK", "--set-mark", "9")
+	beforeMangle, beforeRaw := tableS("mangle"), tableS("raw")
+
+	newChain := func(sticky bool) *Chain {
+		t.Helper()
+		var c *Chain
+		var err error
+		if restore {
+			c, err = NewChainWithRestorer(ipt, "", stickyParams, restorer)
+		} else {
+			c, err = NewChain(withoutRestore{ipt}, "", stickyParams)
+		}
+		if err != nil {
+			t.Fatalf("NewChain: %v", err)
+		}
+		if sticky {
+			if err := c.SetSticky(&testSticky); err != nil {
+				t.Fatalf("SetSticky: %v", err)
+			}
+		}
+		return c
+	}
+	// syncExpect syncs and checks the changes Sync reports against the
+	// lines that changed in `iptables -S` of both tables, and the writes.
+	syncExpect := func(step string, c *Chain, targets []Target, want int) {
+		t.Helper()
+		ipt.Writes, restorer.Calls = 0, 0
+		m, r := tableS("mangle"), tableS("raw")
+		changed, err := c.Sync(targets)
+		if err != nil {
+			t.Fatalf("%s: Sync: %v", step, err)
+		}
+		diff := lineChanges(m, tableS("mangle")) + lineChanges(r, tableS("raw"))
+		if changed != want || diff != want {
+			t.Errorf("%s: Sync changed = %d (%d lines of iptables -S changed), want %d", step, changed, diff, want)
+		}
+		if want == 0 && ipt.Writes+restorer.Calls != 0 {
+			t.Errorf("%s: %d iptables writes and %d restores, want none", step, ipt.Writes, restorer.Calls)
+		}
+	}
+
+	targets := []Target{{VIP: vipAbove, Offset: gen1}, {VIP: vipBelow}, {VIP: vipLoopback, Offset: gen0}}
+	// Both chains and jumps, 3 raw rules, 4 fixed and 3 HMARK rules.
+	syncExpect("first sync", newChain(true), targets, 2+2+3+4+3)
+	t.Logf("%s prints the sticky chains as:\n%s\n%s", binary,
+		ns.Run(binary, "-t", "mangle", "-S", DefaultChainName), ns.Run(binary, "-t", "raw", "-S", DefaultChainName))
+
+	adopter := newChain(true)
+	offsets, err := adopter.Offsets()
+	wantOffsets := map[netip.Addr]uint32{vipAbove: gen1, vipBelow: gen0, vipLoopback: gen0}
+	if err != nil || !maps.Equal(offsets, wantOffsets) {
+		t.Errorf("Offsets = %v, %v; want %v", offsets, err, wantOffsets)
+	}
+	syncExpect("adoption by a new Chain", adopter, targets, 0)
+
+	targets[0].Offset = gen0
+	syncExpect("one tunnel IP to generation 0", adopter, targets, 2)
+	ns.Run(binary, "-t", "mangle", "-D", DefaultChainName, "1")
+	syncExpect("fixed rule deleted by hand", adopter, targets, 1)
+
+	stateless := newChain(false)
+	// Mangle: 4 fixed rules; raw: jump, 3 rules, chain.
+	syncExpect("sticky -> stateless", stateless, targets, 4+5)
+	if got := tableS("raw"); got != beforeRaw {
+		t.Errorf("raw after leaving sticky mode:\n%s\nwant:\n%s", got, beforeRaw)
+	}
+	syncExpect("stateless -> sticky", newChain(true), targets, 4+5)
+
+	if err := adopter.Cleanup(); err != nil {
+		t.Fatalf("Cleanup: %v", err)
+	}
+	if m, r := tableS("mangle"), tableS("raw"); m != beforeMangle || r != beforeRaw {
+		t.Errorf("after Cleanup:\n%s\n%s\nwant what was there before:\n%s\n%s", m, r, beforeMangle, beforeRaw)
+	}
+}
+
+// The draining lab: a client, a router and a server namespace. The server
+// holds the tunnel IP and answers the client directly over their own link,
+// so the router sees only client -> tunnel IP packets, as in production.
+var (
+	labVIP       = netip.MustParseAddr("192.0.2.1")
+	labClient    = netip.MustParseAddr("10.1.0.1") // c, on the c-r link
+	labRouterC   = netip.MustParseAddr("10.1.0.2") // r, on the c-r link
+	labRouterS   = netip.MustParseAddr("10.2.0.1") // r, on the r-s link
+	labServerR   = netip.MustParseAddr("10.2.0.2") // s, on the r-s link
+	labClientS   = netip.MustParseAddr("10.3.0.1") // c, on the c-s link
+	labServerC   = netip.MustParseAddr("10.3.0.2") // s, on the c-s link
+	labTCPPort   = 8080
+	labUDPPort   = 9000
+	labGen0Match = "0x1000/0xffffffc0" // marks 0x1000-0x103f
+	labGen1Match = "0x1040/0xffffffc0" // marks 0x1040-0x107f
+	labBlock     = "0x1000/0xffffff00"
+)
+
+// Client source ports, one per flow the test follows.
+const (
+	portA = 40001 // TCP, opened before the generation change
+	portB = 40002 // TCP, opened after it
+	portU = 40003 // UDP, started before it
+	portF = 40004 // TCP, closed with FIN before it, reopened after it
+)
+
+// TestStickyDrainingInNetns proves stickiness on the real kernel with
+// asymmetric routing. The router namespace r installs a sticky Chain for
+// the tunnel IP with generation 0 (offset 0x1000), then moves it to
+// generation 1 (offset 0x1040). Rules owned by the test in r's mangle
+// FORWARD count, per flow, the packets forwarded with a generation 0 mark,
+// with a generation 1 mark, and in all, after the Chain marked them:
+//
+//   - TCP connection A, open before the change, stays on generation 0 for
+//     all its packets, also after the change; its conntrack mark too.
+//   - TCP connection B, opened after the change, is on generation 1 for all
+//     its packets, its (untracked) SYN included.
+//   - A UDP flow started before the change stays on generation 0.
+//   - A TCP connection closed with FIN before the change and reopened on
+//     the same 4-tuple right after it hits the stale conntrack entry: all
+//     its packets take generation 1, because a closing entry's remaining
+//     lifetime is below TCPMinExpire and its saved mark is not restored.
+//   - No packet to the tunnel IP is forwarded without a mark of the block.
+func TestStickyDrainingInNetns(t *testing.T) {
+	for _, binary := range iptablesBinaries {
+		t.Run(binary, func(t *testing.T) { testStickyDrainingInNetns(t, binary) })
+	}
+}
+
+func testStickyDrainingInNetns(t *testing.T, binary string) {
+	c, r, s := newDrainingLab(t)
+	ipt := r.IPTables(binary)
+	chain, err := NewChainWithRestorer(ipt, "", Params{Buckets: 64, Offset: 0x1000, Seed: 0x5eed}, newNSRestorer(r, binary))
+	if err != nil {
+		t.Fatalf("NewChain: %v", err)
+	}
+	if err := chain.SetSticky(&Sticky{Block: 0x1000, Mask: 0xffffff00, TCPMinExpire: DefaultTCPMinExpire}); err != nil {
+		t.Fatalf("SetSticky: %v", err)
+	}
+	if _, err := chain.Sync([]Target{{VIP: labVIP, Offset: 0x1000}}); err != nil {
+		t.Fatalf("Sync generation 0: %v", err)
+	}
+	addCountingRules(r, binary)
+	startEchoServers(t, s)
+
+	// Before the change: A and F open, F closed with FIN (the server closes
+	// first, so that the client ends in CLOSED, not TIME_WAIT, and can
+	// reuse its port), U sends.
+	connA := dialVIP(t, c, portA)
+	roundTrips(t, "A", connA, 3)
+	connF := dialVIP(t, c, portF)
+	roundTrips(t, "F", connF, 2)
+	closeFromServer(t, connF)
+	connU := dialUDP(t, c, portU)
+	roundTrips(t, "U", connU, 3)
+
+	ct := conntrackOf(t, r)
+	// The FIN went through r once its entry is closing (FIN_WAIT or later).
+	ct.waitTCPState(t, portF, func(state uint8) bool { return state > tcpConntrackEstablished })
+	if flow := ct.flow(t, unix.IPPROTO_TCP, portA); flow == nil || flow.Mark&0xffffffc0 != 0x1000 {
+		t.Fatalf("conntrack of A before the change: %v, want mark in generation 0", flow)
+	}
+	before := readCounters(t, ipt)
+	for _, f := range []string{"A", "F", "U"} {
+		if before[f+" all"] == 0 || before[f+" gen0"] != before[f+" all"] || before[f+" gen1"] != 0 {
+			t.Errorf("before the change, flow %s: %d packets, %d in generation 0, %d in generation 1; want all in generation 0",
+				f, before[f+" all"], before[f+" gen0"], before[f+" gen1"])
+		}
+	}
+
+	changed, err := chain.Sync([]Target{{VIP: labVIP, Offset: 0x1040}})
+	if err != nil || changed != 2 {
+		t.Fatalf("Sync generation 1 = %d, %v; want 2 (one HMARK rule replaced), nil", changed, err)
+	}
+
+	roundTrips(t, "A", connA, 3)
+	roundTrips(t, "U", connU, 3)
+	connB := dialVIP(t, c, portB)
+	roundTrips(t, "B", connB, 3)
+	connF = dialVIP(t, c, portF) // same 4-tuple as before
+	roundTrips(t, "F reopened", connF, 3)
+	roundTrips(t, "A", connA, 2)
+	roundTrips(t, "B", connB, 2)
+	after := readCounters(t, ipt)
+	delta := func(name string) uint64 { return after[name] - before[name] }
+	t.Logf("counters before the change: %v", before)
+	t.Logf("counters after the change:  %v", after)
+
+	if delta("A all") == 0 || after["A gen0"] != after["A all"] || after["A gen1"] != 0 {
+		t.Errorf("A: %d packets (%d after the change), %d in generation 0, %d in generation 1; want all in generation 0",
+			after["A all"], delta("A all"), after["A gen0"], after["A gen1"])
+	}
+	if delta("U all") == 0 || after["U gen0"] != after["U all"] || after["U gen1"] != 0 {
+		t.Errorf("U: %d packets (%d after the change), %d in generation 0, %d in generation 1; want all in generation 0",
+			after["U all"], delta("U all"), after["U gen0"], after["U gen1"])
+	}
+	if after["B all"] == 0 || after["B gen1"] != after["B all"] || after["B gen0"] != 0 || after["B syn gen1"] != 1 {
+		t.Errorf("B: %d packets, %d in generation 1 (SYN: %d), %d in generation 0; want all in generation 1, its SYN too",
+			after["B all"], after["B gen1"], after["B syn gen1"], after["B gen0"])
+	}
+	if delta("F all") == 0 || delta("F gen1") != delta("F all") || delta("F gen0") != 0 || delta("F syn gen1") != 1 {
+		t.Errorf("F reopened: %d packets, %d in generation 1 (SYN: %d), %d in generation 0; want all in generation 1, its SYN too",
+			delta("F all"), delta("F gen1"), delta("F syn gen1"), delta("F gen0"))
+	}
+	if after["unmarked"] != 0 {
+		t.Errorf("%d packets to %s forwarded without a mark in %s, want none", after["unmarked"], labVIP, labBlock)
+	}
+
+	for _, tc := range []struct {
+		name  string
+		proto uint8
+		port  int
+		gen   uint32
+	}{{"A", unix.IPPROTO_TCP, portA, 0x1000}, {"B", unix.IPPROTO_TCP, portB, 0x1040}, {"U", unix.IPPROTO_UDP, portU, 0x1000}} {
+		flow := ct.flow(t, tc.proto, tc.port)
+		if flow == nil || flow.Mark&0xffffffc0 != tc.gen {
+			t.Errorf("conntrack of %s: %v, want mark in the generation at %#x", tc.name, flow, tc.gen)
+		}
+	}
+	hmarkCounters, err := chain.Counters()
+	t.Logf("HMARK rule counters (fresh decisions only): %v, %v", hmarkCounters, err)
+}
+
+// newDrainingLab creates the namespaces c, r and s, linked in a triangle,
+// with the tunnel IP on s's lo: c routes it via r, r forwards it to s, s
+// answers c directly. Reverse-path filtering is off everywhere, since each
+// of c and s receives from an address it would not route back to that way.
+func newDrainingLab(t *testing.T) (c, r, s *testnetns.NS) {
+	t.Helper()
+	c = testnetns.New(t)
+	r = testnetns.New(t)
+	s = testnetns.New(t, netip.PrefixFrom(labVIP, 32))
+	for _, ns := range []*testnetns.NS{c, r, s} {
+		writeSysctls(t, ns, map[string]string{"net/ipv4/conf/all/rp_filter": "0", "net/ipv4/conf/default/rp_filter": "0"})
+	}
+	linkNamespaces(t, c, "c-r", netip.PrefixFrom(labClient, 24), r, "r-c", netip.PrefixFrom(labRouterC, 24))
+	linkNamespaces(t, r, "r-s", netip.PrefixFrom(labRouterS, 24), s, "s-r", netip.PrefixFrom(labServerR, 24))
+	linkNamespaces(t, c, "c-s", netip.PrefixFrom(labClientS, 24), s, "s-c", netip.PrefixFrom(labServerC, 24))
+	addRoute(t, c, netip.PrefixFrom(labVIP, 32), labRouterC)
+	addRoute(t, r, netip.PrefixFrom(labVIP, 32), labServerR)
+	addRoute(t, s, netip.MustParsePrefix("10.1.0.0/24"), labClientS)
+	writeSysctls(t, r, map[string]string{"net/ipv4/ip_forward": "1"})
+	for ns, ifaces := range map[*testnetns.NS][]string{c: {"c-r", "c-s"}, r: {"r-c", "r-s"}, s: {"s-r", "s-c", "lo"}} {
+		for _, i := range ifaces {
+			writeSysctls(t, ns, map[string]string{"net/ipv4/conf/" + i + "/rp_filter": "0"})
+		}
+	}
+	return c, r, s
+}
+
+// linkNamespaces creates a veth pair between a and b, with an address on
+// each end, both ends up.
+func linkNamespaces(t *testing.T, a *testnetns.NS, aName string, aAddr netip.Prefix, b *testnetns.NS, bName string, bAddr netip.Prefix) {
+	t.Helper()
+	nlA, nlB := a.Netlink(), b.Netlink()
+	veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: aName}, PeerName: bName, PeerNamespace: netlink.NsFd(int(b.Handle))}
+	if err := nlA.LinkAdd(veth); err != nil {
+		t.Fatalf("add veth %s/%s: %v", aName, bName, err)
+	}
+	for _, end := range []struct {
+		nl   *netlink.Handle
+		name string
+		addr netip.Prefix
+	}{{nlA, aName, aAddr}, {nlB, bName, bAddr}} {
+		l, err := end.nl.LinkByName(end.name)
+		if err != nil {
+			t.Fatalf("find %s: %v", end.name, err)
+		}
+		if err := end.nl.AddrAdd(l, &netlink.Addr{IPNet: testnetns.IPNet(end.addr)}); err != nil {
+			t.Fatalf("add %s to %s: %v", end.addr, end.name, err)
+		}
+		if err := end.nl.LinkSetUp(l); err != nil {
+			t.Fatalf("set %s up: %v", end.name, err)
+		}
+	}
+}
+
+func addRoute(t *testing.T, ns *testnetns.NS, dst netip.Prefix, via netip.Addr) {
+	t.Helper()
+	if err := ns.Netlink().RouteAdd(&netlink.Route{Dst: testnetns.IPNet(dst), Gw: via.AsSlice()}); err != nil {
+		t.Fatalf("route %s via %s: %v", dst, via, err)
+	}
+}
+
+// writeSysctls writes /proc/sys files from a thread inside ns (the net
+// sysctls are those of the writing thread's namespace).
+func writeSysctls(t *testing.T, ns *testnetns.NS, values map[string]string) {
+	t.Helper()
+	err := ns.Do(func() error {
+		for key, v := range values {
+			if err := os.WriteFile("/proc/sys/"+key, []byte(v), 0o644); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("sysctls %v: %v", values, err)
+	}
+}
+
+// addCountingRules adds the test's counting rules to r's mangle FORWARD,
+// each named by its comment: per flow, packets in generation 0, in
+// generation 1 and in all, and SYNs in generation 1 for the TCP flows;
+// and packets to the tunnel IP without a mark of the block.
+func addCountingRules(r *testnetns.NS, binary string) {
+	add := func(comment string, match ...string) {
+		args := append([]string{"-t", "mangle", "-A", "FORWARD", "-s", labClient.String(), "-d", labVIP.String()}, match...)
+		r.Run(binary, append(args, "-m", "comment", "--comment", comment)...)
+	}
+	flows := []struct {
+		name, proto string
+		port        int
+	}{{"A", "tcp", portA}, {"B", "tcp", portB}, {"U", "udp", portU}, {"F", "tcp", portF}}
+	for _, f := range flows {
+		flow := []string{"-p", f.proto, "--sport", fmt.Sprint(f.port)}
+		add(f.name+" all", flow...)
+		add(f.name+" gen0", append(flow, "-m", "mark", "--mark", labGen0Match)...)
+		add(f.name+" gen1", append(flow, "-m", "mark", "--mark", labGen1Match)...)
+		if f.proto == "tcp" {
+			add(f.name+" syn gen1", append(flow, "--syn", "-m", "mark", "--mark", labGen1Match)...)
+		}
+	}
+	add("unmarked", "-m", "mark", "!", "--mark", labBlock)
+}
+
+// readCounters returns the packet counters of the counting rules by
+// comment.
+func readCounters(t *testing.T, ipt IPTables) map[string]uint64 {
+	t.Helper()
+	lines, err := ipt.ListWithCounters("mangle", "FORWARD")
+	if err != nil {
+		t.Fatalf("list FORWARD: %v", err)
+	}
+	out := make(map[string]uint64)
+	for _, line := range lines {
+		r, ok, err := parseRule(line, "FORWARD", true)
+		if err != nil || !ok || !r.hasCounters {
+			continue
+		}
+		for i := 0; i+1 < len(r.spec); i++ {
+			if r.spec[i] == "--comment" {
+				out[r.spec[i+1]] = r.packets
+			}
+		}
+	}
+	return out
+}
+
+// startEchoServers serves, on the tunnel IP in s, a TCP echo of lines
+// (closing the connection on "bye") and a UDP echo of datagrams.
+func startEchoServers(t *testing.T, s *testnetns.NS) {
+	t.Helper()
+	var ln net.Listener
+	var pc net.PacketConn
+	err := s.Do(func() error {
+		var err error
+		if ln, err = net.Listen("tcp4", netip.AddrPortFrom(labVIP, uint16(labTCPPort)).String()); err != nil {
+			return err
+		}
+		pc, err = net.ListenPacket("udp4", netip.AddrPortFrom(labVIP, uint16(labUDPPort)).String())
+		return err
+	})
+	if err != nil {
+		t.Fatalf("listen on %s in s: %v", labVIP, err)
+	}
+	t.Cleanup(func() { _ = ln.Close(); _ = pc.Close() })
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer func() { _ = conn.Close() }()
+				br := bufio.NewReader(conn)
+				for {
+					line, err := br.ReadString('\n')
+					if err != nil || line == "bye\n" {
+						return
+					}
+					if _, err := conn.Write([]byte(line)); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	go func() {
+		buf := make([]byte, 1500)
+		for {
+			n, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			_, _ = pc.WriteTo(buf[:n], from)
+		}
+	}()
+}
+
+// dialVIP opens a TCP connection from c's client address and port to the
+// tunnel IP. The socket belongs to c's namespace for its whole life.
+func dialVIP(t *testing.T, c *testnetns.NS, port int) net.Conn {
+	t.Helper()
+	var conn net.Conn
+	err := c.Do(func() error {
+		d := net.Dialer{
+			LocalAddr: &net.TCPAddr{IP: labClient.AsSlice(), Port: port},
+			Timeout:   5 * time.Second,
+			Control: func(_, _ string, rc syscall.RawConn) error {
+				var serr error
+				if err := rc.Control(func(fd uintptr) {
+					serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEADDR, 1)
+				}); err != nil {
+					return err
+				}
+				return serr
+			},
+		}
+		var err error
+		conn, err = d.Dial("tcp4", netip.AddrPortFrom(labVIP, uint16(labTCPPort)).String())
+		return err
+	})
+	if err != nil {
+		t.Fatalf("dial %s:%d from port %d: %v", labVIP, labTCPPort, port, err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn
+}
+
+// dialUDP opens a UDP socket from c's client address and port, connected
+// to the tunnel IP.
+func dialUDP(t *testing.T, c *testnetns.NS, port int) net.Conn {
+	t.Helper()
+	var conn net.Conn
+	err := c.Do(func() error {
+		var err error
+		conn, err = net.DialUDP("udp4", &net.UDPAddr{IP: labClient.AsSlice(), Port: port},
+			&net.UDPAddr{IP: labVIP.AsSlice(), Port: labUDPPort})
+		return err
+	})
+	if err != nil {
+		t.Fatalf("UDP socket from port %d: %v", port, err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn
+}
+
+// roundTrips sends n messages on conn and reads each echo back, so that
+// each message has crossed the router before the next one.
+func roundTrips(t *testing.T, flow string, conn net.Conn, n int) {
+	t.Helper()
+	buf := make([]byte, 64)
+	for i := range n {
+		msg := fmt.Sprintf("%s %d\n", flow, i)
+		if err := conn.SetDeadline(time.Now().Add(5 * time.Second)); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := conn.Write([]byte(msg)); err != nil {
+			t.Fatalf("flow %s: send %q: %v", flow, msg, err)
+		}
+		got := 0
+		for got < len(msg) {
+			m, err := conn.Read(buf[got:])
+			if err != nil {
+				t.Fatalf("flow %s: read echo of %q: %v", flow, msg, err)
+			}
+			got += m
+		}
+		if string(buf[:got]) != msg {
+			t.Fatalf("flow %s: echo %q, want %q", flow, buf[:got], msg)
+		}
+	}
+}
+
+// closeFromServer asks the server to close conn, waits for its FIN (end of
+// stream), then closes the client side, which sends the client's FIN
+// through the router.
+func closeFromServer(t *testing.T, conn net.Conn) {
+	t.Helper()
+	if _, err := conn.Write([]byte("bye\n")); err != nil {
+		t.Fatalf("send bye: %v", err)
+	}
+	_ = conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if n, err := conn.Read(make([]byte, 16)); !errors.Is(err, io.EOF) {
+		t.Fatalf("after bye: read %d bytes, %v; want end of stream", n, err)
+	}
+	if err := conn.Close(); err != nil {
+		t.Fatalf("close: %v", err)
+	}
+}
+
+// tcpConntrackEstablished is TCP_CONNTRACK_ESTABLISHED; the closing
+// states (FIN_WAIT, CLOSE_WAIT, LAST_ACK, TIME_WAIT, CLOSE) follow it.
+const tcpConntrackEstablished = 3
+
+// conntrack reads r's conntrack table over netlink.
+type conntrack struct{ h *netlink.Handle }
+
+func conntrackOf(t *testing.T, r *testnetns.NS) conntrack {
+	t.Helper()
+	h, err := netlink.NewHandleAt(r.Handle, unix.NETLINK_NETFILTER)
+	if err != nil {
+		t.Fatalf("netfilter netlink handle in r: %v", err)
+	}
+	t.Cleanup(h.Close)
+	return conntrack{h: h}
+}
+
+// flow returns the entry of the client's flow from port, or nil.
+func (ct conntrack) flow(t *testing.T, proto uint8, port int) *netlink.ConntrackFlow {
+	t.Helper()
+	flows, err := ct.h.ConntrackTableList(netlink.ConntrackTable, unix.AF_INET)
+	if err != nil {
+		t.Fatalf("list conntrack in r: %v", err)
+	}
+	for _, f := range flows {
+		if f.Forward.Protocol == proto && f.Forward.SrcPort == uint16(port) && f.Forward.SrcIP.Equal(labClient.AsSlice()) {
+			return f
+		}
+	}
+	return nil
+}
+
+// waitTCPState waits until the TCP entry of the client's flow from port is
+// in a state ok accepts.
+func (ct conntrack) waitTCPState(t *testing.T, port int, ok func(state uint8) bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		flow := ct.flow(t, unix.IPPROTO_TCP, port)
+		state := -1
+		if flow != nil {
+			if info, isTCP := flow.ProtoInfo.(*netlink.ProtoInfoTCP); isTCP {
+				if ok(info.State) {
+					return
+				}
+				state = int(info.State)
+			}
+		}
+		if time.Now().After(deadline) {
+			// SYN_SENT (1) here means the SYN was tracked: every later
+			// packet of the flow is INVALID.
+			t.Fatalf("conntrack entry of port %d in TCP state %d, not the one awaited: %v", port, state, flow)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
