@@ -56,6 +56,7 @@ type Controller struct {
 	services corelisters.ServiceLister
 	slices   discoverylisters.EndpointSliceLister
 	nodes    corelisters.NodeLister
+	pods     corelisters.PodLister
 	synced   []cache.InformerSynced
 	queue    workqueue.TypedRateLimitingInterface[string]
 	recorder record.EventRecorder
@@ -74,12 +75,22 @@ func NewController(cfg Config, client kubernetes.Interface, factory informers.Sh
 	svcInformer := factory.Core().V1().Services()
 	sliceInformer := factory.Discovery().V1().EndpointSlices()
 	nodeInformer := factory.Core().V1().Nodes()
+	podInformer := factory.Core().V1().Pods()
+	// Only the Pods' metadata matters (DrainAnnotation): keep nothing else.
+	if err := podInformer.Informer().SetTransform(podMetadataOnly); err != nil {
+		return nil, fmt.Errorf("watching pods: %w", err)
+	}
+	if err := sliceInformer.Informer().AddIndexers(cache.Indexers{slicePodIndex: slicePods}); err != nil {
+		return nil, fmt.Errorf("indexing endpointslices by pod: %w", err)
+	}
 	c := &Controller{
 		cfg:      cfg,
 		services: svcInformer.Lister(),
 		slices:   sliceInformer.Lister(),
 		nodes:    nodeInformer.Lister(),
-		synced:   []cache.InformerSynced{svcInformer.Informer().HasSynced, sliceInformer.Informer().HasSynced, nodeInformer.Informer().HasSynced},
+		pods:     podInformer.Lister(),
+		synced: []cache.InformerSynced{svcInformer.Informer().HasSynced, sliceInformer.Informer().HasSynced,
+			nodeInformer.Informer().HasSynced, podInformer.Informer().HasSynced},
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
 			workqueue.TypedRateLimitingQueueConfig[string]{Name: "tunnel-router"}),
 		recorder: recorder,
@@ -102,6 +113,26 @@ func NewController(cfg Config, client kubernetes.Interface, factory informers.Sh
 		DeleteFunc: c.enqueueSliceService,
 	}); err != nil {
 		return nil, fmt.Errorf("watching endpointslices: %w", err)
+	}
+	sliceIndex := sliceInformer.Informer().GetIndexer()
+	if _, err := podInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: func(obj any) {
+			if drainAnnotated(obj) {
+				c.enqueuePodServices(sliceIndex, obj)
+			}
+		},
+		UpdateFunc: func(old, obj any) {
+			if drainAnnotated(old) != drainAnnotated(obj) {
+				c.enqueuePodServices(sliceIndex, obj)
+			}
+		},
+		DeleteFunc: func(obj any) {
+			if drainAnnotated(obj) {
+				c.enqueuePodServices(sliceIndex, obj)
+			}
+		},
+	}); err != nil {
+		return nil, fmt.Errorf("watching pods: %w", err)
 	}
 	if cfg.Mode == ModeMPLS {
 		if _, err := nodeInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
@@ -147,6 +178,74 @@ func (c *Controller) enqueueSliceService(obj any) {
 	if svc := es.Labels[discoveryv1.LabelServiceName]; svc != "" {
 		c.queue.Add(es.Namespace + "/" + svc)
 	}
+}
+
+// slicePodIndex indexes EndpointSlices by the "namespace/name" of the Pods
+// their endpoints refer to.
+const slicePodIndex = "pod"
+
+func slicePods(obj any) ([]string, error) {
+	es, ok := obj.(*discoveryv1.EndpointSlice)
+	if !ok {
+		return nil, nil
+	}
+	var keys []string
+	for _, ep := range es.Endpoints {
+		if ref := ep.TargetRef; ref != nil && ref.Kind == "Pod" {
+			ns := ref.Namespace
+			if ns == "" {
+				ns = es.Namespace
+			}
+			keys = append(keys, ns+"/"+ref.Name)
+		}
+	}
+	return keys, nil
+}
+
+// podMetadataOnly is the pod informer's transform: the router needs a Pod's
+// name and annotations only, so a large cluster's Pods cost little memory.
+func podMetadataOnly(obj any) (any, error) {
+	pod, ok := obj.(*corev1.Pod)
+	if !ok {
+		return obj, nil
+	}
+	slim := &corev1.Pod{}
+	slim.Name, slim.Namespace, slim.UID, slim.ResourceVersion = pod.Name, pod.Namespace, pod.UID, pod.ResourceVersion
+	if v, ok := pod.Annotations[DrainAnnotation]; ok {
+		slim.Annotations = map[string]string{DrainAnnotation: v}
+	}
+	return slim, nil
+}
+
+// drainAnnotated reports whether a Pod carries DrainAnnotation="true".
+func drainAnnotated(obj any) bool {
+	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = d.Obj
+	}
+	pod, ok := obj.(*corev1.Pod)
+	return ok && pod.Annotations[DrainAnnotation] == "true"
+}
+
+// enqueuePodServices queues the Services whose EndpointSlices list the Pod.
+func (c *Controller) enqueuePodServices(sliceIndex cache.Indexer, obj any) {
+	key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj)
+	if err != nil {
+		return
+	}
+	found, err := sliceIndex.ByIndex(slicePodIndex, key)
+	if err != nil {
+		utilruntime.HandleError(err)
+		return
+	}
+	for _, es := range found {
+		c.enqueueSliceService(es)
+	}
+}
+
+// drained reports whether the Pod is marked with DrainAnnotation.
+func (c *Controller) drained(namespace, name string) bool {
+	pod, err := c.pods.Pods(namespace).Get(name)
+	return err == nil && drainAnnotated(pod)
 }
 
 // Ready reports whether the first full synchronisation has succeeded.
@@ -386,7 +485,7 @@ func (c *Controller) tunnelFor(vip netip.Addr) Tunnel {
 	if err != nil {
 		c.log.WithError(err).WithField("service", key).Warn("listing endpointslices")
 	}
-	eps, problems := ReadyEndpoints(esl, c.cfg.Mode == ModeMPLS)
+	eps, problems := ServiceEndpoints(esl, c.cfg.Mode == ModeMPLS, c.drained)
 	if c.cfg.Mode == ModeMPLS {
 		eps, problems = c.withNodeIPs(eps, problems)
 	}
@@ -398,9 +497,24 @@ func (c *Controller) tunnelFor(vip netip.Addr) Tunnel {
 			fmt.Sprintf("tunnel IP %v has no ready endpoint; its traffic is dropped", vip))
 		return t
 	}
-	addrs := make([]netip.Addr, len(eps))
-	byAddr := make(map[netip.Addr]Endpoint, len(eps))
-	for i, ep := range eps {
+	t.Present = eps
+	// New flows go to the ready endpoints; to the draining ones only when no
+	// endpoint is ready (as kube-proxy does with terminating endpoints).
+	var ready, draining []Endpoint
+	for _, ep := range eps {
+		if ep.Draining {
+			draining = append(draining, ep)
+		} else {
+			ready = append(ready, ep)
+		}
+	}
+	assignable := ready
+	if len(ready) == 0 {
+		assignable = draining
+	}
+	addrs := make([]netip.Addr, len(assignable))
+	byAddr := make(map[netip.Addr]Endpoint, len(assignable))
+	for i, ep := range assignable {
 		addrs[i] = ep.Addr
 		byAddr[ep.Addr] = ep
 	}
@@ -409,13 +523,21 @@ func (c *Controller) tunnelFor(vip netip.Addr) Tunnel {
 	for b, a := range table {
 		t.Table[b] = byAddr[a]
 	}
-	if idle := Unassigned(table, addrs); len(idle) > 0 {
-		c.report(svc, corev1.EventTypeWarning, ReasonIdleEndpoints,
-			fmt.Sprintf("tunnel IP %v: %d of its %d ready endpoints own none of the %d buckets and get no traffic (raise --buckets): %v", vip, len(idle), len(eps), c.cfg.Buckets, idle))
+	if len(ready) == 0 {
+		c.report(svc, corev1.EventTypeWarning, ReasonNoReadyEndpoints,
+			fmt.Sprintf("tunnel IP %v has no ready endpoint; new flows go to its %d draining endpoints", vip, len(draining)))
 		return t
 	}
-	c.report(svc, corev1.EventTypeNormal, ReasonProgrammed,
-		fmt.Sprintf("tunnel IP %v programmed: %d endpoints over %d buckets (%s)", vip, len(eps), c.cfg.Buckets, c.cfg.Mode))
+	if idle := Unassigned(table, addrs); len(idle) > 0 {
+		c.report(svc, corev1.EventTypeWarning, ReasonIdleEndpoints,
+			fmt.Sprintf("tunnel IP %v: %d of its %d ready endpoints own none of the %d buckets and get no traffic (raise --buckets): %v", vip, len(idle), len(ready), c.cfg.Buckets, idle))
+		return t
+	}
+	msg := fmt.Sprintf("tunnel IP %v programmed: %d endpoints over %d buckets (%s)", vip, len(ready), c.cfg.Buckets, c.cfg.Mode)
+	if len(draining) > 0 {
+		msg += fmt.Sprintf("; %d draining (no new flows)", len(draining))
+	}
+	c.report(svc, corev1.EventTypeNormal, ReasonProgrammed, msg)
 	return t
 }
 

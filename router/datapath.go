@@ -3,6 +3,7 @@ package router
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
 	"slices"
 	"sync"
@@ -11,6 +12,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 )
 
@@ -29,8 +31,14 @@ type ruleOps interface {
 
 // markChain is the HMARK seam (*hmark.Chain).
 type markChain interface {
-	Sync(vips []netip.Addr) (changed int, err error)
+	Sync(targets []hmark.Target) (changed int, err error)
+	Offsets() (map[netip.Addr]uint32, error)
 	Cleanup() error
+}
+
+// flowLister is the conntrack seam (*netlink.Handle on NETLINK_NETFILTER).
+type flowLister interface {
+	ConntrackTableList(table netlink.ConntrackTableType, family netlink.InetFamily) ([]*netlink.ConntrackFlow, error)
 }
 
 // tunnelDevice is the encapsulation device seam: the flow-based GRE device in
@@ -42,8 +50,9 @@ type tunnelDevice interface {
 	Remove() error
 }
 
-// Datapath owns the router's kernel state: one policy rule per bucket, one
-// route per tunnel IP per bucket table, the HMARK rules, and the tunnel device.
+// Datapath owns the router's kernel state: one policy rule per slot
+// (generation x bucket), one route per tunnel IP per slot table in use, the
+// HMARK rules, and the tunnel device.
 // It keeps what it believes the kernel holds, diffs the desired state against
 // it and applies only the difference. Resync re-reads the kernel, which adopts
 // existing state after a restart and repairs drift.
@@ -56,12 +65,21 @@ type Datapath struct {
 	nodeLink func(netip.Addr) (int, error)
 	log      logrus.FieldLogger
 
+	// flows lists conntrack entries (generation collection); nil disables it.
+	flows flowLister
+	// tcpMinExpire: a TCP conntrack entry counts as a flow of its generation
+	// only while its remaining lifetime exceeds it (see hmark.Sticky).
+	tcpMinExpire uint32
+
 	mu       sync.Mutex
 	greLink  int
-	observed map[netip.Addr][]nextHop // per tunnel IP, one entry per bucket
+	observed map[netip.Addr][]nextHop // per tunnel IP, one entry per slot
 	desired  map[netip.Addr][]nextHop
-	marked   int  // number of tunnel IPs in the HMARK chain at the last sync
-	stale    bool // a write failed: re-read the kernel before the next change
+	current  map[netip.Addr]int      // per tunnel IP, the generation of new flows
+	age      map[netip.Addr][]uint64 // per tunnel IP and generation, when it became current
+	clock    uint64                  // advances at every generation switch
+	marked   map[netip.Addr]int      // the chain's generations at the last sync; nil: unknown
+	stale    bool                    // a write failed: re-read the kernel before the next change
 	ops      uint64
 }
 
@@ -72,8 +90,18 @@ func NewDatapath(cfg Config, routes routeOps, rules ruleOps, chain markChain, de
 		cfg: cfg, routes: routes, rules: rules, chain: chain, device: device, nodeLink: nodeLink, log: log,
 		observed: map[netip.Addr][]nextHop{},
 		desired:  map[netip.Addr][]nextHop{},
-		marked:   -1,
+		current:  map[netip.Addr]int{},
+		age:      map[netip.Addr][]uint64{},
 	}
+}
+
+// EnableGenerationCollection gives the datapath the conntrack table, in which
+// CollectGenerations looks for flows of older generations. tcpMinExpire is
+// the chain's hmark.Sticky.TCPMinExpire.
+func (d *Datapath) EnableGenerationCollection(flows flowLister, tcpMinExpire uint32) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.flows, d.tcpMinExpire = flows, tcpMinExpire
 }
 
 // Ops returns the number of kernel write operations done so far: routes
@@ -84,11 +112,14 @@ func (d *Datapath) Ops() uint64 {
 	return d.ops
 }
 
-// Tunnel is the desired state of one tunnel IP: the endpoint of every bucket,
-// or no table at all when it has no ready endpoint (its traffic is dropped).
+// Tunnel is the desired state of one tunnel IP: the endpoint of every bucket
+// for new flows, or no table at all when it has no endpoint (its traffic is
+// dropped), and the endpoints that still exist (ready or draining): older
+// generations keep sending their established flows to those.
 type Tunnel struct {
-	VIP   netip.Addr
-	Table []Endpoint
+	VIP     netip.Addr
+	Table   []Endpoint
+	Present []Endpoint
 }
 
 // hops turns a bucket table into next hops.
@@ -118,6 +149,41 @@ func (d *Datapath) hops(t Tunnel) ([]nextHop, error) {
 	return hops, nil
 }
 
+// presentHops returns whether a next hop leads to one of t's present endpoints.
+func (d *Datapath) presentHops(t Tunnel) func(nextHop) bool {
+	set := map[nextHop]bool{}
+	for _, ep := range append(slices.Clone(t.Present), t.Table...) {
+		if h, err := d.cfg.hopFor(ep, d.greLink, d.nodeLink); err == nil {
+			set[h] = true
+		}
+	}
+	return func(h nextHop) bool { return set[h] }
+}
+
+// plan sets the desired slots and current generation of t.VIP from have,
+// the slots it has now. It returns whether the current generation changed.
+func (d *Datapath) plan(t Tunnel, have []nextHop, cur int) (bool, error) {
+	want, err := d.hops(t)
+	if err != nil {
+		return false, err
+	}
+	next, newCur, switched := planGenerations(d.cfg, have, cur, d.age[t.VIP], want, d.presentHops(t))
+	d.desired[t.VIP] = next
+	d.current[t.VIP] = newCur
+	if switched {
+		d.clock++
+		age := d.age[t.VIP]
+		if len(age) < d.cfg.Generations {
+			age = append(age, make([]uint64, d.cfg.Generations-len(age))...)
+		}
+		age[newCur] = d.clock
+		d.age[t.VIP] = age
+		d.log.WithFields(logrus.Fields{"vip": t.VIP, "from_generation": cur, "to_generation": newCur,
+			"generations_in_use": generationsInUse(d.cfg, next)}).Info("new flows go to a new generation; established flows keep theirs")
+	}
+	return switched, nil
+}
+
 // SetTunnel programs one tunnel IP. Routes go in before the HMARK rule, so a
 // marked packet always finds a route in its bucket table (never the main table).
 func (d *Datapath) SetTunnel(t Tunnel) error {
@@ -133,18 +199,27 @@ func (d *Datapath) SetTunnel(t Tunnel) error {
 	if err := d.refreshIfStale(); err != nil {
 		return err
 	}
-	hops, err := d.hops(t)
-	if err != nil {
+	previous, existed := d.desired[t.VIP]
+	previousCur, hadCur := d.current[t.VIP]
+	have, cur := previous, previousCur
+	if !existed {
+		// Not programmed by this process yet: adopt what the kernel has.
+		have, cur = d.observed[t.VIP], d.current[t.VIP]
+	}
+	if _, err := d.plan(t, have, cur); err != nil {
 		return err
 	}
-	previous, existed := d.desired[t.VIP]
-	d.desired[t.VIP] = hops
 	if err := d.applyRoutes(d.diffVIP(t.VIP, nil)); err != nil {
 		// A new tunnel IP must not get its HMARK rule without its routes.
 		if existed {
 			d.desired[t.VIP] = previous
 		} else {
 			delete(d.desired, t.VIP)
+		}
+		if hadCur {
+			d.current[t.VIP] = previousCur
+		} else {
+			delete(d.current, t.VIP)
 		}
 		return err
 	}
@@ -175,6 +250,8 @@ func (d *Datapath) RemoveTunnel(vip netip.Addr) error {
 		return err
 	}
 	delete(d.desired, vip)
+	delete(d.current, vip)
+	delete(d.age, vip)
 	if err := d.syncMarks(false); err != nil {
 		return err
 	}
@@ -201,22 +278,44 @@ func (d *Datapath) Resync(tunnels []Tunnel) error {
 	if err := d.readRoutes(); err != nil {
 		return errors.Join(append(errs, err)...)
 	}
+	// Which generation each tunnel IP's new flows use is in its HMARK rule.
+	offsets, err := d.chain.Offsets()
+	if err != nil {
+		return errors.Join(append(errs, fmt.Errorf("hmark chain: reading generations: %w", err))...)
+	}
+	kernelCur := make(map[netip.Addr]int, len(offsets))
+	for vip, off := range offsets {
+		if g, ok := d.cfg.generationOfOffset(off); ok {
+			kernelCur[vip] = g
+		}
+	}
 	// A tunnel whose next hops cannot be computed (say, an MPLS endpoint
 	// whose node has no route) keeps what the kernel has for it; it never
 	// holds up the others.
-	desired := make(map[netip.Addr][]nextHop, len(tunnels))
+	oldCurrent := d.current
+	d.desired, d.current = make(map[netip.Addr][]nextHop, len(tunnels)), make(map[netip.Addr]int, len(tunnels))
 	for _, t := range tunnels {
-		hops, err := d.hops(t)
-		if err != nil {
+		cur, ok := kernelCur[t.VIP]
+		if !ok {
+			cur = oldCurrent[t.VIP]
+		}
+		if _, err := d.plan(t, d.observed[t.VIP], cur); err != nil {
 			d.log.WithError(err).WithField("vip", t.VIP).Warn("tunnel cannot be programmed; keeping its current state")
 			if have := d.observed[t.VIP]; have != nil {
-				desired[t.VIP] = slices.Clone(have)
+				d.desired[t.VIP] = slices.Clone(have)
+				d.current[t.VIP] = cur
+			} else {
+				delete(d.desired, t.VIP)
+				delete(d.current, t.VIP)
 			}
 			continue
 		}
-		desired[t.VIP] = hops
 	}
-	d.desired = desired
+	for vip := range d.age {
+		if _, ok := d.desired[vip]; !ok {
+			delete(d.age, vip)
+		}
+	}
 	// New tunnel IPs get their routes before their mark; removed ones lose
 	// their mark before their routes.
 	var wanted []netip.Addr
@@ -247,7 +346,7 @@ const applyChunk = 8192
 
 // applyChunked converges the routes of vips, a chunk of operations at a time.
 func (d *Datapath) applyChunked(vips []netip.Addr) error {
-	ops := make([]rtnl.Op, 0, applyChunk+MaxBuckets)
+	ops := make([]rtnl.Op, 0, applyChunk+ownedSlots)
 	for _, vip := range vips {
 		ops = d.diffVIP(vip, ops)
 		if len(ops) >= applyChunk {
@@ -308,15 +407,16 @@ func (d *Datapath) applyRoutes(ops []rtnl.Op) error {
 }
 
 // readRoutes replaces the observed state with what the kernel holds in the
-// router's tables (every table it could have used, up to MaxBuckets, so that
-// a smaller bucket count still finds the old tables' routes).
+// router's tables (every table it could have used, up to ownedSlots, so that
+// a smaller bucket or generation count still finds the old tables' routes).
 func (d *Datapath) readRoutes() error {
+	last := d.cfg.TableBase + ownedSlots - 1
 	routes, err := d.routes.List(rtnl.ListFilter{
-		Tables:   rtnl.TableRange{First: uint32(d.cfg.TableBase), Last: uint32(d.cfg.TableBase + MaxBuckets - 1)},
+		Tables:   rtnl.TableRange{First: uint32(d.cfg.TableBase), Last: uint32(last)},
 		Protocol: d.cfg.RouteProtocol,
 	})
 	if err != nil {
-		return fmt.Errorf("listing routes in tables %d-%d: %w", d.cfg.TableBase, d.cfg.TableBase+MaxBuckets-1, err)
+		return fmt.Errorf("listing routes in tables %d-%d: %w", d.cfg.TableBase, last, err)
 	}
 	observed := make(map[netip.Addr][]nextHop, len(d.desired))
 	for i := range routes {
@@ -326,7 +426,7 @@ func (d *Datapath) readRoutes() error {
 		}
 		hops := observed[vip]
 		if len(hops) <= bucket {
-			hops = append(hops, make([]nextHop, max(d.cfg.Buckets, bucket+1)-len(hops))...)
+			hops = append(hops, make([]nextHop, max(d.cfg.Slots(), bucket+1)-len(hops))...)
 			observed[vip] = hops
 		}
 		hops[bucket] = hop
@@ -336,28 +436,29 @@ func (d *Datapath) readRoutes() error {
 	return nil
 }
 
-// syncMarks gives the HMARK chain exactly the desired tunnel IPs. Unless force
-// is set, it is skipped when the set of tunnel IPs has not changed.
+// syncMarks gives the HMARK chain exactly the desired tunnel IPs, each with
+// the offset of its current generation. Unless force is set, it is skipped
+// when nothing changed since the last sync.
 func (d *Datapath) syncMarks(force bool) error {
-	if !force && len(d.desired) == d.marked {
+	if !force && d.marked != nil && maps.Equal(d.marked, d.current) && len(d.current) == len(d.desired) {
 		return nil
 	}
-	vips := make([]netip.Addr, 0, len(d.desired))
+	targets := make([]hmark.Target, 0, len(d.desired))
 	for vip := range d.desired {
-		vips = append(vips, vip)
+		targets = append(targets, hmark.Target{VIP: vip, Offset: d.cfg.GenerationOffset(d.current[vip])})
 	}
-	slices.SortFunc(vips, netip.Addr.Compare)
-	n, err := d.chain.Sync(vips)
+	slices.SortFunc(targets, func(a, b hmark.Target) int { return a.VIP.Compare(b.VIP) })
+	n, err := d.chain.Sync(targets)
 	d.ops += uint64(n)
 	if err != nil {
-		d.marked = -1
+		d.marked = nil
 		return fmt.Errorf("hmark chain: %w", err)
 	}
-	d.marked = len(vips)
+	d.marked = maps.Clone(d.current)
 	return nil
 }
 
-// bucketRule is the policy rule of bucket b.
+// bucketRule is the policy rule of slot b.
 func (c Config) bucketRule(b int) netlink.Rule {
 	r := *netlink.NewRule()
 	r.Family = unix.AF_INET
@@ -371,9 +472,9 @@ func (c Config) bucketRule(b int) netlink.Rule {
 }
 
 // ownsRule reports whether r is one of the router's rules: in its priority
-// range (up to MaxBuckets) and carrying its protocol.
+// range (up to ownedSlots) and carrying its protocol.
 func (c Config) ownsRule(r *netlink.Rule) bool {
-	return r.Priority >= c.RulePriority && r.Priority < c.RulePriority+MaxBuckets && r.Protocol == c.RouteProtocol
+	return r.Priority >= c.RulePriority && r.Priority < c.RulePriority+ownedSlots && r.Protocol == c.RouteProtocol
 }
 
 func sameRule(a, b *netlink.Rule) bool {
@@ -387,7 +488,7 @@ func sameRule(a, b *netlink.Rule) bool {
 		a.Src == nil && a.Dst == nil && a.IifName == "" && a.OifName == "" && !a.Invert && a.Goto <= 0
 }
 
-// syncRules makes the router's policy rules exactly one per bucket.
+// syncRules makes the router's policy rules exactly one per slot.
 func (d *Datapath) syncRules() error {
 	all, err := d.rules.RuleListFiltered(unix.AF_INET, nil, 0)
 	if err != nil {
@@ -400,7 +501,7 @@ func (d *Datapath) syncRules() error {
 		}
 	}
 	var errs []error
-	for b := 0; b < d.cfg.Buckets; b++ {
+	for b := 0; b < d.cfg.Slots(); b++ {
 		want := d.cfg.bucketRule(b)
 		found := false
 		for i, r := range have[want.Priority] {
@@ -413,7 +514,7 @@ func (d *Datapath) syncRules() error {
 		if !found {
 			d.ops++
 			if err := d.rules.RuleAdd(&want); err != nil {
-				errs = append(errs, fmt.Errorf("adding rule for bucket %d (pref %d fwmark %#x table %d): %w", b, want.Priority, want.Mark, want.Table, err))
+				errs = append(errs, fmt.Errorf("adding rule for slot %d (pref %d fwmark %#x table %d): %w", b, want.Priority, want.Mark, want.Table, err))
 			}
 		}
 	}
@@ -438,8 +539,8 @@ func (d *Datapath) Cleanup() error {
 	if err := d.chain.Cleanup(); err != nil {
 		errs = append(errs, fmt.Errorf("hmark chain: %w", err))
 	}
-	d.desired = map[netip.Addr][]nextHop{}
-	d.marked = -1
+	d.desired, d.current, d.age = map[netip.Addr][]nextHop{}, map[netip.Addr]int{}, map[netip.Addr][]uint64{}
+	d.marked = nil
 	if all, err := d.rules.RuleListFiltered(unix.AF_INET, nil, 0); err != nil {
 		errs = append(errs, fmt.Errorf("listing rules: %w", err))
 	} else {

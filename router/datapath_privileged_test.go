@@ -169,8 +169,11 @@ func TestDatapathInNetns(t *testing.T) {
 func TestDatapathShrinkingBucketsRemovesOldTables(t *testing.T) {
 	ns := testnetns.New(t)
 	ns.AddVeth("veth0", "veth1", netip.MustParsePrefix("192.168.50.1/24"))
+	// Stateless: with several generations, the old tables would stay as
+	// older generations until conntrack shows no flow uses their marks.
 	big := testConfig()
 	big.Buckets = 16
+	big.Generations = 1
 	if err := newKernelRouter(t, ns, big).dp.Resync([]Tunnel{tunnel(big, "192.0.2.1", "10.244.1.5", "10.244.2.6")}); err != nil {
 		t.Fatal(err)
 	}

@@ -3,13 +3,16 @@ package router
 import (
 	"fmt"
 	"io"
+	"maps"
 	"net/netip"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/sirupsen/logrus"
 	"github.com/vishvananda/netlink"
 
+	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 )
 
@@ -18,7 +21,7 @@ import (
 type fakeKernel struct {
 	routes  map[rtnl.RouteKey]rtnl.Route
 	rules   []netlink.Rule
-	marked  []netip.Addr
+	marked  map[netip.Addr]uint32 // HMARK offset per tunnel IP
 	writes  int
 	journal []string
 	devUp   bool
@@ -76,24 +79,32 @@ func (k *fakeKernel) RuleDel(r *netlink.Rule) error {
 
 type fakeChain struct{ k *fakeKernel }
 
-func (c fakeChain) Sync(vips []netip.Addr) (int, error) {
-	if slices.Equal(vips, c.k.marked) {
+func (c fakeChain) Sync(targets []hmark.Target) (int, error) {
+	want := map[netip.Addr]uint32{}
+	for _, t := range targets {
+		want[t.VIP] = t.Offset
+	}
+	if maps.Equal(want, c.k.marked) {
 		return 0, nil
 	}
-	for _, v := range vips {
-		if !slices.Contains(c.k.marked, v) {
-			c.k.journal = append(c.k.journal, "mark+ "+v.String())
+	for _, t := range targets {
+		if off, ok := c.k.marked[t.VIP]; !ok {
+			c.k.journal = append(c.k.journal, "mark+ "+t.VIP.String())
+		} else if off != t.Offset {
+			c.k.journal = append(c.k.journal, "mark~ "+t.VIP.String())
 		}
 	}
-	for _, v := range c.k.marked {
-		if !slices.Contains(vips, v) {
+	for v := range c.k.marked {
+		if _, ok := want[v]; !ok {
 			c.k.journal = append(c.k.journal, "mark- "+v.String())
 		}
 	}
-	c.k.marked = slices.Clone(vips)
+	c.k.marked = want
 	c.k.writes++
 	return 1, nil
 }
+
+func (c fakeChain) Offsets() (map[netip.Addr]uint32, error) { return maps.Clone(c.k.marked), nil }
 
 func (c fakeChain) Cleanup() error { c.k.marked = nil; return nil }
 
@@ -107,6 +118,7 @@ func testConfig() Config {
 		Mode: ModeGRE, Buckets: 8, MarkOffset: DefaultMarkOffset, Seed: 1,
 		RulePriority: DefaultRulePriority, TableBase: DefaultTableBase, RouteProtocol: DefaultRouteProtocol,
 		GREDevice: DefaultGREDevice, Chain: "KST-HMARK",
+		Generations: 4, GenerationCheckPeriod: time.Second,
 	}
 }
 
@@ -139,7 +151,7 @@ func TestResyncProgramsEverythingAndAdoptsOnRestart(t *testing.T) {
 	if err := newTestDatapath(cfg, k).Resync(tunnels); err != nil {
 		t.Fatal(err)
 	}
-	if len(k.routes) != 2*cfg.Buckets || len(k.rules) != cfg.Buckets || len(k.marked) != 2 || !k.devUp {
+	if len(k.routes) != 2*cfg.Buckets || len(k.rules) != cfg.Slots() || len(k.marked) != 2 || !k.devUp {
 		t.Fatalf("routes=%d rules=%d marked=%v dev=%v", len(k.routes), len(k.rules), k.marked, k.devUp)
 	}
 	for b := 0; b < cfg.Buckets; b++ {
@@ -203,8 +215,8 @@ func TestResyncRepairsDriftAndLeavesForeignStateAlone(t *testing.T) {
 	if _, ok := k.routes[otherTable.Key()]; !ok {
 		t.Error("route outside our tables was removed")
 	}
-	if len(k.rules) != cfg.Buckets+1 {
-		t.Errorf("%d rules, want %d ours + 1 foreign", len(k.rules), cfg.Buckets)
+	if len(k.rules) != cfg.Slots()+1 {
+		t.Errorf("%d rules, want %d ours + 1 foreign", len(k.rules), cfg.Slots())
 	}
 
 	if err := d.Cleanup(); err != nil {
@@ -321,7 +333,7 @@ func TestOneUnprogrammableTunnelDoesNotBlockTheOthers(t *testing.T) {
 	if _, ok := k.routes[rtnl.RouteKey{Table: uint32(cfg.Table(0)), Dst: netip.MustParsePrefix("192.0.2.1/32")}]; !ok {
 		t.Fatal("the good tunnel was not programmed")
 	}
-	if slices.Contains(k.marked, bad.VIP) {
+	if isMarked(k.marked, bad.VIP) {
 		t.Fatal("the unprogrammable tunnel got an HMARK rule without routes")
 	}
 }
@@ -360,10 +372,15 @@ func TestFailedRoutesNeverGetAMark(t *testing.T) {
 	if err := d.SetTunnel(tunnel(cfg, "192.0.2.3", "10.244.1.7")); err != nil {
 		t.Fatal(err)
 	}
-	if slices.Contains(k.marked, k.failVIP) {
+	if isMarked(k.marked, k.failVIP) {
 		t.Fatalf("tunnel without routes is marked: %v", k.marked)
 	}
-	if !slices.Contains(k.marked, netip.MustParseAddr("192.0.2.3")) || !slices.Contains(k.marked, netip.MustParseAddr("192.0.2.1")) {
+	if !isMarked(k.marked, netip.MustParseAddr("192.0.2.3")) || !isMarked(k.marked, netip.MustParseAddr("192.0.2.1")) {
 		t.Fatalf("marks %v, want the programmed tunnels", k.marked)
 	}
+}
+
+func isMarked(marked map[netip.Addr]uint32, vip netip.Addr) bool {
+	_, ok := marked[vip]
+	return ok
 }

@@ -8,9 +8,11 @@ import (
 	discoveryv1 "k8s.io/api/discovery/v1"
 )
 
-// Endpoint is one ready backend of a tunnel IP, as every router sees it in the
+// Endpoint is one backend of a tunnel IP, as every router sees it in the
 // Service's EndpointSlices.
 type Endpoint struct {
+	// Draining endpoints get no new flows; their established flows stay.
+	Draining bool
 	// Addr is the pod IP: the GRE outer destination, and the source of the MPLS label.
 	Addr netip.Addr
 	// NodeName is the node the pod runs on; MPLS mode sends the packet there.
@@ -19,15 +21,21 @@ type Endpoint struct {
 	NodeIP netip.Addr
 }
 
-// ReadyEndpoints extracts the ready IPv4 endpoints of a Service from its
-// EndpointSlices, deduplicated by address and sorted. Entries it cannot use are
-// skipped and described in problems (one line each, naming the slice and the
-// field) so that one bad entry never hides the others.
+// DrainAnnotation on a Pod, set to "true", drains the pod's endpoints: they
+// get no new flows, while their established flows keep reaching them.
+const DrainAnnotation = "cmd.nu/tunnel-drain"
+
+// ServiceEndpoints extracts the IPv4 endpoints of a Service from its
+// EndpointSlices, deduplicated by address and sorted. Entries it cannot use
+// are skipped and described in problems (one line each, naming the slice and
+// the field) so that one bad entry never hides the others.
 //
-// An endpoint counts as ready when conditions.ready is true or unset (the API
-// says consumers should treat unset as ready). Terminating endpoints are not
-// ready and get no buckets.
-func ReadyEndpoints(endpointSlices []*discoveryv1.EndpointSlice, needNode bool) (eps []Endpoint, problems []string) {
+// An endpoint is ready when conditions.ready is true or unset (the API says
+// consumers should treat unset as ready). It is draining when it is serving
+// but not ready (terminating), or when drained(pod) says its Pod is marked
+// with DrainAnnotation; drained may be nil. Endpoints neither ready nor
+// serving are left out.
+func ServiceEndpoints(endpointSlices []*discoveryv1.EndpointSlice, needNode bool, drained func(namespace, name string) bool) (eps []Endpoint, problems []string) {
 	byAddr := map[netip.Addr]Endpoint{}
 	for _, es := range endpointSlices {
 		if es == nil {
@@ -39,8 +47,19 @@ func ReadyEndpoints(endpointSlices []*discoveryv1.EndpointSlice, needNode bool) 
 			continue
 		}
 		for i, ep := range es.Endpoints {
+			draining := false
 			if ep.Conditions.Ready != nil && !*ep.Conditions.Ready {
-				continue
+				if ep.Conditions.Serving == nil || !*ep.Conditions.Serving {
+					continue
+				}
+				draining = true
+			}
+			if ref := ep.TargetRef; !draining && drained != nil && ref != nil && ref.Kind == "Pod" {
+				ns := ref.Namespace
+				if ns == "" {
+					ns = es.Namespace
+				}
+				draining = drained(ns, ref.Name)
 			}
 			if len(ep.Addresses) == 0 {
 				problems = append(problems, fmt.Sprintf("EndpointSlice %s: endpoints[%d].addresses is empty", name, i))
@@ -59,11 +78,14 @@ func ReadyEndpoints(endpointSlices []*discoveryv1.EndpointSlice, needNode bool) 
 				problems = append(problems, fmt.Sprintf("EndpointSlice %s: endpoints[%d] (%s) has no nodeName, which mpls mode needs", name, i, addr))
 				continue
 			}
-			if prev, dup := byAddr[addr]; dup && prev.NodeName != node {
-				problems = append(problems, fmt.Sprintf("EndpointSlice %s: endpoints[%d] (%s) is also listed on node %q; using %q", name, i, addr, prev.NodeName, min(prev.NodeName, node)))
-				node = min(prev.NodeName, node)
+			if prev, dup := byAddr[addr]; dup {
+				if prev.NodeName != node {
+					problems = append(problems, fmt.Sprintf("EndpointSlice %s: endpoints[%d] (%s) is also listed on node %q; using %q", name, i, addr, prev.NodeName, min(prev.NodeName, node)))
+					node = min(prev.NodeName, node)
+				}
+				draining = draining && prev.Draining // ready in one slice is ready
 			}
-			byAddr[addr] = Endpoint{Addr: addr, NodeName: node}
+			byAddr[addr] = Endpoint{Addr: addr, NodeName: node, Draining: draining}
 		}
 	}
 	for _, ep := range byAddr {

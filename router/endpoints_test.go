@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
@@ -19,12 +20,15 @@ func slice(name string, typ discoveryv1.AddressType, eps ...discoveryv1.Endpoint
 	}
 }
 
-func TestReadyEndpoints(t *testing.T) {
+func TestServiceEndpoints(t *testing.T) {
 	slices := []*discoveryv1.EndpointSlice{
 		slice("a", discoveryv1.AddressTypeIPv4,
 			discoveryv1.Endpoint{Addresses: []string{"10.244.1.5"}, NodeName: ptr("node-1"), Conditions: discoveryv1.EndpointConditions{Ready: ptr(true)}},
 			discoveryv1.Endpoint{Addresses: []string{"10.244.1.6"}, NodeName: ptr("node-1")}, // nil ready: counts as ready
-			discoveryv1.Endpoint{Addresses: []string{"10.244.1.7"}, NodeName: ptr("node-1"), Conditions: discoveryv1.EndpointConditions{Ready: ptr(false), Serving: ptr(true), Terminating: ptr(true)}},
+			discoveryv1.Endpoint{Addresses: []string{"10.244.1.7"}, NodeName: ptr("node-1"), Conditions: discoveryv1.EndpointConditions{Ready: ptr(false), Serving: ptr(true), Terminating: ptr(true)}}, // draining
+			discoveryv1.Endpoint{Addresses: []string{"10.244.1.8"}, NodeName: ptr("node-1"), Conditions: discoveryv1.EndpointConditions{Ready: ptr(false), Serving: ptr(false), Terminating: ptr(true)}}, // gone
+			discoveryv1.Endpoint{Addresses: []string{"10.244.1.4"}, NodeName: ptr("node-1"), Conditions: discoveryv1.EndpointConditions{Ready: ptr(false)}},                                             // not ready, not serving
+			discoveryv1.Endpoint{Addresses: []string{"10.244.1.3"}, NodeName: ptr("node-1"), TargetRef: &corev1.ObjectReference{Kind: "Pod", Name: "annotated"}},                                      // drained by annotation
 			discoveryv1.Endpoint{Addresses: nil, NodeName: ptr("node-1")},
 			discoveryv1.Endpoint{Addresses: []string{"not-an-ip"}},
 			discoveryv1.Endpoint{Addresses: []string{"10.244.2.9"}}, // no nodeName
@@ -36,16 +40,27 @@ func TestReadyEndpoints(t *testing.T) {
 		nil,
 	}
 
+	drained := func(ns, name string) bool { return ns == "ns" && name == "annotated" }
 	t.Run("gre", func(t *testing.T) {
-		eps, problems := ReadyEndpoints(slices, false)
-		want := []string{"10.244.1.5", "10.244.1.6", "10.244.2.9"}
+		eps, problems := ServiceEndpoints(slices, false, drained)
+		want := []string{"10.244.1.3", "10.244.1.5", "10.244.1.6", "10.244.1.7", "10.244.2.9"}
 		assertAddrs(t, eps, want)
-		assertProblems(t, problems, "endpoints[3].addresses is empty", "not-an-ip", "addressType IPv6")
+		assertDraining(t, eps, "10.244.1.3", "10.244.1.7")
+		assertProblems(t, problems, "endpoints[6].addresses is empty", "not-an-ip", "addressType IPv6")
 	})
 	t.Run("mpls needs a node", func(t *testing.T) {
-		eps, problems := ReadyEndpoints(slices, true)
-		assertAddrs(t, eps, []string{"10.244.1.5", "10.244.1.6"})
-		assertProblems(t, problems, "endpoints[5] (10.244.2.9) has no nodeName")
+		eps, problems := ServiceEndpoints(slices, true, nil)
+		assertAddrs(t, eps, []string{"10.244.1.3", "10.244.1.5", "10.244.1.6", "10.244.1.7"})
+		assertDraining(t, eps, "10.244.1.7")
+		assertProblems(t, problems, "endpoints[8] (10.244.2.9) has no nodeName")
+	})
+	t.Run("ready in one slice wins over draining in another", func(t *testing.T) {
+		eps, _ := ServiceEndpoints([]*discoveryv1.EndpointSlice{
+			slice("x", discoveryv1.AddressTypeIPv4, discoveryv1.Endpoint{Addresses: []string{"10.0.0.1"}, Conditions: discoveryv1.EndpointConditions{Ready: ptr(false), Serving: ptr(true)}}),
+			slice("y", discoveryv1.AddressTypeIPv4, discoveryv1.Endpoint{Addresses: []string{"10.0.0.1"}}),
+		}, false, nil)
+		assertAddrs(t, eps, []string{"10.0.0.1"})
+		assertDraining(t, eps)
 	})
 }
 
@@ -58,6 +73,19 @@ func assertAddrs(t *testing.T, eps []Endpoint, want []string) {
 		if eps[i].Addr != netip.MustParseAddr(want[i]) {
 			t.Fatalf("got %v, want %v", eps, want)
 		}
+	}
+}
+
+func assertDraining(t *testing.T, eps []Endpoint, want ...string) {
+	t.Helper()
+	var got []string
+	for _, ep := range eps {
+		if ep.Draining {
+			got = append(got, ep.Addr.String())
+		}
+	}
+	if strings.Join(got, ",") != strings.Join(want, ",") {
+		t.Errorf("draining endpoints %v, want %v", got, want)
 	}
 }
 

@@ -29,17 +29,20 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 		Mode: ModeGRE, Buckets: DefaultBuckets, MarkOffset: DefaultMarkOffset,
 		RulePriority: DefaultRulePriority, TableBase: DefaultTableBase, RouteProtocol: DefaultRouteProtocol,
 		GREDevice: DefaultGREDevice, Chain: "KST-HMARK", ResyncPeriod: DefaultResyncPeriod,
+		Generations: DefaultGenerations, GenerationCheckPeriod: DefaultGenerationCheckPeriod,
 	}
 	fs.Func("mode", `encapsulation: "gre" or "mpls" (default "gre")`, func(s string) error { o.Mode = Mode(s); return nil })
 	fs.StringVar(&o.seed, "seed", "", "HMARK seed shared by every router, decimal or 0x-hex (required)")
 	fs.IntVar(&o.Buckets, "buckets", o.Buckets, "number of HMARK buckets, each with its own rule and routing table")
-	fs.Func("mark-offset", "packet mark of bucket 0, decimal or 0x-hex (default 0x1000)", func(s string) error {
+	fs.Func("mark-offset", "packet mark of slot 0, decimal or 0x-hex; slot k has mark-offset+k (default 0x1000)", func(s string) error {
 		v, err := strconv.ParseUint(s, 0, 32)
 		o.MarkOffset = uint32(v)
 		return err
 	})
-	fs.IntVar(&o.RulePriority, "rule-priority", o.RulePriority, "priority of bucket 0's policy rule; bucket i uses rule-priority+i")
-	fs.IntVar(&o.TableBase, "table-base", o.TableBase, "routing table of bucket 0; bucket i uses table-base+i")
+	fs.IntVar(&o.Generations, "generations", o.Generations, "routing generations kept so that established flows keep their endpoint while new flows follow a changed table (draining); 1 makes the router stateless (no conntrack)")
+	fs.DurationVar(&o.GenerationCheckPeriod, "generation-check-period", o.GenerationCheckPeriod, "how often older generations are looked up in conntrack and removed once no flow uses them")
+	fs.IntVar(&o.RulePriority, "rule-priority", o.RulePriority, "priority of slot 0's policy rule; slot k (generation k/buckets, bucket k%buckets) uses rule-priority+k")
+	fs.IntVar(&o.TableBase, "table-base", o.TableBase, "routing table of slot 0; slot k uses table-base+k")
 	fs.Func("route-protocol", "rtm_protocol number marking the router's routes and rules (default 245)", func(s string) error {
 		v, err := strconv.ParseUint(s, 0, 8)
 		o.RouteProtocol = uint8(v)

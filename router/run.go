@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"os/signal"
+	"strconv"
 	"strings"
 	"syscall"
 
@@ -16,6 +17,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
@@ -52,10 +54,14 @@ func Main(args []string) error {
 	}
 	entry.WithFields(logrus.Fields{
 		"mode": o.Mode, "buckets": o.Buckets, "seed_fingerprint": hmark.SeedFingerprint(o.Seed),
-		"mark_offset": fmt.Sprintf("%#x", o.MarkOffset), "rule_priorities": fmt.Sprintf("%d-%d", o.Priority(0), o.Priority(o.Buckets-1)),
-		"tables": fmt.Sprintf("%d-%d", o.Table(0), o.Table(o.Buckets-1)), "route_protocol": o.RouteProtocol, "chain": o.Chain,
+		"generations": o.Generations, "mark_offset": fmt.Sprintf("%#x", o.MarkOffset),
+		"rule_priorities": fmt.Sprintf("%d-%d", o.Priority(0), o.Priority(o.Slots()-1)),
+		"tables": fmt.Sprintf("%d-%d", o.Table(0), o.Table(o.Slots()-1)), "route_protocol": o.RouteProtocol, "chain": o.Chain,
 	}).Info("starting tunnel router")
 	warnIfNotForwarding(entry)
+	if o.Generations > 1 {
+		warnIfNoPickup(entry)
+	}
 
 	// client-go's default (5 QPS, burst 10) throttles the paged initial LISTs
 	// of large clusters and the events of a full resync.
@@ -73,6 +79,13 @@ func Main(args []string) error {
 	}
 	factory.Start(ctx.Done())
 	defer factory.Shutdown()
+	if o.Generations > 1 {
+		go wait.Until(func() {
+			if _, err := dp.CollectGenerations(); err != nil {
+				entry.WithError(err).Warn("looking for unused generations")
+			}
+		}, o.GenerationCheckPeriod, ctx.Done())
+	}
 	// The datapath stays as it is on exit: a restarted router adopts it, and
 	// traffic keeps flowing meanwhile. Use --cleanup to remove it.
 	return ctrl.Run(ctx)
@@ -100,6 +113,21 @@ func openDatapath(cfg Config, createDevice bool, log logrus.FieldLogger) (*Datap
 		closeAll()
 		return nil, nil, err
 	}
+	var conntrack *netlink.Handle
+	tcpMinExpire := closingTimeout(log)
+	if cfg.Generations > 1 {
+		block, mask := cfg.MarkBlock()
+		if err := chain.SetSticky(&hmark.Sticky{Block: block, Mask: mask, TCPMinExpire: tcpMinExpire}); err != nil {
+			closeAll()
+			return nil, nil, err
+		}
+		if conntrack, err = netlink.NewHandle(unix.NETLINK_NETFILTER); err != nil {
+			closeAll()
+			return nil, nil, fmt.Errorf("netfilter netlink handle (conntrack): %w", err)
+		}
+		closeRoute := closeAll
+		closeAll = func() { closeRoute(); conntrack.Close() }
+	}
 	var device tunnelDevice = NoDevice{}
 	switch {
 	case cfg.Mode == ModeGRE && createDevice:
@@ -117,7 +145,54 @@ func openDatapath(cfg Config, createDevice bool, log logrus.FieldLogger) (*Datap
 		}
 		return rs[0].LinkIndex, nil
 	}
-	return NewDatapath(cfg, routes, handle, chain, device, nodeLink, log), closeAll, nil
+	dp := NewDatapath(cfg, routes, handle, chain, device, nodeLink, log)
+	if conntrack != nil {
+		dp.EnableGenerationCollection(conntrack, tcpMinExpire)
+	}
+	return dp, closeAll, nil
+}
+
+// closingTimeouts are the conntrack sysctls of TCP's closing states.
+var closingTimeouts = []string{"fin_wait", "close_wait", "last_ack", "time_wait", "close"}
+
+// closingTimeout returns the longest conntrack timeout of a closing TCP
+// state (120 s by default): a TCP flow's generation is restored only while
+// its entry has more lifetime left than that, i.e. in an established state.
+// A client that reuses a closed connection's 4-tuple then gets a fresh
+// decision for the new connection instead of the old connection's endpoint.
+func closingTimeout(log logrus.FieldLogger) uint32 {
+	longest := uint32(120)
+	for _, name := range closingTimeouts {
+		v, err := readSysctl("/proc/sys/net/netfilter/nf_conntrack_tcp_timeout_" + name)
+		if err != nil {
+			continue // conntrack not loaded yet: the kernel defaults apply
+		}
+		longest = max(longest, v)
+	}
+	for _, name := range []string{"unacknowledged", "max_retrans"} {
+		if v, err := readSysctl("/proc/sys/net/netfilter/nf_conntrack_tcp_timeout_" + name); err == nil && v <= longest {
+			log.WithField("sysctl", "net.netfilter.nf_conntrack_tcp_timeout_"+name).Warnf("is %d s, not above the longest closing-state timeout (%d s): established TCP flows will not keep their generation while draining", v, longest)
+		}
+	}
+	return longest
+}
+
+func readSysctl(path string) (uint32, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return 0, err
+	}
+	v, err := strconv.ParseUint(strings.TrimSpace(string(b)), 10, 32)
+	return uint32(v), err
+}
+
+// warnIfNoPickup logs when conntrack would not pick up TCP flows mid-stream:
+// the router untracks SYNs (it never sees replies), so established flows are
+// tracked from their second packet on, which needs nf_conntrack_tcp_loose.
+func warnIfNoPickup(log logrus.FieldLogger) {
+	if v, err := readSysctl("/proc/sys/net/netfilter/nf_conntrack_tcp_loose"); err == nil && v == 0 {
+		log.Warn("net.netfilter.nf_conntrack_tcp_loose is 0: TCP flows are not tracked, so they do not keep their endpoint while it drains (set it to 1)")
+	}
 }
 
 // warnIfNotForwarding logs when the node would not forward tunnelled packets.

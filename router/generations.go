@@ -1,0 +1,216 @@
+package router
+
+import (
+	"fmt"
+	"net/netip"
+	"slices"
+
+	"github.com/sirupsen/logrus"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
+)
+
+// Routing generations (draining and connection stickiness).
+//
+// The router keeps up to Config.Generations bucket tables per tunnel IP. New
+// flows are hashed into the CURRENT generation (the tunnel IP's HMARK offset);
+// conntrack remembers each flow's mark, so an established flow keeps the
+// generation, and so the endpoint, it started with (see hmark.Sticky for the
+// iptables side). When a tunnel IP's table changes so that a live endpoint
+// would lose flows it is serving (it starts draining, or an endpoint is added
+// and wins some of its buckets), the new table goes into another generation
+// and becomes current; the previous one stays for the flows that use it, until
+// conntrack shows none does (CollectGenerations).
+//
+// A change that only removes endpoints that are gone needs no new generation:
+// their flows are dead anyway, so their buckets are re-pointed in place, in
+// every generation, to the current owner.
+
+// planGenerations computes the desired slots of one tunnel IP (len
+// cfg.Slots(), hopNone for a slot without a route) and its current
+// generation, from what it has now (have, any length; cur its current
+// generation) and the new table for new flows (want, one hop per bucket).
+// present reports whether a hop still leads to an endpoint that exists (ready
+// or draining). age orders generations for reuse when none is free: the
+// lowest age is overwritten first. switched is true when cur changed.
+func planGenerations(cfg Config, have []nextHop, cur int, age []uint64, want []nextHop, present func(nextHop) bool) (next []nextHop, newCur int, switched bool) {
+	B, G := cfg.Buckets, cfg.Generations
+	next = make([]nextHop, cfg.Slots())
+	copy(next, have) // slots beyond cfg.Slots() are not wanted any more
+	if cur < 0 || cur >= G {
+		cur = 0
+	}
+	gen := func(g int) []nextHop { return next[g*B : (g+1)*B] }
+	// Buckets whose endpoint is gone follow the new table in every generation.
+	for g := 0; g < G; g++ {
+		if !inUse(gen(g)) {
+			continue
+		}
+		for b, h := range gen(g) {
+			if h.kind == hopNone || !present(h) {
+				gen(g)[b] = want[b]
+			}
+		}
+	}
+	newCur = cur
+	if !inUse(gen(cur)) || G == 1 || !movesLiveFlows(gen(cur), want, present) {
+		copy(gen(cur), want)
+	} else {
+		newCur = pickGeneration(G, cur, age, func(g int) bool { return inUse(gen(g)) })
+		copy(gen(newCur), want)
+	}
+	return next, newCur, newCur != cur
+}
+
+// movesLiveFlows reports whether going from table have to want would send
+// some bucket of a still existing endpoint elsewhere.
+func movesLiveFlows(have, want []nextHop, present func(nextHop) bool) bool {
+	for b := range want {
+		if have[b] != want[b] && have[b].kind != hopNone && present(have[b]) {
+			return true
+		}
+	}
+	return false
+}
+
+// pickGeneration chooses where a new table goes: the first free generation
+// after cur, else the oldest other one (its remaining flows then follow the
+// new table).
+func pickGeneration(G, cur int, age []uint64, used func(int) bool) int {
+	for i := 1; i < G; i++ {
+		if g := (cur + i) % G; !used(g) {
+			return g
+		}
+	}
+	best := -1
+	for i := 1; i < G; i++ {
+		g := (cur + i) % G
+		if best < 0 || ageOf(age, g) < ageOf(age, best) {
+			best = g
+		}
+	}
+	return best
+}
+
+func ageOf(age []uint64, g int) uint64 {
+	if g < len(age) {
+		return age[g]
+	}
+	return 0
+}
+
+// inUse reports whether a generation's table has any route.
+func inUse(table []nextHop) bool {
+	return slices.ContainsFunc(table, func(h nextHop) bool { return h.kind != hopNone })
+}
+
+// generationsInUse lists the generations of slots that hold routes.
+func generationsInUse(cfg Config, slots []nextHop) []int {
+	var out []int
+	for g := 0; g*cfg.Buckets < len(slots) && g < cfg.Generations; g++ {
+		if inUse(slots[g*cfg.Buckets : min((g+1)*cfg.Buckets, len(slots))]) {
+			out = append(out, g)
+		}
+	}
+	return out
+}
+
+// flowKey counts conntrack entries per tunnel IP and generation.
+type flowKey struct {
+	vip netip.Addr
+	gen int
+}
+
+// generationOfMark returns the generation a conntrack mark belongs to; ok is
+// false for marks that are not the router's.
+func (c Config) generationOfMark(mark uint32) (gen int, ok bool) {
+	if mark < c.MarkOffset || uint64(mark) >= uint64(c.MarkOffset)+uint64(c.Slots()) {
+		return 0, false
+	}
+	return int(mark-c.MarkOffset) / c.Buckets, true
+}
+
+// generationOfOffset returns the generation an HMARK offset selects.
+func (c Config) generationOfOffset(offset uint32) (gen int, ok bool) {
+	if offset < c.MarkOffset || (offset-c.MarkOffset)%uint32(c.Buckets) != 0 {
+		return 0, false
+	}
+	g := int(offset-c.MarkOffset) / c.Buckets
+	return g, g < c.Generations
+}
+
+// CollectGenerations removes the routes of older generations that no flow
+// uses any more: no conntrack entry with one of their marks is left (for TCP:
+// none in an established state, the only ones whose mark is restored). It
+// lists the conntrack table only when some tunnel IP has an older generation.
+// It returns the number of generations removed.
+func (d *Datapath) CollectGenerations() (removed int, err error) {
+	d.mu.Lock()
+	flows := d.flows
+	older := map[netip.Addr]bool{} // tunnel IPs with an older generation
+	for vip, slots := range d.desired {
+		if len(generationsInUse(d.cfg, slots)) > 1 {
+			older[vip] = true
+		}
+	}
+	clock := d.clock
+	d.mu.Unlock()
+	if flows == nil || len(older) == 0 {
+		return 0, nil
+	}
+	entries, err := flows.ConntrackTableList(netlink.ConntrackTable, unix.AF_INET)
+	if err != nil {
+		return 0, fmt.Errorf("listing conntrack entries: %w", err)
+	}
+	inUse := map[flowKey]int{}
+	for _, f := range entries {
+		vip, ok := netip.AddrFromSlice(f.Forward.DstIP.To4())
+		if !ok {
+			continue
+		}
+		if !older[vip] {
+			continue
+		}
+		gen, ok := d.cfg.generationOfMark(f.Mark)
+		if !ok {
+			continue
+		}
+		if f.Forward.Protocol == unix.IPPROTO_TCP && f.TimeOut <= d.tcpMinExpire {
+			continue // closing: its mark is never restored
+		}
+		inUse[flowKey{vip, gen}]++
+	}
+
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.clock != clock {
+		// A generation switched meanwhile; a generation that was older
+		// then may be current now. Look again next time.
+		return 0, nil
+	}
+	var ops []rtnl.Op
+	for vip := range older {
+		slots, ok := d.desired[vip]
+		if !ok {
+			continue
+		}
+		cur := d.current[vip]
+		for _, g := range generationsInUse(d.cfg, slots) {
+			if g == cur || inUse[flowKey{vip, g}] > 0 {
+				continue
+			}
+			for k := g * d.cfg.Buckets; k < (g+1)*d.cfg.Buckets; k++ {
+				slots[k] = nextHop{}
+			}
+			removed++
+			d.log.WithFields(logrus.Fields{"vip": vip, "generation": g, "current_generation": cur}).Info("older generation unused by any flow; removed")
+		}
+		ops = d.diffVIP(vip, ops)
+	}
+	if err := d.applyRoutes(ops); err != nil {
+		return removed, err
+	}
+	return removed, nil
+}

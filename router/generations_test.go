@@ -1,0 +1,266 @@
+package router
+
+import (
+	"net"
+	"net/netip"
+	"testing"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// fakeFlows is a conntrack table.
+type fakeFlows struct{ entries []*netlink.ConntrackFlow }
+
+func (f *fakeFlows) ConntrackTableList(netlink.ConntrackTableType, netlink.InetFamily) ([]*netlink.ConntrackFlow, error) {
+	return f.entries, nil
+}
+
+func flow(proto uint8, vip netip.Addr, mark, timeout uint32) *netlink.ConntrackFlow {
+	f := &netlink.ConntrackFlow{Mark: mark, TimeOut: timeout}
+	f.Forward.Protocol = proto
+	f.Forward.SrcIP = net.ParseIP("198.51.100.10")
+	f.Forward.DstIP = net.IP(vip.AsSlice())
+	return f
+}
+
+// drainTunnel is the tunnel of vip over pods, with the pods listed in
+// draining kept present but given no bucket.
+func drainTunnel(cfg Config, vip string, pods []string, draining ...string) Tunnel {
+	var ready []string
+	isDraining := map[string]bool{}
+	for _, p := range draining {
+		isDraining[p] = true
+	}
+	for _, p := range pods {
+		if !isDraining[p] {
+			ready = append(ready, p)
+		}
+	}
+	t := tunnel(cfg, vip, ready...)
+	for _, p := range pods {
+		t.Present = append(t.Present, Endpoint{Addr: netip.MustParseAddr(p), Draining: isDraining[p]})
+	}
+	return t
+}
+
+// kernelTable reads generation g's bucket table of vip from the fake kernel:
+// the GRE destination of each bucket's route, or an invalid address.
+func kernelTable(cfg Config, k *fakeKernel, vip netip.Addr, g int) []netip.Addr {
+	out := make([]netip.Addr, cfg.Buckets)
+	for _, r := range k.routes {
+		slot := int(r.Table) - cfg.TableBase
+		if r.Dst.Addr() != vip || slot/cfg.Buckets != g || r.IPEncap == nil {
+			continue
+		}
+		out[slot%cfg.Buckets] = r.IPEncap.Dst
+	}
+	return out
+}
+
+func addrsOf(t Tunnel) []netip.Addr {
+	out := make([]netip.Addr, len(t.Table))
+	for b, ep := range t.Table {
+		out[b] = ep.Addr
+	}
+	return out
+}
+
+func sameAddrs(a, b []netip.Addr) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// A draining endpoint: new flows get a new generation without it, the old
+// generation stays for established flows until conntrack shows none, then
+// goes; a restarted router adopts all of it without a write.
+func TestDrainingKeepsOldGenerationUntilItsFlowsEnd(t *testing.T) {
+	cfg := testConfig()
+	cfg.Buckets = 16
+	k := newFakeKernel()
+	d := newTestDatapath(cfg, k)
+	flows := &fakeFlows{}
+	d.EnableGenerationCollection(flows, 120)
+	vip := netip.MustParseAddr("192.0.2.1")
+	pods := []string{"10.244.1.11", "10.244.1.12", "10.244.2.11", "10.244.2.12"}
+	all := drainTunnel(cfg, vip.String(), pods)
+	if err := d.Resync([]Tunnel{all}); err != nil {
+		t.Fatal(err)
+	}
+	if k.marked[vip] != cfg.GenerationOffset(0) {
+		t.Fatalf("first table in generation 0 (offset %#x), chain has %#x", cfg.GenerationOffset(0), k.marked[vip])
+	}
+
+	drained := drainTunnel(cfg, vip.String(), pods, "10.244.2.12")
+	k.journal = nil
+	if err := d.SetTunnel(drained); err != nil {
+		t.Fatal(err)
+	}
+	if got := k.marked[vip]; got != cfg.GenerationOffset(1) {
+		t.Fatalf("after draining, new flows use offset %#x, want generation 1's %#x", got, cfg.GenerationOffset(1))
+	}
+	if !sameAddrs(kernelTable(cfg, k, vip, 0), addrsOf(all)) {
+		t.Errorf("generation 0 changed: %v, want %v", kernelTable(cfg, k, vip, 0), addrsOf(all))
+	}
+	if !sameAddrs(kernelTable(cfg, k, vip, 1), addrsOf(drained)) {
+		t.Errorf("generation 1 is %v, want %v", kernelTable(cfg, k, vip, 1), addrsOf(drained))
+	}
+	if n := len(k.journal); n == 0 || k.journal[n-1] != "mark~ "+vip.String() {
+		t.Errorf("the offset must switch after every route is in: %v", k.journal)
+	}
+
+	// Flows on generation 0 keep it; a closing TCP entry does not count.
+	gen0 := cfg.Mark(cfg.Slot(0, 3))
+	flows.entries = []*netlink.ConntrackFlow{flow(unix.IPPROTO_UDP, vip, gen0, 30)}
+	if n, err := d.CollectGenerations(); err != nil || n != 0 {
+		t.Fatalf("collected %d generations (%v) while a UDP flow uses generation 0", n, err)
+	}
+	flows.entries = []*netlink.ConntrackFlow{flow(unix.IPPROTO_TCP, vip, gen0, 299)}
+	if n, err := d.CollectGenerations(); err != nil || n != 0 {
+		t.Fatalf("collected %d generations (%v) while an established TCP flow uses generation 0", n, err)
+	}
+
+	// Restart while both generations are in use: nothing is written.
+	writes := k.writes
+	restarted := newTestDatapath(cfg, k)
+	restarted.EnableGenerationCollection(flows, 120)
+	if err := restarted.Resync([]Tunnel{drained}); err != nil {
+		t.Fatal(err)
+	}
+	if k.writes != writes {
+		t.Fatalf("a restarted router wrote %d times; want none", k.writes-writes)
+	}
+
+	flows.entries = []*netlink.ConntrackFlow{
+		flow(unix.IPPROTO_TCP, vip, gen0, 120),                                          // closing
+		flow(unix.IPPROTO_TCP, vip, cfg.Mark(cfg.Slot(1, 0)), 299),                      // current generation
+		flow(unix.IPPROTO_TCP, netip.MustParseAddr("192.0.2.99"), gen0, 299),            // another tunnel IP
+		flow(unix.IPPROTO_TCP, vip, 0x8000, 299),                                        // a foreign mark
+	}
+	writes = k.writes
+	if n, err := restarted.CollectGenerations(); err != nil || n != 1 {
+		t.Fatalf("collected %d generations (%v), want generation 0", n, err)
+	}
+	if k.writes-writes != cfg.Buckets {
+		t.Errorf("%d writes to remove a generation, want %d route deletions", k.writes-writes, cfg.Buckets)
+	}
+	for _, a := range kernelTable(cfg, k, vip, 0) {
+		if a.IsValid() {
+			t.Fatalf("generation 0 still routes: %v", kernelTable(cfg, k, vip, 0))
+		}
+	}
+	if !sameAddrs(kernelTable(cfg, k, vip, 1), addrsOf(drained)) {
+		t.Errorf("generation 1 changed: %v", kernelTable(cfg, k, vip, 1))
+	}
+	if n, err := restarted.CollectGenerations(); err != nil || n != 0 {
+		t.Fatalf("second collection removed %d (%v)", n, err)
+	}
+}
+
+// An endpoint that is gone needs no new generation: its buckets are
+// re-pointed in place, in the current and the older generations.
+func TestGoneEndpointIsRepointedInPlace(t *testing.T) {
+	cfg := testConfig()
+	cfg.Buckets = 16
+	k := newFakeKernel()
+	d := newTestDatapath(cfg, k)
+	vip := netip.MustParseAddr("192.0.2.1")
+	pods := []string{"10.244.1.11", "10.244.1.12", "10.244.2.11", "10.244.2.12"}
+	if err := d.Resync([]Tunnel{drainTunnel(cfg, vip.String(), pods)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.SetTunnel(drainTunnel(cfg, vip.String(), pods, "10.244.2.12")); err != nil {
+		t.Fatal(err)
+	}
+	gone := drainTunnel(cfg, vip.String(), pods[:3])
+	if err := d.SetTunnel(gone); err != nil {
+		t.Fatal(err)
+	}
+	if got := k.marked[vip]; got != cfg.GenerationOffset(1) {
+		t.Fatalf("removing a gone endpoint switched generations: offset %#x", got)
+	}
+	for g := 0; g < 2; g++ {
+		if !sameAddrs(kernelTable(cfg, k, vip, g), addrsOf(gone)) {
+			t.Errorf("generation %d is %v, want every bucket of the gone pod on the current owner: %v", g, kernelTable(cfg, k, vip, g), addrsOf(gone))
+		}
+	}
+}
+
+func TestPlanGenerations(t *testing.T) {
+	cfg := testConfig()
+	cfg.Buckets = 4
+	hop := func(last byte) nextHop { return nextHop{kind: hopGRE, addr: [4]byte{10, 0, 0, last}, link: 42} }
+	a, b, c := hop(1), hop(2), hop(3)
+	alive := func(hs ...nextHop) func(nextHop) bool {
+		return func(h nextHop) bool {
+			for _, x := range hs {
+				if x == h {
+					return true
+				}
+			}
+			return false
+		}
+	}
+	gen := func(slots []nextHop, g int) []nextHop { return slots[g*cfg.Buckets : (g+1)*cfg.Buckets] }
+	equal := func(x, y []nextHop) bool {
+		for i := range x {
+			if x[i] != y[i] {
+				return false
+			}
+		}
+		return len(x) == len(y)
+	}
+
+	t.Run("first table goes in place", func(t *testing.T) {
+		next, cur, switched := planGenerations(cfg, nil, 0, nil, []nextHop{a, b, a, b}, alive(a, b))
+		if switched || cur != 0 || !equal(gen(next, 0), []nextHop{a, b, a, b}) || inUse(gen(next, 1)) {
+			t.Fatalf("cur=%d switched=%v slots=%v", cur, switched, next)
+		}
+	})
+	t.Run("adding an endpoint starts a generation", func(t *testing.T) {
+		have, _, _ := planGenerations(cfg, nil, 0, nil, []nextHop{a, b, a, b}, alive(a, b))
+		next, cur, switched := planGenerations(cfg, have, 0, nil, []nextHop{a, b, c, b}, alive(a, b, c))
+		if !switched || cur != 1 || !equal(gen(next, 0), []nextHop{a, b, a, b}) || !equal(gen(next, 1), []nextHop{a, b, c, b}) {
+			t.Fatalf("cur=%d switched=%v slots=%v", cur, switched, next)
+		}
+	})
+	t.Run("stateless router overwrites", func(t *testing.T) {
+		one := cfg
+		one.Generations = 1
+		have, _, _ := planGenerations(one, nil, 0, nil, []nextHop{a, b, a, b}, alive(a, b))
+		next, cur, switched := planGenerations(one, have, 0, nil, []nextHop{a, b, c, b}, alive(a, b, c))
+		if switched || cur != 0 || len(next) != one.Buckets || !equal(next, []nextHop{a, b, c, b}) {
+			t.Fatalf("cur=%d switched=%v slots=%v", cur, switched, next)
+		}
+	})
+	t.Run("with every generation used the oldest is reused", func(t *testing.T) {
+		var have []nextHop
+		cur := 0
+		tables := [][]nextHop{{a, a, a, a}, {a, b, a, a}, {a, b, c, a}, {a, b, c, b}}
+		present := alive(a, b, c)
+		age := make([]uint64, cfg.Generations)
+		for i, tbl := range tables {
+			var switched bool
+			have, cur, switched = planGenerations(cfg, have, cur, age, tbl, present)
+			if switched {
+				age[cur] = uint64(i + 1)
+			}
+		}
+		if cur != 3 || len(generationsInUse(cfg, have)) != 4 {
+			t.Fatalf("after 4 tables: cur=%d in use %v", cur, generationsInUse(cfg, have))
+		}
+		age[0] = 100 // generation 0 became current most recently... except 3
+		age[1] = 1
+		next, cur, _ := planGenerations(cfg, have, cur, age, []nextHop{c, c, c, c}, present)
+		if cur != 1 || !equal(gen(next, 1), []nextHop{c, c, c, c}) || !equal(gen(next, 0), tables[0]) {
+			t.Fatalf("reused generation %d, want the oldest (1): %v", cur, next)
+		}
+	})
+}
