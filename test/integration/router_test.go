@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/netip"
@@ -131,10 +132,11 @@ func createService(t *testing.T, cs kubernetes.Interface, ns, name, tunnelIP str
 }
 
 type ep struct {
-	addr  string
-	node  string
-	ready *bool
-	pod   *corev1.Pod // targetRef, as the EndpointSlice controller sets it
+	addr    string
+	node    string
+	ready   *bool
+	serving *bool
+	pod     *corev1.Pod // targetRef, as the EndpointSlice controller sets it
 }
 
 func applySlice(t *testing.T, cs kubernetes.Interface, ns, svc, name string, eps ...ep) {
@@ -145,7 +147,7 @@ func applySlice(t *testing.T, cs kubernetes.Interface, ns, svc, name string, eps
 		Ports:       []discoveryv1.EndpointPort{{Name: ptr("http"), Port: ptr(int32(8080))}},
 	}
 	for _, e := range eps {
-		d := discoveryv1.Endpoint{Addresses: []string{e.addr}, Conditions: discoveryv1.EndpointConditions{Ready: e.ready}}
+		d := discoveryv1.Endpoint{Addresses: []string{e.addr}, Conditions: discoveryv1.EndpointConditions{Ready: e.ready, Serving: e.serving}}
 		if e.node != "" {
 			d.NodeName = ptr(e.node)
 		}
@@ -379,4 +381,77 @@ func TestRouterMPLSUsesNodeAddresses(t *testing.T) {
 			t.Fatalf("bucket %d: node address %v, want 172.16.0.11", b, e.NodeIP)
 		}
 	}
+}
+
+// presentAddrs lists the endpoints a tunnel keeps for established flows,
+// and which of them drain.
+func presentAddrs(t router.Tunnel) (present, draining []string) {
+	for _, ep := range t.Present {
+		present = append(present, ep.Addr.String())
+		if ep.Draining {
+			draining = append(draining, ep.Addr.String())
+		}
+	}
+	return present, draining
+}
+
+// A terminating endpoint (serving, not ready) and a Pod annotated
+// cmd.nu/tunnel-drain=true get no bucket but stay present for their
+// established flows; removing the annotation gives the pod buckets again.
+// The router watches Pods as its own ServiceAccount (RBAC: pods list/watch).
+func TestRouterDrainsTerminatingAndAnnotatedEndpoints(t *testing.T) {
+	cs := adminClient(t)
+	rec := startRouter(t, routerCfg(router.ModeGRE, 64))
+	ns := freshNamespace(t, cs)
+	svc := createService(t, cs, ns, "web", "192.0.2.77")
+	a := createPod(t, cs, ns, "web-a", "node-1", netip.MustParseAddr("10.244.1.5"))
+	b := createPod(t, cs, ns, "web-b", "node-1", netip.MustParseAddr("10.244.1.6"))
+	c := createPod(t, cs, ns, "web-c", "node-2", netip.MustParseAddr("10.244.2.7"))
+	slice := func(cReady bool) {
+		cEP := ep{addr: "10.244.2.7", node: "node-2", ready: ptr(true), pod: c}
+		if !cReady {
+			cEP.ready, cEP.serving = ptr(false), ptr(true)
+		}
+		applySlice(t, cs, ns, "web", "web-1",
+			ep{addr: "10.244.1.5", node: "node-1", ready: ptr(true), pod: a},
+			ep{addr: "10.244.1.6", node: "node-1", ready: ptr(true), pod: b},
+			cEP)
+	}
+	slice(true)
+	waitTable(t, rec, "192.0.2.77", 64, addrs("10.244.1.5", "10.244.1.6", "10.244.2.7"))
+
+	// c terminates: serving, not ready.
+	slice(false)
+	tun := waitTable(t, rec, "192.0.2.77", 64, addrs("10.244.1.5", "10.244.1.6"))
+	present, draining := presentAddrs(tun)
+	if !slices.Equal(present, []string{"10.244.1.5", "10.244.1.6", "10.244.2.7"}) || !slices.Equal(draining, []string{"10.244.2.7"}) {
+		t.Fatalf("present %v draining %v; want the terminating pod present and draining", present, draining)
+	}
+	waitEvent(t, cs, svc, corev1.EventTypeNormal, router.ReasonProgrammed, "1 draining")
+
+	// An operator drains b with the annotation, then undrains it.
+	annotate := func(value *string) {
+		patch, err := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]any{router.DrainAnnotation: value}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := cs.CoreV1().Pods(ns).Patch(context.Background(), "web-b", types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	annotate(ptr("true"))
+	tun = waitTable(t, rec, "192.0.2.77", 64, addrs("10.244.1.5"))
+	if _, draining := presentAddrs(tun); !slices.Equal(draining, []string{"10.244.1.6", "10.244.2.7"}) {
+		t.Fatalf("draining %v; want the annotated and the terminating pod", draining)
+	}
+	annotate(nil)
+	waitTable(t, rec, "192.0.2.77", 64, addrs("10.244.1.5", "10.244.1.6"))
+
+	// Every endpoint draining: new flows go to the draining ones.
+	annotate(ptr("true"))
+	applySlice(t, cs, ns, "web", "web-1",
+		ep{addr: "10.244.1.6", node: "node-1", ready: ptr(true), pod: b},
+		ep{addr: "10.244.2.7", node: "node-2", ready: ptr(false), serving: ptr(true), pod: c})
+	waitTable(t, rec, "192.0.2.77", 64, addrs("10.244.1.6", "10.244.2.7"))
+	waitEvent(t, cs, svc, corev1.EventTypeWarning, router.ReasonNoReadyEndpoints, "draining endpoints")
 }
