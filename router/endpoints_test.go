@@ -24,11 +24,11 @@ func TestServiceEndpoints(t *testing.T) {
 	slices := []*discoveryv1.EndpointSlice{
 		slice("a", discoveryv1.AddressTypeIPv4,
 			discoveryv1.Endpoint{Addresses: []string{"10.244.1.5"}, NodeName: ptr("node-1"), Conditions: discoveryv1.EndpointConditions{Ready: ptr(true)}},
-			discoveryv1.Endpoint{Addresses: []string{"10.244.1.6"}, NodeName: ptr("node-1")}, // nil ready: counts as ready
-			discoveryv1.Endpoint{Addresses: []string{"10.244.1.7"}, NodeName: ptr("node-1"), Conditions: discoveryv1.EndpointConditions{Ready: ptr(false), Serving: ptr(true), Terminating: ptr(true)}}, // draining
+			discoveryv1.Endpoint{Addresses: []string{"10.244.1.6"}, NodeName: ptr("node-1")},                                                                                                             // nil ready: counts as ready
+			discoveryv1.Endpoint{Addresses: []string{"10.244.1.7"}, NodeName: ptr("node-1"), Conditions: discoveryv1.EndpointConditions{Ready: ptr(false), Serving: ptr(true), Terminating: ptr(true)}},  // draining
 			discoveryv1.Endpoint{Addresses: []string{"10.244.1.8"}, NodeName: ptr("node-1"), Conditions: discoveryv1.EndpointConditions{Ready: ptr(false), Serving: ptr(false), Terminating: ptr(true)}}, // gone
-			discoveryv1.Endpoint{Addresses: []string{"10.244.1.4"}, NodeName: ptr("node-1"), Conditions: discoveryv1.EndpointConditions{Ready: ptr(false)}},                                             // not ready, not serving
-			discoveryv1.Endpoint{Addresses: []string{"10.244.1.3"}, NodeName: ptr("node-1"), TargetRef: &corev1.ObjectReference{Kind: "Pod", Name: "annotated"}},                                      // drained by annotation
+			discoveryv1.Endpoint{Addresses: []string{"10.244.1.4"}, NodeName: ptr("node-1"), Conditions: discoveryv1.EndpointConditions{Ready: ptr(false)}},                                              // not ready, not serving
+			discoveryv1.Endpoint{Addresses: []string{"10.244.1.3"}, NodeName: ptr("node-1"), TargetRef: &corev1.ObjectReference{Kind: "Pod", Name: "annotated"}},                                         // drained by annotation
 			discoveryv1.Endpoint{Addresses: nil, NodeName: ptr("node-1")},
 			discoveryv1.Endpoint{Addresses: []string{"not-an-ip"}},
 			discoveryv1.Endpoint{Addresses: []string{"10.244.2.9"}}, // no nodeName

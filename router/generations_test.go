@@ -139,10 +139,10 @@ func TestDrainingKeepsOldGenerationUntilItsFlowsEnd(t *testing.T) {
 	}
 
 	flows.entries = []*netlink.ConntrackFlow{
-		flow(unix.IPPROTO_TCP, vip, gen0, 120),                                          // closing
-		flow(unix.IPPROTO_TCP, vip, cfg.Mark(cfg.Slot(1, 0)), 299),                      // current generation
-		flow(unix.IPPROTO_TCP, netip.MustParseAddr("192.0.2.99"), gen0, 299),            // another tunnel IP
-		flow(unix.IPPROTO_TCP, vip, 0x8000, 299),                                        // a foreign mark
+		flow(unix.IPPROTO_TCP, vip, gen0, 120),                               // closing
+		flow(unix.IPPROTO_TCP, vip, cfg.Mark(cfg.Slot(1, 0)), 299),           // current generation
+		flow(unix.IPPROTO_TCP, netip.MustParseAddr("192.0.2.99"), gen0, 299), // another tunnel IP
+		flow(unix.IPPROTO_TCP, vip, 0x8000, 299),                             // a foreign mark
 	}
 	writes = k.writes
 	if n, err := restarted.CollectGenerations(); err != nil || n != 1 {

@@ -56,7 +56,7 @@ func Main(args []string) error {
 		"mode": o.Mode, "buckets": o.Buckets, "seed_fingerprint": hmark.SeedFingerprint(o.Seed),
 		"generations": o.Generations, "mark_offset": fmt.Sprintf("%#x", o.MarkOffset),
 		"rule_priorities": fmt.Sprintf("%d-%d", o.Priority(0), o.Priority(o.Slots()-1)),
-		"tables": fmt.Sprintf("%d-%d", o.Table(0), o.Table(o.Slots()-1)), "route_protocol": o.RouteProtocol, "chain": o.Chain,
+		"tables":          fmt.Sprintf("%d-%d", o.Table(0), o.Table(o.Slots()-1)), "route_protocol": o.RouteProtocol, "chain": o.Chain,
 	}).Info("starting tunnel router")
 	warnIfNotForwarding(entry)
 	if o.Generations > 1 {
