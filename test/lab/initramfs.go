@@ -24,7 +24,7 @@ import (
 var DefaultModules = []string{
 	"veth", "bridge", "ip_gre", "ipip", "mpls_router", "mpls_iptunnel",
 	"x_tables", "xt_HMARK", "xt_mark", "xt_tcpudp", "xt_comment", "ip_tables", "iptable_mangle",
-	"nf_conntrack", "xt_conntrack", "xt_connmark", "xt_CT", "iptable_raw",
+	"nf_conntrack", "nf_conntrack_netlink", "xt_conntrack", "xt_connmark", "xt_CT", "iptable_raw",
 	"nf_tables", "nft_compat", "virtio_pci", "virtio_net",
 }
 
