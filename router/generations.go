@@ -162,7 +162,7 @@ func (d *Datapath) CollectGenerations() (removed int, err error) {
 	}
 	entries, err := flows.ConntrackTableList(netlink.ConntrackTable, unix.AF_INET)
 	if err != nil {
-		return 0, fmt.Errorf("listing conntrack entries: %w", err)
+		return 0, fmt.Errorf("listing conntrack entries (needs the nf_conntrack_netlink module, CONFIG_NF_CT_NETLINK): %w", err)
 	}
 	inUse := map[flowKey]int{}
 	for _, f := range entries {
