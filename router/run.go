@@ -80,7 +80,12 @@ func Main(args []string) error {
 	factory.Start(ctx.Done())
 	defer factory.Shutdown()
 	if o.Generations > 1 {
+		liberal := false
 		go wait.Until(func() {
+			// Conntrack's sysctls exist once the chain's rules loaded it.
+			if !liberal {
+				liberal = ensureLiberalTCP(entry)
+			}
 			if _, err := dp.CollectGenerations(); err != nil {
 				entry.WithError(err).Warn("looking for unused generations")
 			}
@@ -184,6 +189,33 @@ func readSysctl(path string) (uint32, error) {
 	}
 	v, err := strconv.ParseUint(strings.TrimSpace(string(b)), 10, 32)
 	return uint32(v), err
+}
+
+// beLiberal is the sysctl that stops conntrack's TCP window tracking from
+// ignoring or invalidating packets it cannot check.
+const beLiberal = "/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal"
+
+// ensureLiberalTCP sets nf_conntrack_tcp_be_liberal=1, as kube-proxy's
+// --conntrack-tcp-be-liberal does. The router sees only the client's half of
+// each flow, so conntrack cannot track the window: on Linux 6.1 it then
+// ignores most of the client's packets (the entry is not refreshed, a RST
+// does not end it) and sometimes marks one INVALID, which then loses its
+// saved generation and reaches another pod. The lab found it.
+// It returns true once done, or once it has warned that it cannot.
+func ensureLiberalTCP(log logrus.FieldLogger) bool {
+	v, err := readSysctl(beLiberal)
+	if os.IsNotExist(err) {
+		return false // nf_conntrack not loaded yet
+	}
+	if err == nil && v == 1 {
+		return true
+	}
+	if err := os.WriteFile(beLiberal, []byte("1\n"), 0o644); err != nil {
+		log.WithError(err).Warn("cannot set net.netfilter.nf_conntrack_tcp_be_liberal=1: established TCP flows may lose their endpoint while it drains (set it on this node)")
+		return true
+	}
+	log.Info("set net.netfilter.nf_conntrack_tcp_be_liberal=1: the router sees one direction of each flow, which strict TCP window tracking cannot follow")
+	return true
 }
 
 // warnIfNoPickup logs when conntrack would not pick up TCP flows mid-stream:

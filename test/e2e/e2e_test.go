@@ -69,6 +69,8 @@ type scenario struct {
 type env struct {
 	*topology.Lab
 	client netns.NsHandle
+	// servers are the pods' servers by pod name.
+	servers map[string]*workload.Server
 }
 
 func up(t *testing.T, mode string) *env {
@@ -84,6 +86,7 @@ func up(t *testing.T, mode string) *env {
 	if err != nil {
 		t.Fatalf("lab up: %v\n%s", err, l.Logs(30))
 	}
+	servers := map[string]*workload.Server{}
 	for _, p := range l.Pods {
 		ns, err := p.NS()
 		if err != nil {
@@ -95,6 +98,7 @@ func up(t *testing.T, mode string) *env {
 			t.Fatalf("server in %s: %v", p.Name, err)
 		}
 		t.Cleanup(func() { _ = srv.Close() })
+		servers[p.Name] = srv
 	}
 	client, err := l.Client.NS()
 	if err != nil {
@@ -102,7 +106,7 @@ func up(t *testing.T, mode string) *env {
 	}
 	t.Cleanup(func() { client.Close() })
 	t.Logf("lab up in %s mode in %v", mode, time.Since(start).Round(time.Millisecond))
-	return &env{Lab: l, client: client}
+	return &env{Lab: l, client: client, servers: servers}
 }
 
 type testWriter struct{ t *testing.T }

@@ -19,7 +19,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
 )
 
-// The scenarios of issue 4, in order; each uses its own tunnel IP
+// The scenarios of issues 4 and 7, in order; each uses its own tunnel IP
 // (192.0.2.N) and Service, and removes them when it ends.
 var scenarios = []scenario{
 	{"1_reach_pod_with_client_address", reachPod},
@@ -30,6 +30,7 @@ var scenarios = []scenario{
 	{"6_daemon_restarts_keep_connection", restartsKeepConnection},
 	{"7_bad_annotation_warns_others_work", badAnnotation},
 	{"8_megabyte_upload_and_download", bulkTransfer},
+	{"9_draining_endpoint_keeps_its_flows", drainingEndpoint},
 }
 
 const (

@@ -30,18 +30,33 @@ var (
 	mplsSwapRE = regexp.MustCompile(`^(\d+) as to \S+ via inet (\S+)`)
 )
 
-// BucketTable reads the router's kernel routes for vip and returns, for each
-// bucket, the pod the kernel sends that bucket's flows to (the zero Addr
-// where the bucket has no route). In MPLS mode the label is resolved to the
-// pod through the node's swap route.
+// BucketTable reads the router's kernel state for vip and returns, for each
+// bucket of the tunnel IP's current generation (the one its HMARK rule
+// marks new flows for), the pod the kernel sends that bucket's flows to (the
+// zero Addr where the bucket has no route). In MPLS mode the label is
+// resolved to the pod through the node's swap route.
 func (l *Lab) BucketTable(ctx context.Context, r *Node, vip netip.Addr) ([]netip.Addr, error) {
+	gen, err := l.CurrentGeneration(ctx, r, vip)
+	if err != nil {
+		return nil, err
+	}
+	return l.GenerationTable(ctx, r, vip, gen)
+}
+
+// GenerationTable is BucketTable for one routing generation of the router,
+// current or not: the tables TableBase + gen*Buckets + bucket.
+func (l *Lab) GenerationTable(ctx context.Context, r *Node, vip netip.Addr, gen int) ([]netip.Addr, error) {
 	routes, err := l.bucketRoutes(ctx, r, vip)
 	if err != nil {
 		return nil, err
 	}
 	table := make([]netip.Addr, l.Opts.Buckets)
 	swaps := map[netip.Addr]map[string]netip.Addr{} // node -> label -> pod
-	for bucket, line := range routes {
+	for slot, line := range routes {
+		if slot.gen != gen {
+			continue
+		}
+		bucket := slot.bucket
 		var pod netip.Addr
 		if m := greDstRE.FindStringSubmatch(line); m != nil {
 			pod, err = netip.ParseAddr(m[1])
@@ -57,7 +72,7 @@ func (l *Lab) BucketTable(ctx context.Context, r *Node, vip netip.Addr) ([]netip
 			}
 			var ok bool
 			if pod, ok = swaps[node][m[1]]; !ok {
-				return nil, fmt.Errorf("%s: bucket %d label %s has no swap route on node %s", r.Name, bucket, m[1], node)
+				return nil, fmt.Errorf("%s: generation %d bucket %d label %s has no swap route on node %s", r.Name, gen, bucket, m[1], node)
 			}
 		} else {
 			return nil, fmt.Errorf("%s: unexpected route for %s: %q", r.Name, vip, line)
@@ -70,13 +85,70 @@ func (l *Lab) BucketTable(ctx context.Context, r *Node, vip netip.Addr) ([]netip
 	return table, nil
 }
 
-// bucketRoutes returns the router's route lines for vip by bucket.
-func (l *Lab) bucketRoutes(ctx context.Context, r *Node, vip netip.Addr) (map[int]string, error) {
+// Generations returns, sorted, the routing generations in which the router
+// holds at least one route for vip: the current one, and older ones that
+// established flows still use until the router collects them.
+func (l *Lab) Generations(ctx context.Context, r *Node, vip netip.Addr) ([]int, error) {
+	routes, err := l.bucketRoutes(ctx, r, vip)
+	if err != nil {
+		return nil, err
+	}
+	var gens []int
+	for slot := range routes {
+		if !slices.Contains(gens, slot.gen) {
+			gens = append(gens, slot.gen)
+		}
+	}
+	slices.Sort(gens)
+	return gens, nil
+}
+
+// CurrentGeneration returns the routing generation the router's HMARK rule
+// for vip marks new flows for: (--hmark-offset - MarkOffset) / Buckets. It
+// fails when the router has no HMARK rule for vip.
+func (l *Lab) CurrentGeneration(ctx context.Context, r *Node, vip netip.Addr) (int, error) {
+	offset, ok, err := l.hmarkOffset(ctx, r, vip)
+	if err != nil {
+		return 0, err
+	}
+	if !ok {
+		return 0, fmt.Errorf("%s has no HMARK rule for %s", r.Name, vip)
+	}
+	return generationOf(offset, router.DefaultMarkOffset, l.Opts.Buckets)
+}
+
+// TableOf is the routing table of bucket in generation gen.
+func (l *Lab) TableOf(gen, bucket int) int {
+	return router.DefaultTableBase + gen*l.Opts.Buckets + bucket
+}
+
+// generationOf turns an HMARK offset into its generation.
+func generationOf(offset, markOffset uint32, buckets int) (int, error) {
+	if offset < markOffset || int(offset-markOffset)%buckets != 0 {
+		return 0, fmt.Errorf("HMARK offset %#x is not %#x plus a multiple of %d buckets", offset, markOffset, buckets)
+	}
+	return int(offset-markOffset) / buckets, nil
+}
+
+// slot is where a bucket route lives: generation and bucket.
+type slot struct{ gen, bucket int }
+
+// slotOf places a routing table of the router's range, if it is one.
+func slotOf(table, tableBase, buckets int) (slot, bool) {
+	if table < tableBase {
+		return slot{}, false
+	}
+	return slot{gen: (table - tableBase) / buckets, bucket: (table - tableBase) % buckets}, true
+}
+
+// bucketRoutes returns the router's route lines for vip by generation and
+// bucket, in every generation.
+func (l *Lab) bucketRoutes(ctx context.Context, r *Node, vip netip.Addr) (map[slot]string, error) {
 	out, err := IP(ctx, "-n", r.Name, "route", "show", "table", "all", "proto", "245")
 	if err != nil {
 		return nil, err
 	}
-	routes := map[int]string{}
+	routes := map[slot]string{}
 	for _, line := range strings.Split(out, "\n") {
 		f := strings.Fields(line)
 		if len(f) == 0 || (f[0] != vip.String() && f[0] != vip.String()+"/32") {
@@ -87,8 +159,8 @@ func (l *Lab) bucketRoutes(ctx context.Context, r *Node, vip netip.Addr) (map[in
 			continue
 		}
 		t, _ := strconv.Atoi(tm[1])
-		if bucket := t - router.DefaultTableBase; bucket >= 0 && bucket < l.Opts.Buckets {
-			routes[bucket] = line
+		if s, ok := slotOf(t, router.DefaultTableBase, l.Opts.Buckets); ok {
+			routes[s] = line
 		}
 	}
 	return routes, nil
@@ -198,16 +270,43 @@ func (l *Lab) WaitNoTunnel(ctx context.Context, vip netip.Addr) error {
 
 // marks reports whether the router has an HMARK rule for vip.
 func (l *Lab) marks(ctx context.Context, r *Node, vip netip.Addr) (bool, error) {
+	_, ok, err := l.hmarkOffset(ctx, r, vip)
+	return ok, err
+}
+
+// hmarkOffset reads the --hmark-offset of the router's HMARK rule for vip
+// (iptables-save -t mangle); ok is false when there is no such rule.
+func (l *Lab) hmarkOffset(ctx context.Context, r *Node, vip netip.Addr) (offset uint32, ok bool, err error) {
 	rules, err := InNS(ctx, r.Name, "iptables-save", "-t", "mangle")
 	if err != nil {
-		return false, err
+		return 0, false, err
 	}
+	return parseHMARKOffset(rules, vip)
+}
+
+// parseHMARKOffset finds vip's HMARK rule in iptables-save or iptables -S
+// output ("-A CHAIN -d VIP/32 ... -j HMARK ... --hmark-offset 0x1040", the
+// offset in hex or decimal) and returns its offset.
+func parseHMARKOffset(rules string, vip netip.Addr) (uint32, bool, error) {
 	for _, line := range strings.Split(rules, "\n") {
-		if strings.Contains(line, " -d "+vip.String()+"/32 ") && strings.Contains(line, "-j HMARK") {
-			return true, nil
+		if !strings.Contains(line, " -d "+vip.String()+"/32 ") || !strings.Contains(line, "-j HMARK") {
+			continue
 		}
+		f := strings.Fields(line)
+		i := slices.Index(f, "--hmark-offset")
+		if i < 0 {
+			return 0, true, nil // the kernel omits an offset of 0
+		}
+		if i+1 >= len(f) {
+			return 0, false, fmt.Errorf("HMARK rule without an offset value: %q", line)
+		}
+		v, err := strconv.ParseUint(f[i+1], 0, 32)
+		if err != nil {
+			return 0, false, fmt.Errorf("HMARK rule %q: offset: %w", line, err)
+		}
+		return uint32(v), true, nil
 	}
-	return false, nil
+	return 0, false, nil
 }
 
 // distinct returns the sorted valid addresses of t, each once.

@@ -2,6 +2,7 @@ package topology
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"path/filepath"
 	"time"
@@ -10,6 +11,7 @@ import (
 	discoveryv1 "k8s.io/api/discovery/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
@@ -107,6 +109,24 @@ func (l *Lab) createPod(ctx context.Context, p *Pod) error {
 		return fmt.Errorf("pod %s status: %w", p.Name, err)
 	}
 	p.UID = updated.UID
+	return nil
+}
+
+// AnnotatePod sets the annotation key of the pod's Pod object to value, or
+// removes it when value is "" (e.g. cmd.nu/tunnel-drain, which the routers
+// watch on Pods).
+func (l *Lab) AnnotatePod(ctx context.Context, p *Pod, key, value string) error {
+	var v any = value
+	if value == "" {
+		v = nil // a JSON merge patch removes a key set to null
+	}
+	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]any{key: v}}})
+	if err != nil {
+		return err
+	}
+	if _, err := l.Kube.CoreV1().Pods(l.Opts.Namespace).Patch(ctx, p.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		return fmt.Errorf("annotate pod %s %s=%q: %w", p.Name, key, value, err)
+	}
 	return nil
 }
 

@@ -92,6 +92,18 @@ func (s *Server) Close() error {
 	return errors.Join(errs...)
 }
 
+// Peers returns the remote address and port of every open TCP connection,
+// e.g. to tell which pod each of the client's long-lived streams reached.
+func (s *Server) Peers() []netip.AddrPort {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]netip.AddrPort, 0, len(s.conns))
+	for c := range s.conns {
+		out = append(out, addrPort(c.RemoteAddr()))
+	}
+	return out
+}
+
 // track registers an accepted connection so Close can end it; it returns
 // false when the server is already closing.
 func (s *Server) track(c net.Conn) bool {

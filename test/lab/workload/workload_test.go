@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -237,7 +238,7 @@ func listenIn(t *testing.T, ns netns.NsHandle) net.Listener {
 
 func TestStreamEchoesEverything(t *testing.T) {
 	l := newLab(t)
-	l.serve(t, "pod-a")
+	srv := l.serve(t, "pod-a")
 	s, err := StartStream(l.client.Handle, netip.AddrPortFrom(tunnelIP, tcpPort), 40001, StreamOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -246,9 +247,19 @@ func TestStreamEchoesEverything(t *testing.T) {
 	if st := s.Stats(); st.Err != nil || st.Verified == 0 {
 		t.Errorf("while running: %+v", st)
 	}
+	if want := netip.AddrPortFrom(clientAddr.Addr(), 40001); !slices.Equal(srv.Peers(), []netip.AddrPort{want}) {
+		t.Errorf("server peers while streaming: %v, want [%v]", srv.Peers(), want)
+	}
 	st, err := s.Stop(timeout(t, 5*time.Second))
 	if err != nil {
 		t.Fatal(err)
+	}
+	// Stop's RST ends the server's side at once.
+	for deadline := time.Now().Add(2 * time.Second); len(srv.Peers()) > 0 && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if peers := srv.Peers(); len(peers) > 0 {
+		t.Errorf("server peers after Stop: %v, want none", peers)
 	}
 	t.Logf("sent %d, verified %d", st.Sent, st.Verified)
 	if st.Sent < 50<<10 || st.Verified != st.Sent {
