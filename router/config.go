@@ -174,6 +174,3 @@ func markBlockSize(slots int) uint32 {
 	}
 	return size
 }
-
-// ownsTable reports whether table t is one of the router's slot tables.
-func (c Config) ownsTable(t int) bool { return t >= c.TableBase && t < c.TableBase+ownedSlots }

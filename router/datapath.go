@@ -161,11 +161,11 @@ func (d *Datapath) presentHops(t Tunnel) func(nextHop) bool {
 }
 
 // plan sets the desired slots and current generation of t.VIP from have,
-// the slots it has now. It returns whether the current generation changed.
-func (d *Datapath) plan(t Tunnel, have []nextHop, cur int) (bool, error) {
+// the slots it has now.
+func (d *Datapath) plan(t Tunnel, have []nextHop, cur int) error {
 	want, err := d.hops(t)
 	if err != nil {
-		return false, err
+		return err
 	}
 	next, newCur, switched := planGenerations(d.cfg, have, cur, d.age[t.VIP], want, d.presentHops(t))
 	d.desired[t.VIP] = next
@@ -181,7 +181,7 @@ func (d *Datapath) plan(t Tunnel, have []nextHop, cur int) (bool, error) {
 		d.log.WithFields(logrus.Fields{"vip": t.VIP, "from_generation": cur, "to_generation": newCur,
 			"generations_in_use": generationsInUse(d.cfg, next)}).Info("new flows go to a new generation; established flows keep theirs")
 	}
-	return switched, nil
+	return nil
 }
 
 // SetTunnel programs one tunnel IP. Routes go in before the HMARK rule, so a
@@ -206,7 +206,7 @@ func (d *Datapath) SetTunnel(t Tunnel) error {
 		// Not programmed by this process yet: adopt what the kernel has.
 		have, cur = d.observed[t.VIP], d.current[t.VIP]
 	}
-	if _, err := d.plan(t, have, cur); err != nil {
+	if err := d.plan(t, have, cur); err != nil {
 		return err
 	}
 	if err := d.applyRoutes(d.diffVIP(t.VIP, nil)); err != nil {
@@ -299,7 +299,7 @@ func (d *Datapath) Resync(tunnels []Tunnel) error {
 		if !ok {
 			cur = oldCurrent[t.VIP]
 		}
-		if _, err := d.plan(t, d.observed[t.VIP], cur); err != nil {
+		if err := d.plan(t, d.observed[t.VIP], cur); err != nil {
 			d.log.WithError(err).WithField("vip", t.VIP).Warn("tunnel cannot be programmed; keeping its current state")
 			if have := d.observed[t.VIP]; have != nil {
 				d.desired[t.VIP] = slices.Clone(have)
