@@ -48,6 +48,12 @@ type Programmer interface {
 	RemoveTunnel(netip.Addr) error
 }
 
+// Announcer announces the tunnel IPs this router serves to the network
+// (*bgp.Speaker). Announce replaces the whole set and must not block.
+type Announcer interface {
+	Announce([]netip.Addr)
+}
+
 // Controller watches annotated Services, their EndpointSlices and the Nodes,
 // and keeps the datapath programmed with one bucket table per tunnel IP. Event
 // handlers only queue keys; one worker re-reads the listers and converges.
@@ -67,6 +73,35 @@ type Controller struct {
 	byVIP    map[netip.Addr]map[string]bool // tunnel IP -> keys of the Services claiming it
 	reported map[string]string              // Service key -> last event reason+message, to record each state once
 	synced1  atomic.Bool
+
+	announcer Announcer
+	announce  map[netip.Addr]bool // tunnel IPs programmed with a ready endpoint
+}
+
+// SetAnnouncer makes the controller announce every tunnel IP whose datapath
+// is programmed and which has a ready endpoint. Call it before Run.
+func (c *Controller) SetAnnouncer(a Announcer) { c.announcer = a }
+
+// announced records whether vip is to be announced, and hands the whole set
+// to the announcer when that changed.
+func (c *Controller) announced(vip netip.Addr, on bool) {
+	if c.announcer == nil || c.announce[vip] == on {
+		return
+	}
+	if on {
+		c.announce[vip] = true
+	} else {
+		delete(c.announce, vip)
+	}
+	c.pushAnnouncements()
+}
+
+func (c *Controller) pushAnnouncements() {
+	vips := make([]netip.Addr, 0, len(c.announce))
+	for v := range c.announce {
+		vips = append(vips, v)
+	}
+	c.announcer.Announce(vips)
 }
 
 // NewController builds the controller on an informer factory. Call
@@ -99,6 +134,7 @@ func NewController(cfg Config, client kubernetes.Interface, factory informers.Sh
 		claims:   map[string]netip.Addr{},
 		byVIP:    map[netip.Addr]map[string]bool{},
 		reported: map[string]string{},
+		announce: map[netip.Addr]bool{},
 	}
 	if _, err := svcInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    c.enqueueObject,
@@ -349,6 +385,15 @@ func (c *Controller) resync() error {
 		return fmt.Errorf("resync of %d tunnel IPs: %w", len(tunnels), err)
 	}
 	c.log.WithFields(logrus.Fields{"tunnels": len(tunnels), "duration": time.Since(start).Round(time.Millisecond)}).Info("resynced datapath")
+	if c.announcer != nil {
+		c.announce = map[netip.Addr]bool{}
+		for _, t := range tunnels {
+			if t.HasReady() {
+				c.announce[t.VIP] = true
+			}
+		}
+		c.pushAnnouncements()
+	}
 	c.synced1.Store(true)
 	return nil
 }
@@ -407,6 +452,7 @@ func (c *Controller) syncService(key string) error {
 // syncVIP programs or removes one tunnel IP.
 func (c *Controller) syncVIP(vip netip.Addr) error {
 	if len(c.claimants(vip)) == 0 {
+		c.announced(vip, false)
 		if err := c.dp.RemoveTunnel(vip); err != nil {
 			return fmt.Errorf("removing tunnel %v: %w", vip, err)
 		}
@@ -414,12 +460,17 @@ func (c *Controller) syncVIP(vip netip.Addr) error {
 		return nil
 	}
 	t := c.tunnelFor(vip)
+	if !t.HasReady() {
+		c.announced(vip, false)
+	}
 	if err := c.dp.SetTunnel(t); err != nil {
+		c.announced(vip, false) // not announced while its datapath may be wrong
 		if svc := c.winner(vip); svc != nil {
 			c.report(svc, corev1.EventTypeWarning, ReasonProgramFailed, fmt.Sprintf("programming tunnel IP %v failed: %v", vip, err))
 		}
 		return fmt.Errorf("programming tunnel %v: %w", vip, err)
 	}
+	c.announced(vip, t.HasReady())
 	return nil
 }
 

@@ -122,6 +122,17 @@ type Tunnel struct {
 	Present []Endpoint
 }
 
+// HasReady reports whether the tunnel has an endpoint that takes new flows
+// (present and not draining): only then is it announced to the network.
+func (t Tunnel) HasReady() bool {
+	for _, ep := range t.Present {
+		if !ep.Draining {
+			return true
+		}
+	}
+	return false
+}
+
 // hops turns a bucket table into next hops.
 func (d *Datapath) hops(t Tunnel) ([]nextHop, error) {
 	hops := make([]nextHop, d.cfg.Buckets)

@@ -20,8 +20,15 @@ type Options struct {
 	// CreateDevice makes the router create (and own) its GRE device; when
 	// false it uses an existing device of that name.
 	CreateDevice bool
-	seed         string
+	// BGPConfig is the BGP configuration file; empty: no BGP.
+	BGPConfig string
+	// MetricsAddress is where /metrics, /healthz and /readyz are served; empty: nowhere.
+	MetricsAddress string
+	seed           string
 }
+
+// DefaultMetricsAddress is the router's default --metrics-address.
+const DefaultMetricsAddress = ":9641"
 
 // AddFlags registers the options on fs with their defaults.
 func (o *Options) AddFlags(fs *flag.FlagSet) {
@@ -54,6 +61,8 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.ResyncPeriod, "resync-period", o.ResyncPeriod, "how often the whole kernel state is compared and repaired (0 disables)")
 	o.Common.AddFlags(fs)
 	fs.StringVar(&o.NodeName, "node-name", "", "name of this node, used as the event source (env NODE_NAME)")
+	fs.StringVar(&o.BGPConfig, "bgp-config", "", "BGP configuration file (YAML): announce the served tunnel IPs to these peers; empty disables BGP")
+	fs.StringVar(&o.MetricsAddress, "metrics-address", DefaultMetricsAddress, "address serving /metrics, /healthz and /readyz; empty disables")
 	fs.BoolVar(&o.Cleanup, "cleanup", false, "remove every rule, route, chain and device the router owns, then exit")
 }
 

@@ -17,11 +17,15 @@ import (
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
+	"k8s.io/client-go/tools/cache"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
+	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
+	"github.com/cmdnu/kube-service-tunnel/router/bgp"
 )
 
 // Main runs the tunnel router with command-line arguments args.
@@ -38,6 +42,15 @@ func Main(args []string) error {
 	entry, err := o.Logger("tunnel-router")
 	if err != nil {
 		return err
+	}
+	var bgpCfg *bgp.Config
+	if o.BGPConfig != "" && !o.Cleanup {
+		if bgpCfg, err = bgp.Load(o.BGPConfig); err != nil {
+			return err
+		}
+		if o.NodeName == "" && (bgpCfg.RouterID == "" || bgpCfg.NextHop == "") {
+			return fmt.Errorf("BGP needs the node's address for its router ID and next hop: set --node-name (NODE_NAME), or routerID and nextHop in %s", o.BGPConfig)
+		}
 	}
 
 	dp, closeKernel, err := openDatapath(o.Config, o.CreateDevice, entry)
@@ -77,8 +90,31 @@ func Main(args []string) error {
 	if err != nil {
 		return err
 	}
+	reg := daemon.NewRegistry()
+	var speaker *bgp.Speaker
+	if bgpCfg != nil {
+		speaker = bgp.NewSpeaker(*bgpCfg, entry.WithField("component", "bgp"), bgp.NewMetrics(reg))
+		ctrl.SetAnnouncer(speaker)
+		if err := followNode(factory, o.NodeName, speaker); err != nil {
+			return err
+		}
+	} else {
+		entry.Info("BGP is off (no --bgp-config): the tunnel IPs must be routed to the tunnel nodes by other means")
+	}
+	if o.MetricsAddress != "" {
+		if err := daemon.ServeHTTP(ctx, o.MetricsAddress, reg, ctrl.Ready, entry); err != nil {
+			return err
+		}
+	}
 	factory.Start(ctx.Done())
 	defer factory.Shutdown()
+	if speaker != nil {
+		done := make(chan struct{})
+		go func() { speaker.Run(ctx); close(done) }()
+		// On SIGTERM the speaker withdraws every tunnel IP and waits for
+		// the withdrawals to reach the peers before Main returns.
+		defer func() { <-done }()
+	}
 	if o.Generations > 1 {
 		liberal := false
 		go wait.Until(func() {
@@ -94,6 +130,28 @@ func Main(args []string) error {
 	// The datapath stays as it is on exit: a restarted router adopts it, and
 	// traffic keeps flowing meanwhile. Use --cleanup to remove it.
 	return ctrl.Run(ctx)
+}
+
+// followNode hands the speaker this node's address and labels, now and
+// whenever they change (a peer's nodeSelector may start or stop matching).
+func followNode(factory informers.SharedInformerFactory, name string, speaker *bgp.Speaker) error {
+	if name == "" { // routerID and nextHop are configured
+		speaker.SetNode(bgp.Node{})
+		return nil
+	}
+	set := func(obj any) {
+		if n, ok := obj.(*corev1.Node); ok && n.Name == name {
+			speaker.SetNode(bgp.Node{Name: n.Name, Address: daemon.NodeAddress(n), Labels: n.Labels})
+		}
+	}
+	_, err := factory.Core().V1().Nodes().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    set,
+		UpdateFunc: func(_, obj any) { set(obj) },
+	})
+	if err != nil {
+		return fmt.Errorf("watching node %s: %w", name, err)
+	}
+	return nil
 }
 
 // openDatapath opens the kernel seams of the current network namespace.

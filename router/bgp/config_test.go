@@ -1,0 +1,61 @@
+package bgp
+
+import (
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestParseValidConfig(t *testing.T) {
+	cfg, err := Parse([]byte(`
+asn: 64512
+gracefulRestart: {enabled: true, restartTime: 60s}
+peers:
+- address: 198.51.100.1
+  asn: 64500
+  holdTime: 9s
+  keepaliveTime: 3s
+  bfd: {minInterval: 100ms, multiplier: 5}
+  nodeSelector: {matchLabels: {rack: r1}}
+- address: 2001:db8::1
+  asn: 64501
+  ebgpMultihop: 2
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.ASN != 64512 || len(cfg.Peers) != 2 || cfg.Peers[0].holdTime() != 9*time.Second || cfg.Peers[1].holdTime() != DefaultHoldTime {
+		t.Fatalf("parsed %+v", cfg)
+	}
+	if !cfg.Peers[0].Selects(map[string]string{"rack": "r1", "node": "tunnel"}) || cfg.Peers[0].Selects(map[string]string{"rack": "r2"}) {
+		t.Error("nodeSelector matchLabels rack=r1 not applied")
+	}
+	if !cfg.Peers[1].Selects(nil) {
+		t.Error("a peer without nodeSelector must select every node")
+	}
+	if cfg.WithdrawWait() != DefaultWithdrawDelay {
+		t.Errorf("withdraw wait %v", cfg.WithdrawWait())
+	}
+}
+
+func TestParseRejectsBadConfigNamingTheField(t *testing.T) {
+	for _, tc := range []struct{ yaml, field string }{
+		{`peers: [{address: 198.51.100.1, asn: 1}]`, "asn: must be set"},
+		{`{asn: 1, peers: []}`, "peers: at least one"},
+		{`{asn: 1, peers: [{address: nope, asn: 2}]}`, "peers[0].address"},
+		{`{asn: 1, peers: [{address: 198.51.100.1}]}`, "peers[0].asn"},
+		{`{asn: 1, peers: [{address: 198.51.100.1, asn: 2}, {address: 198.51.100.1, asn: 3}]}`, "peers[1].address: 198.51.100.1 is also peers[0]"},
+		{`{asn: 1, peers: [{address: 198.51.100.1, asn: 2, holdTime: 2s}]}`, "peers[0].holdTime"},
+		{`{asn: 1, peers: [{address: 198.51.100.1, asn: 2, holdTime: 9s, keepaliveTime: 9s}]}`, "peers[0].keepaliveTime"},
+		{`{asn: 1, peers: [{address: 198.51.100.1, asn: 2, passwordFile: /nonexistent}]}`, "peers[0].passwordFile"},
+		{`{asn: 1, peers: [{address: 198.51.100.1, asn: 2, nodeSelector: {matchExpressions: [{key: a, operator: Bad}]}}]}`, "peers[0].nodeSelector"},
+		{`{asn: 1, routerID: "2001:db8::1", peers: [{address: 198.51.100.1, asn: 2}]}`, "routerID"},
+		{`{asn: 1, peer: [{address: 198.51.100.1, asn: 2}]}`, `unknown field "peer"`},
+		{`{asn: 1, gracefulRestart: {enabled: true, restartTime: 2h}, peers: [{address: 198.51.100.1, asn: 2}]}`, "gracefulRestart.restartTime"},
+	} {
+		_, err := Parse([]byte(tc.yaml))
+		if err == nil || !strings.Contains(err.Error(), tc.field) {
+			t.Errorf("%s: error %v, want one naming %q", tc.yaml, err, tc.field)
+		}
+	}
+}

@@ -1,0 +1,403 @@
+package bgp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"net/netip"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/osrg/gobgp/v4/api"
+	"github.com/osrg/gobgp/v4/pkg/apiutil"
+	"github.com/osrg/gobgp/v4/pkg/packet/bgp"
+	"github.com/osrg/gobgp/v4/pkg/server"
+	"github.com/sirupsen/logrus"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+)
+
+// Node is what the speaker needs to know of the node it runs on.
+type Node struct {
+	Name string
+	// Address is the node's address: the default router ID and next hop.
+	Address netip.Addr
+	// Labels select the peers (Peer.NodeSelector).
+	Labels map[string]string
+}
+
+// Speaker announces a set of tunnel IPs to the configured peers. Announce and
+// SetNode only record what is wanted and never block; Run's goroutine talks
+// to GoBGP, so that a slow or failing peer never holds up the datapath.
+//
+// The speaker opens no session before it has both its Node and a first
+// Announce: the controller announces only after its first full sync, so that
+// a restarted router never announces a partial set (with graceful restart,
+// the peers replace the stale routes by exactly the new set).
+type Speaker struct {
+	cfg     Config
+	log     logrus.FieldLogger
+	metrics *Metrics
+	server  *server.BgpServer
+
+	mu        sync.Mutex
+	desired   map[netip.Addr]bool
+	announces bool // Announce was called at least once
+	node      *Node
+	kick      chan struct{}
+
+	// Owned by Run's goroutine.
+	started   bool
+	nextHop   netip.Addr
+	announced map[netip.Addr]bool
+	peers     map[netip.Addr]Peer
+}
+
+// NewSpeaker returns a speaker for a validated configuration.
+func NewSpeaker(cfg Config, log logrus.FieldLogger, metrics *Metrics) *Speaker {
+	if metrics == nil {
+		metrics = NewMetrics(nil)
+	}
+	return &Speaker{
+		cfg:       cfg,
+		log:       log,
+		metrics:   metrics,
+		server:    server.NewBgpServer(server.LoggerOption(gobgpLogger(log))),
+		desired:   map[netip.Addr]bool{},
+		kick:      make(chan struct{}, 1),
+		announced: map[netip.Addr]bool{},
+		peers:     map[netip.Addr]Peer{},
+	}
+}
+
+// Announce replaces the set of tunnel IPs to announce.
+func (s *Speaker) Announce(vips []netip.Addr) {
+	want := make(map[netip.Addr]bool, len(vips))
+	for _, v := range vips {
+		want[v] = true
+	}
+	s.mu.Lock()
+	s.desired, s.announces = want, true
+	s.mu.Unlock()
+	s.poke()
+}
+
+// SetNode records the node's address and labels (the peers it selects).
+func (s *Speaker) SetNode(n Node) {
+	s.mu.Lock()
+	s.node = &n
+	s.mu.Unlock()
+	s.poke()
+}
+
+func (s *Speaker) poke() {
+	select {
+	case s.kick <- struct{}{}:
+	default:
+	}
+}
+
+// Run converges GoBGP on what is wanted until ctx ends, then withdraws every
+// announcement, waits Config.WithdrawDelay for the withdrawals to reach the
+// peers, and closes the sessions.
+func (s *Speaker) Run(ctx context.Context) {
+	go s.server.Serve()
+	backoff := wait.Backoff{Duration: time.Second, Factor: 2, Jitter: 0.1, Steps: 1 << 30, Cap: 30 * time.Second}
+	var retry <-chan time.Time
+	for {
+		select {
+		case <-ctx.Done():
+			s.shutdown()
+			return
+		case <-s.kick:
+		case <-retry:
+		}
+		if err := s.reconcile(); err != nil {
+			s.metrics.errors.Inc()
+			delay := backoff.Step()
+			s.log.WithError(err).WithField("retry_in", delay.Round(time.Millisecond)).Warn("BGP speaker")
+			retry = time.After(delay)
+			continue
+		}
+		backoff.Duration, backoff.Steps, retry = time.Second, 1<<30, nil
+	}
+}
+
+func (s *Speaker) reconcile() error {
+	s.mu.Lock()
+	desired, announces, node := maps.Clone(s.desired), s.announces, s.node
+	s.mu.Unlock()
+	if node == nil || !announces {
+		return nil // not before the node and the first full sync are known
+	}
+	if !s.started {
+		if err := s.start(*node); err != nil {
+			return err
+		}
+	}
+	// Paths before peers: a new session's first update carries the whole set.
+	if err := s.syncPaths(desired); err != nil {
+		return err
+	}
+	return s.syncPeers(*node)
+}
+
+func (s *Speaker) start(node Node) error {
+	routerID := node.Address
+	if s.cfg.RouterID != "" {
+		routerID = netip.MustParseAddr(s.cfg.RouterID)
+	}
+	if !routerID.Is4() {
+		return fmt.Errorf("node %s has no IPv4 address for the BGP router ID; set routerID in the BGP configuration", node.Name)
+	}
+	s.nextHop = node.Address
+	if s.cfg.NextHop != "" {
+		s.nextHop = netip.MustParseAddr(s.cfg.NextHop)
+	}
+	if !s.nextHop.IsValid() {
+		return fmt.Errorf("node %s has no address for the BGP next hop; set nextHop in the BGP configuration", node.Name)
+	}
+	listen := int32(-1) // GoBGP: do not listen
+	if s.cfg.ListenPort > 0 {
+		listen = s.cfg.ListenPort
+	}
+	global := &api.Global{Asn: s.cfg.ASN, RouterId: routerID.String(), ListenPort: listen}
+	if err := s.server.StartBgp(context.Background(), &api.StartBgpRequest{Global: global}); err != nil {
+		return fmt.Errorf("starting BGP (asn %d, router id %v): %w", s.cfg.ASN, routerID, err)
+	}
+	if err := s.server.WatchEvent(context.Background(), server.WatchEventMessageCallbacks{OnPeerUpdate: s.peerEvent}, server.WatchPeer()); err != nil {
+		return fmt.Errorf("watching BGP peers: %w", err)
+	}
+	s.started = true
+	s.log.WithFields(logrus.Fields{"asn": s.cfg.ASN, "router_id": routerID, "next_hop": s.nextHop, "listen_port": s.cfg.ListenPort,
+		"graceful_restart": s.gracefulRestart()}).Info("BGP speaker started")
+	return nil
+}
+
+func (s *Speaker) gracefulRestart() bool {
+	return s.cfg.GracefulRestart != nil && s.cfg.GracefulRestart.Enabled
+}
+
+// peerEvent logs session changes and keeps the session metrics.
+func (s *Speaker) peerEvent(ev *apiutil.WatchEventMessage_PeerEvent, _ time.Time) {
+	if ev.Type != apiutil.PEER_EVENT_STATE {
+		return
+	}
+	peer := ev.Peer.State.NeighborAddress.String()
+	state := strings.TrimPrefix(strings.ToLower(ev.Peer.State.SessionState.String()), "bgp_fsm_")
+	up := 0.0
+	if ev.Peer.State.SessionState == bgp.BGP_FSM_ESTABLISHED {
+		up = 1
+	}
+	s.metrics.sessionUp.WithLabelValues(peer).Set(up)
+	s.metrics.transitions.WithLabelValues(peer, state).Inc()
+	entry := s.log.WithFields(logrus.Fields{"peer": peer, "peer_asn": ev.Peer.State.PeerASN, "state": state})
+	if msg := ev.Peer.State.DisconnectMessage; msg != "" && up == 0 {
+		entry = entry.WithField("reason", msg)
+	}
+	entry.Info("BGP session state")
+}
+
+// Diff returns the tunnel IPs to announce and to withdraw to go from
+// announced to desired, each sorted.
+func Diff(desired, announced map[netip.Addr]bool) (announce, withdraw []netip.Addr) {
+	for v := range desired {
+		if !announced[v] {
+			announce = append(announce, v)
+		}
+	}
+	for v := range announced {
+		if !desired[v] {
+			withdraw = append(withdraw, v)
+		}
+	}
+	slices.SortFunc(announce, netip.Addr.Compare)
+	slices.SortFunc(withdraw, netip.Addr.Compare)
+	return announce, withdraw
+}
+
+func (s *Speaker) syncPaths(desired map[netip.Addr]bool) error {
+	announce, withdraw := Diff(desired, s.announced)
+	var errs []error
+	for _, vip := range announce {
+		p, err := s.path(vip)
+		if err == nil {
+			_, err = s.server.AddPath(apiutil.AddPathRequest{Paths: []*apiutil.Path{p}})
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("announcing %v: %w", vip, err))
+			continue
+		}
+		s.announced[vip] = true
+		s.metrics.updates.WithLabelValues("announce").Inc()
+		s.log.WithFields(logrus.Fields{"vip": vip, "next_hop": s.nextHop}).Info("announcing tunnel IP")
+	}
+	for _, vip := range withdraw {
+		p, err := s.path(vip)
+		if err == nil {
+			err = s.server.DeletePath(apiutil.DeletePathRequest{Paths: []*apiutil.Path{p}})
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("withdrawing %v: %w", vip, err))
+			continue
+		}
+		delete(s.announced, vip)
+		s.metrics.updates.WithLabelValues("withdraw").Inc()
+		s.log.WithField("vip", vip).Info("withdrew tunnel IP")
+	}
+	s.metrics.announced.Set(float64(len(s.announced)))
+	return errors.Join(errs...)
+}
+
+// path is the announcement of one tunnel IP: a host prefix with origin IGP
+// and this node as the next hop.
+func (s *Speaker) path(vip netip.Addr) (*apiutil.Path, error) {
+	if vip.Is4() != s.nextHop.Is4() {
+		return nil, fmt.Errorf("next hop %v is not of the tunnel IP's family", s.nextHop)
+	}
+	nlri, err := bgp.NewIPAddrPrefix(netip.PrefixFrom(vip, vip.BitLen()))
+	if err != nil {
+		return nil, err
+	}
+	family := bgp.RF_IPv4_UC
+	attrs := []bgp.PathAttributeInterface{bgp.NewPathAttributeOrigin(bgp.BGP_ORIGIN_ATTR_TYPE_IGP)}
+	if vip.Is4() {
+		nh, err := bgp.NewPathAttributeNextHop(s.nextHop)
+		if err != nil {
+			return nil, err
+		}
+		attrs = append(attrs, nh)
+	} else {
+		family = bgp.RF_IPv6_UC
+		mp, err := bgp.NewPathAttributeMpReachNLRI(family, []bgp.PathNLRI{{NLRI: nlri}}, s.nextHop)
+		if err != nil {
+			return nil, err
+		}
+		attrs = append(attrs, mp)
+	}
+	return &apiutil.Path{Family: family, Nlri: nlri, Attrs: attrs}, nil
+}
+
+// syncPeers adds the peers that select this node and removes the others.
+func (s *Speaker) syncPeers(node Node) error {
+	want := map[netip.Addr]Peer{}
+	for _, p := range s.cfg.Peers {
+		if p.Selects(node.Labels) {
+			want[netip.MustParseAddr(p.Address)] = p
+		}
+	}
+	var errs []error
+	for addr := range s.peers {
+		if _, ok := want[addr]; ok {
+			continue
+		}
+		if err := s.server.DeletePeer(context.Background(), &api.DeletePeerRequest{Address: addr.String()}); err != nil {
+			errs = append(errs, fmt.Errorf("removing peer %v: %w", addr, err))
+			continue
+		}
+		delete(s.peers, addr)
+		s.metrics.sessionUp.DeleteLabelValues(addr.String())
+		s.log.WithField("peer", addr).Info("BGP peer removed (its nodeSelector no longer matches this node)")
+	}
+	for _, addr := range slices.SortedFunc(maps.Keys(want), netip.Addr.Compare) {
+		if _, ok := s.peers[addr]; ok {
+			continue
+		}
+		p := want[addr]
+		conf, err := s.apiPeer(p)
+		if err == nil {
+			err = s.server.AddPeer(context.Background(), &api.AddPeerRequest{Peer: conf})
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("adding peer %v: %w", addr, err))
+			continue
+		}
+		s.peers[addr] = p
+		s.metrics.sessionUp.WithLabelValues(addr.String()).Set(0)
+		s.log.WithFields(logrus.Fields{"peer": addr, "peer_asn": p.ASN, "hold_time": p.holdTime(), "bfd": p.BFD != nil}).Info("BGP peer added")
+	}
+	return errors.Join(errs...)
+}
+
+func seconds(d *metav1.Duration, def time.Duration) uint64 {
+	if d == nil {
+		return uint64(def / time.Second)
+	}
+	return uint64(d.Duration / time.Second)
+}
+
+// apiPeer translates a configured peer into GoBGP's neighbour configuration.
+func (s *Speaker) apiPeer(p Peer) (*api.Peer, error) {
+	password, err := p.password()
+	if err != nil {
+		return nil, err
+	}
+	addr := netip.MustParseAddr(p.Address)
+	family := &api.Family{Afi: api.Family_AFI_IP, Safi: api.Family_SAFI_UNICAST}
+	if addr.Is6() {
+		family.Afi = api.Family_AFI_IP6
+	}
+	hold := uint64(p.holdTime() / time.Second)
+	keepalive := hold / 3
+	if p.KeepaliveTime != nil {
+		keepalive = uint64(p.KeepaliveTime.Duration / time.Second)
+	}
+	conf := &api.Peer{
+		Conf: &api.PeerConf{NeighborAddress: p.Address, PeerAsn: p.ASN, LocalAsn: p.LocalASN, AuthPassword: password,
+			Description: "kube-service-tunnel"},
+		Timers: &api.Timers{Config: &api.TimersConfig{HoldTime: hold, KeepaliveInterval: keepalive,
+			ConnectRetry: seconds(p.ConnectRetry, DefaultConnectRetry)}},
+		Transport: &api.Transport{LocalAddress: p.SourceAddress, RemotePort: uint32(p.Port)},
+		AfiSafis:  []*api.AfiSafi{{Config: &api.AfiSafiConfig{Family: family, Enabled: true}}},
+	}
+	if p.EBGPMultihop > 0 {
+		conf.EbgpMultihop = &api.EbgpMultihop{Enabled: true, MultihopTtl: uint32(p.EBGPMultihop)}
+	}
+	if gr := s.cfg.GracefulRestart; gr != nil && gr.Enabled {
+		// Every start is flagged as a restart (R bit): the peers keep a
+		// crashed router's routes until this new session's End-of-RIB.
+		conf.GracefulRestart = &api.GracefulRestart{Enabled: true, RestartTime: uint32(seconds(gr.RestartTime, DefaultRestartTime)),
+			LocalRestarting: true}
+		conf.AfiSafis[0].MpGracefulRestart = &api.MpGracefulRestart{Config: &api.MpGracefulRestartConfig{Enabled: true}}
+	}
+	if b := p.BFD; b != nil {
+		interval := DefaultBFDInterval
+		if b.MinInterval != nil {
+			interval = b.MinInterval.Duration
+		}
+		mult := b.Multiplier
+		if mult == 0 {
+			mult = DefaultBFDMultiplier
+		}
+		us := uint32(interval / time.Microsecond)
+		conf.Bfd = &api.BfdPeerConfig{Enabled: true, DesiredMinimumTxInterval: us, RequiredMinimumReceive: us, DetectionMultiplier: mult}
+	}
+	return conf, nil
+}
+
+// shutdown withdraws everything, lets the withdrawals reach the peers, and
+// closes the sessions.
+func (s *Speaker) shutdown() {
+	if !s.started {
+		return
+	}
+	n := len(s.announced)
+	if n > 0 {
+		if err := s.server.DeletePath(apiutil.DeletePathRequest{DeleteAll: true}); err != nil {
+			s.log.WithError(err).Warn("withdrawing tunnel IPs before exit")
+		} else {
+			s.announced = map[netip.Addr]bool{}
+			s.metrics.announced.Set(0)
+			s.log.WithFields(logrus.Fields{"tunnel_ips": n, "wait": s.cfg.WithdrawWait()}).Info("withdrew every tunnel IP; waiting before closing the BGP sessions")
+			time.Sleep(s.cfg.WithdrawWait())
+		}
+	}
+	if err := s.server.StopBgp(context.Background(), &api.StopBgpRequest{}); err != nil {
+		s.log.WithError(err).Warn("stopping BGP")
+		return
+	}
+	s.log.Info("BGP sessions closed")
+}
