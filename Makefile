@@ -17,11 +17,11 @@ build: ## build static binaries into bin/
 # Debian packages the tests need: iptables and iproute2 for the datapath; a
 # real Docker engine and containerd (with runc, the CNI loopback plugin and a
 # static busybox for the images) for the endpoint agent's runtime lookups.
-APT_PACKAGES := iptables iproute2 util-linux docker.io containerd runc containernetworking-plugins busybox-static
+APT_PACKAGES := iptables iproute2 util-linux docker.io containerd runc containernetworking-plugins busybox-static bird2
 
 deps: ## install the Debian packages the tests need (iptables, iproute2, docker.io, containerd, ...)
 	@if ! { command -v iptables && command -v ip && command -v nsenter && command -v dockerd && command -v containerd \
-		&& command -v runc && test -x /usr/lib/cni/loopback && dpkg -s busybox-static; } >/dev/null 2>&1; then \
+		&& command -v runc && test -x /usr/lib/cni/loopback && dpkg -s busybox-static && command -v bird && command -v birdc; } >/dev/null 2>&1; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(APT_PACKAGES); fi
 
 assets: ## build and cache a real kube-apiserver and etcd, and the VM lab's kernel
