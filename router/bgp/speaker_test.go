@@ -129,6 +129,10 @@ func TestSpeakerAnnouncesWithdrawsAndWithdrawsOnShutdown(t *testing.T) {
 
 	sp.Announce([]netip.Addr{vip2})
 	waitRoutes(t, peer, map[string]string{"192.0.2.2/32": "198.51.100.7"})
+	sp.Announce(nil)
+	waitRoutes(t, peer, map[string]string{})
+	sp.Announce([]netip.Addr{vip2})
+	waitRoutes(t, peer, map[string]string{"192.0.2.2/32": "198.51.100.7"})
 
 	// On shutdown the routes must go while the session is still up (a
 	// withdrawal, not the session's end).

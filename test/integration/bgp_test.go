@@ -1,0 +1,545 @@
+package integration
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"runtime"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
+	"github.com/cmdnu/kube-service-tunnel/test/bgppeer"
+)
+
+// The BGP tests run the real tunnel-router binary, each instance in its own
+// network namespace, as the router's ServiceAccount, against a real bird2
+// standing for the datacenter router. All namespaces hang on a bridge in
+// the peer's namespace:
+//
+//	peer 198.51.100.1 (bird2, AS 64500) ── br0 ──┬── router a 198.51.100.2 (AS 64512)
+//	                                              └── router b 198.51.100.3 (AS 64512)
+var (
+	bgpPeerAddr = netip.MustParseAddr("198.51.100.1")
+	bgpRouterA  = netip.MustParseAddr("198.51.100.2")
+	bgpRouterB  = netip.MustParseAddr("198.51.100.3")
+)
+
+const (
+	bgpPeerASN   = 64500
+	bgpRouterASN = 64512
+)
+
+var (
+	routerBinaryOnce sync.Once
+	routerBinary     string
+	routerBinaryErr  error
+)
+
+// buildRouter builds cmd/tunnel-router once per test run.
+func buildRouter(t *testing.T) string {
+	t.Helper()
+	routerBinaryOnce.Do(func() {
+		_, here, _, _ := runtime.Caller(0)
+		root := filepath.Join(filepath.Dir(here), "..", "..")
+		dir, err := os.MkdirTemp("", "kst-it-router-")
+		if err != nil {
+			routerBinaryErr = err
+			return
+		}
+		routerBinary = filepath.Join(dir, "tunnel-router")
+		cmd := exec.Command("go", "build", "-o", routerBinary, "./cmd/tunnel-router")
+		cmd.Dir = root
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			routerBinaryErr = fmt.Errorf("go build ./cmd/tunnel-router: %v: %s", err, out)
+		}
+	})
+	if routerBinaryErr != nil {
+		t.Fatal(routerBinaryErr)
+	}
+	return routerBinary
+}
+
+// bgpLab is the peer and the router namespaces of one test.
+type bgpLab struct {
+	peer      *bgppeer.Peer
+	peerNS    *testnetns.NS
+	routers   map[string]*testnetns.NS
+	links     map[string]string // router name -> its link's name in the router's namespace
+	apiServer string            // host:port of the API server, relayed into each router namespace
+}
+
+// newBGPLab builds the bridge, one namespace per router and starts bird.
+func newBGPLab(t *testing.T, bfd bool) *bgpLab {
+	t.Helper()
+	testnetns.RequireRoot(t)
+	bgppeer.RequireBird(t)
+	buildRouter(t) // before any timing starts
+	u, err := url.Parse(env.AdminConfig().Host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lab := &bgpLab{peerNS: testnetns.New(t), routers: map[string]*testnetns.NS{}, links: map[string]string{}, apiServer: u.Host}
+	nl := lab.peerNS.Netlink()
+	br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: "br0"}}
+	if err := nl.LinkAdd(br); err != nil {
+		t.Fatal(err)
+	}
+	if err := nl.AddrAdd(br, &netlink.Addr{IPNet: testnetns.IPNet(netip.PrefixFrom(bgpPeerAddr, 24))}); err != nil {
+		t.Fatal(err)
+	}
+	if err := nl.LinkSetUp(br); err != nil {
+		t.Fatal(err)
+	}
+	var neighbors []bgppeer.Neighbor
+	for _, r := range []struct {
+		name string
+		addr netip.Addr
+	}{{"a", bgpRouterA}, {"b", bgpRouterB}} {
+		ns := testnetns.New(t)
+		port := lab.peerNS.AddVeth("port_"+r.name, "eth_"+r.name, netip.Prefix{})
+		l, err := nl.LinkByIndex(port)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := nl.LinkSetMaster(l, br); err != nil {
+			t.Fatal(err)
+		}
+		moveLink(t, lab.peerNS, ns, "eth_"+r.name, netip.PrefixFrom(r.addr, 24))
+		stop, err := testnetns.ForwardLoopback(ns.Handle, lab.apiServer)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(stop)
+		lab.routers[r.name], lab.links[r.name] = ns, "eth_"+r.name
+		neighbors = append(neighbors, bgppeer.Neighbor{Name: "router_" + r.name, Address: r.addr, ASN: bgpRouterASN,
+			HoldTime: 3 * time.Second, KeepaliveTime: time.Second, BFD: bfd})
+	}
+	cfg := bgppeer.Config{RouterID: bgpPeerAddr, ASN: bgpPeerASN, Neighbors: neighbors}
+	if bfd {
+		cfg.BFD = bgppeer.BFDIntervals{MinTx: 100 * time.Millisecond, MinRx: 100 * time.Millisecond, Multiplier: 3}
+	}
+	lab.peer = bgppeer.Start(t, lab.peerNS, cfg)
+	return lab
+}
+
+// moveLink moves a link into another namespace and addresses it there.
+func moveLink(t *testing.T, from, to *testnetns.NS, name string, addr netip.Prefix) {
+	t.Helper()
+	src := from.Netlink()
+	l, err := src.LinkByName(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := src.LinkSetNsFd(l, int(to.Handle)); err != nil {
+		t.Fatal(err)
+	}
+	dst := to.Netlink()
+	if l, err = dst.LinkByName(name); err != nil {
+		t.Fatal(err)
+	}
+	if err := dst.AddrAdd(l, &netlink.Addr{IPNet: testnetns.IPNet(addr)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := dst.LinkSetUp(l); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// setLink sets a router's link up or down: a dead node, as its peer sees it.
+func (l *bgpLab) setLink(t *testing.T, router string, up bool) {
+	t.Helper()
+	nl := l.routers[router].Netlink()
+	link, err := nl.LinkByName(l.links[router])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if up {
+		err = nl.LinkSetUp(link)
+	} else {
+		err = nl.LinkSetDown(link)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// bgpNode creates a Node whose InternalIP is the router's address: the BGP
+// router ID and next hop.
+func bgpNode(t *testing.T, cs kubernetes.Interface, name string, addr netip.Addr, labels map[string]string) {
+	t.Helper()
+	ctx := context.Background()
+	node, err := cs.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Status.Addresses = []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: addr.String()}}
+	if _, err := cs.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cs.CoreV1().Nodes().Delete(context.Background(), name, metav1.DeleteOptions{}) })
+}
+
+// writeKubeconfig writes a kubeconfig for a client configuration.
+func writeKubeconfig(t *testing.T, cfg *rest.Config) string {
+	t.Helper()
+	kc := clientcmdapi.NewConfig()
+	kc.Clusters["it"] = &clientcmdapi.Cluster{Server: cfg.Host, CertificateAuthorityData: cfg.CAData}
+	kc.AuthInfos["it"] = &clientcmdapi.AuthInfo{Token: cfg.BearerToken}
+	kc.Contexts["it"] = &clientcmdapi.Context{Cluster: "it", AuthInfo: "it"}
+	kc.CurrentContext = "it"
+	path := filepath.Join(t.TempDir(), "kubeconfig")
+	if err := clientcmd.WriteToFile(*kc, path); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// routerProcess is a tunnel-router binary running in a namespace.
+type routerProcess struct {
+	name string
+	cmd  *exec.Cmd
+	log  *syncBuffer
+	done chan error
+	ns   *testnetns.NS
+}
+
+// startRouterProcess runs tunnel-router in the router's namespace, on a
+// stand-in device for GRE (this host has no GRE; see the router's
+// privileged tests), with the BGP configuration bgpYAML.
+func (l *bgpLab) startRouterProcess(t *testing.T, router, node, kubeconfig, bgpYAML string) *routerProcess {
+	t.Helper()
+	dir := t.TempDir()
+	cfgPath := filepath.Join(dir, "bgp.yaml")
+	if err := os.WriteFile(cfgPath, []byte(bgpYAML), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p := &routerProcess{name: router, log: &syncBuffer{}, done: make(chan error, 1), ns: l.routers[router]}
+	p.cmd = exec.Command(buildRouter(t), "--kubeconfig", kubeconfig, "--node-name", node, "--seed", "7",
+		"--gre-device-create=false", "--gre-device", l.links[router], "--generations", "1",
+		"--bgp-config", cfgPath, "--metrics-address", "127.0.0.1:9641", "--log-level", "debug")
+	p.cmd.Stdout, p.cmd.Stderr = p.log, p.log
+	// The child inherits the namespace of the thread that forks it. No
+	// Pdeathsig: that thread ends right after the fork.
+	if err := p.ns.Do(p.cmd.Start); err != nil {
+		t.Fatal(err)
+	}
+	go func() { p.done <- p.cmd.Wait() }()
+	t.Cleanup(func() {
+		p.stop(syscall.SIGKILL)
+		if t.Failed() {
+			t.Logf("router %s log:\n%s", router, lastLines(p.log.String(), 40))
+		}
+	})
+	return p
+}
+
+// stop signals the router and waits for it to exit.
+func (p *routerProcess) stop(sig syscall.Signal) error {
+	if p.cmd.ProcessState != nil {
+		return nil
+	}
+	_ = p.cmd.Process.Signal(sig)
+	select {
+	case err := <-p.done:
+		p.done <- err
+		return err
+	case <-time.After(20 * time.Second):
+		_ = p.cmd.Process.Kill()
+		return fmt.Errorf("router %s did not exit within 20 s of %v", p.name, sig)
+	}
+}
+
+// metrics scrapes the router's /metrics inside its namespace.
+func (p *routerProcess) metrics(t *testing.T) string {
+	t.Helper()
+	var conn net.Conn
+	if err := p.ns.Do(func() (err error) { conn, err = net.Dial("tcp", "127.0.0.1:9641"); return err }); err != nil {
+		t.Fatalf("router %s metrics: %v", p.name, err)
+	}
+	defer conn.Close()
+	fmt.Fprint(conn, "GET /metrics HTTP/1.0\r\n\r\n")
+	b, err := io.ReadAll(conn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// metric returns the value of one sample line, "" when absent.
+func metric(metrics, sample string) string {
+	sc := bufio.NewScanner(strings.NewReader(metrics))
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), sample+" "); ok {
+			return v
+		}
+	}
+	return ""
+}
+
+func lastLines(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
+
+func routerBGPConfig(extra string) string {
+	return fmt.Sprintf(`asn: %d
+withdrawDelay: 1s
+%speers:
+- address: %v
+  asn: %d
+  holdTime: 3s
+  keepaliveTime: 1s
+  connectRetry: 1s
+`, bgpRouterASN, extra, bgpPeerAddr, bgpPeerASN)
+}
+
+// TestBGPAnnouncesServedTunnelIPs follows one tunnel IP through its life as
+// the peer sees it: announced once a ready endpoint exists, by both routers
+// (ECMP), withdrawn when the last endpoint goes and when a router stops,
+// dropped after the hold time when a router dies without a word.
+func TestBGPAnnouncesServedTunnelIPs(t *testing.T) {
+	lab := newBGPLab(t, false)
+	cs := adminClient(t)
+	kubeconfig := writeKubeconfig(t, routerConfig(t))
+	ns := freshNamespace(t, cs)
+	nodeA, nodeB := "bgp-a-"+ns, "bgp-b-"+ns
+	bgpNode(t, cs, nodeA, bgpRouterA, nil)
+	bgpNode(t, cs, nodeB, bgpRouterB, nil)
+	vip := netip.MustParsePrefix("192.0.2.61/32")
+	createService(t, cs, ns, "web", vip.Addr().String())
+
+	start := time.Now()
+	a := lab.startRouterProcess(t, "a", nodeA, kubeconfig, routerBGPConfig(""))
+	t.Logf("bgp: session with router a established %v after its start", lab.peer.WaitEstablished(t, "router_a", start, 30*time.Second))
+	// No ready endpoint: nothing is announced, though the session is up.
+	time.Sleep(time.Second)
+	if routes, err := lab.peer.Routes(vip); err != nil || len(routes) != 0 {
+		t.Fatalf("tunnel IP without endpoints announced: %v %v", routes, err)
+	}
+	if m := a.metrics(t); metric(m, fmt.Sprintf(`kube_service_tunnel_bgp_session_up{peer="%v"}`, bgpPeerAddr)) != "1" ||
+		metric(m, "kube_service_tunnel_bgp_announced_prefixes") != "0" {
+		t.Fatalf("router a metrics: session up and 0 prefixes expected:\n%s", grepLines(m, "kube_service_tunnel_bgp"))
+	}
+
+	start = time.Now()
+	applySlice(t, cs, ns, "web", "web-1", ep{addr: "10.244.1.5", ready: ptr(true)})
+	t.Logf("bgp: endpoint ready -> peer's kernel route via router a took %v", lab.peer.WaitKernelNextHops(t, vip, start, 20*time.Second, bgpRouterA))
+	if m := a.metrics(t); metric(m, "kube_service_tunnel_bgp_announced_prefixes") != "1" {
+		t.Fatalf("router a announces 1 prefix, metrics say:\n%s", grepLines(m, "kube_service_tunnel_bgp"))
+	}
+
+	start = time.Now()
+	lab.startRouterProcess(t, "b", nodeB, kubeconfig, routerBGPConfig(""))
+	t.Logf("bgp: router b started -> ECMP over both routers took %v", lab.peer.WaitKernelNextHops(t, vip, start, 30*time.Second, bgpRouterA, bgpRouterB))
+
+	// The last endpoint stops being ready: both withdraw.
+	start = time.Now()
+	applySlice(t, cs, ns, "web", "web-1", ep{addr: "10.244.1.5", ready: ptr(false), serving: ptr(false)})
+	t.Logf("bgp: last endpoint not ready -> route withdrawn by both took %v", lab.peer.WaitRoutes(t, vip, 0, start, 20*time.Second))
+	start = time.Now()
+	applySlice(t, cs, ns, "web", "web-1", ep{addr: "10.244.1.5", ready: ptr(true)})
+	t.Logf("bgp: endpoint ready again -> ECMP route back took %v", lab.peer.WaitKernelNextHops(t, vip, start, 20*time.Second, bgpRouterA, bgpRouterB))
+
+	// A bad annotation stops the claim: withdrawn. Fixed: announced again.
+	start = time.Now()
+	setAnnotation(t, cs, ns, "web", ptr("not-an-ip"))
+	t.Logf("bgp: annotation made invalid -> withdrawn took %v", lab.peer.WaitRoutes(t, vip, 0, start, 20*time.Second))
+	setAnnotation(t, cs, ns, "web", ptr(vip.Addr().String()))
+	lab.peer.WaitKernelNextHops(t, vip, time.Now(), 20*time.Second, bgpRouterA, bgpRouterB)
+
+	// SIGTERM: router a withdraws, waits, closes; b keeps the route.
+	start = time.Now()
+	if err := a.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	withdrawn := lab.peer.WaitKernelNextHops(t, vip, start, 20*time.Second, bgpRouterB)
+	if err := a.stop(syscall.SIGTERM); err != nil {
+		t.Fatalf("router a exit after SIGTERM: %v", err)
+	}
+	t.Logf("bgp: router a SIGTERM -> only router b left took %v (process exited after %v, withdrawDelay 1s)", withdrawn, time.Since(start))
+	if withdrawn >= time.Second {
+		t.Errorf("router a's path went %v after SIGTERM, not before it closed its session (withdrawDelay 1s)", withdrawn)
+	}
+	if !strings.Contains(a.log.String(), "withdrew every tunnel IP") {
+		t.Errorf("router a did not log its withdrawal on SIGTERM:\n%s", lastLines(a.log.String(), 20))
+	}
+
+	// Router a back, then its node dies (link down): without BFD the peer
+	// waits for the hold time (3 s).
+	a = lab.startRouterProcess(t, "a", nodeA, kubeconfig, routerBGPConfig(""))
+	lab.peer.WaitKernelNextHops(t, vip, time.Now(), 30*time.Second, bgpRouterA, bgpRouterB)
+	start = time.Now()
+	lab.setLink(t, "a", false)
+	took := lab.peer.WaitKernelNextHops(t, vip, start, 20*time.Second, bgpRouterB)
+	t.Logf("bgp: router a's link cut (no BFD, hold time 3s) -> its path dropped took %v", took)
+	if took < 2*time.Second {
+		t.Errorf("path dropped after %v, before the hold time could expire: the test did not cut the node off", took)
+	}
+	lab.setLink(t, "a", true)
+	start = time.Now()
+	t.Logf("bgp: router a's link restored -> ECMP back took %v", lab.peer.WaitKernelNextHops(t, vip, start, 30*time.Second, bgpRouterA, bgpRouterB))
+	_ = a
+}
+
+// TestBGPWithBFDDetectsADeadRouterFast pairs GoBGP's BFD with bird's: a
+// router whose link dies loses its path in well under the hold time.
+func TestBGPWithBFDDetectsADeadRouterFast(t *testing.T) {
+	lab := newBGPLab(t, true)
+	cs := adminClient(t)
+	kubeconfig := writeKubeconfig(t, routerConfig(t))
+	ns := freshNamespace(t, cs)
+	nodeA, nodeB := "bfd-a-"+ns, "bfd-b-"+ns
+	bgpNode(t, cs, nodeA, bgpRouterA, nil)
+	bgpNode(t, cs, nodeB, bgpRouterB, nil)
+	vip := netip.MustParsePrefix("192.0.2.62/32")
+	createService(t, cs, ns, "web", vip.Addr().String())
+	applySlice(t, cs, ns, "web", "web-1", ep{addr: "10.244.1.6", ready: ptr(true)})
+	cfg := strings.Replace(routerBGPConfig(""), "  connectRetry: 1s\n", "  connectRetry: 1s\n  bfd: {minInterval: 100ms, multiplier: 3}\n", 1)
+	start := time.Now()
+	lab.startRouterProcess(t, "a", nodeA, kubeconfig, cfg)
+	lab.startRouterProcess(t, "b", nodeB, kubeconfig, cfg)
+	t.Logf("bgp+bfd: both routers started -> ECMP took %v", lab.peer.WaitKernelNextHops(t, vip, start, 30*time.Second, bgpRouterA, bgpRouterB))
+	bgppeer.Poll(t, time.Now(), 10*time.Second, "BFD sessions up at the peer", func() (bool, string) {
+		out, err := lab.peer.Birdc("show", "bfd", "sessions")
+		if err != nil {
+			return false, err.Error()
+		}
+		return strings.Count(out, " Up ") == 2, out
+	})
+	start = time.Now()
+	lab.setLink(t, "a", false)
+	took := lab.peer.WaitKernelNextHops(t, vip, start, 20*time.Second, bgpRouterB)
+	t.Logf("bgp+bfd: router a's link cut (BFD 100ms x 3) -> its path dropped took %v", took)
+	if took >= 3*time.Second {
+		t.Errorf("with BFD the path went after %v, not before the 3 s hold time", took)
+	}
+}
+
+// TestBGPPeerNodeSelector: a peer with a nodeSelector is used only by the
+// routers whose Node matches, and follows a label change.
+func TestBGPPeerNodeSelector(t *testing.T) {
+	lab := newBGPLab(t, false)
+	cs := adminClient(t)
+	kubeconfig := writeKubeconfig(t, routerConfig(t))
+	ns := freshNamespace(t, cs)
+	nodeA := "sel-a-" + ns
+	bgpNode(t, cs, nodeA, bgpRouterA, map[string]string{"rack": "r2"})
+	vip := netip.MustParsePrefix("192.0.2.63/32")
+	createService(t, cs, ns, "web", vip.Addr().String())
+	applySlice(t, cs, ns, "web", "web-1", ep{addr: "10.244.1.7", ready: ptr(true)})
+	cfg := strings.Replace(routerBGPConfig(""), "  connectRetry: 1s\n", "  connectRetry: 1s\n  nodeSelector: {matchLabels: {rack: r1}}\n", 1)
+	a := lab.startRouterProcess(t, "a", nodeA, kubeconfig, cfg)
+	bgppeer.Poll(t, time.Now(), 20*time.Second, "router a ready", func() (bool, string) {
+		return strings.Contains(a.log.String(), "resynced datapath"), lastLines(a.log.String(), 5)
+	})
+	time.Sleep(2 * time.Second) // bird would connect within 1 s if the router peered
+	if up, state, err := lab.peer.Established("router_a"); err != nil || up {
+		t.Fatalf("router a on rack r2 peered with the rack r1 peer: %v %v", state, err)
+	}
+	node, err := cs.CoreV1().Nodes().Get(context.Background(), nodeA, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Labels["rack"] = "r1"
+	if _, err := cs.CoreV1().Nodes().Update(context.Background(), node, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	t.Logf("bgp: node relabelled -> route via router a took %v", lab.peer.WaitKernelNextHops(t, vip, start, 20*time.Second, bgpRouterA))
+}
+
+// TestBGPRejectsBadConfiguration: the router refuses to start on a bad BGP
+// configuration and names the field.
+func TestBGPRejectsBadConfiguration(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "bgp.yaml")
+	if err := os.WriteFile(path, []byte("asn: 64512\npeers:\n- address: 198.51.100.1\n  asn: 64500\n  holdTime: 1s\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command(buildRouter(t), "--seed", "1", "--bgp-config", path, "--kubeconfig", "/nonexistent").CombinedOutput()
+	if err == nil || !regexp.MustCompile(`peers\[0\]\.holdTime`).Match(out) {
+		t.Fatalf("router with holdTime 1s: err %v, output %s", err, out)
+	}
+}
+
+func grepLines(s, part string) string {
+	var out []string
+	for _, l := range strings.Split(s, "\n") {
+		if strings.Contains(l, part) && !strings.HasPrefix(l, "#") {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
+}
+
+// TestBGPGracefulRestartKeepsRoutesThroughACrash: with graceful restart, a
+// router killed without a word (SIGKILL: no withdrawal, no notification)
+// keeps its path at the peer, whose helper marks it stale, and the restarted
+// router takes it over again; without it the path goes at once.
+func TestBGPGracefulRestartKeepsRoutesThroughACrash(t *testing.T) {
+	lab := newBGPLab(t, false)
+	cs := adminClient(t)
+	kubeconfig := writeKubeconfig(t, routerConfig(t))
+	ns := freshNamespace(t, cs)
+	nodeA, nodeB := "gr-a-"+ns, "gr-b-"+ns
+	bgpNode(t, cs, nodeA, bgpRouterA, nil)
+	bgpNode(t, cs, nodeB, bgpRouterB, nil)
+	vip := netip.MustParsePrefix("192.0.2.64/32")
+	createService(t, cs, ns, "web", vip.Addr().String())
+	applySlice(t, cs, ns, "web", "web-1", ep{addr: "10.244.1.8", ready: ptr(true)})
+	cfg := routerBGPConfig("gracefulRestart: {enabled: true, restartTime: 30s}\n")
+	a := lab.startRouterProcess(t, "a", nodeA, kubeconfig, cfg)
+	lab.startRouterProcess(t, "b", nodeB, kubeconfig, cfg)
+	lab.peer.WaitKernelNextHops(t, vip, time.Now(), 30*time.Second, bgpRouterA, bgpRouterB)
+	// Crash router a, restart it 2 s later, and watch the peer's kernel
+	// route every 20 ms from the kill until the new session is established.
+	_ = a.stop(syscall.SIGKILL) // "signal: killed"
+	killed := time.Now()
+	var lost []string
+	watch := func(until time.Duration) {
+		for time.Since(killed) < until {
+			nh, err := lab.peer.KernelNextHops(vip)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(nh) != 2 {
+				lost = append(lost, fmt.Sprintf("%v: %v", time.Since(killed).Round(time.Millisecond), nh))
+			}
+			time.Sleep(bgppeer.PollInterval)
+		}
+	}
+	watch(2 * time.Second)
+	lab.startRouterProcess(t, "a", nodeA, kubeconfig, cfg)
+	restarted := time.Since(killed)
+	established := lab.peer.WaitEstablished(t, "router_a", killed, 30*time.Second)
+	watch(established + 3*time.Second)
+	if len(lost) > 0 {
+		t.Fatalf("the peer's route lost router a's path during its crash and restart (graceful restart should keep it): %s", strings.Join(lost[:min(len(lost), 10)], "; "))
+	}
+	t.Logf("bgp+gr: router a killed, restarted after %v, session back after %v; the peer's ECMP route kept both paths throughout (polled every %v)",
+		restarted.Round(time.Millisecond), established.Round(time.Millisecond), bgppeer.PollInterval)
+}
