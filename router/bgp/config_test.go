@@ -1,9 +1,13 @@
 package bgp
 
 import (
+	"os"
 	"strings"
 	"testing"
 	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"sigs.k8s.io/yaml"
 )
 
 func TestParseValidConfig(t *testing.T) {
@@ -57,5 +61,27 @@ func TestParseRejectsBadConfigNamingTheField(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), tc.field) {
 			t.Errorf("%s: error %v, want one naming %q", tc.yaml, err, tc.field)
 		}
+	}
+}
+
+// TestManifestExampleParses keeps the example in tunnel-router.yaml valid.
+func TestManifestExampleParses(t *testing.T) {
+	data, err := os.ReadFile("../../tunnel-router.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for _, doc := range strings.Split(string(data), "\n---\n") {
+		var cm corev1.ConfigMap
+		if err := yaml.Unmarshal([]byte(doc), &cm); err != nil || cm.Kind != "ConfigMap" || cm.Name != "tunnel-bgp" {
+			continue
+		}
+		found = true
+		if _, err := Parse([]byte(cm.Data["bgp.yaml"])); err != nil {
+			t.Fatalf("tunnel-router.yaml's tunnel-bgp bgp.yaml: %v", err)
+		}
+	}
+	if !found {
+		t.Fatal("tunnel-router.yaml has no ConfigMap tunnel-bgp")
 	}
 }
