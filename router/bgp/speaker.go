@@ -107,6 +107,7 @@ func (s *Speaker) Run(ctx context.Context) {
 	go s.server.Serve()
 	backoff := wait.Backoff{Duration: time.Second, Factor: 2, Jitter: 0.1, Steps: 1 << 30, Cap: 30 * time.Second}
 	var retry <-chan time.Time
+	waiting := time.After(startWarning)
 	for {
 		select {
 		case <-ctx.Done():
@@ -114,6 +115,9 @@ func (s *Speaker) Run(ctx context.Context) {
 			return
 		case <-s.kick:
 		case <-retry:
+		case <-waiting:
+			s.warnIfNotStarted()
+			continue
 		}
 		if err := s.reconcile(); err != nil {
 			s.metrics.errors.Inc()
@@ -123,6 +127,25 @@ func (s *Speaker) Run(ctx context.Context) {
 			continue
 		}
 		backoff.Duration, backoff.Steps, retry = time.Second, 1<<30, nil
+	}
+}
+
+// startWarning is how long the speaker waits for its node and the first
+// full sync before it says why it has not opened any session.
+const startWarning = 30 * time.Second
+
+func (s *Speaker) warnIfNotStarted() {
+	if s.started {
+		return
+	}
+	s.mu.Lock()
+	node, announces := s.node, s.announces
+	s.mu.Unlock()
+	switch {
+	case node == nil:
+		s.log.Warnf("no BGP session yet after %v: this router's Node has not been seen (check --node-name / NODE_NAME)", startWarning)
+	case !announces:
+		s.log.Warnf("no BGP session yet after %v: waiting for the router's first full sync of the datapath", startWarning)
 	}
 }
 

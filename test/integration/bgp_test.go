@@ -89,8 +89,14 @@ type bgpLab struct {
 	apiServer string            // host:port of the API server, relayed into each router namespace
 }
 
+// peerOptions are the bird side's per-neighbour options.
+type peerOptions struct {
+	bfd      bool
+	password string
+}
+
 // newBGPLab builds the bridge, one namespace per router and starts bird.
-func newBGPLab(t *testing.T, bfd bool) *bgpLab {
+func newBGPLab(t *testing.T, opts peerOptions) *bgpLab {
 	t.Helper()
 	testnetns.RequireRoot(t)
 	bgppeer.RequireBird(t)
@@ -133,10 +139,10 @@ func newBGPLab(t *testing.T, bfd bool) *bgpLab {
 		t.Cleanup(stop)
 		lab.routers[r.name], lab.links[r.name] = ns, "eth_"+r.name
 		neighbors = append(neighbors, bgppeer.Neighbor{Name: "router_" + r.name, Address: r.addr, ASN: bgpRouterASN,
-			HoldTime: 3 * time.Second, KeepaliveTime: time.Second, BFD: bfd})
+			HoldTime: 3 * time.Second, KeepaliveTime: time.Second, BFD: opts.bfd, Password: opts.password})
 	}
 	cfg := bgppeer.Config{RouterID: bgpPeerAddr, ASN: bgpPeerASN, Neighbors: neighbors}
-	if bfd {
+	if opts.bfd {
 		cfg.BFD = bgppeer.BFDIntervals{MinTx: 100 * time.Millisecond, MinRx: 100 * time.Millisecond, Multiplier: 3}
 	}
 	lab.peer = bgppeer.Start(t, lab.peerNS, cfg)
@@ -322,7 +328,7 @@ withdrawDelay: 1s
 // (ECMP), withdrawn when the last endpoint goes and when a router stops,
 // dropped after the hold time when a router dies without a word.
 func TestBGPAnnouncesServedTunnelIPs(t *testing.T) {
-	lab := newBGPLab(t, false)
+	lab := newBGPLab(t, peerOptions{})
 	cs := adminClient(t)
 	kubeconfig := writeKubeconfig(t, routerConfig(t))
 	ns := freshNamespace(t, cs)
@@ -408,7 +414,7 @@ func TestBGPAnnouncesServedTunnelIPs(t *testing.T) {
 // TestBGPWithBFDDetectsADeadRouterFast pairs GoBGP's BFD with bird's: a
 // router whose link dies loses its path in well under the hold time.
 func TestBGPWithBFDDetectsADeadRouterFast(t *testing.T) {
-	lab := newBGPLab(t, true)
+	lab := newBGPLab(t, peerOptions{bfd: true})
 	cs := adminClient(t)
 	kubeconfig := writeKubeconfig(t, routerConfig(t))
 	ns := freshNamespace(t, cs)
@@ -442,7 +448,7 @@ func TestBGPWithBFDDetectsADeadRouterFast(t *testing.T) {
 // TestBGPPeerNodeSelector: a peer with a nodeSelector is used only by the
 // routers whose Node matches, and follows a label change.
 func TestBGPPeerNodeSelector(t *testing.T) {
-	lab := newBGPLab(t, false)
+	lab := newBGPLab(t, peerOptions{})
 	cs := adminClient(t)
 	kubeconfig := writeKubeconfig(t, routerConfig(t))
 	ns := freshNamespace(t, cs)
@@ -501,7 +507,7 @@ func grepLines(s, part string) string {
 // keeps its path at the peer, whose helper marks it stale, and the restarted
 // router takes it over again; without it the path goes at once.
 func TestBGPGracefulRestartKeepsRoutesThroughACrash(t *testing.T) {
-	lab := newBGPLab(t, false)
+	lab := newBGPLab(t, peerOptions{})
 	cs := adminClient(t)
 	kubeconfig := writeKubeconfig(t, routerConfig(t))
 	ns := freshNamespace(t, cs)
@@ -542,4 +548,41 @@ func TestBGPGracefulRestartKeepsRoutesThroughACrash(t *testing.T) {
 	}
 	t.Logf("bgp+gr: router a killed, restarted after %v, session back after %v; the peer's ECMP route kept both paths throughout (polled every %v)",
 		restarted.Round(time.Millisecond), established.Round(time.Millisecond), bgppeer.PollInterval)
+}
+
+// TestBGPPasswordFromFile: TCP MD5 with the password read from a file (a
+// mounted Secret); a wrong password never establishes.
+func TestBGPPasswordFromFile(t *testing.T) {
+	lab := newBGPLab(t, peerOptions{password: "s3cret-kst"})
+	cs := adminClient(t)
+	kubeconfig := writeKubeconfig(t, routerConfig(t))
+	ns := freshNamespace(t, cs)
+	nodeA, nodeB := "md5-a-"+ns, "md5-b-"+ns
+	bgpNode(t, cs, nodeA, bgpRouterA, nil)
+	bgpNode(t, cs, nodeB, bgpRouterB, nil)
+	vip := netip.MustParsePrefix("192.0.2.65/32")
+	createService(t, cs, ns, "web", vip.Addr().String())
+	applySlice(t, cs, ns, "web", "web-1", ep{addr: "10.244.1.9", ready: ptr(true)})
+	dir := t.TempDir()
+	good, bad := filepath.Join(dir, "good"), filepath.Join(dir, "bad")
+	if err := os.WriteFile(good, []byte("s3cret-kst\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(bad, []byte("wrong"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	withFile := func(path string) string {
+		return strings.Replace(routerBGPConfig(""), "  connectRetry: 1s\n", "  connectRetry: 1s\n  passwordFile: "+path+"\n", 1)
+	}
+	start := time.Now()
+	lab.startRouterProcess(t, "a", nodeA, kubeconfig, withFile(good))
+	lab.startRouterProcess(t, "b", nodeB, kubeconfig, withFile(bad))
+	t.Logf("bgp+md5: route via the router with the right password took %v", lab.peer.WaitKernelNextHops(t, vip, start, 20*time.Second, bgpRouterA))
+	time.Sleep(3 * time.Second)
+	if up, state, err := lab.peer.Established("router_b"); err != nil || up {
+		t.Fatalf("router b with a wrong MD5 password: session %q %v", state, err)
+	}
+	if nh, err := lab.peer.KernelNextHops(vip); err != nil || len(nh) != 1 {
+		t.Fatalf("peer's next hops %v %v, want router a only", nh, err)
+	}
 }
