@@ -87,6 +87,12 @@ type bgpLab struct {
 	routers   map[string]*testnetns.NS
 	links     map[string]string // router name -> its link's name in the router's namespace
 	apiServer string            // host:port of the API server, relayed into each router namespace
+
+	cs         kubernetes.Interface
+	kubeconfig string            // the router's ServiceAccount
+	namespace  string            // of the test's Service "web"
+	nodes      map[string]string // router name -> its Node's name
+	vip        netip.Prefix      // the Service's tunnel IP as a host prefix
 }
 
 // peerOptions are the bird side's per-neighbour options.
@@ -95,8 +101,10 @@ type peerOptions struct {
 	password string
 }
 
-// newBGPLab builds the bridge, one namespace per router and starts bird.
-func newBGPLab(t *testing.T, opts peerOptions) *bgpLab {
+// newBGPLab builds the bridge, one namespace per router, starts bird, and
+// creates the routers' Nodes (with nodeLabels) and a Service "web" claiming
+// vip in a fresh namespace.
+func newBGPLab(t *testing.T, opts peerOptions, vip string, nodeLabels map[string]string) *bgpLab {
 	t.Helper()
 	testnetns.RequireRoot(t)
 	bgppeer.RequireBird(t)
@@ -146,7 +154,26 @@ func newBGPLab(t *testing.T, opts peerOptions) *bgpLab {
 		cfg.BFD = bgppeer.BFDIntervals{MinTx: 100 * time.Millisecond, MinRx: 100 * time.Millisecond, Multiplier: 3}
 	}
 	lab.peer = bgppeer.Start(t, lab.peerNS, cfg)
+
+	lab.cs = adminClient(t)
+	lab.kubeconfig = writeKubeconfig(t, routerConfig(t))
+	lab.namespace = freshNamespace(t, lab.cs)
+	lab.nodes = map[string]string{"a": "bgp-a-" + lab.namespace, "b": "bgp-b-" + lab.namespace}
+	bgpNode(t, lab.cs, lab.nodes["a"], bgpRouterA, nodeLabels)
+	bgpNode(t, lab.cs, lab.nodes["b"], bgpRouterB, nodeLabels)
+	lab.vip = netip.PrefixFrom(netip.MustParseAddr(vip), 32)
+	createService(t, lab.cs, lab.namespace, "web", vip)
 	return lab
+}
+
+// setEndpoint sets the Service's one endpoint's readiness.
+func (l *bgpLab) setEndpoint(t *testing.T, addr string, ready bool) {
+	t.Helper()
+	e := ep{addr: addr, ready: ptr(ready)}
+	if !ready {
+		e.serving = ptr(false)
+	}
+	applySlice(t, l.cs, l.namespace, "web", "web-1", e)
 }
 
 // moveLink moves a link into another namespace and addresses it there.
@@ -233,7 +260,7 @@ type routerProcess struct {
 // startRouterProcess runs tunnel-router in the router's namespace, on a
 // stand-in device for GRE (this host has no GRE; see the router's
 // privileged tests), with the BGP configuration bgpYAML.
-func (l *bgpLab) startRouterProcess(t *testing.T, router, node, kubeconfig, bgpYAML string) *routerProcess {
+func (l *bgpLab) startRouterProcess(t *testing.T, router, bgpYAML string) *routerProcess {
 	t.Helper()
 	dir := t.TempDir()
 	cfgPath := filepath.Join(dir, "bgp.yaml")
@@ -241,7 +268,7 @@ func (l *bgpLab) startRouterProcess(t *testing.T, router, node, kubeconfig, bgpY
 		t.Fatal(err)
 	}
 	p := &routerProcess{name: router, log: &syncBuffer{}, done: make(chan error, 1), ns: l.routers[router]}
-	p.cmd = exec.Command(buildRouter(t), "--kubeconfig", kubeconfig, "--node-name", node, "--seed", "7",
+	p.cmd = exec.Command(buildRouter(t), "--kubeconfig", l.kubeconfig, "--node-name", l.nodes[router], "--seed", "7",
 		"--gre-device-create=false", "--gre-device", l.links[router], "--generations", "1",
 		"--bgp-config", cfgPath, "--metrics-address", "127.0.0.1:9641", "--log-level", "debug")
 	p.cmd.Stdout, p.cmd.Stderr = p.log, p.log
@@ -328,18 +355,11 @@ withdrawDelay: 1s
 // (ECMP), withdrawn when the last endpoint goes and when a router stops,
 // dropped after the hold time when a router dies without a word.
 func TestBGPAnnouncesServedTunnelIPs(t *testing.T) {
-	lab := newBGPLab(t, peerOptions{})
-	cs := adminClient(t)
-	kubeconfig := writeKubeconfig(t, routerConfig(t))
-	ns := freshNamespace(t, cs)
-	nodeA, nodeB := "bgp-a-"+ns, "bgp-b-"+ns
-	bgpNode(t, cs, nodeA, bgpRouterA, nil)
-	bgpNode(t, cs, nodeB, bgpRouterB, nil)
-	vip := netip.MustParsePrefix("192.0.2.61/32")
-	createService(t, cs, ns, "web", vip.Addr().String())
+	lab := newBGPLab(t, peerOptions{}, "192.0.2.61", nil)
+	vip := lab.vip
 
 	start := time.Now()
-	a := lab.startRouterProcess(t, "a", nodeA, kubeconfig, routerBGPConfig(""))
+	a := lab.startRouterProcess(t, "a", routerBGPConfig(""))
 	t.Logf("bgp: session with router a established %v after its start", lab.peer.WaitEstablished(t, "router_a", start, 30*time.Second))
 	// No ready endpoint: nothing is announced, though the session is up.
 	time.Sleep(time.Second)
@@ -352,29 +372,29 @@ func TestBGPAnnouncesServedTunnelIPs(t *testing.T) {
 	}
 
 	start = time.Now()
-	applySlice(t, cs, ns, "web", "web-1", ep{addr: "10.244.1.5", ready: ptr(true)})
+	lab.setEndpoint(t, "10.244.1.5", true)
 	t.Logf("bgp: endpoint ready -> peer's kernel route via router a took %v", lab.peer.WaitKernelNextHops(t, vip, start, 20*time.Second, bgpRouterA))
 	if m := a.metrics(t); metric(m, "kube_service_tunnel_bgp_announced_prefixes") != "1" {
 		t.Fatalf("router a announces 1 prefix, metrics say:\n%s", grepLines(m, "kube_service_tunnel_bgp"))
 	}
 
 	start = time.Now()
-	lab.startRouterProcess(t, "b", nodeB, kubeconfig, routerBGPConfig(""))
+	lab.startRouterProcess(t, "b", routerBGPConfig(""))
 	t.Logf("bgp: router b started -> ECMP over both routers took %v", lab.peer.WaitKernelNextHops(t, vip, start, 30*time.Second, bgpRouterA, bgpRouterB))
 
 	// The last endpoint stops being ready: both withdraw.
 	start = time.Now()
-	applySlice(t, cs, ns, "web", "web-1", ep{addr: "10.244.1.5", ready: ptr(false), serving: ptr(false)})
+	lab.setEndpoint(t, "10.244.1.5", false)
 	t.Logf("bgp: last endpoint not ready -> route withdrawn by both took %v", lab.peer.WaitRoutes(t, vip, 0, start, 20*time.Second))
 	start = time.Now()
-	applySlice(t, cs, ns, "web", "web-1", ep{addr: "10.244.1.5", ready: ptr(true)})
+	lab.setEndpoint(t, "10.244.1.5", true)
 	t.Logf("bgp: endpoint ready again -> ECMP route back took %v", lab.peer.WaitKernelNextHops(t, vip, start, 20*time.Second, bgpRouterA, bgpRouterB))
 
 	// A bad annotation stops the claim: withdrawn. Fixed: announced again.
 	start = time.Now()
-	setAnnotation(t, cs, ns, "web", ptr("not-an-ip"))
+	setAnnotation(t, lab.cs, lab.namespace, "web", ptr("not-an-ip"))
 	t.Logf("bgp: annotation made invalid -> withdrawn took %v", lab.peer.WaitRoutes(t, vip, 0, start, 20*time.Second))
-	setAnnotation(t, cs, ns, "web", ptr(vip.Addr().String()))
+	setAnnotation(t, lab.cs, lab.namespace, "web", ptr(vip.Addr().String()))
 	lab.peer.WaitKernelNextHops(t, vip, time.Now(), 20*time.Second, bgpRouterA, bgpRouterB)
 
 	// SIGTERM: router a withdraws, waits, closes; b keeps the route.
@@ -396,7 +416,7 @@ func TestBGPAnnouncesServedTunnelIPs(t *testing.T) {
 
 	// Router a back, then its node dies (link down): without BFD the peer
 	// waits for the hold time (3 s).
-	a = lab.startRouterProcess(t, "a", nodeA, kubeconfig, routerBGPConfig(""))
+	a = lab.startRouterProcess(t, "a", routerBGPConfig(""))
 	lab.peer.WaitKernelNextHops(t, vip, time.Now(), 30*time.Second, bgpRouterA, bgpRouterB)
 	start = time.Now()
 	lab.setLink(t, "a", false)
@@ -414,20 +434,13 @@ func TestBGPAnnouncesServedTunnelIPs(t *testing.T) {
 // TestBGPWithBFDDetectsADeadRouterFast pairs GoBGP's BFD with bird's: a
 // router whose link dies loses its path in well under the hold time.
 func TestBGPWithBFDDetectsADeadRouterFast(t *testing.T) {
-	lab := newBGPLab(t, peerOptions{bfd: true})
-	cs := adminClient(t)
-	kubeconfig := writeKubeconfig(t, routerConfig(t))
-	ns := freshNamespace(t, cs)
-	nodeA, nodeB := "bfd-a-"+ns, "bfd-b-"+ns
-	bgpNode(t, cs, nodeA, bgpRouterA, nil)
-	bgpNode(t, cs, nodeB, bgpRouterB, nil)
-	vip := netip.MustParsePrefix("192.0.2.62/32")
-	createService(t, cs, ns, "web", vip.Addr().String())
-	applySlice(t, cs, ns, "web", "web-1", ep{addr: "10.244.1.6", ready: ptr(true)})
+	lab := newBGPLab(t, peerOptions{bfd: true}, "192.0.2.62", nil)
+	vip := lab.vip
+	lab.setEndpoint(t, "10.244.1.6", true)
 	cfg := strings.Replace(routerBGPConfig(""), "  connectRetry: 1s\n", "  connectRetry: 1s\n  bfd: {minInterval: 100ms, multiplier: 3}\n", 1)
 	start := time.Now()
-	lab.startRouterProcess(t, "a", nodeA, kubeconfig, cfg)
-	lab.startRouterProcess(t, "b", nodeB, kubeconfig, cfg)
+	lab.startRouterProcess(t, "a", cfg)
+	lab.startRouterProcess(t, "b", cfg)
 	t.Logf("bgp+bfd: both routers started -> ECMP took %v", lab.peer.WaitKernelNextHops(t, vip, start, 30*time.Second, bgpRouterA, bgpRouterB))
 	bgppeer.Poll(t, time.Now(), 10*time.Second, "BFD sessions up at the peer", func() (bool, string) {
 		out, err := lab.peer.Birdc("show", "bfd", "sessions")
@@ -448,17 +461,11 @@ func TestBGPWithBFDDetectsADeadRouterFast(t *testing.T) {
 // TestBGPPeerNodeSelector: a peer with a nodeSelector is used only by the
 // routers whose Node matches, and follows a label change.
 func TestBGPPeerNodeSelector(t *testing.T) {
-	lab := newBGPLab(t, peerOptions{})
-	cs := adminClient(t)
-	kubeconfig := writeKubeconfig(t, routerConfig(t))
-	ns := freshNamespace(t, cs)
-	nodeA := "sel-a-" + ns
-	bgpNode(t, cs, nodeA, bgpRouterA, map[string]string{"rack": "r2"})
-	vip := netip.MustParsePrefix("192.0.2.63/32")
-	createService(t, cs, ns, "web", vip.Addr().String())
-	applySlice(t, cs, ns, "web", "web-1", ep{addr: "10.244.1.7", ready: ptr(true)})
+	lab := newBGPLab(t, peerOptions{}, "192.0.2.63", map[string]string{"rack": "r2"})
+	vip, cs, nodeA := lab.vip, lab.cs, lab.nodes["a"]
+	lab.setEndpoint(t, "10.244.1.7", true)
 	cfg := strings.Replace(routerBGPConfig(""), "  connectRetry: 1s\n", "  connectRetry: 1s\n  nodeSelector: {matchLabels: {rack: r1}}\n", 1)
-	a := lab.startRouterProcess(t, "a", nodeA, kubeconfig, cfg)
+	a := lab.startRouterProcess(t, "a", cfg)
 	bgppeer.Poll(t, time.Now(), 20*time.Second, "router a ready", func() (bool, string) {
 		return strings.Contains(a.log.String(), "resynced datapath"), lastLines(a.log.String(), 5)
 	})
@@ -507,19 +514,12 @@ func grepLines(s, part string) string {
 // keeps its path at the peer, whose helper marks it stale, and the restarted
 // router takes it over again; without it the path goes at once.
 func TestBGPGracefulRestartKeepsRoutesThroughACrash(t *testing.T) {
-	lab := newBGPLab(t, peerOptions{})
-	cs := adminClient(t)
-	kubeconfig := writeKubeconfig(t, routerConfig(t))
-	ns := freshNamespace(t, cs)
-	nodeA, nodeB := "gr-a-"+ns, "gr-b-"+ns
-	bgpNode(t, cs, nodeA, bgpRouterA, nil)
-	bgpNode(t, cs, nodeB, bgpRouterB, nil)
-	vip := netip.MustParsePrefix("192.0.2.64/32")
-	createService(t, cs, ns, "web", vip.Addr().String())
-	applySlice(t, cs, ns, "web", "web-1", ep{addr: "10.244.1.8", ready: ptr(true)})
+	lab := newBGPLab(t, peerOptions{}, "192.0.2.64", nil)
+	vip := lab.vip
+	lab.setEndpoint(t, "10.244.1.8", true)
 	cfg := routerBGPConfig("gracefulRestart: {enabled: true, restartTime: 30s}\n")
-	a := lab.startRouterProcess(t, "a", nodeA, kubeconfig, cfg)
-	lab.startRouterProcess(t, "b", nodeB, kubeconfig, cfg)
+	a := lab.startRouterProcess(t, "a", cfg)
+	lab.startRouterProcess(t, "b", cfg)
 	lab.peer.WaitKernelNextHops(t, vip, time.Now(), 30*time.Second, bgpRouterA, bgpRouterB)
 	// Crash router a, restart it 2 s later, and watch the peer's kernel
 	// route every 20 ms from the kill until the new session is established.
@@ -539,7 +539,7 @@ func TestBGPGracefulRestartKeepsRoutesThroughACrash(t *testing.T) {
 		}
 	}
 	watch(2 * time.Second)
-	lab.startRouterProcess(t, "a", nodeA, kubeconfig, cfg)
+	lab.startRouterProcess(t, "a", cfg)
 	restarted := time.Since(killed)
 	established := lab.peer.WaitEstablished(t, "router_a", killed, 30*time.Second)
 	watch(established + 3*time.Second)
@@ -553,16 +553,9 @@ func TestBGPGracefulRestartKeepsRoutesThroughACrash(t *testing.T) {
 // TestBGPPasswordFromFile: TCP MD5 with the password read from a file (a
 // mounted Secret); a wrong password never establishes.
 func TestBGPPasswordFromFile(t *testing.T) {
-	lab := newBGPLab(t, peerOptions{password: "s3cret-kst"})
-	cs := adminClient(t)
-	kubeconfig := writeKubeconfig(t, routerConfig(t))
-	ns := freshNamespace(t, cs)
-	nodeA, nodeB := "md5-a-"+ns, "md5-b-"+ns
-	bgpNode(t, cs, nodeA, bgpRouterA, nil)
-	bgpNode(t, cs, nodeB, bgpRouterB, nil)
-	vip := netip.MustParsePrefix("192.0.2.65/32")
-	createService(t, cs, ns, "web", vip.Addr().String())
-	applySlice(t, cs, ns, "web", "web-1", ep{addr: "10.244.1.9", ready: ptr(true)})
+	lab := newBGPLab(t, peerOptions{password: "s3cret-kst"}, "192.0.2.65", nil)
+	vip := lab.vip
+	lab.setEndpoint(t, "10.244.1.9", true)
 	dir := t.TempDir()
 	good, bad := filepath.Join(dir, "good"), filepath.Join(dir, "bad")
 	if err := os.WriteFile(good, []byte("s3cret-kst\n"), 0o600); err != nil {
@@ -575,8 +568,8 @@ func TestBGPPasswordFromFile(t *testing.T) {
 		return strings.Replace(routerBGPConfig(""), "  connectRetry: 1s\n", "  connectRetry: 1s\n  passwordFile: "+path+"\n", 1)
 	}
 	start := time.Now()
-	lab.startRouterProcess(t, "a", nodeA, kubeconfig, withFile(good))
-	lab.startRouterProcess(t, "b", nodeB, kubeconfig, withFile(bad))
+	lab.startRouterProcess(t, "a", withFile(good))
+	lab.startRouterProcess(t, "b", withFile(bad))
 	t.Logf("bgp+md5: route via the router with the right password took %v", lab.peer.WaitKernelNextHops(t, vip, start, 20*time.Second, bgpRouterA))
 	time.Sleep(3 * time.Second)
 	if up, state, err := lab.peer.Established("router_b"); err != nil || up {
