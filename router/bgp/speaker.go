@@ -368,11 +368,15 @@ func (s *Speaker) apiPeer(p Peer) (*api.Peer, error) {
 	if p.KeepaliveTime != nil {
 		keepalive = uint64(p.KeepaliveTime.Duration / time.Second)
 	}
+	retry := seconds(p.ConnectRetry, DefaultConnectRetry)
 	conf := &api.Peer{
 		Conf: &api.PeerConf{NeighborAddress: p.Address, PeerAsn: p.ASN, LocalAsn: p.LocalASN, AuthPassword: password,
 			Description: "kube-service-tunnel"},
+		// A session reset by BFD (or by us) waits IdleHoldTimeAfterReset
+		// before it reconnects; GoBGP's default is 30 s, far longer than a
+		// BFD flap. Reconnect as soon as a refused connection would.
 		Timers: &api.Timers{Config: &api.TimersConfig{HoldTime: hold, KeepaliveInterval: keepalive,
-			ConnectRetry: seconds(p.ConnectRetry, DefaultConnectRetry)}},
+			ConnectRetry: retry, IdleHoldTimeAfterReset: retry}},
 		Transport: &api.Transport{LocalAddress: p.SourceAddress, RemotePort: uint32(p.Port)},
 		AfiSafis:  []*api.AfiSafi{{Config: &api.AfiSafiConfig{Family: family, Enabled: true}}},
 	}

@@ -168,3 +168,35 @@ func (p *loopbackPeer) established(t *testing.T) bool {
 }
 
 func durationOf(d time.Duration) *metav1.Duration { return &metav1.Duration{Duration: d} }
+
+func TestAPIPeerTimersAndBFD(t *testing.T) {
+	log := logrus.New()
+	log.Out = io.Discard
+	cases := []struct {
+		name          string
+		peer          Peer
+		wantRetry     uint64
+		wantBFDMicros uint32
+	}{
+		{name: "defaults", peer: Peer{Address: "192.0.2.1", ASN: 64500}, wantRetry: 5},
+		{name: "connectRetry 2s, BFD 300ms", peer: Peer{Address: "192.0.2.1", ASN: 64500, ConnectRetry: durationOf(2 * time.Second),
+			BFD: &BFD{MinInterval: durationOf(300 * time.Millisecond), Multiplier: 3}}, wantRetry: 2, wantBFDMicros: 300000},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			sp := NewSpeaker(Config{ASN: 64512, Peers: []Peer{tc.peer}}, log, nil)
+			conf, err := sp.apiPeer(tc.peer)
+			if err != nil {
+				t.Fatal(err)
+			}
+			timers := conf.Timers.Config
+			if timers.ConnectRetry != tc.wantRetry || timers.IdleHoldTimeAfterReset != tc.wantRetry {
+				t.Errorf("connectRetry %d, idleHoldTimeAfterReset %d; want both %d (a BFD reset must not idle for GoBGP's 30 s)",
+					timers.ConnectRetry, timers.IdleHoldTimeAfterReset, tc.wantRetry)
+			}
+			if got := conf.GetBfd().GetDesiredMinimumTxInterval(); got != tc.wantBFDMicros {
+				t.Errorf("BFD tx interval %d µs, want %d", got, tc.wantBFDMicros)
+			}
+		})
+	}
+}
