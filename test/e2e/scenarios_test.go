@@ -31,6 +31,7 @@ var scenarios = []scenario{
 	{"7_bad_annotation_warns_others_work", badAnnotation},
 	{"8_megabyte_upload_and_download", bulkTransfer},
 	{"9_draining_endpoint_keeps_its_flows", drainingEndpoint},
+	{"10_bgp_routes_tunnel_ip_to_routers", bgpRouting},
 }
 
 const (

@@ -29,6 +29,11 @@ const (
 	EnvAPIAddr   = guest.EnvAPIAddr
 )
 
+// ClusterHostBinaries are the host programs RunCluster puts into the VM with
+// their shared libraries: BIRD 2 (Debian's bird2), the gateway's BGP daemon
+// (topology.EnableBGP), and its control client.
+var ClusterHostBinaries = []string{"bird", "birdc"}
+
 // ManifestNamespace is the namespace of tunnel-router.yaml's ServiceAccounts.
 const ManifestNamespace = "kube-service-tunnel"
 
@@ -56,9 +61,10 @@ type ClusterOptions struct {
 // RunCluster is the lab's whole-cluster run: it applies tunnel-router.yaml to
 // the API server (RBAC, ConfigMap, DaemonSets that nothing runs), writes a
 // kubeconfig for the admin and for each daemon's own ServiceAccount, builds
-// the two daemons statically, and boots the VM with them, the kubeconfigs
-// and the caller's program, which reaches the API server through guestfwd.
-// It returns the console output and the program's exit code.
+// the two daemons statically, and boots the VM with them, the kubeconfigs,
+// BIRD (ClusterHostBinaries) and the caller's program, which reaches the API
+// server through guestfwd. It returns the console output and the program's
+// exit code.
 func RunCluster(ctx context.Context, opts ClusterOptions) (output string, exitCode int, err error) {
 	if opts.Env == nil || opts.Program == "" {
 		return "", -1, fmt.Errorf("lab: ClusterOptions needs Env and Program")
@@ -69,6 +75,11 @@ func RunCluster(ctx context.Context, opts ClusterOptions) (output string, exitCo
 	}
 	defer os.RemoveAll(dir)
 
+	for _, b := range ClusterHostBinaries {
+		if _, err := exec.LookPath(b); err != nil {
+			return "", -1, fmt.Errorf("lab: %w (apt-get install bird2, or make deps)", err)
+		}
+	}
 	files := map[string]string{GuestProgram: opts.Program}
 	for vmPath, hostPath := range opts.Files {
 		files[vmPath] = hostPath
@@ -104,7 +115,7 @@ func RunCluster(ctx context.Context, opts ClusterOptions) (output string, exitCo
 	script := "#!/bin/sh\n" +
 		"export PATH=/usr/sbin:/usr/bin:/sbin:/bin " + EnvGuest + "=1 " + EnvAPIAddr + "=" + apiAddr + "\n" +
 		"cd /tmp\n" + GuestProgram + args.String() + "\n"
-	ir, err := BuildInitramfs(InitramfsOptions{Assets: opts.Assets, Output: filepath.Join(dir, "initrd.gz"), Script: script, Files: files})
+	ir, err := BuildInitramfs(InitramfsOptions{Assets: opts.Assets, Output: filepath.Join(dir, "initrd.gz"), Script: script, Files: files, HostBinaries: ClusterHostBinaries})
 	if err != nil {
 		return "", -1, err
 	}

@@ -227,6 +227,10 @@ func run(ctx context.Context) (err error) {
 		return err
 	}
 
+	if err := bgpRoute(ctx, l, client, dst); err != nil {
+		return err
+	}
+
 	step("Deleting the Service: routers and pods forget %v", vip)
 	if err := l.Kube.CoreV1().Services(svc.Namespace).Delete(ctx, svc.Name, metav1.DeleteOptions{}); err != nil {
 		return err
@@ -235,6 +239,10 @@ func run(ctx context.Context) (err error) {
 		return err
 	}
 	say("no route, rule, HMARK rule, device or address for %v is left on any router or pod", vip)
+	if _, err := l.WaitGatewayNextHops(ctx, vip, time.Now(), 30*time.Second); err != nil {
+		return err
+	}
+	say("and both routers withdrew it: the gateway has no route for %v any more", vip)
 	evs, err := l.Events(ctx, svc.Name)
 	if err != nil {
 		return err

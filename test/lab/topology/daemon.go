@@ -13,8 +13,9 @@ import (
 	"time"
 )
 
-// Daemon is one of the project's daemons running in a node's namespace
-// (ip netns exec NODE BINARY FLAGS...), its output appended to LogPath.
+// Daemon is one of the project's daemons running in a node's namespace, or
+// the gateway's BIRD (ip netns exec NS BINARY FLAGS...), its output appended
+// to LogPath.
 type Daemon struct {
 	// Name is e.g. "tunnel-router@router-a".
 	Name    string
@@ -154,6 +155,29 @@ func (d *Daemon) Restart() error {
 	return d.Start()
 }
 
+// restartWithFlag stops the daemon, sets its flag name to value (value ""
+// removes the flag) and starts it again.
+func (d *Daemon) restartWithFlag(name, value string) error {
+	if err := d.Stop(); err != nil {
+		return err
+	}
+	d.mu.Lock()
+	args := make([]string, 0, len(d.Args)+2)
+	for i := 0; i < len(d.Args); i++ {
+		if d.Args[i] == name && i+1 < len(d.Args) {
+			i++
+			continue
+		}
+		args = append(args, d.Args[i])
+	}
+	if value != "" {
+		args = append(args, name, value)
+	}
+	d.Args = args
+	d.mu.Unlock()
+	return d.Start()
+}
+
 // LogTail returns the last n lines of the daemon's log.
 func (d *Daemon) LogTail(n int) string {
 	b, err := os.ReadFile(d.LogPath)
@@ -170,11 +194,13 @@ func (d *Daemon) LogTail(n int) string {
 // Logs returns the last n lines of every daemon's log, for a failure report.
 func (l *Lab) Logs(n int) string {
 	var b strings.Builder
+	daemons := []*Daemon{}
 	for _, node := range l.Nodes() {
-		for _, d := range []*Daemon{node.Router, node.Agent} {
-			if d != nil {
-				fmt.Fprintf(&b, "----- %s (last %d lines)\n%s\n", d.Name, n, d.LogTail(n))
-			}
+		daemons = append(daemons, node.Router, node.Agent)
+	}
+	for _, d := range append(daemons, l.Bird) {
+		if d != nil {
+			fmt.Fprintf(&b, "----- %s (last %d lines)\n%s\n", d.Name, n, d.LogTail(n))
 		}
 	}
 	return b.String()

@@ -150,9 +150,17 @@ func (l *Lab) buildNetwork(ctx context.Context) error {
 		return err
 	}
 	// Hash ECMP routes to the routers on the whole 5-tuple, as datacenter
-	// routers do.
-	if err := Sysctl(ctx, gw, "net.ipv4.fib_multipath_hash_policy", "1"); err != nil {
-		return err
+	// routers do. Not with policy 1 (L4): it reuses the hash the client's
+	// socket gave its packets, which cross veths within one kernel; that
+	// hash is random per connection and TCP changes it on every
+	// retransmission timeout, so a flow stuck behind a lost router would
+	// move to another one by itself. Policy 3 hashes the fields below
+	// (source and destination address, protocol, ports: 0x37) from the
+	// headers, as `ip route get ... sport ... dport ...` computes it too.
+	for name, value := range map[string]string{"net.ipv4.fib_multipath_hash_policy": "3", "net.ipv4.fib_multipath_hash_fields": "55"} {
+		if err := Sysctl(ctx, gw, name, value); err != nil {
+			return err
+		}
 	}
 	return l.RouteTunnelsVia(ctx, l.Routers...)
 }

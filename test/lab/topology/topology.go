@@ -181,8 +181,11 @@ type Lab struct {
 	Pods    []*Pod
 	// Kube is an admin client.
 	Kube kubernetes.Interface
+	// Bird is the gateway's BGP daemon while EnableBGP is in effect.
+	Bird *Daemon
 
-	relays []func()
+	relays     []func()
+	birdSocket string
 }
 
 // Up builds the namespaces and links, relays the API server into them,
@@ -256,6 +259,9 @@ func (l *Lab) Down(ctx context.Context) error {
 				errs = append(errs, d.Stop())
 			}
 		}
+	}
+	if l.Bird != nil {
+		errs = append(errs, l.Bird.Stop())
 	}
 	for _, r := range l.Routers {
 		if r.Router != nil {

@@ -1,0 +1,273 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/cmdnu/kube-service-tunnel/test/lab/topology"
+	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
+)
+
+// bgpTimeout bounds each wait for the gateway's route to change.
+const bgpTimeout = 30 * time.Second
+
+// 10. BGP routes the tunnel IP: the gateway runs BIRD and the routers
+// announce the tunnel IP with their embedded speaker. The gateway learns it
+// from both routers (one route, two next hops); the last endpoint leaving
+// withdraws it and its return announces it again; a router stopped with
+// SIGTERM withdraws before it goes, while 200 light flows keep working
+// through the other router; a router cut off the fabric is dropped when the
+// hold time expires, and comes back when its link does. Every duration is
+// logged as "bgp: ... took N ms".
+func bgpRouting(t *testing.T, e *env) {
+	ctx := context.Background()
+	vip := topology.TunnelIP(10)
+	e.deploy(t, "bgp", vip, e.Pods...)
+	ra, rb := e.Routers[0], e.Routers[1]
+
+	t.Cleanup(func() {
+		if t.Failed() {
+			if out, err := e.Birdc(ctx, "show", "protocols", "all"); err == nil {
+				t.Logf("gateway: birdc show protocols all:\n%s", out)
+			}
+		}
+		_ = e.SetNodeLink(ctx, ra, true)
+		if !ra.Router.Running() {
+			if err := ra.Router.Start(); err != nil {
+				t.Error(err)
+			}
+		}
+		if err := e.DisableBGP(ctx); err != nil {
+			t.Errorf("disabling BGP: %v", err)
+		}
+	})
+	start := time.Now()
+	if err := e.EnableBGP(ctx, vip); err != nil {
+		t.Fatalf("enabling BGP: %v", err)
+	}
+	t.Logf("bgp: enabling BGP (bird on the gateway, both routers restarted with --bgp-config) until the gateway routed %s via both took %d ms", vip, time.Since(start).Milliseconds())
+
+	// a. The gateway learnt the tunnel IP from both routers.
+	hops, err := e.GatewayNextHops(vip)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(hops, []netip.Addr{ra.Addr, rb.Addr}) {
+		t.Fatalf("the gateway routes %s via %v, want %s and %s", vip, hops, ra.Addr, rb.Addr)
+	}
+	route, err := topology.IP(ctx, "-n", topology.GatewayNS, "route", "show", vip.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("gateway: ip route show %s:\n%s", vip, route)
+	static, err := topology.IP(ctx, "-n", topology.GatewayNS, "route", "show", "exact", topology.TunnelNet.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if static != "" {
+		t.Errorf("the gateway's static route is still there: %s", static)
+	}
+	id := e.who(t, "tcp", vip, 0)
+	t.Logf("over the BGP route, %s answered and saw the client as %v", id.Pod, id.Peer)
+
+	// b. The last endpoint leaves: both routers withdraw.
+	removedAt := time.Now()
+	if err := e.ApplyEndpoints(ctx, "bgp", nil); err != nil {
+		t.Fatal(err)
+	}
+	took, err := e.WaitGatewayNextHops(ctx, vip, removedAt, bgpTimeout)
+	if err != nil {
+		t.Fatalf("after the last endpoint left: %v", err)
+	}
+	t.Logf("bgp: last endpoint removed -> route withdrawn from the gateway took %d ms", took.Milliseconds())
+	e.checkSessions(t, ra, rb)
+
+	// c. The endpoints come back: both routers announce again.
+	backAt := time.Now()
+	if err := e.ApplyEndpoints(ctx, "bgp", topology.Ready(e.Pods...)); err != nil {
+		t.Fatal(err)
+	}
+	if took, err = e.WaitGatewayNextHops(ctx, vip, backAt, bgpTimeout, ra, rb); err != nil {
+		t.Fatalf("after the endpoints came back: %v", err)
+	}
+	t.Logf("bgp: endpoints back -> route via both routers took %d ms", took.Milliseconds())
+	if _, err := e.WaitTunnel(ctx, vip, e.Pods...); err != nil {
+		t.Fatal(err)
+	}
+
+	// d. router-a stops (SIGTERM) while 200 light flows run over both
+	// routers: it withdraws first, and its datapath stays until it is gone.
+	ports := portRange(48001, 200)
+	flows := startLightFlows(t, e, vip, ports[0], len(ports))
+	viaA := e.flowsVia(t, vip, ports, ra)
+	stoppedAt, echoed := time.Now(), progress(flows)
+	recovered := watchRecovery(flows, stoppedAt)
+	stopped := make(chan error, 1)
+	go func() { stopped <- ra.Router.Stop() }()
+	if took, err = e.WaitGatewayNextHops(ctx, vip, stoppedAt, bgpTimeout, rb); err != nil {
+		t.Fatalf("after SIGTERM to %s: %v", ra.Name, err)
+	}
+	t.Logf("bgp: SIGTERM to %s -> gateway route via %s only took %d ms", ra.Name, rb.Name, took.Milliseconds())
+	if err := <-stopped; err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("bgp: SIGTERM to %s -> process exited took %d ms (withdraw delay %v)", ra.Name, time.Since(stoppedAt).Milliseconds(), topology.BGPWithdrawDelay)
+	rec := <-recovered
+	disrupted, _ := disruptedFlows(t, flows, echoed, stoppedAt)
+	t.Logf("bgp: SIGTERM to %s: %d of %d light flows disrupted (%.1f%%); %d of them went via %s", ra.Name, disrupted, len(flows), percent(disrupted, len(flows)), count(viaA), ra.Name)
+	t.Logf("bgp: SIGTERM to %s: first chunk sent after it echoed: flows via %s %s; flows via %s %s", ra.Name, ra.Name, rec.of(viaA, true), rb.Name, rec.of(viaA, false))
+
+	restartedAt := time.Now()
+	if err := ra.Router.Start(); err != nil {
+		t.Fatal(err)
+	}
+	if took, err = e.WaitGatewayNextHops(ctx, vip, restartedAt, bgpTimeout, ra, rb); err != nil {
+		t.Fatalf("after %s restarted: %v", ra.Name, err)
+	}
+	t.Logf("bgp: %s restarted -> route via both routers took %d ms", ra.Name, took.Milliseconds())
+
+	// e. router-a's link to the fabric is cut: its flows are lost until
+	// BIRD drops its route when the hold time expires; the link comes back,
+	// and so does the route.
+	ports = portRange(48301, 200)
+	flows = startLightFlows(t, e, vip, ports[0], len(ports))
+	viaA = e.flowsVia(t, vip, ports, ra)
+	cutAt, echoed := time.Now(), progress(flows)
+	if err := e.SetNodeLink(ctx, ra, false); err != nil {
+		t.Fatal(err)
+	}
+	recovered = watchRecovery(flows, cutAt) // once the link is down
+	if took, err = e.WaitGatewayNextHops(ctx, vip, cutAt, bgpTimeout, rb); err != nil {
+		t.Fatalf("after %s's link was cut: %v", ra.Name, err)
+	}
+	t.Logf("bgp: %s's link cut -> gateway route via %s only took %d ms (hold time %v)", ra.Name, rb.Name, took.Milliseconds(), topology.BGPHoldTime)
+	if took > topology.BGPHoldTime+2*time.Second {
+		t.Errorf("the route outlived the hold time (%v) by %v", topology.BGPHoldTime, took-topology.BGPHoldTime)
+	}
+	rec = <-recovered
+	disrupted, _ = disruptedFlows(t, flows, echoed, cutAt)
+	t.Logf("bgp: %s's link cut: %d of %d light flows disrupted (%.1f%%); %d of them went via %s", ra.Name, disrupted, len(flows), percent(disrupted, len(flows)), count(viaA), ra.Name)
+	t.Logf("bgp: %s's link cut: first chunk sent after it echoed: flows via %s %s; flows via %s %s", ra.Name, ra.Name, rec.of(viaA, true), rb.Name, rec.of(viaA, false))
+
+	restoredAt := time.Now()
+	if err := e.SetNodeLink(ctx, ra, true); err != nil {
+		t.Fatal(err)
+	}
+	if took, err = e.WaitGatewayNextHops(ctx, vip, restoredAt, bgpTimeout, ra, rb); err != nil {
+		t.Fatalf("after %s's link came back: %v", ra.Name, err)
+	}
+	t.Logf("bgp: %s's link restored -> route via both routers took %d ms", ra.Name, took.Milliseconds())
+	e.checkSessions(t, ra, rb)
+	id = e.who(t, "tcp", vip, 0)
+	t.Logf("over the restored BGP route, %s answered", id.Pod)
+}
+
+// flowsVia reports, for each client TCP flow from ports to vip, whether the
+// gateway's route sends it via router r, as `ip route get` computes the
+// ECMP hash. It fails the test if r's conntrack table holds a flow the hash
+// sends elsewhere. (A flow r carries may show up in its table a few seconds
+// late, so the converse is not checked.)
+func (e *env) flowsVia(t *testing.T, vip netip.Addr, ports []uint16, r *topology.Node) []bool {
+	t.Helper()
+	ctx := context.Background()
+	paths, err := e.GatewayPaths(ctx, vip, ports, tcpPort)
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen, err := e.RouterFlows(ctx, r, vip)
+	if err != nil {
+		t.Fatal(err)
+	}
+	via := make([]bool, len(ports))
+	var wrong []string
+	tracked := 0
+	for i, p := range ports {
+		via[i] = paths[p] == r.Addr
+		switch {
+		case seen[p] && !via[i]:
+			wrong = append(wrong, fmt.Sprintf("%d (hashed to %v)", p, paths[p]))
+		case seen[p]:
+			tracked++
+		}
+	}
+	if len(wrong) > 0 {
+		t.Errorf("%s's conntrack holds %d flows the gateway's ECMP hash (ip route get) sends elsewhere: %v", r.Name, len(wrong), wrong)
+	}
+	t.Logf("the gateway hashes %d of %d flows to %s; its conntrack holds %d of them already", count(via), len(ports), r.Name, tracked)
+	return via
+}
+
+// recovery is, for each flow, how long it took after an event to echo the
+// first chunk it sent once the event had happened (0: never, within 30 s):
+// about a send interval when nothing happened to it, the outage plus TCP's
+// retransmission backoff when its packets were lost.
+type recovery []time.Duration
+
+// of summarizes the flows i with in[i] == want.
+func (r recovery) of(in []bool, want bool) string {
+	var done []time.Duration
+	never, slow := 0, 0
+	for i, d := range r {
+		switch {
+		case in[i] != want:
+		case d == 0:
+			never++
+		default:
+			done = append(done, d)
+			if d > time.Second {
+				slow++
+			}
+		}
+	}
+	if len(done) == 0 {
+		return fmt.Sprintf("(%d): none echoed", never)
+	}
+	slices.Sort(done)
+	return fmt.Sprintf("(%d): median %d ms, slowest %d ms, %d over 1 s, %d never", len(done)+never,
+		done[len(done)/2].Milliseconds(), done[len(done)-1].Milliseconds(), slow, never)
+}
+
+// watchRecovery measures, relative to since, when each flow echoes the
+// first chunk it sends after this call (polling every 10 ms), until every
+// flow has, or failed, or 30 s passed.
+func watchRecovery(flows []*workload.Stream, since time.Time) <-chan recovery {
+	target := make([]int64, len(flows))
+	for i, f := range flows {
+		target[i] = f.Stats().Sent + lightChunk
+	}
+	out := make(chan recovery, 1)
+	go func() {
+		took := make(recovery, len(flows))
+		for pending := len(flows); pending > 0 && time.Since(since) < 30*time.Second; time.Sleep(10 * time.Millisecond) {
+			pending = 0
+			for i, f := range flows {
+				if took[i] != 0 {
+					continue
+				}
+				if st := f.Stats(); st.Verified >= target[i] {
+					took[i] = time.Since(since)
+				} else if st.Err == nil {
+					pending++
+				}
+			}
+		}
+		out <- took
+	}()
+	return out
+}
+
+// checkSessions fails the test unless the gateway's BGP sessions with the
+// routers are established.
+func (e *env) checkSessions(t *testing.T, routers ...*topology.Node) {
+	t.Helper()
+	for _, r := range routers {
+		up, state, err := e.BGPSession(context.Background(), r)
+		if err != nil || !up {
+			t.Errorf("the gateway's session with %s is %q (err %v), not established", r.Name, state, err)
+		}
+	}
+}

@@ -1,0 +1,437 @@
+package topology
+
+// BGP in the lab: the gateway, standing for the datacenter router, runs a
+// real BGP daemon (BIRD 2, Debian's bird2, which test/lab puts in the VM) and
+// the tunnel routers announce the tunnel IPs they serve to it with their
+// embedded GoBGP speaker (--bgp-config). BIRD merges the routers' equal
+// routes into one multipath route in the gateway's kernel, which replaces
+// the static route RouteTunnelsVia sets.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/yaml"
+
+	"github.com/cmdnu/kube-service-tunnel/router"
+	"github.com/cmdnu/kube-service-tunnel/router/bgp"
+)
+
+// The lab's autonomous systems and BGP timers, short so that a lost router
+// is noticed within seconds.
+const (
+	// GatewayASN is the gateway's AS, RouterASN every tunnel router's.
+	GatewayASN = 64500
+	RouterASN  = 64512
+	// BGPHoldTime and BGPKeepalive are both sides' timers.
+	BGPHoldTime  = 3 * time.Second
+	BGPKeepalive = time.Second
+	// BGPWithdrawDelay is how long a router waits on SIGTERM between
+	// withdrawing its routes and closing its sessions.
+	BGPWithdrawDelay = time.Second
+	// BGPPollInterval is how often the Wait functions look at the gateway;
+	// it bounds the resolution of the durations they measure.
+	BGPPollInterval = 20 * time.Millisecond
+)
+
+// bgpConfigFlag is the routers' flag for their BGP configuration.
+const bgpConfigFlag = "--bgp-config"
+
+// EnableBGP makes BGP route the tunnel IPs to the routers: it starts BIRD in
+// the gateway's namespace (one passive session per router, as the routers
+// only connect out), restarts every router with a --bgp-config naming the
+// gateway as its peer, waits until every session is established and the
+// gateway's kernel routes each of vips through every router, and only then
+// deletes the gateway's static route for TunnelNet. A served tunnel IP keeps
+// working throughout. DisableBGP undoes it; Down stops BIRD too.
+func (l *Lab) EnableBGP(ctx context.Context, vips ...netip.Addr) error {
+	if l.Bird != nil {
+		return errors.New("topology: BGP is already enabled")
+	}
+	birdPath, err := exec.LookPath("bird")
+	if err != nil {
+		return fmt.Errorf("topology: %w (test/lab puts Debian's bird2 into the VM: is it installed on the host?)", err)
+	}
+	dir := filepath.Join(l.Opts.WorkDir, "bgp")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	conf, err := l.birdConfig()
+	if err != nil {
+		return err
+	}
+	confPath := filepath.Join(dir, "bird.conf")
+	if err := os.WriteFile(confPath, []byte(conf), 0o644); err != nil {
+		return err
+	}
+	l.birdSocket = filepath.Join(dir, "bird.ctl")
+	bird := &Daemon{
+		Name: "bird@" + GatewayNS, NS: GatewayNS, Path: birdPath,
+		Args:    []string{"-f", "-c", confPath, "-s", l.birdSocket},
+		LogPath: filepath.Join(l.Opts.WorkDir, "bird@"+GatewayNS+".log"),
+	}
+	if err := bird.Start(); err != nil {
+		return err
+	}
+	l.Bird = bird
+	if err := l.poll(ctx, 10*time.Second, func() (bool, string, error) {
+		out, err := l.Birdc(ctx, "show", "status")
+		if !bird.Running() {
+			return false, "", fmt.Errorf("bird exited at start:\n%s", bird.LogTail(20))
+		}
+		return err == nil && strings.Contains(out, "Daemon is up and running"), fmt.Sprintf("birdc: %v %s", err, out), nil
+	}); err != nil {
+		return fmt.Errorf("starting bird in %s: %w", GatewayNS, err)
+	}
+	l.logf("bird %s: AS %d, a passive session for each router (AS %d), hold time %v", GatewayNS, GatewayASN, RouterASN, BGPHoldTime)
+
+	routerConf, err := l.routerBGPConfig()
+	if err != nil {
+		return err
+	}
+	routerConfPath := filepath.Join(dir, "tunnel-router-bgp.yaml")
+	if err := os.WriteFile(routerConfPath, routerConf, 0o644); err != nil {
+		return err
+	}
+	for _, r := range l.Routers {
+		if err := r.Router.restartWithFlag(bgpConfigFlag, routerConfPath); err != nil {
+			return err
+		}
+	}
+	l.logf("restarted the routers with %s %s", bgpConfigFlag, routerConfPath)
+	if err := l.poll(ctx, time.Minute, func() (bool, string, error) {
+		for _, r := range l.Routers {
+			up, state, err := l.BGPSession(ctx, r)
+			if err != nil || !up {
+				return false, fmt.Sprintf("session with %s: %s %v", r.Name, state, err), nil
+			}
+		}
+		return true, "", nil
+	}); err != nil {
+		return fmt.Errorf("BGP sessions: %w", err)
+	}
+	for _, vip := range vips {
+		if _, err := l.WaitGatewayNextHops(ctx, vip, time.Now(), 30*time.Second, l.Routers...); err != nil {
+			return err
+		}
+	}
+	if _, err := IP(ctx, "-n", GatewayNS, "route", "del", TunnelNet.String()); err != nil {
+		return fmt.Errorf("deleting the gateway's static route: %w", err)
+	}
+	l.logf("deleted the gateway's static route for %v: BGP routes the tunnel IPs", TunnelNet)
+	return nil
+}
+
+// DisableBGP puts the static route for TunnelNet back on the gateway,
+// restarts the routers without --bgp-config and stops BIRD (which removes
+// its routes from the gateway's kernel). It does nothing when BGP is off.
+func (l *Lab) DisableBGP(ctx context.Context) error {
+	if l.Bird == nil {
+		return nil
+	}
+	var errs []error
+	errs = append(errs, l.RouteTunnelsVia(ctx, l.Routers...))
+	for _, r := range l.Routers {
+		errs = append(errs, r.Router.restartWithFlag(bgpConfigFlag, ""))
+	}
+	errs = append(errs, l.Bird.Stop())
+	l.Bird = nil
+	return errors.Join(errs...)
+}
+
+// birdProtocol is the name of the gateway's BGP session with router n in
+// BIRD ("router_a"): BIRD symbols hold no dash.
+func birdProtocol(n *Node) string { return strings.ReplaceAll(n.Name, "-", "_") }
+
+// birdConfig renders the gateway's BIRD configuration. The gateway accepts
+// only /32s of TunnelNet from the routers, announces nothing, and installs
+// the BGP routes in its kernel, merging equal ones into one multipath route.
+// BGP errors (a hold timer that expired) keep a session idle for 1 to 5 s
+// rather than BIRD's default minute or more.
+func (l *Lab) birdConfig() (string, error) {
+	if !TunnelNet.Addr().Is4() {
+		return "", fmt.Errorf("topology: tunnel network %v is not IPv4", TunnelNet)
+	}
+	var b strings.Builder
+	b.WriteString("# The lab gateway's BGP daemon (test/lab/topology).\n")
+	b.WriteString("log stderr all;\ndebug protocols { states, events };\n")
+	fmt.Fprintf(&b, "router id %s;\n\n", GatewayAddr)
+	b.WriteString("protocol device {}\n\n")
+	b.WriteString("protocol kernel {\n\tipv4 { import none; export where source = RTS_BGP; };\n\tmerge paths on;\n}\n")
+	for _, r := range l.Routers {
+		fmt.Fprintf(&b, "\nprotocol bgp %s {\n", birdProtocol(r))
+		fmt.Fprintf(&b, "\tlocal %s as %d;\n\tneighbor %s as %d;\n\tdirect;\n", GatewayAddr, GatewayASN, r.Addr, RouterASN)
+		b.WriteString("\tpassive on;\n")
+		fmt.Fprintf(&b, "\thold time %d;\n\tkeepalive time %d;\n", BGPHoldTime/time.Second, BGPKeepalive/time.Second)
+		b.WriteString("\terror wait time 1, 5;\n")
+		fmt.Fprintf(&b, "\tipv4 { import where net ~ [ %s{32,32} ]; export none; };\n}\n", TunnelNet)
+	}
+	return b.String(), nil
+}
+
+// routerBGPConfig is the routers' --bgp-config: the gateway as their one
+// peer. Router ID and next hop are each router's Node address.
+func (l *Lab) routerBGPConfig() ([]byte, error) {
+	cfg := bgp.Config{
+		ASN:           RouterASN,
+		WithdrawDelay: &metav1.Duration{Duration: BGPWithdrawDelay},
+		Peers: []bgp.Peer{{
+			Address:       GatewayAddr.String(),
+			ASN:           GatewayASN,
+			HoldTime:      &metav1.Duration{Duration: BGPHoldTime},
+			KeepaliveTime: &metav1.Duration{Duration: BGPKeepalive},
+			ConnectRetry:  &metav1.Duration{Duration: time.Second},
+		}},
+	}
+	data, err := yaml.Marshal(cfg)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := bgp.Parse(data); err != nil {
+		return nil, fmt.Errorf("topology: the routers' BGP configuration: %w\n%s", err, data)
+	}
+	return data, nil
+}
+
+// Birdc runs birdc against the gateway's BIRD and returns its answer
+// without the greeting line; BIRD's error replies are errors.
+func (l *Lab) Birdc(ctx context.Context, args ...string) (string, error) {
+	if l.birdSocket == "" {
+		return "", errors.New("topology: BGP is not enabled")
+	}
+	out, err := exec.CommandContext(ctx, "birdc", append([]string{"-s", l.birdSocket}, args...)...).CombinedOutput()
+	s := string(out)
+	if first, rest, ok := strings.Cut(s, "\n"); ok && strings.HasPrefix(first, "BIRD ") && strings.HasSuffix(first, " ready.") {
+		s = rest
+	}
+	if err != nil {
+		return s, fmt.Errorf("birdc %s: %w: %s", strings.Join(args, " "), err, strings.TrimSpace(s))
+	}
+	return s, nil
+}
+
+// BGPSession reports whether the gateway's session with router r is
+// established, with BIRD's state and info ("up Established", "start
+// Passive", ...).
+func (l *Lab) BGPSession(ctx context.Context, r *Node) (bool, string, error) {
+	name := birdProtocol(r)
+	out, err := l.Birdc(ctx, "show", "protocols", name)
+	if err != nil {
+		return false, "", err
+	}
+	return parseBirdProtocol(out, name)
+}
+
+// parseBirdProtocol finds protocol name in birdc's "show protocols" output
+// (Name Proto Table State Since Info...) and returns whether it is an
+// established BGP session, and its state and info.
+func parseBirdProtocol(out, name string) (bool, string, error) {
+	for _, line := range strings.Split(out, "\n") {
+		f := strings.Fields(line)
+		if len(f) < 5 || f[0] != name {
+			continue
+		}
+		state := strings.Join(append([]string{f[3]}, f[5:]...), " ")
+		return f[3] == "up" && len(f) > 5 && f[5] == "Established", state, nil
+	}
+	return false, "", fmt.Errorf("no protocol %q in birdc's answer: %s", name, strings.TrimSpace(out))
+}
+
+// GatewayNextHops returns, sorted, the next hops of the gateway's kernel
+// route for exactly vip/32 in its main table (one per path of a multipath
+// route); none when there is no such route. The static route for TunnelNet
+// is not one.
+func (l *Lab) GatewayNextHops(vip netip.Addr) ([]netip.Addr, error) {
+	ns, err := l.Gateway.NS()
+	if err != nil {
+		return nil, err
+	}
+	defer ns.Close()
+	h, err := netlink.NewHandleAt(ns, unix.NETLINK_ROUTE)
+	if err != nil {
+		return nil, fmt.Errorf("netlink handle in %s: %w", GatewayNS, err)
+	}
+	defer h.Close()
+	filter := &netlink.Route{Dst: netlink.NewIPNet(vip.AsSlice()), Table: 254}
+	routes, err := h.RouteListFiltered(netlink.FAMILY_V4, filter, netlink.RT_FILTER_DST|netlink.RT_FILTER_TABLE)
+	if err != nil {
+		return nil, fmt.Errorf("%s: routes for %s: %w", GatewayNS, vip, err)
+	}
+	var hops []netip.Addr
+	add := func(gw []byte) {
+		if a, ok := netip.AddrFromSlice(gw); ok {
+			hops = append(hops, a.Unmap())
+		}
+	}
+	for _, r := range routes {
+		add(r.Gw)
+		for _, nh := range r.MultiPath {
+			add(nh.Gw)
+		}
+	}
+	slices.SortFunc(hops, netip.Addr.Compare)
+	return hops, nil
+}
+
+// WaitGatewayNextHops waits until the gateway's kernel route for vip goes
+// through exactly the given routers (none: no route), looking every
+// BGPPollInterval, and returns the time from since to the moment it saw
+// it: how long a change made at since took to reach the gateway's kernel.
+func (l *Lab) WaitGatewayNextHops(ctx context.Context, vip netip.Addr, since time.Time, timeout time.Duration, routers ...*Node) (time.Duration, error) {
+	want := make([]netip.Addr, 0, len(routers))
+	for _, r := range routers {
+		want = append(want, r.Addr)
+	}
+	slices.SortFunc(want, netip.Addr.Compare)
+	deadline := since.Add(timeout)
+	for {
+		hops, err := l.GatewayNextHops(vip)
+		if err != nil {
+			return 0, err
+		}
+		if slices.Equal(hops, want) {
+			return time.Since(since), nil
+		}
+		if time.Now().After(deadline) {
+			return 0, fmt.Errorf("the gateway's route for %s goes via %v, not %v, %v after the change", vip, hops, want, time.Since(since).Round(time.Millisecond))
+		}
+		select {
+		case <-ctx.Done():
+			return 0, ctx.Err()
+		case <-time.After(BGPPollInterval):
+		}
+	}
+}
+
+// RouterMetrics returns the lines of router r's /metrics (served on
+// router.DefaultMetricsAddress in its namespace) that start with one of
+// prefixes, e.g. "kube_service_tunnel_bgp_".
+func (l *Lab) RouterMetrics(ctx context.Context, r *Node, prefixes ...string) ([]string, error) {
+	_, port, _ := strings.Cut(router.DefaultMetricsAddress, ":")
+	out, err := InNS(ctx, r.Name, "wget", "-q", "-O", "-", "http://127.0.0.1:"+port+"/metrics")
+	if err != nil {
+		return nil, err
+	}
+	var lines []string
+	for _, line := range strings.Split(out, "\n") {
+		for _, p := range prefixes {
+			if strings.HasPrefix(line, p) {
+				lines = append(lines, line)
+				break
+			}
+		}
+	}
+	return lines, nil
+}
+
+// GatewayPaths asks the gateway's kernel (ip route get, one batch) which
+// next hop its route for vip sends each client TCP flow from the given
+// source ports to dstPort: with an ECMP route, the router the flow's
+// 5-tuple hashes to. It fails when the gateway has no route for vip.
+func (l *Lab) GatewayPaths(ctx context.Context, vip netip.Addr, srcPorts []uint16, dstPort uint16) (map[uint16]netip.Addr, error) {
+	var batch strings.Builder
+	for _, p := range srcPorts {
+		// /etc/protocols is missing in the VM: TCP by number.
+		fmt.Fprintf(&batch, "route get %s from %s iif %s ipproto 6 sport %d dport %d\n", vip, ClientAddr, ClientNS, p, dstPort)
+	}
+	file := filepath.Join(l.Opts.WorkDir, "gateway-paths.batch")
+	if err := os.WriteFile(file, []byte(batch.String()), 0o644); err != nil {
+		return nil, err
+	}
+	out, err := IP(ctx, "-n", GatewayNS, "-batch", file)
+	if err != nil {
+		return nil, err
+	}
+	return parseRouteGets(out, vip, srcPorts)
+}
+
+// parseRouteGets reads the answers of a batch of `ip route get vip ...`,
+// one per source port in order, each starting with vip at the start of a
+// line ("192.0.2.10 from 198.51.100.10 via 172.20.0.11 dev fabric"). An
+// answer without "via" (a local route) maps to the zero Addr.
+func parseRouteGets(out string, vip netip.Addr, srcPorts []uint16) (map[uint16]netip.Addr, error) {
+	paths := map[uint16]netip.Addr{}
+	i := 0
+	for _, line := range strings.Split(out, "\n") {
+		f := strings.Fields(line)
+		if len(f) == 0 || strings.HasPrefix(line, " ") || strings.HasPrefix(line, "\t") {
+			continue // "    cache iif client"
+		}
+		if i >= len(srcPorts) {
+			return nil, fmt.Errorf("more answers than the %d flows asked about: %q", len(srcPorts), line)
+		}
+		if f[0] == vip.String() {
+			if j := slices.Index(f, "via"); j >= 0 && j+1 < len(f) {
+				a, err := netip.ParseAddr(f[j+1])
+				if err != nil {
+					return nil, fmt.Errorf("ip route get: %q: %w", line, err)
+				}
+				paths[srcPorts[i]] = a
+			}
+		}
+		i++
+	}
+	if i != len(srcPorts) {
+		return nil, fmt.Errorf("%d answers for %d flows:\n%s", i, len(srcPorts), out)
+	}
+	return paths, nil
+}
+
+// RouterFlows returns the source ports of the client's TCP flows to vip
+// that router r's conntrack table holds: the flows whose packets it has
+// forwarded (in the last 5 minutes, the lifetime of an established entry).
+func (l *Lab) RouterFlows(ctx context.Context, r *Node, vip netip.Addr) (map[uint16]bool, error) {
+	out, err := InNS(ctx, r.Name, "cat", "/proc/net/nf_conntrack")
+	if err != nil {
+		return nil, err
+	}
+	return parseConntrackFlows(out, ClientAddr, vip), nil
+}
+
+// parseConntrackFlows reads /proc/net/nf_conntrack ("ipv4 2 tcp 6 299
+// ESTABLISHED src=C dst=V sport=P dport=80 ...") and returns the source
+// ports of the TCP entries from client to vip (their original direction).
+func parseConntrackFlows(table string, client, vip netip.Addr) map[uint16]bool {
+	ports := map[uint16]bool{}
+	for _, line := range strings.Split(table, "\n") {
+		f := strings.Fields(line)
+		if len(f) < 3 || f[2] != "tcp" {
+			continue
+		}
+		var src, dst, sport string
+		for _, kv := range f {
+			k, v, ok := strings.Cut(kv, "=")
+			if !ok {
+				continue
+			}
+			// The first src, dst and sport are the original direction's.
+			switch {
+			case k == "src" && src == "":
+				src = v
+			case k == "dst" && dst == "":
+				dst = v
+			case k == "sport" && sport == "":
+				sport = v
+			}
+		}
+		if src != client.String() || dst != vip.String() {
+			continue
+		}
+		if p, err := strconv.ParseUint(sport, 10, 16); err == nil {
+			ports[uint16(p)] = true
+		}
+	}
+	return ports
+}

@@ -1,0 +1,110 @@
+package topology
+
+import (
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/cmdnu/kube-service-tunnel/router/bgp"
+)
+
+func testLab() *Lab {
+	return &Lab{Routers: []*Node{
+		{Host: Host{Name: "router-a", Addr: fabricAddr(11)}, Tunnel: true},
+		{Host: Host{Name: "router-b", Addr: fabricAddr(12)}, Tunnel: true},
+	}}
+}
+
+// BIRD itself parses the gateway's configuration (bird -p), when installed.
+func TestBirdConfigParses(t *testing.T) {
+	conf, err := testLab().birdConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"protocol bgp router_a {", "neighbor 172.20.0.12 as 64512;", "merge paths on;", "passive on;", "[ 192.0.2.0/24{32,32} ]"} {
+		if !strings.Contains(conf, want) {
+			t.Errorf("configuration lacks %q:\n%s", want, conf)
+		}
+	}
+	if _, err := exec.LookPath("bird"); err != nil {
+		t.Skipf("bird not installed (apt-get install bird2): %v", err)
+	}
+	path := filepath.Join(t.TempDir(), "bird.conf")
+	if err := os.WriteFile(path, []byte(conf), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("bird", "-p", "-c", path).CombinedOutput(); err != nil {
+		t.Fatalf("bird -p rejects the configuration: %v: %s\n%s", err, out, conf)
+	}
+}
+
+func TestRouterBGPConfig(t *testing.T) {
+	data, err := testLab().routerBGPConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := bgp.Parse(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.ASN != RouterASN || len(cfg.Peers) != 1 || cfg.Peers[0].Address != GatewayAddr.String() || cfg.Peers[0].ASN != GatewayASN || cfg.WithdrawWait() != BGPWithdrawDelay {
+		t.Errorf("unexpected configuration:\n%s", data)
+	}
+}
+
+func TestParseBirdProtocol(t *testing.T) {
+	const out = `Name       Proto      Table      State  Since         Info
+router_a   BGP        ---        up     21:59:29.135  Established   
+router_b   BGP        ---        start  21:59:27.969  Passive       
+`
+	for _, tc := range []struct {
+		name  string
+		up    bool
+		state string
+	}{
+		{"router_a", true, "up Established"},
+		{"router_b", false, "start Passive"},
+	} {
+		up, state, err := parseBirdProtocol(out, tc.name)
+		if err != nil || up != tc.up || state != tc.state {
+			t.Errorf("%s: got %v %q %v, want %v %q", tc.name, up, state, err, tc.up, tc.state)
+		}
+	}
+	if _, _, err := parseBirdProtocol(out, "router_c"); err == nil {
+		t.Error("a missing protocol was found")
+	}
+}
+
+func TestParseRouteGets(t *testing.T) {
+	vip := netip.MustParseAddr("192.0.2.10")
+	const out = `192.0.2.10 from 198.51.100.10 via 172.20.0.11 dev fabric 
+    cache iif client 
+192.0.2.10 from 198.51.100.10 via 172.20.0.12 dev fabric 
+    cache iif client 
+`
+	got, err := parseRouteGets(out, vip, []uint16{1000, 1001})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got[1000] != netip.MustParseAddr("172.20.0.11") || got[1001] != netip.MustParseAddr("172.20.0.12") {
+		t.Errorf("got %v", got)
+	}
+	if _, err := parseRouteGets(out, vip, []uint16{1000}); err == nil {
+		t.Error("two answers for one flow were accepted")
+	}
+}
+
+func TestParseConntrackFlows(t *testing.T) {
+	const table = `ipv4     2 tcp      6 299 ESTABLISHED src=198.51.100.10 dst=192.0.2.10 sport=48301 dport=80 [UNREPLIED] src=192.0.2.10 dst=198.51.100.10 sport=80 dport=48301 mark=4127 zone=0 use=2
+ipv4     2 tcp      6 299 ESTABLISHED src=198.51.100.10 dst=192.0.2.11 sport=48302 dport=80 [UNREPLIED] src=192.0.2.11 dst=198.51.100.10 sport=80 dport=48302 mark=4127 zone=0 use=2
+ipv4     2 udp      17 29 src=198.51.100.10 dst=192.0.2.10 sport=48303 dport=53 [UNREPLIED] src=192.0.2.10 dst=198.51.100.10 sport=53 dport=48303 mark=0 zone=0 use=2
+ipv4     2 tcp      6 299 ESTABLISHED src=198.51.100.10 dst=192.0.2.10 sport=48304 dport=80 [UNREPLIED] src=192.0.2.10 dst=198.51.100.10 sport=80 dport=48304 mark=4100 zone=0 use=2
+`
+	got := parseConntrackFlows(table, ClientAddr, netip.MustParseAddr("192.0.2.10"))
+	if len(got) != 2 || !got[48301] || !got[48304] {
+		t.Errorf("got %v, want ports 48301 and 48304", got)
+	}
+}
