@@ -36,7 +36,7 @@ test: deps assets lint build ## everything: unit, privileged (root) and integrat
 unit: ## unit tests only (no root, no API server)
 	KST_SKIP_PRIVILEGED=1 $(GO) test -count=1 -short $(PKGS)
 
-e2e: deps assets ## the end-to-end lab: 8 scenarios x gre, mpls on real packets in the VM (KST_E2E_RUN=gre/4_ for one)
+e2e: deps assets ## the end-to-end lab: 9 scenarios x gre, mpls in the VM (+ scenario 9, draining: KST_E2E_DRAIN=1) (KST_E2E_RUN=gre/4_ for one)
 	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 30m -run TestE2E -v ./test/e2e
 
 bench: deps assets build ## route programming vs ip -batch, disruption and RSS figures (root)

@@ -22,7 +22,6 @@
 package bgppeer
 
 import (
-	"errors"
 	"fmt"
 	"net/netip"
 	"os"
@@ -37,6 +36,7 @@ import (
 	"time"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
+	"github.com/cmdnu/kube-service-tunnel/test/bgppeer/birdconf"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 )
@@ -45,52 +45,13 @@ import (
 // the resolution of the durations they measure.
 const PollInterval = 20 * time.Millisecond
 
-// Neighbor is one BGP session of the peer, a BIRD "protocol bgp".
-type Neighbor struct {
-	// Name is the BIRD protocol name, used by Established and shown as
-	// Route.FromNeighbor: letters, digits and underscores, starting with a
-	// letter, and not a BIRD keyword (such as "router", "bgp" or "direct").
-	Name string
-	// Address is the neighbor's IPv4 address (the code under test).
-	Address netip.Addr
-	// ASN is the neighbor's AS; equal to Config.ASN makes an iBGP session.
-	ASN uint32
-	// Password enables TCP MD5 signatures (RFC 2385); it must not contain
-	// a double quote or a newline.
-	Password string
-	// HoldTime and KeepaliveTime are whole seconds; zero keeps BIRD's
-	// defaults (240 s and a third of the hold time).
-	HoldTime, KeepaliveTime time.Duration
-	// Multihop is the session's TTL for a neighbor that is not on a
-	// directly connected network; zero means a direct session.
-	Multihop int
-	// BFD ties the session to a BFD session with Config.BFD's timers.
-	BFD bool
-	// Passive makes BIRD only accept the neighbor's connection, never
-	// open one.
-	Passive bool
-}
-
-// BFDIntervals are the peer's BFD timers; zero fields keep BIRD's defaults
-// (min tx 100 ms, min rx 10 ms, multiplier 5).
-type BFDIntervals struct {
-	MinTx, MinRx time.Duration
-	Multiplier   int
-}
-
-// Config describes one BIRD peer. Only IPv4 is supported.
-type Config struct {
-	// RouterID is the peer's BGP identifier (an IPv4 address).
-	RouterID netip.Addr
-	// ASN is the peer's own AS.
-	ASN       uint32
-	Neighbors []Neighbor
-	// BFD sets the timers of the sessions of neighbors with BFD set.
-	BFD BFDIntervals
-	// Originate lists the prefixes the peer announces to every neighbor
-	// (as blackhole static routes, which stay out of its own kernel).
-	Originate []netip.Prefix
-}
+// The peer's configuration types live in package birdconf, which renders
+// them without importing testing (the lab's VM gateway uses it too).
+type (
+	Neighbor     = birdconf.Neighbor
+	BFDIntervals = birdconf.BFDIntervals
+	Config       = birdconf.Config
+)
 
 // Route is one route of BIRD's table for a prefix.
 type Route struct {
@@ -494,110 +455,8 @@ func (p *Peer) WaitKernelNextHops(tb testing.TB, prefix netip.Prefix, start time
 	})
 }
 
-var symbolRE = regexp.MustCompile(`^[A-Za-z][A-Za-z0-9_]*$`)
-
 // renderConfig returns the BIRD configuration for cfg, logging to logFile.
 func renderConfig(cfg Config, logFile string) (string, error) {
-	if !cfg.RouterID.Is4() {
-		return "", fmt.Errorf("router id %v: must be an IPv4 address", cfg.RouterID)
-	}
-	if cfg.ASN == 0 {
-		return "", errors.New("ASN must be set")
-	}
-	var b strings.Builder
-	fmt.Fprintf(&b, "# Written by test/bgppeer.\nlog %q all;\n", logFile)
-	b.WriteString("debug protocols { states, events };\n")
-	fmt.Fprintf(&b, "router id %s;\n\n", cfg.RouterID)
-	b.WriteString("protocol device {}\n\n")
-	// Only BGP routes go to the kernel, so the originated blackholes stay
-	// out of it; merge paths turns equal BGP routes into a multipath route.
-	b.WriteString("protocol kernel {\n\tipv4 { import none; export where source = RTS_BGP; };\n\tmerge paths on;\n}\n")
-
-	export := "none"
-	if len(cfg.Originate) > 0 {
-		export = "where source = RTS_STATIC"
-		b.WriteString("\nprotocol static originated {\n\tipv4;\n")
-		for _, p := range cfg.Originate {
-			if !p.IsValid() || !p.Addr().Is4() || p.Masked() != p {
-				return "", fmt.Errorf("originate %v: must be an IPv4 prefix without host bits", p)
-			}
-			fmt.Fprintf(&b, "\troute %s blackhole;\n", p)
-		}
-		b.WriteString("}\n")
-	}
-
-	bfd := false
-	seen := map[string]bool{"device1": true, "kernel1": true, "originated": true, "bfd1": true}
-	for _, n := range cfg.Neighbors {
-		if !symbolRE.MatchString(n.Name) || seen[n.Name] {
-			return "", fmt.Errorf("neighbor name %q: must be unique, start with a letter and hold only letters, digits and underscores", n.Name)
-		}
-		seen[n.Name] = true
-		if !n.Address.Is4() {
-			return "", fmt.Errorf("neighbor %s: address %v must be IPv4", n.Name, n.Address)
-		}
-		if n.ASN == 0 {
-			return "", fmt.Errorf("neighbor %s: ASN must be set", n.Name)
-		}
-		fmt.Fprintf(&b, "\nprotocol bgp %s {\n\tlocal as %d;\n\tneighbor %s as %d;\n", n.Name, cfg.ASN, n.Address, n.ASN)
-		if n.Multihop < 0 || n.Multihop > 255 {
-			return "", fmt.Errorf("neighbor %s: multihop %d out of 0..255", n.Name, n.Multihop)
-		}
-		if n.Multihop == 0 {
-			b.WriteString("\tdirect;\n")
-		} else {
-			fmt.Fprintf(&b, "\tmultihop %d;\n", n.Multihop)
-		}
-		b.WriteString("\tconnect delay time 1;\n\tconnect retry time 1;\n\terror wait time 1, 5;\n")
-		for _, t := range []struct {
-			name string
-			d    time.Duration
-		}{{"hold time", n.HoldTime}, {"keepalive time", n.KeepaliveTime}} {
-			if t.d == 0 {
-				continue
-			}
-			if t.d < 0 || t.d%time.Second != 0 {
-				return "", fmt.Errorf("neighbor %s: %s %v must be whole seconds", n.Name, t.name, t.d)
-			}
-			fmt.Fprintf(&b, "\t%s %d;\n", t.name, t.d/time.Second)
-		}
-		if n.Password != "" {
-			if strings.ContainsAny(n.Password, "\"\n") {
-				return "", fmt.Errorf("neighbor %s: password must not contain a double quote or a newline", n.Name)
-			}
-			fmt.Fprintf(&b, "\tpassword \"%s\";\n", n.Password)
-		}
-		if n.Passive {
-			b.WriteString("\tpassive on;\n")
-		}
-		if n.BFD {
-			bfd = true
-			b.WriteString("\tbfd on;\n")
-		}
-		fmt.Fprintf(&b, "\tipv4 { import all; export %s; };\n}\n", export)
-	}
-
-	if bfd {
-		var timers strings.Builder
-		for _, t := range []struct {
-			name string
-			d    time.Duration
-		}{{"min tx interval", cfg.BFD.MinTx}, {"min rx interval", cfg.BFD.MinRx}} {
-			if t.d == 0 {
-				continue
-			}
-			if t.d < 0 || t.d%time.Microsecond != 0 {
-				return "", fmt.Errorf("BFD %s %v must be whole microseconds", t.name, t.d)
-			}
-			fmt.Fprintf(&timers, " %s %d us;", t.name, t.d/time.Microsecond)
-		}
-		if cfg.BFD.Multiplier < 0 || cfg.BFD.Multiplier > 255 {
-			return "", fmt.Errorf("BFD multiplier %d out of 0..255", cfg.BFD.Multiplier)
-		}
-		if cfg.BFD.Multiplier > 0 {
-			fmt.Fprintf(&timers, " multiplier %d;", cfg.BFD.Multiplier)
-		}
-		fmt.Fprintf(&b, "\nprotocol bfd {\n\tinterface \"*\" {%s };\n\tmultihop {%s };\n}\n", timers.String(), timers.String())
-	}
-	return b.String(), nil
+	cfg.Log = logFile
+	return birdconf.Render(cfg)
 }

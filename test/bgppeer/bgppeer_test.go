@@ -114,10 +114,12 @@ func fullConfig() Config {
 		Neighbors: []Neighbor{
 			{Name: "direct_bfd", Address: netip.MustParseAddr("198.51.100.2"), ASN: 65001,
 				Password: "s3cret", HoldTime: 9 * time.Second, KeepaliveTime: 3 * time.Second, BFD: true, Passive: true},
-			{Name: "ibgp_multihop", Address: netip.MustParseAddr("198.51.100.3"), ASN: 65000, Multihop: 2},
+			{Name: "ibgp_multihop", Address: netip.MustParseAddr("198.51.100.3"), ASN: 65000, Multihop: 2,
+				LocalAddress: netip.MustParseAddr("198.51.100.1")},
 		},
-		BFD:       BFDIntervals{MinTx: 100 * time.Millisecond, MinRx: 100 * time.Millisecond, Multiplier: 3},
-		Originate: []netip.Prefix{netip.MustParsePrefix("192.0.2.0/24"), netip.MustParsePrefix("192.0.2.10/32")},
+		ImportHostRoutesIn: netip.MustParsePrefix("192.0.2.0/24"),
+		BFD:                BFDIntervals{MinTx: 100 * time.Millisecond, MinRx: 100 * time.Millisecond, Multiplier: 3},
+		Originate:          []netip.Prefix{netip.MustParsePrefix("192.0.2.0/24"), netip.MustParsePrefix("192.0.2.10/32")},
 	}
 }
 
@@ -134,6 +136,8 @@ func TestRenderConfigRejects(t *testing.T) {
 		"host bits":           func(c *Config) { c.Originate[0] = netip.MustParsePrefix("192.0.2.1/24") },
 		"multihop too large":  func(c *Config) { c.Neighbors[1].Multihop = 256 },
 		"negative multiplier": func(c *Config) { c.BFD.Multiplier = -1 },
+		"import host bits":    func(c *Config) { c.ImportHostRoutesIn = netip.MustParsePrefix("192.0.2.1/24") },
+		"IPv6 local address":  func(c *Config) { c.Neighbors[0].LocalAddress = netip.MustParseAddr("2001:db8::2") },
 	} {
 		cfg := fullConfig()
 		cfg.Neighbors = slices.Clone(cfg.Neighbors)
@@ -154,7 +158,8 @@ func TestRenderConfigParses(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, want := range []string{"merge paths on;", "password \"s3cret\";", "passive on;", "bfd on;", "multihop 2;",
-		"hold time 9;", "keepalive time 3;", "route 192.0.2.10/32 blackhole;", "min tx interval 100000 us;", "multiplier 3;"} {
+		"hold time 9;", "keepalive time 3;", "route 192.0.2.10/32 blackhole;", "min tx interval 100000 us;", "multiplier 3;",
+		"local 198.51.100.1 as 65000;", "import where net ~ [ 192.0.2.0/24{32,32} ];"} {
 		if !strings.Contains(conf, want) {
 			t.Errorf("config lacks %q:\n%s", want, conf)
 		}

@@ -19,7 +19,7 @@ set -euo pipefail
 
 ASSETS_DIR="${KST_ASSETS_DIR:-$HOME/.cache/kube-service-tunnel/assets}"
 LAB_DIR="$ASSETS_DIR/lab"
-APT_PACKAGES=(qemu-system-x86 busybox-static kmod cpio iptables iproute2)
+APT_PACKAGES=(qemu-system-x86 busybox-static kmod cpio iptables iproute2 bird2)
 
 WORK_DIR=""
 cleanup() { if [[ -n "$WORK_DIR" ]]; then rm -rf "$WORK_DIR"; fi; }
@@ -40,7 +40,7 @@ apt_update() {
 tools_present() {
 	command -v qemu-system-x86_64 && command -v modprobe && command -v depmod &&
 		command -v cpio && command -v iptables && command -v ip &&
-		dpkg -s busybox-static
+		command -v bird && command -v birdc && dpkg -s busybox-static
 } >/dev/null 2>&1
 
 install_tools() {

@@ -27,6 +27,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/router"
 	"github.com/cmdnu/kube-service-tunnel/router/bgp"
+	"github.com/cmdnu/kube-service-tunnel/test/bgppeer/birdconf"
 )
 
 // The lab's autonomous systems and BGP timers, short so that a lost router
@@ -161,24 +162,18 @@ func birdProtocol(n *Node) string { return strings.ReplaceAll(n.Name, "-", "_") 
 // BGP errors (a hold timer that expired) keep a session idle for 1 to 5 s
 // rather than BIRD's default minute or more.
 func (l *Lab) birdConfig() (string, error) {
-	if !TunnelNet.Addr().Is4() {
-		return "", fmt.Errorf("topology: tunnel network %v is not IPv4", TunnelNet)
-	}
-	var b strings.Builder
-	b.WriteString("# The lab gateway's BGP daemon (test/lab/topology).\n")
-	b.WriteString("log stderr all;\ndebug protocols { states, events };\n")
-	fmt.Fprintf(&b, "router id %s;\n\n", GatewayAddr)
-	b.WriteString("protocol device {}\n\n")
-	b.WriteString("protocol kernel {\n\tipv4 { import none; export where source = RTS_BGP; };\n\tmerge paths on;\n}\n")
+	cfg := birdconf.Config{RouterID: GatewayAddr, ASN: GatewayASN, ImportHostRoutesIn: TunnelNet}
 	for _, r := range l.Routers {
-		fmt.Fprintf(&b, "\nprotocol bgp %s {\n", birdProtocol(r))
-		fmt.Fprintf(&b, "\tlocal %s as %d;\n\tneighbor %s as %d;\n\tdirect;\n", GatewayAddr, GatewayASN, r.Addr, RouterASN)
-		b.WriteString("\tpassive on;\n")
-		fmt.Fprintf(&b, "\thold time %d;\n\tkeepalive time %d;\n", BGPHoldTime/time.Second, BGPKeepalive/time.Second)
-		b.WriteString("\terror wait time 1, 5;\n")
-		fmt.Fprintf(&b, "\tipv4 { import where net ~ [ %s{32,32} ]; export none; };\n}\n", TunnelNet)
+		cfg.Neighbors = append(cfg.Neighbors, birdconf.Neighbor{
+			Name: birdProtocol(r), Address: r.Addr, LocalAddress: GatewayAddr, ASN: RouterASN,
+			HoldTime: BGPHoldTime, KeepaliveTime: BGPKeepalive, Passive: true,
+		})
 	}
-	return b.String(), nil
+	conf, err := birdconf.Render(cfg)
+	if err != nil {
+		return "", fmt.Errorf("topology: the gateway's BIRD configuration: %w", err)
+	}
+	return conf, nil
 }
 
 // routerBGPConfig is the routers' --bgp-config: the gateway as their one
