@@ -112,8 +112,15 @@ func RunCluster(ctx context.Context, opts ClusterOptions) (output string, exitCo
 	for _, a := range opts.Args {
 		args.WriteString(" '" + strings.ReplaceAll(a, "'", `'\''`) + "'")
 	}
+	// The host's KST_E2E_* settings (KST_E2E_DRAIN, ...) reach the guest.
+	var forward strings.Builder
+	for _, kv := range os.Environ() {
+		if strings.HasPrefix(kv, "KST_E2E_") {
+			forward.WriteString(" '" + strings.ReplaceAll(kv, "'", `'\''`) + "'")
+		}
+	}
 	script := "#!/bin/sh\n" +
-		"export PATH=/usr/sbin:/usr/bin:/sbin:/bin " + EnvGuest + "=1 " + EnvAPIAddr + "=" + apiAddr + "\n" +
+		"export PATH=/usr/sbin:/usr/bin:/sbin:/bin " + EnvGuest + "=1 " + EnvAPIAddr + "=" + apiAddr + forward.String() + "\n" +
 		"cd /tmp\n" + GuestProgram + args.String() + "\n"
 	ir, err := BuildInitramfs(InitramfsOptions{Assets: opts.Assets, Output: filepath.Join(dir, "initrd.gz"), Script: script, Files: files, HostBinaries: ClusterHostBinaries})
 	if err != nil {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -25,6 +26,10 @@ type Daemon struct {
 	LogPath string
 	// cleanupArgs are the flags --cleanup needs (the same mode and names).
 	cleanupArgs []string
+	// startedLine, when set, is what the daemon logs once it handles
+	// SIGTERM; Start waits for it, so that a Stop right after a Start ends
+	// the daemon cleanly rather than killing it in its package init.
+	startedLine string
 
 	mu      sync.Mutex
 	cmd     *exec.Cmd
@@ -63,27 +68,56 @@ func (l *Lab) daemon(binary string, n *Node, args, cleanupArgs []string) *Daemon
 	return &Daemon{
 		Name: name, NS: n.Name, Path: filepath.Join(l.Opts.BinDir, binary), Args: args,
 		LogPath: filepath.Join(l.Opts.WorkDir, name+".log"), cleanupArgs: cleanupArgs,
+		startedLine: map[string]string{"tunnel-router": "starting tunnel router", "tunnel-endpoint": "starting endpoint agent"}[binary],
 	}
 }
 
-// Start starts the daemon; it fails if it is already running.
+// startedTimeout bounds Start's wait for the daemon's startedLine.
+const startedTimeout = time.Minute
+
+// Start starts the daemon and waits until it logs its startedLine; it fails
+// if the daemon is already running or exits before that.
 func (d *Daemon) Start() error {
+	offset, exited, err := d.start()
+	if err != nil || d.startedLine == "" {
+		return err
+	}
+	for deadline := time.Now().Add(startedTimeout); ; {
+		if b, err := os.ReadFile(d.LogPath); err == nil && int64(len(b)) > offset && bytes.Contains(b[offset:], []byte(d.startedLine)) {
+			return nil
+		}
+		select {
+		case <-exited:
+			return fmt.Errorf("%s exited at start:\n%s", d.Name, d.LogTail(20))
+		case <-time.After(50 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s did not log %q within %v:\n%s", d.Name, d.startedLine, startedTimeout, d.LogTail(20))
+		}
+	}
+}
+
+// start starts the process; offset is where its output begins in LogPath.
+func (d *Daemon) start() (offset int64, exited chan struct{}, err error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.cmd != nil {
-		return fmt.Errorf("%s is already running", d.Name)
+		return 0, nil, fmt.Errorf("%s is already running", d.Name)
 	}
 	logFile, err := os.OpenFile(d.LogPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
-		return err
+		return 0, nil, err
 	}
 	defer logFile.Close()
 	d.starts++
 	fmt.Fprintf(logFile, "=== lab: start #%d: %s %s\n", d.starts, d.Path, strings.Join(d.Args, " "))
+	if offset, err = logFile.Seek(0, io.SeekEnd); err != nil {
+		return 0, nil, err
+	}
 	cmd := exec.Command(ipPath(), append([]string{"netns", "exec", d.NS, d.Path}, d.Args...)...)
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("starting %s: %w", d.Name, err)
+		return 0, nil, fmt.Errorf("starting %s: %w", d.Name, err)
 	}
 	d.cmd, d.exited = cmd, make(chan struct{})
 	go func(exited chan struct{}) {
@@ -93,7 +127,7 @@ func (d *Daemon) Start() error {
 		d.mu.Unlock()
 		close(exited)
 	}(d.exited)
-	return nil
+	return offset, d.exited, nil
 }
 
 // Running reports whether the daemon was started and has not exited.
