@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/mplslabel"
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 )
 
 // Mode is the encapsulation the routers use.
@@ -76,6 +77,9 @@ type Config struct {
 	ResyncPeriod time.Duration
 	// Workers is how many pods are configured in parallel.
 	Workers int
+	// Policy decides which Services may have their tunnel IP (the address
+	// pools); it must be the routers' one.
+	Policy tunnelclaim.Policy
 }
 
 // Validate checks the configuration for mistakes an operator can make.

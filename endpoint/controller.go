@@ -51,10 +51,11 @@ type NodeSyncer interface {
 	Sync(served []PodTunnels, nodeIP netip.Addr) ([]NodeChange, error)
 }
 
-// Informers are the three informer factories the agent reads from: Services
-// and EndpointSlices cluster-wide, Pods of this node, and this node's Node.
+// Informers are the two informer factories the agent reads from: Services,
+// EndpointSlices and Nodes cluster-wide (every Node's addresses and pod
+// ranges are refused as tunnel IPs, as on the routers), and Pods of this node.
 type Informers struct {
-	Cluster, Pods, Node informers.SharedInformerFactory
+	Cluster, Pods informers.SharedInformerFactory
 }
 
 // NewInformers builds the factories for node; start them after NewController.
@@ -64,9 +65,6 @@ func NewInformers(client kubernetes.Interface, node string) Informers {
 		Pods: informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) {
 			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", node).String()
 		})),
-		Node: informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) {
-			o.FieldSelector = fields.OneTermEqualSelector("metadata.name", node).String()
-		})),
 	}
 }
 
@@ -74,14 +72,35 @@ func NewInformers(client kubernetes.Interface, node string) Informers {
 func (i Informers) Start(stop <-chan struct{}) {
 	i.Cluster.Start(stop)
 	i.Pods.Start(stop)
-	i.Node.Start(stop)
 }
 
 // Shutdown stops every factory and waits for their goroutines.
 func (i Informers) Shutdown() {
 	i.Cluster.Shutdown()
 	i.Pods.Shutdown()
-	i.Node.Shutdown()
+}
+
+// nodeNetworksOnly is the node informer's transform: the agent needs a
+// Node's name, addresses and pod ranges only, so that watching every Node
+// of a large cluster costs little memory.
+func nodeNetworksOnly(obj any) (any, error) {
+	node, ok := obj.(*corev1.Node)
+	if !ok {
+		return obj, nil
+	}
+	slim := &corev1.Node{}
+	slim.Name, slim.UID, slim.ResourceVersion = node.Name, node.UID, node.ResourceVersion
+	slim.Spec.PodCIDR, slim.Spec.PodCIDRs = node.Spec.PodCIDR, node.Spec.PodCIDRs
+	slim.Status.Addresses = node.Status.Addresses
+	return slim, nil
+}
+
+// nodeNetworksChanged reports whether a Node's addresses or pod ranges
+// changed (status heartbeats change neither).
+func nodeNetworksChanged(old, obj any) bool {
+	o, n := old.(*corev1.Node), obj.(*corev1.Node)
+	return o.Spec.PodCIDR != n.Spec.PodCIDR || !slices.Equal(o.Spec.PodCIDRs, n.Spec.PodCIDRs) ||
+		!slices.Equal(o.Status.Addresses, n.Status.Addresses)
 }
 
 // Controller keeps every local endpoint pod of a tunnel Service configured.
@@ -105,6 +124,7 @@ type Controller struct {
 	desired  map[string]PodTunnels
 	clean    map[string]string // pod key -> identity found holding nothing of the agent's
 	problems map[string]bool   // problems logged, so that each is logged once
+	refused  map[string]string // Service key -> refusal logged, so that each is logged once
 	ready    atomic.Bool
 }
 
@@ -113,7 +133,10 @@ func NewController(cfg Config, inf Informers, locator runtime.Locator, podNet Po
 	svcInformer := inf.Cluster.Core().V1().Services()
 	sliceInformer := inf.Cluster.Discovery().V1().EndpointSlices()
 	podInformer := inf.Pods.Core().V1().Pods()
-	nodeInformer := inf.Node.Core().V1().Nodes()
+	nodeInformer := inf.Cluster.Core().V1().Nodes()
+	if err := nodeInformer.Informer().SetTransform(nodeNetworksOnly); err != nil {
+		return nil, fmt.Errorf("watching nodes: %w", err)
+	}
 	c := &Controller{
 		cfg:      cfg,
 		services: svcInformer.Lister(),
@@ -132,6 +155,7 @@ func NewController(cfg Config, inf Informers, locator runtime.Locator, podNet Po
 		desired:  map[string]PodTunnels{},
 		clean:    map[string]string{},
 		problems: map[string]bool{},
+		refused:  map[string]string{},
 	}
 	recompute := func(any) { c.queue.Add(desiredKey) }
 	handlers := []struct {
@@ -170,14 +194,24 @@ func NewController(cfg Config, inf Informers, locator runtime.Locator, podNet Po
 			DeleteFunc: func(obj any) { c.enqueuePod(obj); recompute(obj) },
 		}},
 		{nodeInformer.Informer(), cache.ResourceEventHandlerFuncs{
-			AddFunc: func(any) { c.queue.Add(nodeKey) },
-			// Only the address matters (it picks the MPLS input interface);
-			// status heartbeats would otherwise re-read the node each time.
-			UpdateFunc: func(old, obj any) {
-				if daemon.NodeAddress(old.(*corev1.Node)) != daemon.NodeAddress(obj.(*corev1.Node)) {
+			// Every Node's addresses and pod ranges decide which tunnel IPs
+			// are admitted; this node's address also picks the MPLS input
+			// interface. Status heartbeats change neither.
+			AddFunc: func(obj any) {
+				if c.ownNode(obj) {
 					c.queue.Add(nodeKey)
 				}
+				recompute(obj)
 			},
+			UpdateFunc: func(old, obj any) {
+				if c.ownNode(obj) && daemon.NodeAddress(old.(*corev1.Node)) != daemon.NodeAddress(obj.(*corev1.Node)) {
+					c.queue.Add(nodeKey)
+				}
+				if nodeNetworksChanged(old, obj) {
+					recompute(obj)
+				}
+			},
+			DeleteFunc: recompute,
 		}},
 	}
 	for _, h := range handlers {
@@ -186,6 +220,12 @@ func NewController(cfg Config, inf Informers, locator runtime.Locator, podNet Po
 		}
 	}
 	return c, nil
+}
+
+// ownNode reports whether obj is this node's Node.
+func (c *Controller) ownNode(obj any) bool {
+	node, ok := obj.(*corev1.Node)
+	return ok && node.Name == c.cfg.NodeName
 }
 
 // annotated reports whether obj is a Service with the tunnel annotation.
@@ -232,7 +272,10 @@ func (c *Controller) Run(ctx context.Context) error {
 	defer utilruntime.HandleCrash()
 	defer c.queue.ShutDown()
 	if !cache.WaitForCacheSync(ctx.Done(), c.synced...) {
-		return fmt.Errorf("waiting for informer caches: %w", ctx.Err())
+		// Only a stop (SIGTERM during the start) ends the wait early: a
+		// clean exit, with nothing programmed yet.
+		c.log.Info("stopped before the informer caches synced")
+		return nil
 	}
 	// The desired state must exist before any pod is synced: a pod synced
 	// against an empty one would lose its tunnel IPs and get them back, and a
@@ -320,9 +363,24 @@ func (c *Controller) recompute() error {
 	if err != nil {
 		return fmt.Errorf("listing pods: %w", err)
 	}
-	desired, problems := Desired(c.cfg.NodeName, svcs, esl, pods)
+	nodes, err := c.nodes.List(labels.Everything())
+	if err != nil {
+		return fmt.Errorf("listing nodes: %w", err)
+	}
+	desired, problems, refused := Desired(c.cfg.NodeName, c.cfg.Policy.Pools, c.cfg.Policy.Networks(nodes), svcs, esl, pods)
 
 	c.mu.Lock()
+	// The routers record a TunnelIPRefused event; the agent logs the same
+	// reason, once per Service and reason.
+	logged := map[string]string{}
+	for _, r := range refused {
+		logged[r.Service] = r.Reason.Error()
+		if c.refused[r.Service] != logged[r.Service] {
+			c.log.WithFields(logrus.Fields{"service": r.Service, "vip": r.VIP, "field": "metadata.annotations[" + tunnelclaim.Annotation + "]"}).
+				WithError(r.Reason).Warn("tunnel IP refused: not served in this node's pods")
+		}
+	}
+	c.refused = logged
 	old := c.desired
 	c.desired = desired
 	seen := map[string]bool{}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/sirupsen/logrus"
 	"github.com/vishvananda/netns"
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes/fake"
@@ -174,4 +175,36 @@ func TestControllerRemovesTunnelIPFromPodThatWasCleanBefore(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor(t, "tunnel IP removed from the pod", func() bool { return len(pods.history("p")) >= 3 && len(last()) == 0 })
+}
+
+// A Node that appears with the tunnel IP as its address makes the agent
+// refuse that tunnel IP and remove it from the pod; the Node's removal gives
+// it back. Every Node is watched, not only this one.
+func TestControllerReevaluatesWhenNodesChange(t *testing.T) {
+	svc := tunnelService("a", "web", "192.0.2.10", time.Hour)
+	pod := testPod("a", "p", "n1", "10.1.0.11")
+	es := slice("a", "web", ep{"10.1.0.11", "n1", "p", true})
+	loc := &fakeLocator{found: map[netip.Addr]bool{netip.MustParseAddr("10.1.0.11"): true}, lookups: map[string]int{}}
+	pods := &fakePods{wants: map[string][]PodTunnels{}}
+	client := startController(t, loc, pods, svc, pod, es)
+	last := func() []netip.Addr {
+		h := pods.history("p")
+		if len(h) == 0 {
+			return nil
+		}
+		return h[len(h)-1].TunnelIPs
+	}
+	waitFor(t, "pod served", func() bool { return len(last()) == 1 })
+
+	ctx := context.Background()
+	other := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n2"},
+		Status: corev1.NodeStatus{Addresses: []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: "192.0.2.10"}}}}
+	if _, err := client.CoreV1().Nodes().Create(ctx, other, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "tunnel IP refused once a Node has it", func() bool { return len(pods.history("p")) >= 2 && len(last()) == 0 })
+	if err := client.CoreV1().Nodes().Delete(ctx, "n2", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "tunnel IP served again once the Node is gone", func() bool { return len(pods.history("p")) >= 3 && len(last()) == 1 })
 }

@@ -47,6 +47,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	})
 	fs.DurationVar(&o.ResyncPeriod, "resync-period", o.ResyncPeriod, "how often every local pod's namespace is checked and repaired (0 disables)")
 	fs.IntVar(&o.Workers, "workers", o.Workers, "pods configured in parallel")
+	daemon.AddPolicyFlags(fs, &o.Policy)
 	fs.StringVar(&o.Runtime, "runtime", "auto", "how pods' network namespaces are found: auto, docker, cri (containerd, CRI-O) or netns (search by pod IP)")
 	fs.StringVar(&o.RuntimeEndpoint, "runtime-endpoint", "", "runtime socket, e.g. unix:///run/containerd/containerd.sock (default: the runtime's usual socket)")
 	o.Common.AddFlags(fs)

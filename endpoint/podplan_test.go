@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 )
 
@@ -15,7 +16,8 @@ var (
 )
 
 func testConfig(mode Mode) Config {
-	return Config{Mode: mode, NodeName: "n1", Device: DefaultDevice, RouteProtocol: DefaultRouteProtocol, Workers: 1}
+	return Config{Mode: mode, NodeName: "n1", Device: DefaultDevice, RouteProtocol: DefaultRouteProtocol, Workers: 1,
+		Policy: tunnelclaim.Policy{Pools: testPools}}
 }
 
 func want(ips ...netip.Addr) PodTunnels {

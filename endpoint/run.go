@@ -12,11 +12,17 @@ import (
 	"github.com/sirupsen/logrus"
 	"github.com/vishvananda/netns"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
+	"github.com/cmdnu/kube-service-tunnel/internal/kernelcheck"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 )
 
 // Main runs the endpoint agent with command-line arguments args.
 func Main(args []string) error {
+	// First of all: a SIGTERM during the start (a rollout, a quick
+	// restart) must stop the daemon cleanly, not kill it mid-way.
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
 	fs := flag.NewFlagSet("tunnel-endpoint", flag.ContinueOnError)
 	var o Options
 	o.AddFlags(fs)
@@ -39,9 +45,11 @@ func Main(args []string) error {
 	if o.Cleanup {
 		return Cleanup(o.Config, nodeNS, entry)
 	}
+	// Before any kernel state is touched; cleanup must work on any kernel.
+	if err := kernelcheck.Verify(kernelcheck.Endpoint(string(o.Mode)), entry); err != nil {
+		return fmt.Errorf("kernel check (--mode %s): %w", o.Mode, err)
+	}
 
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
-	defer stop()
 	locator, how, err := runtime.Open(ctx, runtime.Options{Runtime: o.Runtime, Endpoint: o.RuntimeEndpoint})
 	if err != nil {
 		return err
@@ -51,6 +59,7 @@ func Main(args []string) error {
 		"mode": o.Mode, "node": o.NodeName, "runtime": how, "device": o.Device,
 		"pod_advmss": o.PodAdvMSS, "route_protocol": o.RouteProtocol,
 	}).Info("starting endpoint agent")
+	daemon.LogPolicy(entry, o.Policy)
 
 	client, err := o.KubeClient("tunnel-endpoint", 20, 40)
 	if err != nil {

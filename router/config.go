@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 )
 
 // Mode selects how a tunnel router encapsulates packets towards endpoints.
@@ -82,6 +84,9 @@ type Config struct {
 	// ResyncPeriod is how often the whole kernel state is compared with the
 	// desired state and repaired.
 	ResyncPeriod time.Duration
+	// Policy decides which Services may have their tunnel IP (the address
+	// pools); the endpoint agents must have the same one.
+	Policy tunnelclaim.Policy
 }
 
 // Validate checks the configuration and names the first bad field.

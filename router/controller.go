@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -32,14 +33,21 @@ import (
 const (
 	ReasonProgrammed       = "TunnelProgrammed"
 	ReasonInvalidTunnelIP  = "InvalidTunnelIP"
+	ReasonRefused          = "TunnelIPRefused"
 	ReasonConflict         = "TunnelIPConflict"
 	ReasonNoReadyEndpoints = "NoReadyEndpoints"
 	ReasonIdleEndpoints    = "MoreEndpointsThanBuckets"
 	ReasonProgramFailed    = "TunnelProgramFailed"
 )
 
-// resyncKey is the queue key of a full resynchronisation.
-const resyncKey = "\x00resync"
+// Queue keys that are not Services.
+const (
+	// resyncKey is the queue key of a full resynchronisation.
+	resyncKey = "\x00resync"
+	// networksKey re-reads the Nodes' addresses and pod ranges, and
+	// re-evaluates every Service when they changed (the address pools).
+	networksKey = "\x00networks"
+)
 
 // Programmer is what the controller asks of the datapath (*Datapath).
 type Programmer interface {
@@ -72,6 +80,7 @@ type Controller struct {
 	claims   map[string]netip.Addr          // Service key -> tunnel IP it claims
 	byVIP    map[netip.Addr]map[string]bool // tunnel IP -> keys of the Services claiming it
 	reported map[string]string              // Service key -> last event reason+message, to record each state once
+	networks tunnelclaim.Networks           // what tunnel IPs must not take, as of the last resync
 	synced1  atomic.Bool
 
 	announcer Announcer
@@ -170,19 +179,19 @@ func NewController(cfg Config, client kubernetes.Interface, factory informers.Sh
 	}); err != nil {
 		return nil, fmt.Errorf("watching pods: %w", err)
 	}
-	if cfg.Mode == ModeMPLS {
-		if _, err := nodeInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
-			AddFunc: func(any) { c.queue.Add(resyncKey) },
-			UpdateFunc: func(old, obj any) {
-				o, n := old.(*corev1.Node), obj.(*corev1.Node)
-				if daemon.NodeAddress(o) != daemon.NodeAddress(n) {
-					c.queue.Add(resyncKey)
-				}
-			},
-			DeleteFunc: func(any) { c.queue.Add(resyncKey) },
-		}); err != nil {
-			return nil, fmt.Errorf("watching nodes: %w", err)
-		}
+	// Nodes' addresses and pod ranges are refused as tunnel IPs (and, in
+	// mpls mode, the node address is where an endpoint's packets go).
+	if _, err := nodeInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: func(any) { c.queue.Add(networksKey) },
+		UpdateFunc: func(old, obj any) {
+			o, n := old.(*corev1.Node), obj.(*corev1.Node)
+			if daemon.NodeAddress(o) != daemon.NodeAddress(n) || !nodeNetworksEqual(o, n) {
+				c.queue.Add(networksKey)
+			}
+		},
+		DeleteFunc: func(any) { c.queue.Add(networksKey) },
+	}); err != nil {
+		return nil, fmt.Errorf("watching nodes: %w", err)
 	}
 	return c, nil
 }
@@ -293,7 +302,10 @@ func (c *Controller) Run(ctx context.Context) error {
 	defer utilruntime.HandleCrash()
 	defer c.queue.ShutDown()
 	if !cache.WaitForCacheSync(ctx.Done(), c.synced...) {
-		return fmt.Errorf("waiting for informer caches: %w", ctx.Err())
+		// Only a stop (SIGTERM during the start) ends the wait early: a
+		// clean exit, with nothing programmed yet.
+		c.log.Info("stopped before the informer caches synced")
+		return nil
 	}
 	// Adopt and converge the whole state before handling single Services, so
 	// that nothing is programmed against a device or rule set not yet ensured.
@@ -328,9 +340,12 @@ func (c *Controller) processNext() bool {
 	}
 	defer c.queue.Done(key)
 	var err error
-	if key == resyncKey {
+	switch key {
+	case resyncKey:
 		err = c.resync()
-	} else {
+	case networksKey:
+		err = c.networksChanged()
+	default:
 		err = c.syncService(key)
 	}
 	if err != nil {
@@ -343,24 +358,69 @@ func (c *Controller) processNext() bool {
 }
 
 // claimOf reads the tunnel IP a Service claims; ok is false when it claims
-// none. A bad annotation is reported on the Service and claims nothing.
+// none. A bad annotation, or a tunnel IP the address pools refuse, is
+// reported on the Service and claims nothing: it never beats an admitted
+// claimant of the same IP.
 func (c *Controller) claimOf(svc *corev1.Service) (netip.Addr, bool) {
 	value, annotated := svc.Annotations[tunnelclaim.Annotation]
 	if !annotated {
 		return netip.Addr{}, false
 	}
+	field := "metadata.annotations[" + tunnelclaim.Annotation + "]"
 	vip, err := tunnelclaim.ParseIP(value)
 	if err != nil {
-		c.log.WithFields(logrus.Fields{"service": svc.Namespace + "/" + svc.Name, "field": "metadata.annotations[" + tunnelclaim.Annotation + "]"}).WithError(err).Warn("invalid tunnel IP")
+		c.log.WithFields(logrus.Fields{"service": svc.Namespace + "/" + svc.Name, "field": field}).WithError(err).Warn("invalid tunnel IP")
 		c.report(svc, corev1.EventTypeWarning, ReasonInvalidTunnelIP, err.Error())
+		return netip.Addr{}, false
+	}
+	if err := c.cfg.Policy.Pools.Admit(vip, svc.Namespace, c.networks); err != nil {
+		// Logged with the event: once per reason, not on every resync.
+		if c.report(svc, corev1.EventTypeWarning, ReasonRefused, err.Error()) {
+			c.log.WithFields(logrus.Fields{"service": svc.Namespace + "/" + svc.Name, "field": field, "vip": vip}).WithError(err).Warn("tunnel IP refused")
+		}
 		return netip.Addr{}, false
 	}
 	return vip, true
 }
 
+// knownNetworks reads what tunnel IPs must not take from the Nodes.
+func (c *Controller) knownNetworks() (tunnelclaim.Networks, error) {
+	nodes, err := c.nodes.List(labels.Everything())
+	if err != nil {
+		return tunnelclaim.Networks{}, fmt.Errorf("listing nodes: %w", err)
+	}
+	return c.cfg.Policy.Networks(nodes), nil
+}
+
+// networksChanged re-evaluates every Service when the Nodes' addresses or
+// pod ranges changed, and always in mpls mode, where an endpoint's node
+// address is part of its route.
+func (c *Controller) networksChanged() error {
+	known, err := c.knownNetworks()
+	if err != nil {
+		return err
+	}
+	if c.cfg.Mode != ModeMPLS && known.Equal(c.networks) {
+		return nil
+	}
+	return c.resync()
+}
+
+// nodeNetworksEqual reports whether two versions of a Node have the same
+// addresses and pod ranges (status heartbeats change neither).
+func nodeNetworksEqual(a, b *corev1.Node) bool {
+	return a.Spec.PodCIDR == b.Spec.PodCIDR && slices.Equal(a.Spec.PodCIDRs, b.Spec.PodCIDRs) &&
+		slices.Equal(a.Status.Addresses, b.Status.Addresses)
+}
+
 // resync rebuilds every claim from the listers and hands the whole desired
 // state to the datapath.
 func (c *Controller) resync() error {
+	known, err := c.knownNetworks()
+	if err != nil {
+		return err
+	}
+	c.networks = known
 	svcs, err := c.services.List(labels.Everything())
 	if err != nil {
 		return fmt.Errorf("listing services: %w", err)
@@ -613,13 +673,14 @@ func (c *Controller) withNodeIPs(eps []Endpoint, problems []string) ([]Endpoint,
 }
 
 // report records an event on a Service when its state changed since the last
-// one, so that resyncs do not repeat it.
-func (c *Controller) report(svc *corev1.Service, eventType, reason, message string) {
+// one, so that resyncs do not repeat it; it reports whether it recorded one.
+func (c *Controller) report(svc *corev1.Service, eventType, reason, message string) bool {
 	key := svc.Namespace + "/" + svc.Name
 	state := reason + "\x00" + message
 	if c.reported[key] == state {
-		return
+		return false
 	}
 	c.reported[key] = state
 	c.recorder.Event(svc, eventType, reason, message)
+	return true
 }

@@ -24,12 +24,17 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
+	"github.com/cmdnu/kube-service-tunnel/internal/kernelcheck"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 	"github.com/cmdnu/kube-service-tunnel/router/bgp"
 )
 
 // Main runs the tunnel router with command-line arguments args.
 func Main(args []string) error {
+	// First of all: a SIGTERM during the start (a rollout, a quick
+	// restart) must stop the daemon cleanly, not kill it mid-way.
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
 	fs := flag.NewFlagSet("tunnel-router", flag.ContinueOnError)
 	var o Options
 	o.AddFlags(fs)
@@ -52,6 +57,13 @@ func Main(args []string) error {
 			return fmt.Errorf("BGP needs the node's address for its router ID and next hop: set --node-name (NODE_NAME), or routerID and nextHop in %s", o.BGPConfig)
 		}
 	}
+	// Before any kernel state is touched; cleanup must work on any kernel.
+	if !o.Cleanup {
+		checks := kernelcheck.Router(kernelcheck.RouterParams{Mode: string(o.Mode), CreateGREDevice: o.CreateDevice, Generations: o.Generations})
+		if err := kernelcheck.Verify(checks, entry); err != nil {
+			return fmt.Errorf("kernel check (--mode %s): %w", o.Mode, err)
+		}
+	}
 
 	dp, closeKernel, err := openDatapath(o.Config, o.CreateDevice, entry)
 	if err != nil {
@@ -71,6 +83,7 @@ func Main(args []string) error {
 		"rule_priorities": fmt.Sprintf("%d-%d", o.Priority(0), o.Priority(o.Slots()-1)),
 		"tables":          fmt.Sprintf("%d-%d", o.Table(0), o.Table(o.Slots()-1)), "route_protocol": o.RouteProtocol, "chain": o.Chain,
 	}).Info("starting tunnel router")
+	daemon.LogPolicy(entry, o.Policy)
 	warnIfNotForwarding(entry)
 	if o.Generations > 1 {
 		warnIfNoPickup(entry)
@@ -82,8 +95,6 @@ func Main(args []string) error {
 	if err != nil {
 		return err
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
-	defer stop()
 	factory := informers.NewSharedInformerFactory(client, 0)
 	recorder := NewEventRecorder(ctx, client, "tunnel-router", o.NodeName)
 	ctrl, err := NewController(o.Config, client, factory, dp, recorder, entry)

@@ -270,7 +270,7 @@ func (l *bgpLab) startRouterProcess(t *testing.T, router, bgpYAML string) *route
 	}
 	p := &routerProcess{name: router, log: &syncBuffer{}, done: make(chan error, 1), ns: l.routers[router]}
 	p.cmd = exec.Command(buildRouter(t), "--kubeconfig", l.kubeconfig, "--node-name", l.nodes[router], "--seed", "7",
-		"--gre-device-create=false", "--gre-device", l.links[router], "--generations", "1",
+		"--gre-device-create=false", "--gre-device", l.links[router], "--generations", "1", "--pools", "192.0.2.0/24",
 		"--bgp-config", cfgPath, "--metrics-address", "127.0.0.1:9641", "--log-level", "debug")
 	p.cmd.Stdout, p.cmd.Stderr = p.log, p.log
 	// The child inherits the namespace of the thread that forks it. No

@@ -82,13 +82,19 @@ type agent struct {
 // and node as the node's namespace.
 func startAgent(t *testing.T, nodeName string, node *testnetns.NS) *agent {
 	t.Helper()
+	return startAgentWithPolicy(t, nodeName, node, testPolicy)
+}
+
+// startAgentWithPolicy is startAgent with the given address pools.
+func startAgentWithPolicy(t *testing.T, nodeName string, node *testnetns.NS, policy tunnelclaim.Policy) *agent {
+	t.Helper()
 	restCfg := serviceAccountConfig(t, "tunnel-endpoint")
 	client, err := kubernetes.NewForConfig(restCfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	cfg := endpoint.Config{Mode: endpoint.ModeGRE, NodeName: nodeName, Device: endpoint.DefaultDevice,
-		RouteProtocol: endpoint.DefaultRouteProtocol, ResyncPeriod: time.Minute, Workers: 2}
+		RouteProtocol: endpoint.DefaultRouteProtocol, ResyncPeriod: time.Minute, Workers: 2, Policy: policy}
 	a := &agent{
 		pods: &countingPods{inner: endpoint.NewPodNetwork(cfg, node.Handle).WithDevice(testnetns.VXLANDecap{}),
 			syncs: map[string]int{}, changes: map[string]int{}},

@@ -111,9 +111,13 @@ func routerCfg(mode router.Mode, buckets int) router.Config {
 		Mode: mode, Buckets: buckets, MarkOffset: router.DefaultMarkOffset, Seed: 7,
 		RulePriority: router.DefaultRulePriority, TableBase: router.DefaultTableBase,
 		RouteProtocol: router.DefaultRouteProtocol, GREDevice: router.DefaultGREDevice, Chain: "KST-HMARK",
-		ResyncPeriod: time.Minute,
+		ResyncPeriod: time.Minute, Policy: testPolicy,
 	}
 }
+
+// testPolicy admits the tunnel IPs the tests use (192.0.2.0/24), as the
+// examples' and the lab's pool does.
+var testPolicy = tunnelclaim.Policy{Pools: tunnelclaim.Pools{{Prefix: netip.MustParsePrefix("192.0.2.0/24")}}}
 
 func createService(t *testing.T, cs kubernetes.Interface, ns, name, tunnelIP string) *corev1.Service {
 	t.Helper()

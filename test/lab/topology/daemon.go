@@ -48,6 +48,8 @@ func (l *Lab) routerDaemon(n *Node) *Daemon {
 		"--node-name", n.Name,
 		"--seed", fmt.Sprintf("%#x", l.Opts.Seed),
 		"--buckets", fmt.Sprint(l.Opts.Buckets),
+		// The lab's tunnel IPs; without a pool nothing would be served.
+		"--pools", TunnelNet.String(),
 	}, common...)
 	return l.daemon("tunnel-router", n, append(args, l.Opts.RouterArgs...), common)
 }
@@ -59,6 +61,8 @@ func (l *Lab) agentDaemon(n *Node) *Daemon {
 		"--node-name", n.Name,
 		// Client segments must fit the tunnel without relying on ICMP.
 		"--pod-advmss", "1400",
+		// The same pool as the routers': both must admit the same tunnel IPs.
+		"--pools", TunnelNet.String(),
 	}, common...)
 	return l.daemon("tunnel-endpoint", n, append(args, l.Opts.EndpointArgs...), common)
 }

@@ -1,0 +1,403 @@
+package kernelcheck
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"github.com/coreos/go-iptables/iptables"
+	"github.com/sirupsen/logrus"
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/nsexec"
+	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
+)
+
+// What the probes create. Names get a random suffix so that they cannot meet
+// anything of the daemon's when the probes run in its own namespace.
+const (
+	// probeTable holds the probe routes: no rule of anyone's looks it up.
+	probeTable = 0xfffffe00
+	// probeLabel is the MPLS label of the probe route (the pods' label).
+	probeLabel = 100
+	// platformLabels lets probeLabel be routed.
+	platformLabels = probeLabel + 1
+	// sysctlPlatformLabels is where MPLS routing shows, per namespace.
+	sysctlPlatformLabels = "/proc/sys/net/mpls/platform_labels"
+)
+
+// Addresses of the probes, from TEST-NET-1.
+var (
+	// probeRoute is the destination of the probe routes.
+	probeRoute = &net.IPNet{IP: net.IPv4(192, 0, 2, 1), Mask: net.CIDRMask(32, 32)}
+	// probeTunnel is the outer destination of the encap ip route.
+	probeTunnel = netip.MustParseAddr("192.0.2.2")
+	// probeLocal is the local address of the probe GRE device.
+	probeLocal = net.IPv4(192, 0, 2, 3)
+)
+
+// Probes is the real Kernel: netlink and iptables in one network namespace.
+type Probes struct {
+	ns netns.NsHandle
+	// enter is true when work that needs a thread in the namespace
+	// (iptables, sysctls) must switch one there: false in the caller's own
+	// namespace, where switching would need CAP_SYS_ADMIN.
+	enter bool
+	// scratch is true for the probes' own throwaway namespace, where they
+	// may also set sysctls.
+	scratch bool
+	nl      *netlink.Handle
+	ipt     *iptables.IPTables
+	iptErr  error
+	suffix  string
+	// leftovers are probe objects that could not be removed.
+	leftovers []error
+}
+
+var _ Kernel = (*Probes)(nil)
+
+// Open prepares probes that run in a throwaway namespace of their own, or,
+// without the privilege to create one (CAP_SYS_ADMIN), in the caller's own
+// namespace, with names that meet nothing there, removed at once. Close
+// releases them.
+func Open() (*Probes, error) {
+	p, err := newProbes()
+	if err != nil {
+		return nil, err
+	}
+	if ns, err := newNamespace(); err == nil {
+		p.ns, p.enter, p.scratch = ns, true, true
+	}
+	return p.open()
+}
+
+// OpenIn prepares probes that run in place in the namespace ns, which the
+// caller keeps open, as in the caller's own namespace (the probes change no
+// sysctl there).
+func OpenIn(ns netns.NsHandle) (*Probes, error) {
+	p, err := newProbes()
+	if err != nil {
+		return nil, err
+	}
+	p.ns, p.enter = ns, true
+	return p.open()
+}
+
+func newProbes() (*Probes, error) {
+	b := make([]byte, 3)
+	if _, err := rand.Read(b); err != nil {
+		return nil, fmt.Errorf("kernel check: random name: %w", err)
+	}
+	return &Probes{ns: netns.None(), suffix: hex.EncodeToString(b)}, nil
+}
+
+func (p *Probes) open() (*Probes, error) {
+	var err error
+	if p.enter {
+		p.nl, err = netlink.NewHandleAt(p.ns, unix.NETLINK_ROUTE)
+	} else {
+		p.nl, err = netlink.NewHandle(unix.NETLINK_ROUTE)
+	}
+	if err != nil {
+		p.closeNamespace()
+		return nil, fmt.Errorf("kernel check: netlink handle: %w", err)
+	}
+	if p.scratch {
+		if err := p.setLoopbackUp(); err != nil {
+			p.Close()
+			return nil, err
+		}
+	}
+	p.ipt, p.iptErr = iptables.New()
+	return p, nil
+}
+
+// newNamespace creates a network namespace on a thread that is thrown away.
+func newNamespace() (netns.NsHandle, error) {
+	var ns netns.NsHandle
+	err := nsexec.OnDiscardedThread(func() error {
+		h, err := netns.New()
+		ns = h
+		return err
+	})
+	if err != nil {
+		return netns.None(), fmt.Errorf("creating a network namespace: %w", err)
+	}
+	return ns, nil
+}
+
+func (p *Probes) setLoopbackUp() error {
+	lo, err := p.nl.LinkByName("lo")
+	if err != nil {
+		return fmt.Errorf("kernel check: finding lo in the probe namespace: %w", err)
+	}
+	if err := p.nl.LinkSetUp(lo); err != nil {
+		return fmt.Errorf("kernel check: setting lo up in the probe namespace: %w", err)
+	}
+	return nil
+}
+
+// Scratch reports whether the probes run in a throwaway namespace of their own.
+func (p *Probes) Scratch() bool { return p.scratch }
+
+// Close releases the probes and returns what they could not remove.
+func (p *Probes) Close() error {
+	if p.nl != nil {
+		p.nl.Close()
+	}
+	p.closeNamespace()
+	return errors.Join(p.leftovers...)
+}
+
+func (p *Probes) closeNamespace() {
+	if p.scratch {
+		_ = p.ns.Close()
+	}
+}
+
+// in runs fn with a thread in the probes' namespace.
+func (p *Probes) in(fn func() error) error {
+	if !p.enter {
+		return fn()
+	}
+	return nsexec.Do(p.ns, fn)
+}
+
+func (p *Probes) leftover(what string, err error) {
+	if err != nil {
+		p.leftovers = append(p.leftovers, fmt.Errorf("kernel check: removing %s: %w", what, err))
+	}
+}
+
+func (p *Probes) linkName() string { return "kst-probe" + p.suffix[:5] }
+
+// addLink creates link and deletes it again.
+func (p *Probes) addLink(link netlink.Link) error {
+	if err := p.nl.LinkAdd(link); err != nil {
+		return err
+	}
+	p.leftover("device "+link.Attrs().Name, p.nl.LinkDel(link))
+	return nil
+}
+
+// FlowBasedGRE implements Kernel.
+func (p *Probes) FlowBasedGRE() error {
+	// An IPv4 Local makes the library ask for "gre" rather than "ip6gre".
+	err := p.addLink(&netlink.Gretun{LinkAttrs: netlink.LinkAttrs{Name: p.linkName()}, FlowBased: true, Local: net.IPv4zero})
+	if errors.Is(err, unix.EEXIST) && p.hasFlowBasedGRE() {
+		return nil // a namespace holds one flow-based GRE device at most
+	}
+	if err != nil {
+		return fmt.Errorf("creating a flow-based GRE device: %w", err)
+	}
+	return nil
+}
+
+func (p *Probes) hasFlowBasedGRE() bool {
+	links, err := p.nl.LinkList()
+	if err != nil {
+		return false
+	}
+	for _, l := range links {
+		if g, ok := l.(*netlink.Gretun); ok && g.FlowBased {
+			return true
+		}
+	}
+	return false
+}
+
+// GRE implements Kernel.
+func (p *Probes) GRE() error {
+	if err := p.addLink(&netlink.Gretun{LinkAttrs: netlink.LinkAttrs{Name: p.linkName()}, Local: probeLocal}); err != nil {
+		return fmt.Errorf("creating a GRE device: %w", err)
+	}
+	return nil
+}
+
+// PolicyRouting implements Kernel.
+func (p *Probes) PolicyRouting() error {
+	if !p.scratch {
+		if _, err := p.nl.RuleList(netlink.FAMILY_V4); err != nil {
+			return fmt.Errorf("listing IPv4 policy rules: %w", err)
+		}
+		return nil
+	}
+	rule := netlink.NewRule()
+	rule.Family, rule.Priority, rule.Mark, rule.Table = netlink.FAMILY_V4, 100, 0x1000, 100
+	if err := p.nl.RuleAdd(rule); err != nil {
+		return fmt.Errorf("adding an IPv4 fwmark rule: %w", err)
+	}
+	p.leftover("fwmark rule", p.nl.RuleDel(rule))
+	return nil
+}
+
+// addRoute adds route (replacing a leftover) and deletes it again.
+func (p *Probes) addRoute(route *netlink.Route) error {
+	if err := p.nl.RouteReplace(route); err != nil {
+		return err
+	}
+	p.leftover("probe route", p.nl.RouteDel(route))
+	return nil
+}
+
+// addEncapRoute adds and deletes an unreachable route with encap: the kernel
+// builds the encapsulation as for any route, needs no device (lo may be
+// down), and would drop rather than send whatever found the route.
+func (p *Probes) addEncapRoute(encap netlink.Encap) error {
+	return p.addRoute(&netlink.Route{Dst: probeRoute, Table: probeTable, Type: unix.RTN_UNREACHABLE, Encap: encap})
+}
+
+// addMPLSRoute adds and deletes an MPLS route that pops probeLabel to lo.
+func (p *Probes) addMPLSRoute() error {
+	lo, err := p.nl.LinkByName("lo")
+	if err != nil {
+		return fmt.Errorf("finding lo: %w", err)
+	}
+	label := probeLabel
+	return p.addRoute(&netlink.Route{MPLSDst: &label, LinkIndex: lo.Attrs().Index})
+}
+
+// EncapIPRoute implements Kernel.
+func (p *Probes) EncapIPRoute() error {
+	if err := p.addEncapRoute(&rtnl.IPEncap{Dst: probeTunnel}); err != nil {
+		return fmt.Errorf("adding a route with encap ip: %w", err)
+	}
+	return nil
+}
+
+// EncapMPLSRoute implements Kernel.
+func (p *Probes) EncapMPLSRoute() error {
+	if err := p.addEncapRoute(&netlink.MPLSEncap{Labels: []int{probeLabel}}); err != nil {
+		return fmt.Errorf("adding a route with encap mpls: %w", err)
+	}
+	return nil
+}
+
+// MPLSRouting implements Kernel. The MPLS sysctls exist once mpls_router is
+// loaded; an MPLS route request loads it when it is not.
+func (p *Probes) MPLSRouting() error {
+	labels, err := p.readSysctl(sysctlPlatformLabels)
+	if errors.Is(err, os.ErrNotExist) {
+		addErr := p.addMPLSRoute()
+		if labels, err = p.readSysctl(sysctlPlatformLabels); errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("no %s, and adding an MPLS route: %w", filepath.Dir(sysctlPlatformLabels), addErr)
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("reading net.mpls.platform_labels: %w", err)
+	}
+	if !p.scratch {
+		return nil // never change the daemon's own sysctls to probe
+	}
+	if n, _ := strconv.Atoi(labels); n < platformLabels {
+		if err := p.writeSysctl(sysctlPlatformLabels, strconv.Itoa(platformLabels)); err != nil {
+			return fmt.Errorf("setting net.mpls.platform_labels: %w", err)
+		}
+	}
+	if err := p.addMPLSRoute(); err != nil {
+		return fmt.Errorf("adding an MPLS route: %w", err)
+	}
+	return nil
+}
+
+func (p *Probes) readSysctl(path string) (string, error) {
+	var v string
+	err := p.in(func() error {
+		b, err := os.ReadFile(path)
+		v = strings.TrimSpace(string(b))
+		return err
+	})
+	return v, err
+}
+
+func (p *Probes) writeSysctl(path, value string) error {
+	return p.in(func() error { return os.WriteFile(path, []byte(value+"\n"), 0o644) })
+}
+
+// IPTables implements Kernel.
+func (p *Probes) IPTables() error {
+	if p.iptErr != nil {
+		return fmt.Errorf("go-iptables: %w", p.iptErr)
+	}
+	return nil
+}
+
+func (p *Probes) chainName() string { return "KST-PROBE-" + p.suffix }
+
+// IPTablesChain implements Kernel.
+func (p *Probes) IPTablesChain(table string) error {
+	return p.IPTablesRule(table)
+}
+
+// IPTablesRule implements Kernel; without a rule it only creates the chain.
+func (p *Probes) IPTablesRule(table string, rule ...string) error {
+	if p.ipt == nil {
+		return p.IPTables()
+	}
+	chain := p.chainName()
+	return p.in(func() error {
+		if err := p.ipt.NewChain(table, chain); err != nil {
+			return fmt.Errorf("creating chain %s in table %s: %w", chain, table, err)
+		}
+		var err error
+		if len(rule) > 0 {
+			if err = p.ipt.Append(table, chain, rule...); err != nil {
+				err = fmt.Errorf("appending %q to a chain of table %s: %w", strings.Join(rule, " "), table, err)
+			}
+		}
+		p.leftover("chain "+chain+" of table "+table, p.ipt.ClearAndDeleteChain(table, chain))
+		return err
+	})
+}
+
+// LoadModule implements Kernel.
+func (p *Probes) LoadModule(name string) error {
+	path, err := exec.LookPath("modprobe")
+	if err != nil {
+		return err
+	}
+	if out, err := exec.Command(path, "-q", name).CombinedOutput(); err != nil {
+		return fmt.Errorf("modprobe %s: %w: %s", name, err, strings.TrimSpace(string(out)))
+	}
+	return nil
+}
+
+// Verify probes checks and logs the outcome: one error line per missing
+// feature. It returns Run's error.
+func Verify(checks []Check, log logrus.FieldLogger) error {
+	if len(checks) == 0 {
+		return nil
+	}
+	p, err := Open()
+	if err != nil {
+		return err
+	}
+	err = Run(p, checks)
+	if lerr := p.Close(); lerr != nil {
+		log.WithError(lerr).Warn("kernel check left something behind")
+	}
+	for _, m := range Missing(err) {
+		fields := logrus.Fields{"feature": m.Feature.Name}
+		for k, v := range map[string]string{"option": m.Feature.Option, "module": m.Feature.Module, "package": m.Feature.Package} {
+			if v != "" {
+				fields[k] = v
+			}
+		}
+		log.WithFields(fields).WithError(m.Err).Error("kernel feature missing")
+	}
+	if err != nil {
+		return err
+	}
+	log.WithFields(logrus.Fields{"features": Names(checks), "throwaway_netns": p.Scratch()}).Info("kernel has every feature needed")
+	return nil
+}

@@ -1,0 +1,250 @@
+package router
+
+import (
+	"net/netip"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes/fake"
+	"k8s.io/client-go/tools/record"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
+)
+
+// fakeProgrammer keeps the tunnels the controller asks for.
+type fakeProgrammer struct{ tunnels map[netip.Addr]Tunnel }
+
+func (f *fakeProgrammer) Resync(ts []Tunnel) error {
+	f.tunnels = map[netip.Addr]Tunnel{}
+	for _, t := range ts {
+		f.tunnels[t.VIP] = t
+	}
+	return nil
+}
+
+func (f *fakeProgrammer) SetTunnel(t Tunnel) error { f.tunnels[t.VIP] = t; return nil }
+
+func (f *fakeProgrammer) RemoveTunnel(vip netip.Addr) error { delete(f.tunnels, vip); return nil }
+
+// served lists the programmed tunnel IPs and the endpoint each one's bucket
+// 0 goes to, "vip>endpoint", sorted.
+func (f *fakeProgrammer) served() string {
+	var out []string
+	for vip, t := range f.tunnels {
+		ep := "-"
+		if len(t.Table) > 0 {
+			ep = t.Table[0].Addr.String()
+		}
+		out = append(out, vip.String()+">"+ep)
+	}
+	slices.Sort(out)
+	return strings.Join(out, " ")
+}
+
+// testController builds a controller on a fake clientset whose informer
+// indexers the test seeds by hand; nothing runs in the background.
+type testController struct {
+	*Controller
+	dp     *fakeProgrammer
+	events *record.FakeRecorder
+	inf    informers.SharedInformerFactory
+}
+
+func newTestController(t *testing.T, pools string) *testController {
+	t.Helper()
+	cfg := testConfig()
+	p, err := tunnelclaim.ParsePools(pools)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Policy = tunnelclaim.Policy{Pools: p, ServiceCIDRs: []netip.Prefix{netip.MustParsePrefix("10.96.0.0/12")}}
+	client := fake.NewClientset()
+	inf := informers.NewSharedInformerFactory(client, 0)
+	dp := &fakeProgrammer{tunnels: map[netip.Addr]Tunnel{}}
+	events := record.NewFakeRecorder(100)
+	c, err := NewController(cfg, client, inf, dp, events, quietLog())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &testController{Controller: c, dp: dp, events: events, inf: inf}
+}
+
+func (tc *testController) add(t *testing.T, objs ...any) {
+	t.Helper()
+	for _, obj := range objs {
+		var err error
+		switch o := obj.(type) {
+		case *corev1.Service:
+			err = tc.inf.Core().V1().Services().Informer().GetIndexer().Add(o)
+		case *discoveryv1.EndpointSlice:
+			err = tc.inf.Discovery().V1().EndpointSlices().Informer().GetIndexer().Add(o)
+		case *corev1.Node:
+			err = tc.inf.Core().V1().Nodes().Informer().GetIndexer().Add(o)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// drain returns the events recorded so far.
+func (tc *testController) drain() []string {
+	var out []string
+	for {
+		select {
+		case e := <-tc.events.Events:
+			out = append(out, e)
+		default:
+			return out
+		}
+	}
+}
+
+var created = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+
+func tunnelSvc(ns, name, vip string, age time.Duration) *corev1.Service {
+	return &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, CreationTimestamp: metav1.NewTime(created.Add(-age)),
+		Annotations: map[string]string{tunnelclaim.Annotation: vip}}}
+}
+
+func oneEndpoint(ns, svc, addr string) *discoveryv1.EndpointSlice {
+	return &discoveryv1.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Namespace: ns, Name: svc + "-1", Labels: map[string]string{discoveryv1.LabelServiceName: svc}},
+		AddressType: discoveryv1.AddressTypeIPv4,
+		Endpoints:   []discoveryv1.Endpoint{{Addresses: []string{addr}}},
+	}
+}
+
+func hasEvent(events []string, part string) bool {
+	return slices.ContainsFunc(events, func(e string) bool { return strings.Contains(e, part) })
+}
+
+func TestControllerRefusesTunnelIPsOutsideThePools(t *testing.T) {
+	tc := newTestController(t, "192.0.2.0/24;203.0.113.0/28=team-a")
+	tc.add(t,
+		tunnelSvc("web", "inside", "192.0.2.10", time.Hour), oneEndpoint("web", "inside", "10.244.1.5"),
+		tunnelSvc("web", "outside", "198.51.100.7", time.Hour), oneEndpoint("web", "outside", "10.244.1.6"),
+		tunnelSvc("web", "services", "10.96.0.10", time.Hour),
+		tunnelSvc("team-b", "limited", "203.0.113.5", time.Hour), oneEndpoint("team-b", "limited", "10.244.1.7"),
+		tunnelSvc("team-a", "allowed", "203.0.113.6", time.Hour), oneEndpoint("team-a", "allowed", "10.244.1.8"),
+	)
+	if err := tc.resync(); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := tc.dp.served(), "192.0.2.10>10.244.1.5 203.0.113.6>10.244.1.8"; got != want {
+		t.Fatalf("served %q, want %q", got, want)
+	}
+	events := tc.drain()
+	for _, want := range []string{
+		"Warning TunnelIPRefused tunnel IP 198.51.100.7 is in no address pool (--pools 192.0.2.0/24;203.0.113.0/28=team-a)",
+		"Warning TunnelIPRefused tunnel IP 10.96.0.10 is inside the service network 10.96.0.0/12 (--service-cidr)",
+		"Warning TunnelIPRefused tunnel IP 203.0.113.5 is in address pool 203.0.113.0/28, which only namespaces team-a may use, not team-b",
+		"Normal TunnelProgrammed tunnel IP 192.0.2.10 programmed",
+	} {
+		if !hasEvent(events, want) {
+			t.Errorf("no event %q in %q", want, events)
+		}
+	}
+	// A resync repeats no event.
+	if err := tc.resync(); err != nil {
+		t.Fatal(err)
+	}
+	if again := tc.drain(); len(again) != 0 {
+		t.Errorf("resync recorded %q again", again)
+	}
+}
+
+// An older Service whose tunnel IP is refused must not win the IP from a
+// newer admitted one, nor make it a conflict loser.
+func TestControllerRefusedServiceTakesNoPartInConflicts(t *testing.T) {
+	tc := newTestController(t, "192.0.2.0/24=team-a")
+	tc.add(t,
+		tunnelSvc("team-b", "older", "192.0.2.10", 2*time.Hour), oneEndpoint("team-b", "older", "10.244.1.5"),
+		tunnelSvc("team-a", "newer", "192.0.2.10", time.Hour), oneEndpoint("team-a", "newer", "10.244.1.6"),
+	)
+	if err := tc.resync(); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := tc.dp.served(), "192.0.2.10>10.244.1.6"; got != want {
+		t.Fatalf("served %q, want %q (the admitted Service)", got, want)
+	}
+	events := tc.drain()
+	if hasEvent(events, ReasonConflict) {
+		t.Errorf("a refused Service caused a conflict: %q", events)
+	}
+	if !hasEvent(events, "Warning TunnelIPRefused tunnel IP 192.0.2.10 is in address pool 192.0.2.0/24, which only namespaces team-a may use, not team-b") {
+		t.Errorf("no refusal event in %q", events)
+	}
+	// Its later updates are refused the same way.
+	if err := tc.syncService("team-b/older"); err != nil {
+		t.Fatal(err)
+	}
+	if got := tc.dp.served(); got != "192.0.2.10>10.244.1.6" {
+		t.Fatalf("after syncing the refused Service: served %q", got)
+	}
+}
+
+// A Node that appears holding a tunnel IP, or a pod range around it, takes
+// the tunnel IP away; when it goes, the Service is served again.
+func TestControllerReevaluatesWhenNodesChange(t *testing.T) {
+	tc := newTestController(t, "192.0.2.0/24")
+	tc.add(t, tunnelSvc("web", "a", "192.0.2.10", time.Hour), oneEndpoint("web", "a", "10.244.1.5"),
+		tunnelSvc("web", "b", "192.0.2.20", time.Hour), oneEndpoint("web", "b", "10.244.1.6"))
+	if err := tc.resync(); err != nil {
+		t.Fatal(err)
+	}
+	tc.drain()
+	if err := tc.networksChanged(); err != nil { // nothing changed
+		t.Fatal(err)
+	}
+	if events := tc.drain(); len(events) != 0 {
+		t.Fatalf("unchanged networks recorded %q", events)
+	}
+
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n9"},
+		Spec:   corev1.NodeSpec{PodCIDRs: []string{"192.0.2.16/28"}},
+		Status: corev1.NodeStatus{Addresses: []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: "192.0.2.10"}}}}
+	tc.add(t, node)
+	if err := tc.networksChanged(); err != nil {
+		t.Fatal(err)
+	}
+	if got := tc.dp.served(); got != "" {
+		t.Fatalf("served %q after Node n9 took both tunnel IPs", got)
+	}
+	events := tc.drain()
+	for _, want := range []string{"tunnel IP 192.0.2.10 is the address of Node n9", "tunnel IP 192.0.2.20 is inside the pod network 192.0.2.16/28 (Node n9 spec.podCIDRs)"} {
+		if !hasEvent(events, want) {
+			t.Errorf("no event %q in %q", want, events)
+		}
+	}
+
+	if err := tc.inf.Core().V1().Nodes().Informer().GetIndexer().Delete(node); err != nil {
+		t.Fatal(err)
+	}
+	if err := tc.networksChanged(); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := tc.dp.served(), "192.0.2.10>10.244.1.5 192.0.2.20>10.244.1.6"; got != want {
+		t.Fatalf("served %q after Node n9 left, want %q", got, want)
+	}
+}
+
+func TestControllerWithoutPoolsServesNothing(t *testing.T) {
+	tc := newTestController(t, "")
+	tc.add(t, tunnelSvc("web", "a", "192.0.2.10", time.Hour), oneEndpoint("web", "a", "10.244.1.5"))
+	if err := tc.resync(); err != nil {
+		t.Fatal(err)
+	}
+	if got := tc.dp.served(); got != "" {
+		t.Fatalf("served %q with no pool", got)
+	}
+	if events := tc.drain(); !hasEvent(events, "Warning TunnelIPRefused tunnel IP 192.0.2.10 is not served: no address pool is configured (--pools)") {
+		t.Fatalf("events %q", events)
+	}
+}
