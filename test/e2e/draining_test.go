@@ -29,9 +29,6 @@ const drainAnnotation = "cmd.nu/tunnel-drain"
 // the flows to it that crossed the dead router (the known limit): that
 // share is measured, not asserted.
 func drainingEndpoint(t *testing.T, e *env) {
-	if os.Getenv("KST_E2E_DRAIN") == "" {
-		t.Skip("issue 7 is open: a few flows to a draining pod are still reset (2-5%); run with KST_E2E_DRAIN=1")
-	}
 	vip := topology.TunnelIP(9)
 	full := e.deploy(t, "draining", vip, e.Pods...)
 	if want := router.Assign(e.Opts.Buckets, podAddrs(e.Pods)); !slices.Equal(full, want) {
@@ -39,9 +36,6 @@ func drainingEndpoint(t *testing.T, e *env) {
 	}
 	x, y := e.Pods[0], e.Pods[len(e.Pods)-1]
 	if !t.Run("terminating", func(t *testing.T) { drainTerminating(t, e, vip, full, x) }) {
-		return
-	}
-	if os.Getenv("KST_E2E_DRAIN_FULL") == "" {
 		return
 	}
 	if !t.Run("annotated", func(t *testing.T) { drainAnnotated(t, e, vip, y) }) {
@@ -127,16 +121,21 @@ func drainTerminating(t *testing.T, e *env, vip netip.Addr, full []netip.Addr, x
 	if diff := kstate.Diff(before, after); diff != "" {
 		t.Errorf("restarting %s while %s drains changed its kernel state:\n%s", ra.Name, x.Name, diff)
 	}
-	// KNOWN BUG (issue 7 stays open): restarting a router while an older
-	// generation is in use resets some of the flows that crossed it to the
-	// draining pod, although its kernel state is the same before and after.
-	// Measured and reported here, not asserted, until it is found.
 	broken = brokenFlows(flows, echoed, restartedAt)
-	streamErr := stream.Stats().Err
-	t.Logf("KNOWN BUG: %s restarted while the old generation served %d flows: kernel state unchanged, but %d of %d light flows disrupted; busy stream to %s: error %v",
-		ra.Name, len(flows)+1, len(broken), len(flows), x.Name, streamErr)
+	errs = firstErrors(t)
+	for _, i := range broken {
+		errs.Errorf("flow from port %d (on %s) disrupted by %s's restart: %v", ports[i], e.PodByAddr(e.predicted(full, vip, ports[i])).Name, ra.Name, flows[i].Stats().Err)
+	}
+	errs.Done("flows disrupted")
+	if err := stream.Stats().Err; err != nil {
+		t.Errorf("the busy stream to the draining %s broke when %s restarted: %v", x.Name, ra.Name, err)
+	}
+	t.Logf("%s restarted while the old generation served %d flows: kernel state unchanged, %d of %d light flows disrupted",
+		ra.Name, len(flows)+1, len(broken), len(flows))
 	if os.Getenv("KST_E2E_DRAIN_FULL") == "" {
-		t.Log("steps g (old generation collected), h (annotation drain) and f (failover) run with KST_E2E_DRAIN_FULL=1; not yet verified")
+		// The old generation outlives its last flow by up to the TCP
+		// conntrack timeouts (minutes); make demo shows it collected.
+		t.Log("step g (the old generation collected once unused, up to 4 minutes) runs with KST_E2E_DRAIN_FULL=1")
 		return
 	}
 

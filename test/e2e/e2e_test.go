@@ -24,7 +24,7 @@ import (
 )
 
 // guestTimeout bounds the whole VM run.
-const guestTimeout = 25 * time.Minute
+const guestTimeout = 35 * time.Minute
 
 func TestE2E(t *testing.T) {
 	if lab.IsGuest() {

@@ -112,7 +112,7 @@ func RunCluster(ctx context.Context, opts ClusterOptions) (output string, exitCo
 	for _, a := range opts.Args {
 		args.WriteString(" '" + strings.ReplaceAll(a, "'", `'\''`) + "'")
 	}
-	// The host's KST_E2E_* settings (KST_E2E_DRAIN, ...) reach the guest.
+	// The host's KST_E2E_* settings (KST_E2E_DRAIN_FULL, ...) reach the guest.
 	var forward strings.Builder
 	for _, kv := range os.Environ() {
 		if strings.HasPrefix(kv, "KST_E2E_") {
