@@ -38,7 +38,6 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
 	"github.com/cmdnu/kube-service-tunnel/test/bgppeer/birdconf"
 	"github.com/vishvananda/netlink"
-	"golang.org/x/sys/unix"
 )
 
 // PollInterval is how often the Wait functions look at the peer; it bounds
@@ -279,23 +278,7 @@ func (p *Peer) Established(name string) (bool, string, error) {
 	if err != nil {
 		return false, "", err
 	}
-	return parseProtocol(out, name)
-}
-
-// parseProtocol finds the line of protocol name in the output of
-// "show protocols" and returns whether it is an established session and its
-// State and Info columns.
-func parseProtocol(out, name string) (bool, string, error) {
-	for _, line := range strings.Split(out, "\n") {
-		f := strings.Fields(line)
-		// Name Proto Table State Since Info...
-		if len(f) < 5 || f[0] != name {
-			continue
-		}
-		state := strings.Join(append([]string{f[3]}, f[5:]...), " ")
-		return f[3] == "up" && len(f) > 5 && f[5] == "Established", state, nil
-	}
-	return false, "", fmt.Errorf("no protocol %q in birdc output: %s", name, strings.TrimSpace(out))
+	return birdconf.ParseProtocol(out, name)
 }
 
 // Routes returns the routes of BIRD's table for exactly prefix (not a
@@ -369,29 +352,7 @@ func parseRoutes(out string) ([]Route, error) {
 // prefix in the main table of the peer's namespace (the next hops of a
 // multipath route); none when there is no such route.
 func (p *Peer) KernelNextHops(prefix netip.Prefix) ([]netip.Addr, error) {
-	family := netlink.FAMILY_V4
-	if prefix.Addr().Is6() {
-		family = netlink.FAMILY_V6
-	}
-	filter := &netlink.Route{Dst: testnetns.IPNet(prefix.Masked()), Table: unix.RT_TABLE_MAIN}
-	routes, err := p.nl.RouteListFiltered(family, filter, netlink.RT_FILTER_DST|netlink.RT_FILTER_TABLE)
-	if err != nil {
-		return nil, fmt.Errorf("list kernel routes for %s: %w", prefix, err)
-	}
-	var hops []netip.Addr
-	add := func(gw []byte) {
-		if a, ok := netip.AddrFromSlice(gw); ok {
-			hops = append(hops, a.Unmap())
-		}
-	}
-	for _, r := range routes {
-		add(r.Gw)
-		for _, nh := range r.MultiPath {
-			add(nh.Gw)
-		}
-	}
-	slices.SortFunc(hops, netip.Addr.Compare)
-	return hops, nil
+	return birdconf.KernelNextHops(p.nl, prefix)
 }
 
 // Poll calls cond every PollInterval until it reports done and returns the

@@ -12,6 +12,8 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
 	"github.com/vishvananda/netlink"
+
+	"github.com/cmdnu/kube-service-tunnel/test/bgppeer/birdconf"
 )
 
 // Captured from bird 2.0.12 (Debian 12): "show route 192.0.2.20/32 all" on
@@ -97,12 +99,12 @@ func TestParseProtocol(t *testing.T) {
 		{"other", false, "start Active Received: Administrative shutdown"},
 		{"kernel1", false, "up"},
 	} {
-		up, state, err := parseProtocol(protocolsOutput, tc.name)
+		up, state, err := birdconf.ParseProtocol(protocolsOutput, tc.name)
 		if err != nil || up != tc.wantUp || state != tc.wantState {
-			t.Errorf("parseProtocol(%s) = %v, %q, %v; want %v, %q", tc.name, up, state, err, tc.wantUp, tc.wantState)
+			t.Errorf("birdconf.ParseProtocol(%s) = %v, %q, %v; want %v, %q", tc.name, up, state, err, tc.wantUp, tc.wantState)
 		}
 	}
-	if _, _, err := parseProtocol(protocolsOutput, "missing"); err == nil {
+	if _, _, err := birdconf.ParseProtocol(protocolsOutput, "missing"); err == nil {
 		t.Error("parseProtocol found a missing protocol")
 	}
 }

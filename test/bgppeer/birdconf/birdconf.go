@@ -1,9 +1,10 @@
 // Package birdconf renders a BIRD 2 configuration for a BGP peer of the
-// tunnel routers: sessions with test-friendly timers, a kernel protocol that
+// tunnel routers (sessions with test-friendly timers, a kernel protocol that
 // merges equal BGP paths into one multipath route, optional BFD and
-// originated prefixes. It does not import testing, so both the integration
-// tests' peer (test/bgppeer) and the lab VM's gateway (test/lab/topology)
-// use it.
+// originated prefixes) and reads what that peer shows: birdc's protocol
+// states and the multipath routes it installs in the kernel. It does not
+// import testing, so both the integration tests' peer (test/bgppeer) and the
+// lab VM's gateway (test/lab/topology) use it.
 //
 // Timers are set for tests rather than for the Internet: BIRD connects one
 // second after start (default 5), retries a failed connection every second

@@ -226,22 +226,7 @@ func (l *Lab) BGPSession(ctx context.Context, r *Node) (bool, string, error) {
 	if err != nil {
 		return false, "", err
 	}
-	return parseBirdProtocol(out, name)
-}
-
-// parseBirdProtocol finds protocol name in birdc's "show protocols" output
-// (Name Proto Table State Since Info...) and returns whether it is an
-// established BGP session, and its state and info.
-func parseBirdProtocol(out, name string) (bool, string, error) {
-	for _, line := range strings.Split(out, "\n") {
-		f := strings.Fields(line)
-		if len(f) < 5 || f[0] != name {
-			continue
-		}
-		state := strings.Join(append([]string{f[3]}, f[5:]...), " ")
-		return f[3] == "up" && len(f) > 5 && f[5] == "Established", state, nil
-	}
-	return false, "", fmt.Errorf("no protocol %q in birdc's answer: %s", name, strings.TrimSpace(out))
+	return birdconf.ParseProtocol(out, name)
 }
 
 // GatewayNextHops returns, sorted, the next hops of the gateway's kernel
@@ -259,24 +244,10 @@ func (l *Lab) GatewayNextHops(vip netip.Addr) ([]netip.Addr, error) {
 		return nil, fmt.Errorf("netlink handle in %s: %w", GatewayNS, err)
 	}
 	defer h.Close()
-	filter := &netlink.Route{Dst: netlink.NewIPNet(vip.AsSlice()), Table: 254}
-	routes, err := h.RouteListFiltered(netlink.FAMILY_V4, filter, netlink.RT_FILTER_DST|netlink.RT_FILTER_TABLE)
+	hops, err := birdconf.KernelNextHops(h, netip.PrefixFrom(vip, 32))
 	if err != nil {
-		return nil, fmt.Errorf("%s: routes for %s: %w", GatewayNS, vip, err)
+		return nil, fmt.Errorf("%s: %w", GatewayNS, err)
 	}
-	var hops []netip.Addr
-	add := func(gw []byte) {
-		if a, ok := netip.AddrFromSlice(gw); ok {
-			hops = append(hops, a.Unmap())
-		}
-	}
-	for _, r := range routes {
-		add(r.Gw)
-		for _, nh := range r.MultiPath {
-			add(nh.Gw)
-		}
-	}
-	slices.SortFunc(hops, netip.Addr.Compare)
 	return hops, nil
 }
 

@@ -9,6 +9,8 @@ import (
 	"testing"
 
 	"github.com/cmdnu/kube-service-tunnel/router/bgp"
+
+	"github.com/cmdnu/kube-service-tunnel/test/bgppeer/birdconf"
 )
 
 func testLab() *Lab {
@@ -68,12 +70,12 @@ router_b   BGP        ---        start  21:59:27.969  Passive
 		{"router_a", true, "up Established"},
 		{"router_b", false, "start Passive"},
 	} {
-		up, state, err := parseBirdProtocol(out, tc.name)
+		up, state, err := birdconf.ParseProtocol(out, tc.name)
 		if err != nil || up != tc.up || state != tc.state {
 			t.Errorf("%s: got %v %q %v, want %v %q", tc.name, up, state, err, tc.up, tc.state)
 		}
 	}
-	if _, _, err := parseBirdProtocol(out, "router_c"); err == nil {
+	if _, _, err := birdconf.ParseProtocol(out, "router_c"); err == nil {
 		t.Error("a missing protocol was found")
 	}
 }
