@@ -22,6 +22,7 @@
 package bgppeer
 
 import (
+	"context"
 	"fmt"
 	"net/netip"
 	"os"
@@ -259,15 +260,7 @@ func (p *Peer) logTail() string {
 // "protocols", "all") and returns its output without the greeting line. The
 // error is set when birdc fails, which it does for BIRD's error replies too.
 func (p *Peer) Birdc(args ...string) (string, error) {
-	out, err := exec.Command("birdc", append([]string{"-s", p.sock}, args...)...).CombinedOutput()
-	s := string(out)
-	if first, rest, ok := strings.Cut(s, "\n"); ok && strings.HasPrefix(first, "BIRD ") && strings.HasSuffix(first, " ready.") {
-		s = rest
-	}
-	if err != nil {
-		return s, fmt.Errorf("birdc %s: %w: %s", strings.Join(args, " "), err, strings.TrimSpace(s))
-	}
-	return s, nil
+	return birdconf.Birdc(context.Background(), p.sock, args...)
 }
 
 // Established reports whether the BGP session of the neighbor called name

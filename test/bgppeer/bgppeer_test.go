@@ -12,8 +12,6 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
 	"github.com/vishvananda/netlink"
-
-	"github.com/cmdnu/kube-service-tunnel/test/bgppeer/birdconf"
 )
 
 // Captured from bird 2.0.12 (Debian 12): "show route 192.0.2.20/32 all" on
@@ -78,34 +76,6 @@ func TestParseRoutes(t *testing.T) {
 	}
 	if _, err := parseRoutes("syntax error, unexpected CF_SYM_UNDEFINED\n"); err == nil {
 		t.Error("parseRoutes accepted an error reply")
-	}
-}
-
-// Captured from bird 2.0.12: "show protocols" (greeting removed).
-const protocolsOutput = `Name       Proto      Table      State  Since         Info
-device1    Device     ---        up     21:52:43.408  
-kernel1    Kernel     master4    up     21:52:43.408  
-gobgp      BGP        ---        up     21:52:48.024  Established   
-other      BGP        ---        start  21:52:59.575  Active        Received: Administrative shutdown
-`
-
-func TestParseProtocol(t *testing.T) {
-	for _, tc := range []struct {
-		name      string
-		wantUp    bool
-		wantState string
-	}{
-		{"gobgp", true, "up Established"},
-		{"other", false, "start Active Received: Administrative shutdown"},
-		{"kernel1", false, "up"},
-	} {
-		up, state, err := birdconf.ParseProtocol(protocolsOutput, tc.name)
-		if err != nil || up != tc.wantUp || state != tc.wantState {
-			t.Errorf("birdconf.ParseProtocol(%s) = %v, %q, %v; want %v, %q", tc.name, up, state, err, tc.wantUp, tc.wantState)
-		}
-	}
-	if _, _, err := birdconf.ParseProtocol(protocolsOutput, "missing"); err == nil {
-		t.Error("parseProtocol found a missing protocol")
 	}
 }
 

@@ -1,15 +1,33 @@
 package birdconf
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"net/netip"
+	"os/exec"
 	"slices"
 	"strings"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 )
+
+// Birdc runs birdc against the control socket with args (for example
+// "show", "protocols", "all") and returns its answer without the greeting
+// line. The error is set when birdc fails, which it does for BIRD's error
+// replies too.
+func Birdc(ctx context.Context, socket string, args ...string) (string, error) {
+	out, err := exec.CommandContext(ctx, "birdc", append([]string{"-s", socket}, args...)...).CombinedOutput()
+	s := string(out)
+	if first, rest, ok := strings.Cut(s, "\n"); ok && strings.HasPrefix(first, "BIRD ") && strings.HasSuffix(first, " ready.") {
+		s = rest
+	}
+	if err != nil {
+		return s, fmt.Errorf("birdc %s: %w: %s", strings.Join(args, " "), err, strings.TrimSpace(s))
+	}
+	return s, nil
+}
 
 // ParseProtocol finds the line of protocol name in birdc's answer to
 // "show protocols" (Name Proto Table State Since Info...) and returns whether

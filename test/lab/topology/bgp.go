@@ -206,15 +206,7 @@ func (l *Lab) Birdc(ctx context.Context, args ...string) (string, error) {
 	if l.birdSocket == "" {
 		return "", errors.New("topology: BGP is not enabled")
 	}
-	out, err := exec.CommandContext(ctx, "birdc", append([]string{"-s", l.birdSocket}, args...)...).CombinedOutput()
-	s := string(out)
-	if first, rest, ok := strings.Cut(s, "\n"); ok && strings.HasPrefix(first, "BIRD ") && strings.HasSuffix(first, " ready.") {
-		s = rest
-	}
-	if err != nil {
-		return s, fmt.Errorf("birdc %s: %w: %s", strings.Join(args, " "), err, strings.TrimSpace(s))
-	}
-	return s, nil
+	return birdconf.Birdc(ctx, l.birdSocket, args...)
 }
 
 // BGPSession reports whether the gateway's session with router r is

@@ -9,8 +9,6 @@ import (
 	"testing"
 
 	"github.com/cmdnu/kube-service-tunnel/router/bgp"
-
-	"github.com/cmdnu/kube-service-tunnel/test/bgppeer/birdconf"
 )
 
 func testLab() *Lab {
@@ -54,29 +52,6 @@ func TestRouterBGPConfig(t *testing.T) {
 	}
 	if cfg.ASN != RouterASN || len(cfg.Peers) != 1 || cfg.Peers[0].Address != GatewayAddr.String() || cfg.Peers[0].ASN != GatewayASN || cfg.WithdrawWait() != BGPWithdrawDelay {
 		t.Errorf("unexpected configuration:\n%s", data)
-	}
-}
-
-func TestParseBirdProtocol(t *testing.T) {
-	const out = `Name       Proto      Table      State  Since         Info
-router_a   BGP        ---        up     21:59:29.135  Established   
-router_b   BGP        ---        start  21:59:27.969  Passive       
-`
-	for _, tc := range []struct {
-		name  string
-		up    bool
-		state string
-	}{
-		{"router_a", true, "up Established"},
-		{"router_b", false, "start Passive"},
-	} {
-		up, state, err := birdconf.ParseProtocol(out, tc.name)
-		if err != nil || up != tc.up || state != tc.state {
-			t.Errorf("%s: got %v %q %v, want %v %q", tc.name, up, state, err, tc.up, tc.state)
-		}
-	}
-	if _, _, err := birdconf.ParseProtocol(out, "router_c"); err == nil {
-		t.Error("a missing protocol was found")
 	}
 }
 
