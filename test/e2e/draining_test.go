@@ -310,15 +310,7 @@ func drainFailover(t *testing.T, e *env, vip netip.Addr, x *topology.Pod) {
 		_ = e.RouteTunnelsVia(ctx, e.Routers...)
 	})
 	before := progress(flows)
-	if err := dead.Router.Kill(); err != nil {
-		t.Fatal(err)
-	}
-	if err := e.SetNodeLink(ctx, dead, false); err != nil {
-		t.Fatal(err)
-	}
-	if err := e.RouteTunnelsVia(ctx, survivor); err != nil {
-		t.Fatal(err)
-	}
+	e.failRouter(t, dead, survivor)
 	failedAt := time.Now()
 	broken := brokenFlows(flows, before, failedAt)
 	brokenOnX, brokenMoved, brokenKept, moved := 0, 0, 0, 0

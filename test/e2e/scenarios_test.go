@@ -237,15 +237,7 @@ func routerFailover(t *testing.T, e *env) {
 	waitVerified(t, stream, 64<<10, "before the failure")
 
 	// router-a dies: its process and its link are gone, and the route moves.
-	if err := dead.Router.Kill(); err != nil {
-		t.Fatal(err)
-	}
-	if err := e.SetNodeLink(ctx, dead, false); err != nil {
-		t.Fatal(err)
-	}
-	if err := e.RouteTunnelsVia(ctx, survivor); err != nil {
-		t.Fatal(err)
-	}
+	e.failRouter(t, dead, survivor)
 	failedAt := time.Now()
 	atFailure := stream.Stats().Verified
 	before := progress(flows)
@@ -612,4 +604,20 @@ func stopStream(t *testing.T, s *workload.Stream) workload.StreamStats {
 		t.Fatalf("stream: sent %d bytes, %d came back", stats.Sent, stats.Verified)
 	}
 	return stats
+}
+
+// failRouter makes dead fail as a node does: its process is killed, its link
+// cut, and the gateway routes the tunnel IPs via survivor only.
+func (e *env) failRouter(t *testing.T, dead, survivor *topology.Node) {
+	t.Helper()
+	ctx := context.Background()
+	if err := dead.Router.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.SetNodeLink(ctx, dead, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.RouteTunnelsVia(ctx, survivor); err != nil {
+		t.Fatal(err)
+	}
 }
