@@ -125,8 +125,18 @@ type Controller struct {
 	clean    map[string]string // pod key -> identity found holding nothing of the agent's
 	problems map[string]bool   // problems logged, so that each is logged once
 	refused  map[string]string // Service key -> refusal logged, so that each is logged once
-	ready    atomic.Bool
+	// pending are the pods served at the first computation of the desired
+	// state that have not been converged yet; nodeSynced reports the node's
+	// first successful sync. Ready turns true once both are done.
+	pending    map[string]bool
+	nodeSynced bool
+	ready      atomic.Bool
+	metrics    *Metrics
 }
+
+// errDesiredStale: the pod changed since its desired state was computed; it
+// is synced again once the desired state is recomputed.
+var errDesiredStale = errors.New("the pod changed since its desired state was computed")
 
 // NewController builds the controller on inf.
 func NewController(cfg Config, inf Informers, locator runtime.Locator, podNet PodSyncer, nodeNet NodeSyncer, log logrus.FieldLogger) (*Controller, error) {
@@ -263,9 +273,33 @@ func (c *Controller) enqueuePod(obj any) {
 	c.queue.Add(key)
 }
 
-// Ready reports whether the desired state was computed and the node and
-// every served pod were converged once.
+// SetMetrics makes the controller record its metrics on m and hand the
+// namespaces of the pods it serves to m's counters. Call it before Run.
+func (c *Controller) SetMetrics(m *Metrics) { c.metrics = m }
+
+// Ready reports whether the first full sync has succeeded: the desired state
+// was computed, the node's namespace was converged, and so was every pod
+// served at that first computation (or it stopped being served, or went).
+// A served pod that cannot be converged keeps the agent unready.
 func (c *Controller) Ready() bool { return c.ready.Load() }
+
+// podConverged records a pod's successful sync for Ready.
+func (c *Controller) podConverged(key string) {
+	c.mu.Lock()
+	delete(c.pending, key)
+	c.mu.Unlock()
+	c.updateReady()
+}
+
+// updateReady turns Ready true once the first full sync is complete.
+func (c *Controller) updateReady() {
+	c.mu.Lock()
+	done := c.pending != nil && len(c.pending) == 0 && c.nodeSynced
+	c.mu.Unlock()
+	if done {
+		c.ready.Store(true)
+	}
+}
 
 // Run waits for the caches, then converges until ctx ends.
 func (c *Controller) Run(ctx context.Context) error {
@@ -283,6 +317,13 @@ func (c *Controller) Run(ctx context.Context) error {
 	if err := c.recompute(); err != nil {
 		return err
 	}
+	c.mu.Lock()
+	c.pending = map[string]bool{}
+	for key := range c.desired {
+		c.pending[key] = true
+	}
+	c.mu.Unlock()
+	defer c.metrics.release()
 	// Every local pod is already queued by its informer add event.
 	c.queue.Add(nodeKey)
 	var wg sync.WaitGroup
@@ -310,16 +351,26 @@ func (c *Controller) processNext(ctx context.Context) bool {
 	}
 	defer c.queue.Done(key)
 	var err error
+	var kind string
+	start := time.Now()
 	switch key {
 	case resyncKey:
-		err = c.resync()
+		kind, err = syncKindResync, c.resync()
 	case desiredKey:
-		err = c.recompute()
+		kind, err = syncKindDesired, c.recompute()
 	case nodeKey:
-		err = c.syncNode()
+		kind, err = syncKindNode, c.syncNode()
 	default:
-		err = c.syncPod(ctx, key)
+		kind, err = syncKindPod, c.syncPod(ctx, key)
+		if err == nil {
+			c.podConverged(key)
+		}
 	}
+	if errors.Is(err, errDesiredStale) {
+		c.queue.Forget(key)
+		return true
+	}
+	c.metrics.observeSync(kind, time.Since(start), err)
 	if err != nil {
 		c.log.WithError(err).WithField("key", strings.TrimPrefix(key, "\x00")).Warn("sync failed, will retry with back-off")
 		c.queue.AddRateLimited(key)
@@ -383,6 +434,7 @@ func (c *Controller) recompute() error {
 	c.refused = logged
 	old := c.desired
 	c.desired = desired
+	c.metrics.desiredState(desired, refused)
 	seen := map[string]bool{}
 	for _, p := range problems {
 		seen[p] = true
@@ -429,6 +481,7 @@ func (c *Controller) syncPod(ctx context.Context, key string) error {
 		c.mu.Lock()
 		delete(c.clean, key)
 		c.mu.Unlock()
+		c.metrics.forgetPod(key)
 		return nil
 	}
 	if err != nil {
@@ -448,14 +501,15 @@ func (c *Controller) syncPod(ctx context.Context, key string) error {
 	wasClean := c.clean[key] == identity
 	c.mu.Unlock()
 	if !served {
+		c.metrics.forgetPod(key)
 		if wasClean {
 			return nil
 		}
 		want = PodTunnels{Pod: runtime.Pod{Namespace: pod.Namespace, Name: pod.Name, UID: string(pod.UID), IP: podIP}}
 	}
 	if want.Pod.IP != podIP || want.Pod.UID != string(pod.UID) {
-		c.queue.Add(desiredKey) // the pod changed since the last computation
-		return nil
+		c.queue.Add(desiredKey)
+		return fmt.Errorf("pod %s: %w", key, errDesiredStale)
 	}
 	log := c.log.WithFields(logrus.Fields{"pod": key, "pod_ip": podIP})
 
@@ -468,14 +522,25 @@ func (c *Controller) syncPod(ctx context.Context, key string) error {
 		}
 		return fmt.Errorf("pod %s: finding its network namespace (runtime %s): %w", key, c.locator.Name(), err)
 	}
-	defer podNS.Close()
+	kept := false
+	defer func() {
+		if !kept {
+			podNS.Close()
+		}
+	}()
 	log = log.WithFields(logrus.Fields{"netns": podNS.Path, "via": podNS.Via})
 	acts, err := c.podNet.Sync(podNS.Handle, want)
+	c.metrics.podChanges(acts)
 	for _, a := range acts {
 		log.WithField("change", a.String()).Info("pod namespace changed")
 	}
 	if err != nil {
 		return fmt.Errorf("pod %s (netns %s): %w", key, podNS.Path, err)
+	}
+	// In gre mode the pod's decapsulation device counts what it receives;
+	// the metrics read it through this namespace at each scrape.
+	if c.cfg.Mode == ModeGRE {
+		kept = c.metrics.keepNamespace(key, want.TunnelIPs, podNS.Handle)
 	}
 	if len(acts) > 0 {
 		log.WithField("tunnel_ips", want.TunnelIPs).Info("pod converged")
@@ -503,12 +568,16 @@ func (c *Controller) syncNode() error {
 		nodeIP = daemon.NodeAddress(node)
 	}
 	acts, err := c.nodeNet.Sync(served, nodeIP)
+	c.metrics.nodeChanges(acts)
 	for _, a := range acts {
 		c.log.WithField("change", a.String()).Info("node namespace changed")
 	}
 	if err != nil {
 		return fmt.Errorf("node %s: %w", c.cfg.NodeName, err)
 	}
-	c.ready.Store(true)
+	c.mu.Lock()
+	c.nodeSynced = true
+	c.mu.Unlock()
+	c.updateReady()
 	return nil
 }

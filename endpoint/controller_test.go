@@ -86,14 +86,23 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 
 func startController(t *testing.T, loc *fakeLocator, pods *fakePods, objects ...k8sruntime.Object) *fake.Clientset {
 	t.Helper()
+	client, _ := startControllerWith(t, loc, pods, fakeNode{}, nil, objects...)
+	return client
+}
+
+// startControllerWith runs a controller on the fakes, recording on metrics
+// (nil: none), and returns it with its client.
+func startControllerWith(t *testing.T, loc *fakeLocator, pods PodSyncer, node NodeSyncer, metrics *Metrics, objects ...k8sruntime.Object) (*fake.Clientset, *Controller) {
+	t.Helper()
 	client := fake.NewClientset(objects...)
 	inf := NewInformers(client, "n1")
 	log := logrus.New()
 	log.Out = io.Discard
-	c, err := NewController(testConfig(ModeGRE), inf, loc, pods, fakeNode{}, log)
+	c, err := NewController(testConfig(ModeGRE), inf, loc, pods, node, log)
 	if err != nil {
 		t.Fatal(err)
 	}
+	c.SetMetrics(metrics)
 	ctx, cancel := context.WithCancel(context.Background())
 	inf.Start(ctx.Done())
 	done := make(chan error, 1)
@@ -103,7 +112,7 @@ func startController(t *testing.T, loc *fakeLocator, pods *fakePods, objects ...
 		<-done
 		inf.Shutdown()
 	})
-	return client
+	return client, c
 }
 
 func TestControllerPodStates(t *testing.T) {

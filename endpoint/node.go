@@ -41,6 +41,19 @@ func (a NodeChange) String() string {
 	}
 }
 
+// Operation names the kernel object a change acts on and what it does to
+// it, for the kernel operations metric.
+func (a NodeChange) Operation() (object, operation string) {
+	switch {
+	case a.Sysctl != "":
+		return "sysctl", "set"
+	case a.Add.Label != 0:
+		return "mpls_route", "add"
+	default:
+		return "mpls_route", "delete"
+	}
+}
+
 // nodeState is what the node's namespace holds that the agent looks at.
 type nodeState struct {
 	// Routes are the agent's swap routes (protocol RouteProtocol) by label.

@@ -19,7 +19,14 @@ type Options struct {
 	RuntimeEndpoint string
 	// Cleanup removes everything the agent created on this node and exits.
 	Cleanup bool
+	// MetricsAddress is where /metrics, /healthz and /readyz are served; empty: nowhere.
+	MetricsAddress string
 }
+
+// DefaultMetricsAddress is the endpoint agent's default --metrics-address
+// (the router's is :9641; both run on tunnel nodes, in the node's network
+// namespace).
+const DefaultMetricsAddress = ":9642"
 
 // AddFlags registers the options on fs with their defaults.
 func (o *Options) AddFlags(fs *flag.FlagSet) {
@@ -51,6 +58,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.Runtime, "runtime", "auto", "how pods' network namespaces are found: auto, docker, cri (containerd, CRI-O) or netns (search by pod IP)")
 	fs.StringVar(&o.RuntimeEndpoint, "runtime-endpoint", "", "runtime socket, e.g. unix:///run/containerd/containerd.sock (default: the runtime's usual socket)")
 	o.Common.AddFlags(fs)
+	fs.StringVar(&o.MetricsAddress, "metrics-address", DefaultMetricsAddress, "address serving /metrics, /healthz and /readyz; empty disables")
 	fs.BoolVar(&o.Cleanup, "cleanup", false, "remove everything the agent created in this node's pods and namespace, then exit")
 }
 

@@ -216,6 +216,30 @@ func (p *PodNetwork) Cleanup(ns netns.NsHandle) ([]PodChange, error) {
 	return p.planAndApply(nl, ns, PodTunnels{}, have)
 }
 
+// DecapCounters reads the receive counters of the agent's decapsulation
+// device in the pod namespace ns (the kernel's link statistics): one count
+// for all the pod's tunnel IPs, as they share the device. A device of that
+// name the agent did not create is not read.
+func (p *PodNetwork) DecapCounters(ns netns.NsHandle) (DecapCounters, error) {
+	nl, err := netlink.NewHandleAt(ns, unix.NETLINK_ROUTE)
+	if err != nil {
+		return DecapCounters{}, fmt.Errorf("netlink handle in pod namespace: %w", err)
+	}
+	defer nl.Close()
+	link, err := nl.LinkByName(p.cfg.Device)
+	if err != nil {
+		return DecapCounters{}, fmt.Errorf("looking up device %s: %w", p.cfg.Device, err)
+	}
+	if link.Attrs().Alias != DeviceAlias {
+		return DecapCounters{}, fmt.Errorf("device %s was not created by kube-service-tunnel", p.cfg.Device)
+	}
+	stats := link.Attrs().Statistics
+	if stats == nil {
+		return DecapCounters{}, fmt.Errorf("device %s: the kernel gave no statistics", p.cfg.Device)
+	}
+	return DecapCounters{Packets: stats.RxPackets, Bytes: stats.RxBytes}, nil
+}
+
 // defaultRoute returns the IPv4 default route of the main table.
 func defaultRoute(nl *netlink.Handle) (netlink.Route, bool, error) {
 	routes, err := nl.RouteListFiltered(netlink.FAMILY_V4, &netlink.Route{Table: unix.RT_TABLE_MAIN}, netlink.RT_FILTER_TABLE)

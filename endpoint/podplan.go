@@ -96,6 +96,34 @@ func (a PodChange) String() string {
 	return fmt.Sprintf("action %d", a.Kind)
 }
 
+// Operation names the kernel object a change acts on and what it does to
+// it, for the kernel operations metric.
+func (a PodChange) Operation() (object, operation string) {
+	switch a.Kind {
+	case actCreateDevice:
+		return "decap_device", "create"
+	case actDeleteDevice:
+		return "decap_device", "delete"
+	case actSetDeviceUp:
+		return "decap_device", "set_up"
+	case actMarkDevice:
+		return "decap_device", "set_alias"
+	case actAddTunnelIP:
+		return "tunnel_ip", "add"
+	case actDelTunnelIP:
+		return "tunnel_ip", "delete"
+	case actSetSysctl:
+		return "sysctl", "set"
+	case actAddPopRoute:
+		return "mpls_route", "add"
+	case actDelPopRoute:
+		return "mpls_route", "delete"
+	case actSetAdvMSS:
+		return "default_route", "set_advmss"
+	}
+	return "unknown", strconv.Itoa(int(a.Kind))
+}
+
 func (a PodChange) where() string {
 	if a.Loopback {
 		return " on lo"

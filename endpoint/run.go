@@ -66,9 +66,23 @@ func Main(args []string) error {
 		return err
 	}
 	inf := NewInformers(client, o.NodeName)
-	ctrl, err := NewController(o.Config, inf, locator, NewPodNetwork(o.Config, nodeNS), NewNodeNetwork(o.Config, nodeNS), entry)
+	podNet := NewPodNetwork(o.Config, nodeNS)
+	ctrl, err := NewController(o.Config, inf, locator, podNet, NewNodeNetwork(o.Config, nodeNS), entry)
 	if err != nil {
 		return err
+	}
+	reg := daemon.NewRegistry()
+	// Only gre mode has a decapsulation device (and its counters) per pod;
+	// in mpls mode the routers' counters cover the tunnel IPs.
+	var decap DecapCounterReader
+	if o.Mode == ModeGRE {
+		decap = podNet
+	}
+	ctrl.SetMetrics(NewMetrics(reg, decap))
+	if o.MetricsAddress != "" {
+		if err := daemon.ServeHTTP(ctx, o.MetricsAddress, reg, ctrl.Ready, entry); err != nil {
+			return err
+		}
 	}
 	inf.Start(ctx.Done())
 	defer inf.Shutdown()

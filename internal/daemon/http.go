@@ -26,6 +26,13 @@ func NewRegistry() *prometheus.Registry {
 // /readyz (ready() is true) on addr until ctx ends. It returns once it
 // listens, so that a port already in use is a startup error.
 func ServeHTTP(ctx context.Context, addr string, reg *prometheus.Registry, ready func() bool, log logrus.FieldLogger) error {
+	_, err := Serve(ctx, addr, reg, ready, log)
+	return err
+}
+
+// Serve is ServeHTTP that also returns the address it listens on, so that a
+// caller (a test) can give port 0 and learn the port the kernel picked.
+func Serve(ctx context.Context, addr string, reg *prometheus.Registry, ready func() bool, log logrus.FieldLogger) (net.Addr, error) {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { fmt.Fprintln(w, "ok") })
@@ -38,7 +45,7 @@ func ServeHTTP(ctx context.Context, addr string, reg *prometheus.Registry, ready
 	})
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
-		return fmt.Errorf("--metrics-address %s: %w", addr, err)
+		return nil, fmt.Errorf("--metrics-address %s: %w", addr, err)
 	}
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	go func() {
@@ -53,5 +60,5 @@ func ServeHTTP(ctx context.Context, addr string, reg *prometheus.Registry, ready
 		_ = srv.Shutdown(shutdownCtx)
 	}()
 	log.WithField("address", ln.Addr().String()).Info("serving /metrics, /healthz and /readyz")
-	return nil
+	return ln.Addr(), nil
 }

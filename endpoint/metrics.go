@@ -1,0 +1,282 @@
+package endpoint
+
+import (
+	"net/netip"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/vishvananda/netns"
+)
+
+// Sync kinds: what one pass of the controller converged (the kind label of
+// the sync metrics).
+const (
+	syncKindPod     = "pod"     // one pod's namespace
+	syncKindNode    = "node"    // the node's own namespace
+	syncKindDesired = "desired" // the desired state of every local pod
+	syncKindResync  = "resync"  // the periodic check of every pod and the node
+)
+
+// DecapCounters are the receive counters of a pod's decapsulation device:
+// every packet it decapsulated, whichever of the pod's tunnel IPs it was
+// sent to.
+type DecapCounters struct {
+	Packets, Bytes uint64
+}
+
+// DecapCounterReader reads the decapsulation device's counters in a pod's
+// namespace (*PodNetwork).
+type DecapCounterReader interface {
+	DecapCounters(ns netns.NsHandle) (DecapCounters, error)
+}
+
+// Metrics are the endpoint agent's Prometheus metrics. A nil *Metrics
+// records nothing, so the controller runs without them.
+type Metrics struct {
+	tunnelIPs    prometheus.Gauge
+	refused      prometheus.Gauge
+	endpoints    *prometheus.GaugeVec
+	syncDuration *prometheus.HistogramVec
+	syncErrors   *prometheus.CounterVec
+	kernelOps    *prometheus.CounterVec
+	decap        *decapCollector
+
+	mu sync.Mutex
+	// vips are the tunnel IPs the endpoints gauge has a series for, so that
+	// the series of a tunnel IP no longer served is deleted.
+	vips map[netip.Addr]bool
+}
+
+// NewMetrics registers the agent's metrics on reg (nil: not exported). The
+// decapsulation devices' counters are read through decap at each scrape;
+// nil leaves them out (mpls mode has no such device).
+func NewMetrics(reg prometheus.Registerer, decap DecapCounterReader) *Metrics {
+	m := &Metrics{
+		tunnelIPs: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kube_service_tunnel_endpoint_tunnel_ips",
+			Help: "Tunnel IPs served by at least one local pod of this node (desired state).",
+		}),
+		refused: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kube_service_tunnel_endpoint_refused_tunnel_ips",
+			Help: "Tunnel IPs of annotated Services that the address pools or the cluster's networks refuse: not served in any pod.",
+		}),
+		endpoints: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kube_service_tunnel_endpoint_local_endpoints",
+			Help: "Local pods of this node that hold the tunnel IP (desired state).",
+		}, []string{"vip"}),
+		syncDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "kube_service_tunnel_endpoint_sync_duration_seconds",
+			Help:    "Time taken by one sync of the controller, by kind: pod (one pod's namespace), node (the node's namespace), desired (recomputing the desired state), resync (the periodic check).",
+			Buckets: prometheus.ExponentialBuckets(0.001, 4, 8),
+		}, []string{"kind"}),
+		syncErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kube_service_tunnel_endpoint_sync_errors_total",
+			Help: "Failed syncs, by kind (pod, node, desired, resync); each is retried with back-off.",
+		}, []string{"kind"}),
+		kernelOps: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kube_service_tunnel_endpoint_kernel_operations_total",
+			Help: "Kernel changes the agent made, by network namespace (pod, node), object (decap_device, tunnel_ip, sysctl, mpls_route, default_route) and operation.",
+		}, []string{"netns", "object", "operation"}),
+		vips: map[netip.Addr]bool{},
+	}
+	m.decap = newDecapCollector(decap)
+	for _, kind := range []string{syncKindPod, syncKindNode, syncKindDesired, syncKindResync} {
+		m.syncErrors.WithLabelValues(kind)
+	}
+	if reg != nil {
+		reg.MustRegister(m.tunnelIPs, m.refused, m.endpoints, m.syncDuration, m.syncErrors, m.kernelOps, m.decap.errors)
+		if decap != nil {
+			reg.MustRegister(m.decap)
+		}
+	}
+	return m
+}
+
+// observeSync records one sync of kind that took d and ended with err.
+func (m *Metrics) observeSync(kind string, d time.Duration, err error) {
+	if m == nil {
+		return
+	}
+	m.syncDuration.WithLabelValues(kind).Observe(d.Seconds())
+	if err != nil {
+		m.syncErrors.WithLabelValues(kind).Inc()
+	}
+}
+
+// podChanges counts the changes made in a pod's namespace.
+func (m *Metrics) podChanges(acts []PodChange) {
+	if m == nil {
+		return
+	}
+	for _, a := range acts {
+		object, op := a.Operation()
+		m.kernelOps.WithLabelValues("pod", object, op).Inc()
+	}
+}
+
+// nodeChanges counts the changes made in the node's namespace.
+func (m *Metrics) nodeChanges(acts []NodeChange) {
+	if m == nil {
+		return
+	}
+	for _, a := range acts {
+		object, op := a.Operation()
+		m.kernelOps.WithLabelValues("node", object, op).Inc()
+	}
+}
+
+// desiredState sets the gauges from a newly computed desired state and stops
+// reading the counters of pods no longer in it.
+func (m *Metrics) desiredState(desired map[string]PodTunnels, refused []Refusal) {
+	if m == nil {
+		return
+	}
+	counts := map[netip.Addr]int{}
+	for _, pt := range desired {
+		for _, vip := range pt.TunnelIPs {
+			counts[vip]++
+		}
+	}
+	refusedVIPs := map[netip.Addr]bool{}
+	for _, r := range refused {
+		refusedVIPs[r.VIP] = true
+	}
+	m.mu.Lock()
+	m.tunnelIPs.Set(float64(len(counts)))
+	m.refused.Set(float64(len(refusedVIPs)))
+	for vip := range m.vips {
+		if counts[vip] == 0 {
+			m.endpoints.DeleteLabelValues(vip.String())
+			delete(m.vips, vip)
+		}
+	}
+	for vip, n := range counts {
+		m.endpoints.WithLabelValues(vip.String()).Set(float64(n))
+		m.vips[vip] = true
+	}
+	m.mu.Unlock()
+	m.decap.retain(func(pod string) bool { return len(desired[pod].TunnelIPs) > 0 })
+}
+
+// keepNamespace hands the namespace of a pod just converged to serve
+// tunnelIPs to the counters' collector, which owns it from then on (and
+// closes the one it had for the pod). It reports whether it took it; when not,
+// the caller closes it.
+func (m *Metrics) keepNamespace(pod string, tunnelIPs []netip.Addr, ns netns.NsHandle) bool {
+	if m == nil || m.decap.reader == nil || len(tunnelIPs) == 0 {
+		return false
+	}
+	m.decap.keep(pod, tunnelIPs, ns)
+	return true
+}
+
+// forgetPod stops reading the counters of a pod that serves nothing anymore.
+func (m *Metrics) forgetPod(pod string) {
+	if m == nil {
+		return
+	}
+	m.decap.retain(func(p string) bool { return p != pod })
+}
+
+// release closes every namespace the collector holds.
+func (m *Metrics) release() {
+	if m == nil {
+		return
+	}
+	m.decap.retain(func(string) bool { return false })
+}
+
+// decapCollector exports the receive counters of every served pod's
+// decapsulation device, read from the kernel at each scrape.
+type decapCollector struct {
+	reader         DecapCounterReader
+	packets, bytes *prometheus.Desc
+	errors         prometheus.Counter
+
+	// mu is held during a whole scrape, so that a namespace is never closed
+	// while it is read.
+	mu   sync.Mutex
+	pods map[string]decapPod
+}
+
+// decapPod is a served pod's namespace and the tunnel IPs its device holds.
+type decapPod struct {
+	ns  netns.NsHandle
+	vip string
+}
+
+func newDecapCollector(reader DecapCounterReader) *decapCollector {
+	// A pod's device holds all its tunnel IPs and the kernel counts per
+	// device: vip is the pod's tunnel IP, or all of them comma-separated when
+	// it serves several.
+	labels := []string{"vip", "pod"}
+	return &decapCollector{
+		reader: reader,
+		packets: prometheus.NewDesc("kube_service_tunnel_endpoint_decap_received_packets_total",
+			"Packets the pod's decapsulation device received (gre mode; read from the kernel's link statistics at scrape time).", labels, nil),
+		bytes: prometheus.NewDesc("kube_service_tunnel_endpoint_decap_received_bytes_total",
+			"Bytes of the decapsulated packets the pod's decapsulation device received (gre mode; read from the kernel's link statistics at scrape time).", labels, nil),
+		errors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kube_service_tunnel_endpoint_decap_counter_errors_total",
+			Help: "Failures to read a pod's decapsulation device counters during a scrape; the pod's series is left out of that scrape.",
+		}),
+		pods: map[string]decapPod{},
+	}
+}
+
+func (d *decapCollector) keep(pod string, tunnelIPs []netip.Addr, ns netns.NsHandle) {
+	ips := make([]string, len(tunnelIPs))
+	for i, ip := range tunnelIPs {
+		ips[i] = ip.String()
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if old, ok := d.pods[pod]; ok && old.ns != ns {
+		old.ns.Close()
+	}
+	d.pods[pod] = decapPod{ns: ns, vip: strings.Join(ips, ",")}
+}
+
+// retain keeps the pods for which keep is true and closes the others'
+// namespaces.
+func (d *decapCollector) retain(keep func(pod string) bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for pod, p := range d.pods {
+		if !keep(pod) {
+			p.ns.Close()
+			delete(d.pods, pod)
+		}
+	}
+}
+
+// Describe implements prometheus.Collector.
+func (d *decapCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- d.packets
+	ch <- d.bytes
+}
+
+// Collect implements prometheus.Collector: a pod whose counters cannot be
+// read is counted in the errors counter and left out; the scrape goes on.
+func (d *decapCollector) Collect(ch chan<- prometheus.Metric) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	pods := make([]string, 0, len(d.pods))
+	for pod := range d.pods {
+		pods = append(pods, pod)
+	}
+	slices.Sort(pods)
+	for _, pod := range pods {
+		p := d.pods[pod]
+		c, err := d.reader.DecapCounters(p.ns)
+		if err != nil {
+			d.errors.Inc()
+			continue
+		}
+		ch <- prometheus.MustNewConstMetric(d.packets, prometheus.CounterValue, float64(c.Packets), p.vip, pod)
+		ch <- prometheus.MustNewConstMetric(d.bytes, prometheus.CounterValue, float64(c.Bytes), p.vip, pod)
+	}
+}

@@ -1,0 +1,294 @@
+package integration
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"net"
+	"path"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	k8sruntime "k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/serializer/json"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/kubernetes/scheme"
+
+	"github.com/cmdnu/kube-service-tunnel/endpoint"
+	"github.com/cmdnu/kube-service-tunnel/router"
+	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
+)
+
+const manifestNamespace = "kube-service-tunnel"
+
+// manifest is tunnel-router.yaml decoded into typed objects.
+type manifest struct {
+	namespaces      []*corev1.Namespace
+	serviceAccounts map[string]*corev1.ServiceAccount
+	configMaps      map[string]*corev1.ConfigMap
+	daemonSets      map[string]*appsv1.DaemonSet
+}
+
+// decodeManifest decodes every document of a multi-document manifest
+// strictly (an unknown or misspelt field is an error) into the API's typed
+// objects.
+func decodeManifest(t *testing.T, data []byte) manifest {
+	t.Helper()
+	decoder := json.NewSerializerWithOptions(json.DefaultMetaFactory, scheme.Scheme, scheme.Scheme,
+		json.SerializerOptions{Yaml: true, Strict: true})
+	m := manifest{serviceAccounts: map[string]*corev1.ServiceAccount{}, configMaps: map[string]*corev1.ConfigMap{}, daemonSets: map[string]*appsv1.DaemonSet{}}
+	reader := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
+	for i := 0; ; i++ {
+		doc, err := reader.Read()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			t.Fatalf("document %d: %v", i, err)
+		}
+		if isEmptyDocument(doc) {
+			continue
+		}
+		obj, _, err := decoder.Decode(doc, nil, nil)
+		if err != nil {
+			t.Fatalf("document %d: %v", i, err)
+		}
+		meta := obj.(metav1.Object)
+		if isNamespaced(obj) && meta.GetNamespace() != manifestNamespace {
+			t.Errorf("%T %s is in namespace %q, want %q", obj, meta.GetName(), meta.GetNamespace(), manifestNamespace)
+		}
+		switch o := obj.(type) {
+		case *corev1.Namespace:
+			m.namespaces = append(m.namespaces, o)
+		case *corev1.ServiceAccount:
+			m.serviceAccounts[o.Name] = o
+		case *corev1.ConfigMap:
+			m.configMaps[o.Name] = o
+		case *appsv1.DaemonSet:
+			m.daemonSets[o.Name] = o
+		}
+	}
+	return m
+}
+
+// isEmptyDocument reports whether a YAML document holds only comments and blanks.
+func isEmptyDocument(doc []byte) bool {
+	for line := range strings.SplitSeq(string(doc), "\n") {
+		if l := strings.TrimSpace(line); l != "" && l != "---" && !strings.HasPrefix(l, "#") {
+			return false
+		}
+	}
+	return true
+}
+
+func isNamespaced(obj k8sruntime.Object) bool {
+	switch obj.(type) {
+	case *corev1.ServiceAccount, *corev1.ConfigMap, *appsv1.DaemonSet:
+		return true
+	}
+	return false
+}
+
+// daemonSet returns a DaemonSet of the manifest and its single container.
+func (m manifest) daemonSet(t *testing.T, name string) (*appsv1.DaemonSet, corev1.Container) {
+	t.Helper()
+	ds, ok := m.daemonSets[name]
+	if !ok {
+		t.Fatalf("no DaemonSet %s", name)
+	}
+	if n := len(ds.Spec.Template.Spec.Containers); n != 1 {
+		t.Fatalf("DaemonSet %s has %d containers, want 1", name, n)
+	}
+	return ds, ds.Spec.Template.Spec.Containers[0]
+}
+
+// portOf returns the port of a --metrics-address default such as ":9641".
+func portOf(t *testing.T, addr string) int {
+	t.Helper()
+	_, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := strconv.Atoi(port)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// checkDaemon checks what both daemons need: their own ServiceAccount, the
+// node's network namespace, NET_ADMIN with every other capability dropped
+// unless listed in extra, NODE_NAME from the downward API, the shared
+// ConfigMap, resource requests, and the health probes on their metrics port.
+func checkDaemon(t *testing.T, m manifest, name string, metricsAddress string, extra ...corev1.Capability) (*appsv1.DaemonSet, corev1.Container) {
+	t.Helper()
+	ds, c := m.daemonSet(t, name)
+	spec := ds.Spec.Template.Spec
+	if _, ok := m.serviceAccounts[spec.ServiceAccountName]; !ok || spec.ServiceAccountName != name {
+		t.Errorf("%s: serviceAccountName %q, want its own ServiceAccount %q defined in the manifest", name, spec.ServiceAccountName, name)
+	}
+	if !spec.HostNetwork {
+		t.Errorf("%s: hostNetwork is off; the daemon programs the node's own network namespace", name)
+	}
+	sc := c.SecurityContext
+	if sc == nil || sc.Capabilities == nil {
+		t.Fatalf("%s: no capabilities in the securityContext", name)
+	}
+	wantAdd := append([]corev1.Capability{"NET_ADMIN"}, extra...)
+	add := slices.Clone(sc.Capabilities.Add)
+	slices.Sort(add)
+	slices.Sort(wantAdd)
+	if !slices.Equal(add, wantAdd) {
+		t.Errorf("%s: capabilities added %v, want exactly %v", name, sc.Capabilities.Add, wantAdd)
+	}
+	if !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) {
+		t.Errorf("%s: capabilities dropped %v, want [ALL]", name, sc.Capabilities.Drop)
+	}
+	if sc.Privileged != nil && *sc.Privileged {
+		t.Errorf("%s: privileged", name)
+	}
+	nodeName := false
+	for _, e := range c.Env {
+		if e.Name == "NODE_NAME" && e.ValueFrom != nil && e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "spec.nodeName" {
+			nodeName = true
+		}
+	}
+	if !nodeName {
+		t.Errorf("%s: no NODE_NAME from fieldRef spec.nodeName", name)
+	}
+	fromConfig := slices.ContainsFunc(c.EnvFrom, func(e corev1.EnvFromSource) bool {
+		return e.ConfigMapRef != nil && m.configMaps[e.ConfigMapRef.Name] != nil
+	})
+	if !fromConfig {
+		t.Errorf("%s: takes no environment from a ConfigMap of the manifest", name)
+	}
+	for _, r := range []corev1.ResourceName{corev1.ResourceCPU, corev1.ResourceMemory} {
+		if q, ok := c.Resources.Requests[r]; !ok || q.IsZero() {
+			t.Errorf("%s: no %s request", name, r)
+		}
+	}
+	port := portOf(t, metricsAddress)
+	for _, probe := range []struct {
+		kind string
+		p    *corev1.Probe
+		path string
+	}{{"readinessProbe", c.ReadinessProbe, "/readyz"}, {"livenessProbe", c.LivenessProbe, "/healthz"}} {
+		if probe.p == nil || probe.p.HTTPGet == nil {
+			t.Errorf("%s: no HTTP %s", name, probe.kind)
+			continue
+		}
+		if g := probe.p.HTTPGet; g.Path != probe.path || g.Port.IntValue() != port {
+			t.Errorf("%s: %s GET %s on port %s, want %s on %d (the --metrics-address default %q)", name, probe.kind, g.Path, g.Port.String(), probe.path, port, metricsAddress)
+		}
+	}
+	if !slices.ContainsFunc(c.Ports, func(p corev1.ContainerPort) bool { return p.ContainerPort == int32(port) }) {
+		t.Errorf("%s: no containerPort %d (metrics)", name, port)
+	}
+	return ds, c
+}
+
+// hostPathFor returns the host directory mounted in c that holds the host
+// path p at the same path, or "".
+func hostPathFor(spec corev1.PodSpec, c corev1.Container, p string) string {
+	for _, mount := range c.VolumeMounts {
+		for _, v := range spec.Volumes {
+			if v.Name != mount.Name || v.HostPath == nil || v.HostPath.Path != mount.MountPath {
+				continue
+			}
+			if rel := strings.TrimPrefix(p, path.Clean(v.HostPath.Path)+"/"); rel != p || p == v.HostPath.Path {
+				return v.HostPath.Path
+			}
+		}
+	}
+	return ""
+}
+
+// TestManifestProperties decodes tunnel-router.yaml into typed objects and
+// checks what the deployment relies on, so that an edit that breaks it fails
+// here rather than on a cluster.
+func TestManifestProperties(t *testing.T) {
+	m := decodeManifest(t, repoFile(t, "tunnel-router.yaml"))
+	if len(m.namespaces) != 1 || m.namespaces[0].Name != manifestNamespace {
+		t.Errorf("namespaces %v, want exactly %s", m.namespaces, manifestNamespace)
+	}
+	for _, sa := range []string{"tunnel-router", "tunnel-endpoint"} {
+		if _, ok := m.serviceAccounts[sa]; !ok {
+			t.Errorf("no ServiceAccount %s", sa)
+		}
+	}
+
+	config := m.configMaps["tunnel-config"]
+	if config == nil {
+		t.Fatal("no ConfigMap tunnel-config")
+	}
+	for _, key := range []string{"KST_SEED", "KST_BUCKETS", "KST_MODE", "KST_POOLS"} {
+		if config.Data[key] == "" {
+			t.Errorf("ConfigMap tunnel-config has no %s", key)
+		}
+	}
+	// Both daemons read this ConfigMap and share tunnel nodes' network
+	// namespace: one address for both would make the second fail to start.
+	if v, ok := config.Data["KST_METRICS_ADDRESS"]; ok {
+		t.Errorf("ConfigMap tunnel-config sets KST_METRICS_ADDRESS=%q for both daemons; set --metrics-address per DaemonSet", v)
+	}
+	if portOf(t, router.DefaultMetricsAddress) == portOf(t, endpoint.DefaultMetricsAddress) {
+		t.Errorf("router and endpoint agent default to the same metrics port %s", router.DefaultMetricsAddress)
+	}
+
+	routerDS, _ := checkDaemon(t, m, "tunnel-router", router.DefaultMetricsAddress, "NET_RAW")
+	if sel := routerDS.Spec.Template.Spec.NodeSelector; len(sel) != 1 || sel["node"] != "tunnel" {
+		t.Errorf("tunnel-router nodeSelector %v, want node=tunnel", sel)
+	}
+
+	endpointDS, c := checkDaemon(t, m, "tunnel-endpoint", endpoint.DefaultMetricsAddress, "SYS_ADMIN", "SYS_PTRACE")
+	spec := endpointDS.Spec.Template.Spec
+	if !spec.HostPID {
+		t.Error("tunnel-endpoint: hostPID is off; the pods' namespaces are opened through their processes")
+	}
+	if len(spec.NodeSelector) != 0 {
+		t.Errorf("tunnel-endpoint nodeSelector %v: the agent must run on every node", spec.NodeSelector)
+	}
+	// The runtimes' sockets and the named network namespaces, at the paths
+	// the agent looks for them (--runtime=auto).
+	for _, p := range []string{"/run/containerd/containerd.sock", "/run/crio/crio.sock", "/run/docker.sock", "/run/netns"} {
+		if hostPathFor(spec, c, p) == "" {
+			t.Errorf("tunnel-endpoint: host path %s is not mounted at the same path", p)
+		}
+	}
+	if hostPathFor(spec, c, "/proc/sys/net") == "" {
+		t.Error("tunnel-endpoint: /proc/sys is not mounted from the host (writable) for the sysctls")
+	}
+}
+
+// TestManifestServerSideDryRun applies tunnel-router.yaml as admin with
+// server-side apply in dry-run mode: a real API server validates every object
+// (schema, defaults, RBAC rules) and persists nothing.
+func TestManifestServerSideDryRun(t *testing.T) {
+	kubeenv.SkipIfUnavailable(t, env)
+	ctx := context.Background()
+	// A dry run creates no Namespace, so the namespaced objects need the
+	// real one (the other tests apply the manifest for real anyway).
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: manifestNamespace}}
+	if _, err := adminClient(t).CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	if err := env.ApplyYAML(ctx, env.AdminConfig(), repoFile(t, "tunnel-router.yaml"), true); err != nil {
+		t.Fatalf("server-side dry-run apply of tunnel-router.yaml: %v", err)
+	}
+	// It is rejected when broken, so that the check above can fail.
+	broken := bytes.Replace(repoFile(t, "tunnel-router.yaml"), []byte("containerPort: 9642"), []byte("containerPort: 96420"), 1)
+	if bytes.Equal(broken, repoFile(t, "tunnel-router.yaml")) {
+		t.Fatal("containerPort 9642 not found in tunnel-router.yaml; the negative check proves nothing")
+	}
+	if err := env.ApplyYAML(ctx, env.AdminConfig(), broken, true); err == nil {
+		t.Fatal("the API server accepted a containerPort of 96420")
+	}
+}
