@@ -594,30 +594,8 @@ func testSyncInNetns(t *testing.T, binary string, restore bool) {
 	ns.Run(binary, "-t", "mangle", "-A", "PREROUTING", "-i", "lo", "-j", DefaultChainName)
 	syncExpect("second jump added by hand", adopter, 1, 1)
 
-	// One datagram to a tunnel IP, where a socket receives it (so that no
-	// ICMP error goes back to the same address), shows up in the counters.
-	err := ns.Do(func() error {
-		rx, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-		if err != nil {
-			return err
-		}
-		defer func() { _ = unix.Close(rx) }()
-		if err := unix.Bind(rx, sockaddr(vipAbove, 9)); err != nil {
-			return err
-		}
-		tx, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-		if err != nil {
-			return err
-		}
-		defer func() { _ = unix.Close(tx) }()
-		if err := unix.Bind(tx, sockaddr(netip.MustParseAddr("127.0.0.1"), 0)); err != nil {
-			return err
-		}
-		return unix.Sendto(tx, []byte("count me"), 0, sockaddr(vipAbove, 9))
-	})
-	if err != nil {
-		t.Fatalf("send a datagram to %s: %v", vipAbove, err)
-	}
+	// One datagram to a tunnel IP shows up in the counters.
+	sendDatagrams(t, ns, vipAbove, 1)
 	counters, err := adopter.Counters()
 	if err != nil {
 		t.Fatalf("Counters: %v", err)
@@ -632,6 +610,19 @@ func testSyncInNetns(t *testing.T, binary string, restore bool) {
 		t.Errorf("Counters[%s] = %+v, want no packet", vipBelow, c)
 	}
 
+	// Another tunnel IP removed, then added back, then the chain repaired
+	// (each a restore with a restorer): the tunnel IP's counters stay.
+	all := vips
+	vips = []netip.Addr{vipLoopback, vipAbove}
+	syncExpect("a tunnel IP removed", adopter, 1, 0)
+	assertCounter(t, "a tunnel IP removed", adopter, vipAbove, Counter{Packets: 1, Bytes: 36})
+	vips = all
+	syncExpect("the tunnel IP added back", adopter, 1, 0)
+	assertCounter(t, "the tunnel IP added back", adopter, vipAbove, Counter{Packets: 1, Bytes: 36})
+	ns.Run(binary, "-t", "mangle", "-I", DefaultChainName, "1", "-j", "MARK", "--set-mark", "3")
+	syncExpect("foreign rule removed", adopter, 1, 0)
+	assertCounter(t, "foreign rule removed", adopter, vipAbove, Counter{Packets: 1, Bytes: 36})
+
 	if err := adopter.Cleanup(); err != nil {
 		t.Fatalf("Cleanup: %v", err)
 	}
@@ -640,6 +631,53 @@ func testSyncInNetns(t *testing.T, binary string, restore bool) {
 	}
 	if err := chain.Cleanup(); err != nil {
 		t.Errorf("second Cleanup (nothing left): %v", err)
+	}
+}
+
+// sendDatagrams sends n datagrams of 8 bytes (36 with the headers) from
+// 127.0.0.1 to vip:9 inside ns, where a socket bound to vip receives them
+// (so that no ICMP error goes back to the same address). Sent over lo,
+// they come back in through PREROUTING.
+func sendDatagrams(t *testing.T, ns *testnetns.NS, vip netip.Addr, n int) {
+	t.Helper()
+	err := ns.Do(func() error {
+		rx, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		defer func() { _ = unix.Close(rx) }()
+		if err := unix.Bind(rx, sockaddr(vip, 9)); err != nil {
+			return err
+		}
+		tx, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		defer func() { _ = unix.Close(tx) }()
+		if err := unix.Bind(tx, sockaddr(netip.MustParseAddr("127.0.0.1"), 0)); err != nil {
+			return err
+		}
+		for range n {
+			if err := unix.Sendto(tx, []byte("count me"), 0, sockaddr(vip, 9)); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("send %d datagrams to %s: %v", n, vip, err)
+	}
+}
+
+// assertCounter checks one tunnel IP's counters as Counters reads them.
+func assertCounter(t *testing.T, step string, c *Chain, vip netip.Addr, want Counter) {
+	t.Helper()
+	counters, err := c.Counters()
+	if err != nil {
+		t.Fatalf("%s: Counters: %v", step, err)
+	}
+	if got := counters[vip]; got != want {
+		t.Errorf("%s: Counters[%s] = %+v, want %+v (all: %v)", step, vip, got, want, counters)
 	}
 }
 

@@ -45,8 +45,8 @@ const (
 	// must mark packets before the routing decision.
 	Table = "mangle"
 	// RawTable holds, in sticky mode, a chain of the same name that keeps
-	// SYNs to the tunnel IPs untracked: the raw table is the only one seen
-	// before conntrack.
+	// SYNs to the tunnel IPs untracked (the raw table is the only one seen
+	// before conntrack), and counts every packet to each tunnel IP.
 	RawTable = "raw"
 	// ParentChain is the built-in chain that jumps to the router's chain,
 	// in each table.
@@ -61,11 +61,12 @@ const (
 	maxChainNameLen = 28
 )
 
-// Counter holds the traffic counters of one tunnel IP's HMARK rule.
+// Counter holds the traffic counters of one tunnel IP's rule (see
+// Counters).
 type Counter struct {
-	// Packets is the number of packets the rule marked.
+	// Packets is the number of packets the rule matched.
 	Packets uint64
-	// Bytes is the number of bytes of those packets.
+	// Bytes is the number of bytes of those packets, IP header included.
 	Bytes uint64
 }
 
@@ -77,14 +78,18 @@ type Counter struct {
 type Restorer interface {
 	// Restore applies payload, in iptables-save format and for table only
 	// ("*table", chain declarations, rules, "COMMIT"), as `iptables-restore
-	// --noflush --wait` does: atomically, each chain the payload declares
-	// flushed and refilled, every other chain and rule left as it is.
+	// --noflush --counters --wait` does: atomically, each chain the payload
+	// declares flushed and refilled, every other chain and rule left as it
+	// is, and a rule written "[PACKETS:BYTES] -A ..." starting from those
+	// counters (Chain carries a rewritten rule's counters over that way; a
+	// restorer that ignores them only makes the counters restart from 0).
 	// Errors may quote the payload; Chain scrubs its seed from them.
 	Restore(table string, payload []byte) error
 }
 
 // ExecRestorer is the Restorer that runs an iptables-restore binary with
-// --noflush --wait (waiting for the xtables lock, like go-iptables does).
+// --noflush --counters --wait (waiting for the xtables lock, like
+// go-iptables does).
 type ExecRestorer struct {
 	// Command is the iptables-restore binary: a name looked up in PATH,
 	// or a path. It must match the iptables binary Chain reads with (same
@@ -103,19 +108,19 @@ func NewExecRestorer(iptablesBinary string) *ExecRestorer {
 	return &ExecRestorer{Command: iptablesBinary + "-restore"}
 }
 
-// Restore runs `Command --noflush --wait` with payload on its standard
-// input. It refuses a payload that does not start with "*table". Its error
-// has the tool's output, which may quote a rule of the payload.
+// Restore runs `Command --noflush --counters --wait` with payload on its
+// standard input. It refuses a payload that does not start with "*table".
+// Its error has the tool's output, which may quote a rule of the payload.
 func (r *ExecRestorer) Restore(table string, payload []byte) error {
 	if !bytes.HasPrefix(payload, []byte("*"+table+"\n")) {
 		return fmt.Errorf("%s: payload does not start with *%s", r.Command, table)
 	}
-	cmd := exec.Command(r.Command, "--noflush", "--wait")
+	cmd := exec.Command(r.Command, "--noflush", "--counters", "--wait")
 	cmd.Stdin = bytes.NewReader(payload)
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	if err := cmd.Run(); err != nil {
-		return fmt.Errorf("%s --noflush --wait (table %s): %w: %s", r.Command, table, err, strings.TrimSpace(out.String()))
+		return fmt.Errorf("%s --noflush --counters --wait (table %s): %w: %s", r.Command, table, err, strings.TrimSpace(out.String()))
 	}
 	return nil
 }
@@ -137,9 +142,10 @@ type Target struct {
 // tunnel IP, and a single jump to it from mangle PREROUTING. In sticky mode
 // (see SetSticky) the mangle chain also restores and saves each flow's
 // decision, and a chain of the same name in the raw table, jumped to once
-// from raw PREROUTING, keeps SYNs to the tunnel IPs untracked. Chain owns
-// everything inside its chains (and removes what it did not write), but
-// only its jump rules in PREROUTING and nothing in any other chain. It
+// from raw PREROUTING, sends every packet to a tunnel IP to a subchain
+// (the name and "-SYN") that keeps SYNs untracked. Chain owns everything
+// inside its chains (and removes what it did not write), but only its jump
+// rules in PREROUTING and nothing in any other chain. It
 // assumes it is the only writer of its chains: calls must not run
 // concurrently, nor two routers share a network namespace.
 type Chain struct {
@@ -235,18 +241,26 @@ func (c *Chain) Params() Params { return c.params }
 // iptables-restore --noflush call: the chain declared (which flushes it
 // and nothing else) and the desired rules, tunnel IPs in address order.
 // That is atomic, so packets see either the old rules or the new ones,
-// never a chain in between; it also resets the packet and byte counters of
-// every rule in the chain (see Counters). Without a restorer (see
+// never a chain in between. The rules of the tunnel IPs that stay keep
+// their packet and byte counters (see Counters): Sync lists the chain with
+// its counters (`iptables -v -S`) and writes each tunnel IP's rule back
+// with the sum of the counters of its old rules ("[PACKETS:BYTES]", what
+// Counters reported for it), so that only the packets counted between
+// that listing and the restore are lost; a tunnel IP's mangle rule keeps
+// them when it moves to another generation too. Without a restorer (see
 // NewChain) the missing rules are added and the unwanted ones deleted, one
 // iptables call each (new tunnel IPs' rules inserted before the save rule
 // in sticky mode); when the sticky fixed rules are wrong, the whole
 // desired content is appended after the old rules, then the old rules
-// deleted, so that the chain is never empty.
+// deleted, so that the chain is never empty. Rules written that way start
+// from zero counters: a tunnel IP moved to another generation, or every
+// one of them when the chain is rewritten, restarts its mangle counters.
 //
-// The order is fixed: mangle chain and jump; in sticky mode, raw chain and
-// jump, then raw rules for new tunnel IPs; the mangle rules; then raw
-// rules of tunnel IPs gone (in stateless mode, the raw chain and its
-// canonical jump left by a sticky run). So a tunnel IP's SYNs are
+// The order is fixed: mangle chain and jump; in sticky mode, raw chain,
+// its SYN subchain and the subchain's rule, the raw jump, then raw rules
+// for new tunnel IPs (and rules of an older version replaced); the mangle
+// rules; then raw rules of tunnel IPs gone (in stateless mode, the raw
+// chains and the canonical jump left by a sticky run). So a tunnel IP's SYNs are
 // untracked before it is hashed and until it is no longer hashed. Either
 // order would be safe for packets: a hashed flow whose SYN was tracked
 // only stays on fresh hash decisions (stateless), and an untracked SYN
@@ -256,8 +270,8 @@ func (c *Chain) Params() Params { return c.params }
 // rules written: 1 per chain created, 1 per jump inserted or deleted, and
 // for each chain's rules the number added plus the number removed (a rule
 // whose parameters or offset changed counts 2, a fixed rule out of place
-// too), although a restore rewrites every rule. Removing the raw chain of
-// an earlier sticky run counts its jump, its rules and the chain. When an
+// too), although a restore rewrites every rule. Removing the raw chains of
+// an earlier sticky run counts its jump, their rules and the chains. When an
 // error stops Sync part way, changed counts what was applied before it; a
 // failed restore applies nothing.
 //
@@ -289,6 +303,11 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 	var raw rawPlan
 	if c.sticky != nil {
 		n, err = c.ensureChain(RawTable)
+		changed += n
+		if err != nil {
+			return changed, err
+		}
+		n, err = c.syncSynChain()
 		changed += n
 		if err != nil {
 			return changed, err
@@ -325,15 +344,21 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 
 // ensureChain creates c's chain in table if it is missing.
 func (c *Chain) ensureChain(table string) (changed int, err error) {
-	exists, err := c.ipt.ChainExists(table, c.name)
+	return c.ensureNamedChain(table, c.name)
+}
+
+// ensureNamedChain creates chain (c's or its raw SYN subchain) in table if
+// it is missing.
+func (c *Chain) ensureNamedChain(table, chain string) (changed int, err error) {
+	exists, err := c.ipt.ChainExists(table, chain)
 	if err != nil {
-		return 0, fmt.Errorf("hmark: sync chain %s: table %s: check chain: %w", c.name, table, err)
+		return 0, fmt.Errorf("hmark: sync chain %s: table %s: check chain %s: %w", c.name, table, chain, err)
 	}
 	if exists {
 		return 0, nil
 	}
-	if err := c.ipt.NewChain(table, c.name); err != nil {
-		return 0, fmt.Errorf("hmark: sync chain %s: table %s: create chain: %w", c.name, table, err)
+	if err := c.ipt.NewChain(table, chain); err != nil {
+		return 0, fmt.Errorf("hmark: sync chain %s: table %s: create chain %s: %w", c.name, table, chain, err)
 	}
 	return 1, nil
 }
@@ -383,6 +408,9 @@ type desiredRule struct {
 	vip netip.Addr
 	// missing is set when the chain lacks the rule where it belongs.
 	missing bool
+	// counters are the counters a restore writes the rule with: those of
+	// the rules it replaces, zero for a new one.
+	counters Counter
 }
 
 // syncMangleRules leaves exactly the desired content in c's mangle chain:
@@ -391,7 +419,8 @@ type desiredRule struct {
 // mode only the HMARK rules. It returns the number of rules added plus
 // removed.
 func (c *Chain) syncMangleRules(want []Target) (changed int, err error) {
-	rules, err := c.listRules(Table, c.name, false)
+	// With the counters, to write them back should the chain be restored.
+	rules, err := c.listRules(Table, c.name, true)
 	if err != nil {
 		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
 	}
@@ -453,8 +482,9 @@ func (c *Chain) syncMangleRules(want []Target) (changed int, err error) {
 		stale = append(stale, r.pos)
 	}
 	var missingVIPs []Target
+	carried := sumCounters(rules, c.mangleVIPRule)
 	for _, t := range want {
-		d := desiredRule{spec: c.ruleSpec(t.VIP, t.Offset), vip: t.VIP, missing: !keptVIP[t.VIP]}
+		d := desiredRule{spec: c.ruleSpec(t.VIP, t.Offset), vip: t.VIP, missing: !keptVIP[t.VIP], counters: carried[t.VIP]}
 		desired = append(desired, d)
 		if d.missing {
 			missingVIPs = append(missingVIPs, t)
@@ -553,18 +583,28 @@ func (c *Chain) deleteByPosition(table string, positions []int) (changed int, er
 }
 
 // restorePayload is the iptables-restore input that replaces the content
-// of c's chain in table with desired, in order. With --noflush, declaring
-// the chain flushes it (and creates it if absent); no other chain is
-// declared, so no other chain changes. No word needs quoting: the chain
-// name is validated, the comment is RuleComment, the rest are numbers,
-// addresses and option names.
+// of c's chain in table with desired, in order.
 func (c *Chain) restorePayload(table string, desired []desiredRule) []byte {
+	return restorePayloadOf(table, c.name, desired)
+}
+
+// restorePayloadOf is the iptables-restore input that replaces the content
+// of chain in table with desired, in order. With --noflush, declaring the
+// chain flushes it (and creates it if absent); no other chain is declared,
+// so no other chain changes. A rule with non-zero counters starts with
+// "[PACKETS:BYTES]", which iptables-restore --counters gives the new rule.
+// No word needs quoting: the chain name is validated, the comment is
+// RuleComment, the rest are numbers, addresses, chain and option names.
+func restorePayloadOf(table, chain string, desired []desiredRule) []byte {
 	var b bytes.Buffer
-	b.Grow(64 + len(desired)*(len(c.name)+200))
-	fmt.Fprintf(&b, "*%s\n:%s - [0:0]\n", table, c.name)
+	b.Grow(64 + len(desired)*(len(chain)+200))
+	fmt.Fprintf(&b, "*%s\n:%s - [0:0]\n", table, chain)
 	for _, d := range desired {
+		if d.counters != (Counter{}) {
+			fmt.Fprintf(&b, "[%d:%d] ", d.counters.Packets, d.counters.Bytes)
+		}
 		b.WriteString("-A ")
-		b.WriteString(c.name)
+		b.WriteString(chain)
 		for _, w := range d.spec {
 			b.WriteByte(' ')
 			b.WriteString(w)
@@ -577,13 +617,17 @@ func (c *Chain) restorePayload(table string, desired []desiredRule) []byte {
 
 // Cleanup removes the jump rules to c from mangle PREROUTING, then c's
 // mangle chain with its rules, then the same in the raw table (where a
-// sticky Chain has its chain). What is already absent is not an error. It
-// fails if a rule outside PREROUTING still refers to a chain: Chain never
-// touches those.
+// sticky Chain has its chain), then the raw SYN subchain. What is already
+// absent is not an error. It fails if a rule outside PREROUTING (and, for
+// the subchain, outside c's raw chain) still refers to a chain: Chain
+// never touches those.
 func (c *Chain) Cleanup() error {
 	err := c.cleanup(Table)
 	if err == nil {
 		err = c.cleanup(RawTable)
+	}
+	if err == nil {
+		err = c.cleanupSynChain()
 	}
 	return c.redactSeed(err)
 }
@@ -613,18 +657,34 @@ func (c *Chain) cleanup(table string) error {
 				c.name, table, strings.Join(r.spec, " "), ParentChain, err)
 		}
 	}
-	exists, err := c.ipt.ChainExists(table, c.name)
+	return c.deleteChain(table, c.name)
+}
+
+// cleanupSynChain removes the raw SYN subchain, once c's raw chain (the
+// only one of c's chains that jumps to it) is gone. A Chain whose name
+// leaves no room for the subchain's name never had one.
+func (c *Chain) cleanupSynChain() error {
+	syn := c.synChainName()
+	if validateChainName(syn) != nil {
+		return nil
+	}
+	return c.deleteChain(RawTable, syn)
+}
+
+// deleteChain flushes and deletes chain from table, if it exists.
+func (c *Chain) deleteChain(table, chain string) error {
+	exists, err := c.ipt.ChainExists(table, chain)
 	if err != nil {
-		return fmt.Errorf("hmark: cleanup chain %s: table %s: check chain: %w", c.name, table, err)
+		return fmt.Errorf("hmark: cleanup chain %s: table %s: check chain %s: %w", c.name, table, chain, err)
 	}
 	if !exists {
 		return nil
 	}
-	if err := c.ipt.ClearChain(table, c.name); err != nil {
-		return fmt.Errorf("hmark: cleanup chain %s: table %s: flush: %w", c.name, table, err)
+	if err := c.ipt.ClearChain(table, chain); err != nil {
+		return fmt.Errorf("hmark: cleanup chain %s: table %s: flush %s: %w", c.name, table, chain, err)
 	}
-	if err := c.ipt.DeleteChain(table, c.name); err != nil {
-		return fmt.Errorf("hmark: cleanup chain %s: table %s: delete chain: %w", c.name, table, err)
+	if err := c.ipt.DeleteChain(table, chain); err != nil {
+		return fmt.Errorf("hmark: cleanup chain %s: table %s: delete chain %s: %w", c.name, table, chain, err)
 	}
 	return nil
 }
@@ -663,39 +723,68 @@ func (c *Chain) offsets() (map[netip.Addr]uint32, error) {
 	return offsets, nil
 }
 
-// Counters returns the packet and byte counters of the chain's HMARK rules
-// with c's Buckets and Seed (any offset), by tunnel IP (summed should a
-// tunnel IP have more than one such rule). Other rules are left out. The
-// counters run from when the rule was written: a Sync that restores the
-// chain (because any of its rules differed) writes every rule anew, with
-// zero counters.
+// Counters returns, by tunnel IP, the packet and byte counters of every
+// packet to the tunnel IP that reached this router (went through
+// PREROUTING), in either mode; nothing else is counted, so the counters of
+// a tunnel IP without traffic are zero, and those of tunnel IPs that are
+// not synced are left out. They come from one listing, with counters
+// (`iptables -v -S`), of one of c's chains:
 //
-// In sticky mode a packet whose flow has a saved decision leaves the
-// chain before the HMARK rules, so the counters count only the packets
-// that took a fresh hash decision: a TCP flow's untracked SYN and first
-// tracked packet, the first packet of other flows, every packet of a TCP
-// flow on a closing conntrack entry, and packets conntrack could not
-// track. They count new flows, not traffic.
+//   - stateless: the mangle chain's HMARK rules with c's Buckets and Seed
+//     (any offset), which hash every packet to their tunnel IP;
+//   - sticky (see SetSticky): the raw chain's rules, one per tunnel IP,
+//     which every packet to it goes through (the raw table sees each
+//     packet once, before conntrack), whereas the mangle chain's HMARK
+//     rules see only the packets of flows without a saved decision.
+//
+// A tunnel IP with several such rules gets their sum. The counters run
+// from when the tunnel IP's rule was first written: a Sync that restores a
+// chain writes the rules of the tunnel IPs that stay with the counters
+// they had (see Sync), so adding, removing or moving other tunnel IPs,
+// repairing the chain, or a restarted router adopting it, does not reset
+// them. They restart from 0 when a chain is written without a restorer,
+// when the mode changes (the other chain is read), when Cleanup removed
+// the chain, or when something else flushed it.
 func (c *Chain) Counters() (map[netip.Addr]Counter, error) {
-	rules, err := c.listRules(Table, c.name, true)
+	table, match := Table, c.mangleVIPRule
+	if c.sticky != nil {
+		table, match = RawTable, c.rawVIPRule
+	}
+	rules, err := c.listRules(table, c.name, true)
 	if err != nil {
 		return nil, c.redactSeed(fmt.Errorf("hmark: counters of chain %s: %w", c.name, err))
 	}
+	for _, r := range rules {
+		if _, ok := match(r); ok && !r.hasCounters {
+			return nil, fmt.Errorf("hmark: counters of chain %s: table %s: no counters in rule %d", c.name, table, r.pos)
+		}
+	}
+	return sumCounters(rules, match), nil
+}
+
+// mangleVIPRule recognizes, in the mangle chain, a tunnel IP's HMARK rule
+// that hashes like c (any offset): the rules whose counters Counters
+// reports in stateless mode.
+func (c *Chain) mangleVIPRule(r rule) (netip.Addr, bool) {
+	vip, params, ok := r.vipRule()
+	return vip, ok && c.sameHash(params)
+}
+
+// sumCounters sums, by tunnel IP, the counters of the rules that match
+// recognizes (rules listed without counters count zero).
+func sumCounters(rules []rule, match func(rule) (netip.Addr, bool)) map[netip.Addr]Counter {
 	counters := make(map[netip.Addr]Counter)
 	for _, r := range rules {
-		vip, params, ok := r.vipRule()
-		if !ok || !c.sameHash(params) {
+		vip, ok := match(r)
+		if !ok {
 			continue
-		}
-		if !r.hasCounters {
-			return nil, fmt.Errorf("hmark: counters of chain %s: no counters in rule %d", c.name, r.pos)
 		}
 		sum := counters[vip]
 		sum.Packets += r.packets
 		sum.Bytes += r.bytes
 		counters[vip] = sum
 	}
-	return counters, nil
+	return counters
 }
 
 // sameHash reports whether p hashes like c's Params: same Buckets and

@@ -247,9 +247,10 @@ func (f *fakeIPTables) DeleteById(table, chain string, id int) error {
 	return nil
 }
 
-// Restore applies payload as `iptables-restore --noflush` does: atomically
-// (all or nothing), each declared chain created or flushed, rules
-// appended, every other chain left alone. It rejects what Chain must never
+// Restore applies payload as `iptables-restore --noflush --counters` does:
+// atomically (all or nothing), each declared chain created or flushed,
+// rules appended (with the counters of a "[PACKETS:BYTES]" prefix), every
+// other chain left alone. It rejects what Chain must never
 // write: another table, a policy, a rule for an undeclared chain of the
 // payload that does not exist, a missing COMMIT. Like iptables-restore, its
 // errors quote the offending line.
@@ -281,6 +282,18 @@ func (f *fakeIPTables) Restore(table string, payload []byte) error {
 	}
 	order := slices.Clone(f.order)
 	for i, line := range lines[1 : len(lines)-1] {
+		var counters fakeRule
+		if rest, ok := strings.CutPrefix(line, "["); ok {
+			pb, after, found := strings.Cut(rest, "] ")
+			p, b, colon := strings.Cut(pb, ":")
+			var perr, berr error
+			counters.packets, perr = strconv.ParseUint(p, 10, 64)
+			counters.bytes, berr = strconv.ParseUint(b, 10, 64)
+			if !found || !colon || perr != nil || berr != nil || !strings.HasPrefix(after, "-A ") {
+				return fmt.Errorf("restore: line %d %q: bad counters", i+2, line)
+			}
+			line = after
+		}
 		words, err := splitWords(line)
 		if err != nil || len(words) < 2 {
 			return fmt.Errorf("restore: line %d %q: bad line", i+2, line)
@@ -300,7 +313,7 @@ func (f *fakeIPTables) Restore(table string, payload []byte) error {
 			if _, ok := chains[key]; !ok {
 				return fmt.Errorf("restore: line %d %q: no chain %s", i+2, line, words[1])
 			}
-			chains[key] = append(chains[key], fakeRule{spec: normalizeFakeSpec(words[2:])})
+			chains[key] = append(chains[key], fakeRule{spec: normalizeFakeSpec(words[2:]), packets: counters.packets, bytes: counters.bytes})
 		default:
 			return fmt.Errorf("restore: line %d %q: unexpected", i+2, line)
 		}
@@ -801,7 +814,7 @@ func writeScript(t *testing.T, path, body string) {
 }
 
 // TestExecRestorer runs ExecRestorer against stand-in iptables-restore
-// scripts: it passes --noflush --wait and the payload on stdin, and a
+// scripts: it passes --noflush --counters --wait and the payload on stdin, and a
 // failure reaches Sync's error with the tool's output but not the seed.
 func TestExecRestorer(t *testing.T) {
 	if _, err := os.Stat("/bin/sh"); err != nil {
@@ -819,8 +832,8 @@ func TestExecRestorer(t *testing.T) {
 	}
 	args, _ := os.ReadFile(filepath.Join(dir, "args"))
 	stdin, _ := os.ReadFile(filepath.Join(dir, "stdin"))
-	if string(args) != "--noflush --wait\n" {
-		t.Errorf("iptables-restore ran with %q, want --noflush --wait", args)
+	if string(args) != "--noflush --counters --wait\n" {
+		t.Errorf("iptables-restore ran with %q, want --noflush --counters --wait", args)
 	}
 	if want := string(c.restorePayload(Table, []desiredRule{{spec: c.ruleSpec(vipA, testParams.Offset)}})); string(stdin) != want || !strings.HasPrefix(want, "*mangle\n:KST-HMARK - [0:0]\n-A KST-HMARK -d 10.96.0.10/32 ") {
 		t.Errorf("iptables-restore read:\n%s\nwant:\n%s", stdin, want)

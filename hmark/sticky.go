@@ -148,16 +148,28 @@ func (c *Chain) Sticky() *Sticky {
 // decision gets it back and leaves the chain; any other packet to a tunnel
 // IP is hashed, and the decision saved if its flow has none yet. Untracked
 // packets (the SYNs) match no connmark, so they are hashed and nothing is
-// saved. The raw chain holds, per tunnel IP,
+// saved. The raw chain (NAME) holds, per tunnel IP, a rule that every
+// packet to it goes through, whose counters are the tunnel IP's traffic
+// (see Counters), and that sends it to the SYN subchain NAME-SYN, whose
+// one rule keeps SYNs untracked (CT is not a terminating target, so every
+// packet then goes on as if the two were one rule):
 //
-//	-d VIP/32 -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -j CT --notrack
+//	-A NAME -d VIP/32 -j NAME-SYN
+//	-A NAME-SYN -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -j CT --notrack
+//
+// An older version wrote the second rule with "-d VIP/32" in NAME, one per
+// tunnel IP; Sync replaces such rules. The subchain's name must be a valid
+// chain name, so a sticky chain's name is at most 24 characters.
 //
 // Leaving sticky mode (SetSticky(nil), then Sync) turns the mangle chain
-// back into its stateless content and removes the raw chain and its jump.
+// back into its stateless content and removes the raw chains and the jump.
 func (c *Chain) SetSticky(s *Sticky) error {
 	if s == nil {
 		c.sticky = nil
 		return nil
+	}
+	if err := validateChainName(c.synChainName()); err != nil {
+		return fmt.Errorf("hmark: chain %s: set sticky: the raw SYN subchain's name: %w", c.name, err)
 	}
 	if err := s.validate(c.params); err != nil {
 		return fmt.Errorf("hmark: chain %s: set sticky: %w", c.name, err)
@@ -165,6 +177,62 @@ func (c *Chain) SetSticky(s *Sticky) error {
 	cp := *s
 	c.sticky = &cp
 	return nil
+}
+
+// synChainSuffix makes the name of the raw SYN subchain from the chain's.
+const synChainSuffix = "-SYN"
+
+// synChainName is the raw-table subchain that keeps SYNs untracked.
+func (c *Chain) synChainName() string { return c.name + synChainSuffix }
+
+// syncSynChain leaves exactly synRuleSpec in the raw SYN subchain, which
+// it creates if missing: with a restorer in one restore, otherwise the
+// rule appended if missing and every other rule deleted. It returns the
+// chain created plus the rules added and removed.
+func (c *Chain) syncSynChain() (changed int, err error) {
+	syn := c.synChainName()
+	changed, err = c.ensureNamedChain(RawTable, syn)
+	if err != nil {
+		return changed, err
+	}
+	rules, err := c.listRules(RawTable, syn, false)
+	if err != nil {
+		return changed, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
+	}
+	want := synRuleSpec()
+	kept := slices.IndexFunc(rules, func(r rule) bool { return slices.Equal(r.spec, want) })
+	var stale []int
+	for i, r := range rules {
+		if i != kept {
+			stale = append(stale, r.pos)
+		}
+	}
+	missing := 0
+	if kept < 0 {
+		missing = 1
+	}
+	if missing == 0 && len(stale) == 0 {
+		return changed, nil
+	}
+	if c.restorer != nil {
+		if err := c.restorer.Restore(RawTable, restorePayloadOf(RawTable, syn, []desiredRule{{spec: want}})); err != nil {
+			return changed, fmt.Errorf("hmark: sync chain %s: table %s: restore chain %s: %w", c.name, RawTable, syn, err)
+		}
+		return changed + missing + len(stale), nil
+	}
+	if missing == 1 {
+		if err := c.ipt.Append(RawTable, syn, want...); err != nil {
+			return changed, fmt.Errorf("hmark: sync chain %s: table %s: append rule to %s: %w", c.name, RawTable, syn, err)
+		}
+		changed++
+	}
+	for i := len(stale) - 1; i >= 0; i-- {
+		if err := c.ipt.DeleteById(RawTable, syn, stale[i]); err != nil {
+			return changed, fmt.Errorf("hmark: sync chain %s: table %s: delete stale rule %d of %s: %w", c.name, RawTable, stale[i], syn, err)
+		}
+		changed++
+	}
+	return changed, nil
 }
 
 // rawPlan is the difference between c's raw chain and the desired one,
@@ -175,17 +243,19 @@ type rawPlan struct {
 	// stale are the 1-based positions (ascending) of every other rule.
 	stale []int
 	// staleVIPs are the tunnel IPs no longer wanted that still have a
-	// canonical rule (once each, sorted).
+	// rule, canonical or of an older version (once each, sorted).
 	staleVIPs []netip.Addr
+	// counters are, by tunnel IP, the counters of its canonical rules:
+	// what a restore writes its rule back with.
+	counters map[netip.Addr]Counter
 	// restoredAdds records that addRawRules restored the chain with the
 	// rules of staleVIPs kept, so that only those are left to remove.
 	restoredAdds bool
 }
 
-// planRaw compares c's raw chain with one notrack rule per tunnel IP of
-// want.
+// planRaw compares c's raw chain with one rule per tunnel IP of want.
 func (c *Chain) planRaw(want []Target) (rawPlan, error) {
-	rules, err := c.listRules(RawTable, c.name, false)
+	rules, err := c.listRules(RawTable, c.name, true)
 	if err != nil {
 		return rawPlan{}, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
 	}
@@ -193,16 +263,21 @@ func (c *Chain) planRaw(want []Target) (rawPlan, error) {
 	for _, t := range want {
 		wanted[t.VIP] = true
 	}
-	var plan rawPlan
+	plan := rawPlan{counters: sumCounters(rules, c.rawVIPRule)}
 	kept := make(map[netip.Addr]bool, len(want))
 	seenStale := make(map[netip.Addr]bool)
 	for _, r := range rules {
-		vip, ok := r.rawVIPRule()
+		vip, ok := c.rawVIPRule(r)
 		if ok && wanted[vip] && !kept[vip] {
 			kept[vip] = true
 			continue
 		}
 		plan.stale = append(plan.stale, r.pos)
+		if !ok {
+			// An older version's rule for a tunnel IP no longer wanted
+			// stays until the mangle rules changed, like a canonical one.
+			vip, ok = r.legacyRawVIPRule()
+		}
 		if ok && !wanted[vip] && !seenStale[vip] {
 			seenStale[vip] = true
 			plan.staleVIPs = append(plan.staleVIPs, vip)
@@ -220,15 +295,16 @@ func (c *Chain) planRaw(want []Target) (rawPlan, error) {
 // addRawRules is the first step of plan, before the mangle rules change:
 // the raw rules of new tunnel IPs are added, the rules of tunnel IPs gone
 // kept. With a restorer, the chain is restored with the rules of want and
-// of plan.staleVIPs (in address order), which drops the rules that are
-// neither (duplicates, rules Chain did not write): those count here.
+// of plan.staleVIPs (in address order), each with the counters it had,
+// which drops the rules that are neither (duplicates, rules of an older
+// version, rules Chain did not write): those count here.
 func (c *Chain) addRawRules(want []Target, plan *rawPlan) (changed int, err error) {
 	if len(plan.missing) == 0 {
 		return 0, nil
 	}
 	if c.restorer == nil {
 		for _, vip := range plan.missing {
-			if err := c.ipt.Append(RawTable, c.name, rawRuleSpec(vip)...); err != nil {
+			if err := c.ipt.Append(RawTable, c.name, c.rawRuleSpec(vip)...); err != nil {
 				return changed, fmt.Errorf("hmark: sync chain %s: table %s: append rule for vip %s: %w", c.name, RawTable, vip, err)
 			}
 			changed++
@@ -241,7 +317,7 @@ func (c *Chain) addRawRules(want []Target, plan *rawPlan) (changed int, err erro
 	}
 	vips = append(vips, plan.staleVIPs...)
 	slices.SortFunc(vips, netip.Addr.Compare)
-	if err := c.restorer.Restore(RawTable, c.restorePayload(RawTable, c.rawDesired(vips))); err != nil {
+	if err := c.restorer.Restore(RawTable, c.restorePayload(RawTable, c.rawDesired(vips, plan.counters))); err != nil {
 		return 0, fmt.Errorf("hmark: sync chain %s: table %s: restore %d rules (%d to add): %w",
 			c.name, RawTable, len(vips), len(plan.missing), err)
 	}
@@ -251,7 +327,9 @@ func (c *Chain) addRawRules(want []Target, plan *rawPlan) (changed int, err erro
 
 // removeRawRules is the second step of plan, after the mangle rules
 // changed: the raw chain is left with exactly one rule per tunnel IP of
-// want.
+// want. A restore writes them with the counters they have then: the chain
+// is listed again, since packets went on counting since planRaw (and a
+// first restore may have written the rules since).
 func (c *Chain) removeRawRules(want []Target, plan *rawPlan) (changed int, err error) {
 	if c.restorer == nil {
 		// The appended rules come after every stale one.
@@ -264,63 +342,91 @@ func (c *Chain) removeRawRules(want []Target, plan *rawPlan) (changed int, err e
 	if left == 0 {
 		return 0, nil
 	}
+	rules, err := c.listRules(RawTable, c.name, true)
+	if err != nil {
+		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
+	}
 	vips := make([]netip.Addr, len(want))
 	for i, t := range want {
 		vips[i] = t.VIP
 	}
-	if err := c.restorer.Restore(RawTable, c.restorePayload(RawTable, c.rawDesired(vips))); err != nil {
+	if err := c.restorer.Restore(RawTable, c.restorePayload(RawTable, c.rawDesired(vips, sumCounters(rules, c.rawVIPRule)))); err != nil {
 		return 0, fmt.Errorf("hmark: sync chain %s: table %s: restore %d rules (%d to remove): %w",
 			c.name, RawTable, len(vips), left, err)
 	}
 	return left, nil
 }
 
-// rawDesired is the raw chain's content for vips (in their order).
-func (c *Chain) rawDesired(vips []netip.Addr) []desiredRule {
+// rawDesired is the raw chain's content for vips (in their order), each
+// rule with its tunnel IP's counters.
+func (c *Chain) rawDesired(vips []netip.Addr, counters map[netip.Addr]Counter) []desiredRule {
 	desired := make([]desiredRule, len(vips))
 	for i, vip := range vips {
-		desired[i] = desiredRule{spec: rawRuleSpec(vip), vip: vip}
+		desired[i] = desiredRule{spec: c.rawRuleSpec(vip), vip: vip, counters: counters[vip]}
 	}
 	return desired
 }
 
 // removeRawChain, in stateless mode, removes what a sticky run left in the
 // raw table: the canonical jumps to c from raw PREROUTING, then c's raw
-// chain. It touches no other rule: should another rule still jump to the
-// chain, deleting it fails and Sync reports it.
+// chain, then the SYN subchain. It touches no other rule: should another
+// rule still jump to a chain, deleting it fails and Sync reports it.
 func (c *Chain) removeRawChain() (changed int, err error) {
 	exists, err := c.ipt.ChainExists(RawTable, c.name)
 	if err != nil {
 		return 0, fmt.Errorf("hmark: sync chain %s: table %s: check chain: %w", c.name, RawTable, err)
 	}
-	if !exists {
-		return 0, nil
+	if exists {
+		jumps, err := c.listRules(RawTable, ParentChain, false)
+		if err != nil {
+			return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
+		}
+		for _, r := range jumps {
+			if !r.isCanonicalJump(c.name) {
+				continue
+			}
+			if err := c.ipt.Delete(RawTable, ParentChain, r.spec...); err != nil {
+				return changed, fmt.Errorf("hmark: sync chain %s: table %s: delete jump from %s: %w", c.name, RawTable, ParentChain, err)
+			}
+			changed++
+		}
+		n, err := c.removeRawNamedChain(c.name)
+		changed += n
+		if err != nil {
+			return changed, err
+		}
 	}
-	jumps, err := c.listRules(RawTable, ParentChain, false)
+	if syn := c.synChainName(); validateChainName(syn) == nil {
+		exists, err := c.ipt.ChainExists(RawTable, syn)
+		if err != nil {
+			return changed, fmt.Errorf("hmark: sync chain %s: table %s: check chain %s: %w", c.name, RawTable, syn, err)
+		}
+		if exists {
+			n, err := c.removeRawNamedChain(syn)
+			changed += n
+			if err != nil {
+				return changed, err
+			}
+		}
+	}
+	return changed, nil
+}
+
+// removeRawNamedChain flushes (if it has rules) and deletes chain, which
+// exists, from the raw table. It counts its rules and the chain.
+func (c *Chain) removeRawNamedChain(chain string) (changed int, err error) {
+	rules, err := c.listRules(RawTable, chain, false)
 	if err != nil {
 		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
 	}
-	for _, r := range jumps {
-		if !r.isCanonicalJump(c.name) {
-			continue
-		}
-		if err := c.ipt.Delete(RawTable, ParentChain, r.spec...); err != nil {
-			return changed, fmt.Errorf("hmark: sync chain %s: table %s: delete jump from %s: %w", c.name, RawTable, ParentChain, err)
-		}
-		changed++
-	}
-	rules, err := c.listRules(RawTable, c.name, false)
-	if err != nil {
-		return changed, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
-	}
 	if len(rules) > 0 {
-		if err := c.ipt.ClearChain(RawTable, c.name); err != nil {
-			return changed, fmt.Errorf("hmark: sync chain %s: table %s: flush: %w", c.name, RawTable, err)
+		if err := c.ipt.ClearChain(RawTable, chain); err != nil {
+			return 0, fmt.Errorf("hmark: sync chain %s: table %s: flush %s: %w", c.name, RawTable, chain, err)
 		}
 		changed += len(rules)
 	}
-	if err := c.ipt.DeleteChain(RawTable, c.name); err != nil {
-		return changed, fmt.Errorf("hmark: sync chain %s: table %s: delete chain: %w", c.name, RawTable, err)
+	if err := c.ipt.DeleteChain(RawTable, chain); err != nil {
+		return changed, fmt.Errorf("hmark: sync chain %s: table %s: delete chain %s: %w", c.name, RawTable, chain, err)
 	}
 	return changed + 1, nil
 }
@@ -350,28 +456,55 @@ func (c *Chain) fixedMangleRules() (head, tail [][]string) {
 	return [][]string{restoreTCP, restoreOther, skipDecided}, [][]string{save}
 }
 
-// rawRuleSpec is the raw-table rule that keeps SYNs to vip untracked, as it is
-// written and as iptables prints it.
-func rawRuleSpec(vip netip.Addr) []string {
+// rawRuleSpec is the raw-table rule of vip, which every packet to it goes
+// through (its counters are the tunnel IP's traffic) on its way to the
+// SYN subchain, as it is written and as iptables prints it.
+func (c *Chain) rawRuleSpec(vip netip.Addr) []string {
 	return []string{
 		"-d", netip.PrefixFrom(vip, 32).String(),
+		"-m", "comment", "--comment", RuleComment,
+		"-j", c.synChainName(),
+	}
+}
+
+// synRuleSpec is the one rule of the SYN subchain, which keeps SYNs
+// untracked, as it is written and as iptables prints it.
+func synRuleSpec() []string {
+	return []string{
 		"-p", "tcp", "-m", "tcp", "--tcp-flags", "FIN,SYN,RST,ACK", "SYN",
 		"-m", "comment", "--comment", RuleComment,
 		"-j", "CT", "--notrack",
 	}
 }
 
+// legacyRawRuleSpec is the raw-table rule an older version wrote per
+// tunnel IP, in c's raw chain itself: it untracked the SYNs to vip and
+// counted only those.
+func legacyRawRuleSpec(vip netip.Addr) []string {
+	return slices.Concat([]string{"-d", netip.PrefixFrom(vip, 32).String()}, synRuleSpec())
+}
+
 // rawVIPRule recognizes r as a raw-table rule Chain writes for a tunnel
-// IP: exactly rawRuleSpec(VIP).
-func (r rule) rawVIPRule() (vip netip.Addr, ok bool) {
+// IP: exactly c.rawRuleSpec(VIP).
+func (c *Chain) rawVIPRule(r rule) (vip netip.Addr, ok bool) {
+	vip, ok = r.dstVIP()
+	return vip, ok && slices.Equal(r.spec, c.rawRuleSpec(vip))
+}
+
+// legacyRawVIPRule recognizes r as a raw-table rule an older version wrote
+// for a tunnel IP: exactly legacyRawRuleSpec(VIP).
+func (r rule) legacyRawVIPRule() (vip netip.Addr, ok bool) {
+	vip, ok = r.dstVIP()
+	return vip, ok && slices.Equal(r.spec, legacyRawRuleSpec(vip))
+}
+
+// dstVIP returns the IPv4 address of a rule that starts with "-d ADDR/32".
+func (r rule) dstVIP() (netip.Addr, bool) {
 	if len(r.spec) < 2 || r.spec[0] != "-d" {
 		return netip.Addr{}, false
 	}
 	p, err := netip.ParsePrefix(r.spec[1])
 	if err != nil || p.Bits() != 32 || !p.Addr().Is4() {
-		return netip.Addr{}, false
-	}
-	if !slices.Equal(r.spec, rawRuleSpec(p.Addr())) {
 		return netip.Addr{}, false
 	}
 	return p.Addr(), true

@@ -84,8 +84,9 @@ func testStickySyncInNetns(t *testing.T, binary string, restore bool) {
 	}
 
 	targets := []Target{{VIP: vipAbove, Offset: gen1}, {VIP: vipBelow}, {VIP: vipLoopback, Offset: gen0}}
-	// Both chains and jumps, 3 raw rules, 4 fixed and 3 HMARK rules.
-	syncExpect("first sync", newChain(true), targets, 2+2+3+4+3)
+	// Both chains and jumps, the SYN subchain and its rule, 3 raw rules, 4
+	// fixed and 3 HMARK rules.
+	syncExpect("first sync", newChain(true), targets, 2+2+2+3+4+3)
 	t.Logf("%s prints the sticky chains as:\n%s\n%s", binary,
 		ns.Run(binary, "-t", "mangle", "-S", DefaultChainName), ns.Run(binary, "-t", "raw", "-S", DefaultChainName))
 
@@ -97,18 +98,44 @@ func testStickySyncInNetns(t *testing.T, binary string, restore bool) {
 	}
 	syncExpect("adoption by a new Chain", adopter, targets, 0)
 
+	// Every packet to a tunnel IP counts, in the raw rule it goes
+	// through; a rewrite of either chain keeps the count.
+	sendDatagrams(t, ns, vipLoopback, 3)
+	sent := Counter{Packets: 3, Bytes: 3 * 36}
+	assertCounter(t, "3 datagrams sent", adopter, vipLoopback, sent)
 	targets[0].Offset = gen0
 	syncExpect("one tunnel IP to generation 0", adopter, targets, 2)
 	ns.Run(binary, "-t", "mangle", "-D", DefaultChainName, "1")
 	syncExpect("fixed rule deleted by hand", adopter, targets, 1)
+	syncExpect("a tunnel IP removed", adopter, targets[1:], 2)
+	assertCounter(t, "a tunnel IP removed", adopter, vipLoopback, sent)
+	syncExpect("the tunnel IP added back", adopter, targets, 2)
+	assertCounter(t, "the tunnel IP added back", adopter, vipLoopback, sent)
+	ns.Run(binary, "-t", "raw", "-I", DefaultChainName, "1", "-j", "CT", "--notrack")
+	syncExpect("foreign raw rule removed", adopter, targets, 1)
+	assertCounter(t, "foreign raw rule removed", adopter, vipLoopback, sent)
+
+	// What an older version left: a notrack rule per tunnel IP in the raw
+	// chain, no SYN subchain. Each rule is replaced (2 changes), the
+	// subchain and its rule created; then a new Chain adopts it all.
+	ns.Run(binary, "-t", "raw", "-F", DefaultChainName)
+	ns.Run(binary, "-t", "raw", "-F", DefaultChainName+"-SYN")
+	ns.Run(binary, "-t", "raw", "-X", DefaultChainName+"-SYN")
+	for _, tg := range targets {
+		ns.Run(binary, "-t", "raw", "-A", DefaultChainName, "-d", tg.VIP.String()+"/32", "-p", "tcp", "-m", "tcp",
+			"--tcp-flags", "FIN,SYN,RST,ACK", "SYN", "-m", "comment", "--comment", RuleComment, "-j", "CT", "--notrack")
+	}
+	syncExpect("upgrade from an older version's raw rules", adopter, targets, 2*len(targets)+2)
+	syncExpect("adoption after the upgrade", newChain(true), targets, 0)
 
 	stateless := newChain(false)
-	// Mangle: 4 fixed rules; raw: jump, 3 rules, chain.
-	syncExpect("sticky -> stateless", stateless, targets, 4+5)
+	// Mangle: 4 fixed rules; raw: jump, 3 rules, chain, SYN rule and
+	// subchain.
+	syncExpect("sticky -> stateless", stateless, targets, 4+7)
 	if got := tableS("raw"); got != beforeRaw {
 		t.Errorf("raw after leaving sticky mode:\n%s\nwant:\n%s", got, beforeRaw)
 	}
-	syncExpect("stateless -> sticky", newChain(true), targets, 4+5)
+	syncExpect("stateless -> sticky", newChain(true), targets, 4+7)
 
 	if err := adopter.Cleanup(); err != nil {
 		t.Fatalf("Cleanup: %v", err)
@@ -257,8 +284,21 @@ func testStickyDrainingInNetns(t *testing.T, binary string) {
 			t.Errorf("conntrack of %s: %v, want mark in the generation at %#x", tc.name, flow, tc.gen)
 		}
 	}
-	hmarkCounters, err := chain.Counters()
-	t.Logf("HMARK rule counters (fresh decisions only): %v, %v", hmarkCounters, err)
+	// The tunnel IP's counters count every packet the router received for
+	// it, a generation change (a mangle rewrite) notwithstanding: the
+	// packets forwarded to it, counted in FORWARD just before and just
+	// after (the client's delayed ACKs may still arrive meanwhile; each
+	// packet crosses raw PREROUTING before FORWARD).
+	forwardedBefore := readCounters(t, ipt)["to vip"]
+	counters, err := chain.Counters()
+	if err != nil {
+		t.Fatalf("Counters: %v", err)
+	}
+	forwardedAfter := readCounters(t, ipt)["to vip"]
+	if got := counters[labVIP].Packets; got < forwardedBefore || got > forwardedAfter || forwardedBefore < after["A all"]+after["B all"]+after["U all"]+after["F all"] {
+		t.Errorf("Counters[%s] = %+v, want between the %d and %d packets forwarded to it", labVIP, counters[labVIP], forwardedBefore, forwardedAfter)
+	}
+	t.Logf("tunnel IP counters (every packet): %v; forwarded to the tunnel IP: %d, then %d", counters, forwardedBefore, forwardedAfter)
 }
 
 // newDrainingLab creates the namespaces c, r and s, linked in a triangle,
@@ -342,7 +382,8 @@ func writeSysctls(t *testing.T, ns *testnetns.NS, values map[string]string) {
 // addCountingRules adds the test's counting rules to r's mangle FORWARD,
 // each named by its comment: per flow, packets in generation 0, in
 // generation 1 and in all, and SYNs in generation 1 for the TCP flows;
-// and packets to the tunnel IP without a mark of the block.
+// packets to the tunnel IP without a mark of the block; and all packets
+// to the tunnel IP.
 func addCountingRules(r *testnetns.NS, binary string) {
 	add := func(comment string, match ...string) {
 		args := append([]string{"-t", "mangle", "-A", "FORWARD", "-s", labClient.String(), "-d", labVIP.String()}, match...)
@@ -362,6 +403,7 @@ func addCountingRules(r *testnetns.NS, binary string) {
 		}
 	}
 	add("unmarked", "-m", "mark", "!", "--mark", labBlock)
+	add("to vip")
 }
 
 // readCounters returns the packet counters of the counting rules by

@@ -33,6 +33,8 @@ const (
 	printedSave         = "-A KST-HMARK -m connmark --mark 0x0 -m mark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j CONNMARK --save-mark --nfmask 0xffffffff --ctmask 0xffffffff"
 	printedRawChainN    = "-t raw -N KST-HMARK"
 	printedRawJump      = "-t raw -A PREROUTING -m comment --comment kube-service-tunnel -j KST-HMARK"
+	printedSynChainN    = "-t raw -N KST-HMARK-SYN"
+	printedSynRule      = "-t raw -A KST-HMARK-SYN -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -m comment --comment kube-service-tunnel -j CT --notrack"
 )
 
 // rawOthersLines are rules of others in the raw table.
@@ -48,13 +50,20 @@ func printedStickyRule(vip netip.Addr, offset uint32) string {
 	return fmt.Sprintf("-A KST-HMARK -d %s/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset %d", vip, offset)
 }
 
-// printedRawRule is the notrack rule for vip as iptables prints it.
+// printedRawRule is vip's rule in the raw chain, to the SYN subchain, as
+// iptables prints it.
 func printedRawRule(vip netip.Addr) string {
+	return fmt.Sprintf("-t raw -A KST-HMARK -d %s/32 -m comment --comment kube-service-tunnel -j KST-HMARK-SYN", vip)
+}
+
+// printedLegacyRawRule is the notrack rule for vip that an older version
+// wrote in the raw chain, as iptables prints it.
+func printedLegacyRawRule(vip netip.Addr) string {
 	return fmt.Sprintf("-t raw -A KST-HMARK -d %s/32 -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -m comment --comment kube-service-tunnel -j CT --notrack", vip)
 }
 
-// stickyLines is the printed sticky state (both chains, both jumps) for
-// targets, in the order Chain writes it.
+// stickyLines is the printed sticky state (the three chains, both jumps)
+// for targets, in the order Chain writes it; the SYN subchain comes last.
 func stickyLines(targets ...Target) []string {
 	lines := []string{printedChainN, printedJump, printedRestoreTCP, printedRestoreOther, printedReturn}
 	for _, t := range targets {
@@ -63,6 +72,23 @@ func stickyLines(targets ...Target) []string {
 	lines = append(lines, printedSave, printedRawChainN, printedRawJump)
 	for _, t := range targets {
 		lines = append(lines, printedRawRule(t.VIP))
+	}
+	return append(lines, printedSynChainN, printedSynRule)
+}
+
+// legacyStickyLines is the printed sticky state an older version left for
+// targets: no SYN subchain, a notrack rule per tunnel IP in the raw chain.
+func legacyStickyLines(targets ...Target) []string {
+	var lines []string
+	for _, l := range stickyLines(targets...) {
+		switch {
+		case l == printedSynChainN || l == printedSynRule:
+		case strings.HasPrefix(l, "-t raw -A KST-HMARK -d "):
+			vip := netip.MustParsePrefix(strings.Fields(l)[5]).Addr()
+			lines = append(lines, printedLegacyRawRule(vip))
+		default:
+			lines = append(lines, l)
+		}
 	}
 	return lines
 }
@@ -133,9 +159,9 @@ func checkWrites(t *testing.T, step string, f *fakeIPTables, want []string) {
 func TestStickySyncFromScratch(t *testing.T) {
 	targets := []Target{{VIP: vipB, Offset: gen1}, {VIP: vipA}}
 	synced := []Target{{VIP: vipA, Offset: gen0}, {VIP: vipB, Offset: gen1}}
-	// chain, jump, 2 raw rules in raw; chain, jump, 4 fixed and 2 HMARK
-	// rules in mangle.
-	const wantChanged = 2 + 2 + 2 + 6
+	// chain, SYN subchain and its rule, jump, 2 raw rules in raw; chain,
+	// jump, 4 fixed and 2 HMARK rules in mangle.
+	const wantChanged = 2 + 4 + 2 + 6
 	t.Run("restore", func(t *testing.T) {
 		f := newFakeIPTables(t, slices.Concat(othersLines, rawOthersLines)...)
 		changed, err := newStickyChain(t, f).Sync(targets)
@@ -146,7 +172,8 @@ func TestStickySyncFromScratch(t *testing.T) {
 		// The raw rules go in before the mangle rules hash the tunnel IPs.
 		checkWrites(t, "Sync", f, []string{
 			"new mangle/KST-HMARK", "insert mangle/PREROUTING 1 -m comment --comment kube-service-tunnel -j KST-HMARK",
-			"new raw/KST-HMARK", "insert raw/PREROUTING 1 -m comment --comment kube-service-tunnel -j KST-HMARK",
+			"new raw/KST-HMARK", "new raw/KST-HMARK-SYN", "restore raw",
+			"insert raw/PREROUTING 1 -m comment --comment kube-service-tunnel -j KST-HMARK",
 			"restore raw", "restore mangle",
 		})
 		wantMangle := `*mangle
@@ -159,14 +186,19 @@ func TestStickySyncFromScratch(t *testing.T) {
 -A KST-HMARK -m connmark --mark 0x0 -m mark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j CONNMARK --save-mark --nfmask 0xffffffff --ctmask 0xffffffff
 COMMIT
 `
-		wantRaw := `*raw
-:KST-HMARK - [0:0]
--A KST-HMARK -d 10.96.0.10/32 -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -m comment --comment kube-service-tunnel -j CT --notrack
--A KST-HMARK -d 10.96.0.20/32 -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -m comment --comment kube-service-tunnel -j CT --notrack
+		wantSyn := `*raw
+:KST-HMARK-SYN - [0:0]
+-A KST-HMARK-SYN -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -m comment --comment kube-service-tunnel -j CT --notrack
 COMMIT
 `
-		if len(f.restores) != 2 || f.restores[0] != wantRaw || f.restores[1] != wantMangle {
-			t.Errorf("restore payloads:\n%s\nwant:\n%s%s", strings.Join(f.restores, ""), wantRaw, wantMangle)
+		wantRaw := `*raw
+:KST-HMARK - [0:0]
+-A KST-HMARK -d 10.96.0.10/32 -m comment --comment kube-service-tunnel -j KST-HMARK-SYN
+-A KST-HMARK -d 10.96.0.20/32 -m comment --comment kube-service-tunnel -j KST-HMARK-SYN
+COMMIT
+`
+		if len(f.restores) != 3 || f.restores[0] != wantSyn || f.restores[1] != wantRaw || f.restores[2] != wantMangle {
+			t.Errorf("restore payloads:\n%s\nwant:\n%s%s%s", strings.Join(f.restores, ""), wantSyn, wantRaw, wantMangle)
 		}
 	})
 	t.Run("one-by-one", func(t *testing.T) {
@@ -180,7 +212,7 @@ COMMIT
 		// order (fixed head, HMARK rules by address, save rule).
 		checkWrites(t, "Sync", f, []string{
 			"new mangle/KST-HMARK", "insert mangle/PREROUTING 1",
-			"new raw/KST-HMARK", "insert raw/PREROUTING 1",
+			"new raw/KST-HMARK", "new raw/KST-HMARK-SYN", "append raw/KST-HMARK-SYN -p tcp", "insert raw/PREROUTING 1",
 			"append raw/KST-HMARK -d 10.96.0.10/32", "append raw/KST-HMARK -d 10.96.0.20/32",
 			"append mangle/KST-HMARK -p tcp -m connmark",
 			"append mangle/KST-HMARK ! -p tcp -m connmark",
@@ -342,7 +374,7 @@ func TestStickyVIPOrdering(t *testing.T) {
 				if restore && tt.name == "add and remove" && len(f.restores) == 3 {
 					// The first raw restore keeps B's rule (it goes after
 					// the mangle rules) and adds C's.
-					if got := strings.Count(f.restores[0], "-j CT --notrack"); got != 3 || !strings.Contains(f.restores[0], "10.96.0.20/32") {
+					if got := strings.Count(f.restores[0], "-j KST-HMARK-SYN"); got != 3 || !strings.Contains(f.restores[0], "10.96.0.20/32") {
 						t.Errorf("first raw restore has %d rules, want A, B and C:\n%s", got, f.restores[0])
 					}
 					if strings.Contains(f.restores[2], "10.96.0.20/32") {
@@ -390,6 +422,15 @@ func TestStickyRepairs(t *testing.T) {
 		{"raw duplicate and foreign rule", slices.Concat(base, []string{printedRawRule(vipA), "-t raw -A KST-HMARK -j CT --notrack"}), 2,
 			[]string{"delete raw/KST-HMARK #4", "delete raw/KST-HMARK #3"}},
 		{"raw jump missing", without(base, 9), 1, []string{"insert raw/PREROUTING 1"}},
+		{"SYN rule missing", base[:len(base)-1], 1, []string{"append raw/KST-HMARK-SYN -p tcp"}},
+		{"SYN subchain missing", base[:len(base)-2], 2, []string{"new raw/KST-HMARK-SYN", "append raw/KST-HMARK-SYN -p tcp"}},
+		{"foreign rule before the SYN rule", slices.Insert(slices.Clone(base), len(base)-1, "-t raw -A KST-HMARK-SYN -p udp -j CT --notrack"), 1,
+			[]string{"delete raw/KST-HMARK-SYN #1"}},
+		{"raw rules of an older version", legacyStickyLines(targets...), 2 + 2 + 2,
+			[]string{"new raw/KST-HMARK-SYN", "append raw/KST-HMARK-SYN -p tcp",
+				"append raw/KST-HMARK -d 10.96.0.10/32 -m comment --comment kube-service-tunnel -j KST-HMARK-SYN",
+				"append raw/KST-HMARK -d 10.96.0.20/32 -m comment --comment kube-service-tunnel -j KST-HMARK-SYN",
+				"delete raw/KST-HMARK #2", "delete raw/KST-HMARK #1"}},
 	}
 	for _, tt := range tests {
 		for _, restore := range []bool{true, false} {
@@ -405,8 +446,8 @@ func TestStickyRepairs(t *testing.T) {
 				}
 				if !restore {
 					checkWrites(t, "Sync", f, tt.oneByOne)
-				} else if len(f.writes) > 2 {
-					t.Errorf("Sync with a restorer wrote %q, want at most 2 writes", f.writes)
+				} else if len(f.writes) > 3 {
+					t.Errorf("Sync with a restorer wrote %q, want at most 3 writes", f.writes)
 				}
 				checkState(t, "after Sync", f, targets...)
 				f.writes = nil
@@ -451,10 +492,11 @@ func TestStickyModeChanges(t *testing.T) {
 			if err := c.SetSticky(nil); err != nil || c.Sticky() != nil {
 				t.Fatalf("SetSticky(nil) = %v, Sticky() = %v; want stateless", err, c.Sticky())
 			}
-			// Mangle: 4 fixed rules removed; raw: jump, 2 rules, chain.
+			// Mangle: 4 fixed rules removed; raw: jump, 2 rules, chain,
+			// the SYN rule and subchain.
 			changed, err := c.Sync(targets)
-			if err != nil || changed != 4+4 {
-				t.Errorf("sticky -> stateless: Sync = %d, %v; want 8, nil", changed, err)
+			if err != nil || changed != 4+6 {
+				t.Errorf("sticky -> stateless: Sync = %d, %v; want 10, nil", changed, err)
 			}
 			if got := f.dumpTable("mangle"); !sameState(got, wantStatelessMangle) {
 				t.Errorf("sticky -> stateless: mangle:\n%s\nwant:\n%s", got, wantStatelessMangle)
@@ -462,8 +504,9 @@ func TestStickyModeChanges(t *testing.T) {
 			if got := f.dumpTable("raw"); got != wantStatelessRaw {
 				t.Errorf("sticky -> stateless: raw:\n%s\nwant:\n%s", got, wantStatelessRaw)
 			}
-			wantTail := []string{"delete raw/PREROUTING -m comment --comment kube-service-tunnel -j KST-HMARK", "clear raw/KST-HMARK", "delete-chain raw/KST-HMARK"}
-			if len(f.writes) < 3 || !slices.Equal(f.writes[len(f.writes)-3:], wantTail) {
+			wantTail := []string{"delete raw/PREROUTING -m comment --comment kube-service-tunnel -j KST-HMARK", "clear raw/KST-HMARK", "delete-chain raw/KST-HMARK",
+				"clear raw/KST-HMARK-SYN", "delete-chain raw/KST-HMARK-SYN"}
+			if len(f.writes) < len(wantTail) || !slices.Equal(f.writes[len(f.writes)-len(wantTail):], wantTail) {
 				t.Errorf("sticky -> stateless: writes %q, want the mangle chain first, then %q", f.writes, wantTail)
 			}
 			f.writes = nil
@@ -474,9 +517,10 @@ func TestStickyModeChanges(t *testing.T) {
 			if err := c.SetSticky(&testSticky); err != nil {
 				t.Fatalf("SetSticky: %v", err)
 			}
-			// Raw: chain, jump, 2 rules; mangle: 4 fixed rules.
-			if changed, err := c.Sync(targets); err != nil || changed != 4+4 {
-				t.Errorf("stateless -> sticky: Sync = %d, %v; want 8, nil", changed, err)
+			// Raw: chain, SYN subchain and rule, jump, 2 rules; mangle: 4
+			// fixed rules.
+			if changed, err := c.Sync(targets); err != nil || changed != 4+6 {
+				t.Errorf("stateless -> sticky: Sync = %d, %v; want 10, nil", changed, err)
 			}
 			checkState(t, "stateless -> sticky", f, targets...)
 		})
@@ -611,12 +655,15 @@ func TestStickyErrorsRedactSeed(t *testing.T) {
 // others, from a sticky state, a half-written one and an empty one.
 func TestStickyCleanup(t *testing.T) {
 	full := stickyLines(Target{VIP: vipA, Offset: gen0}, Target{VIP: vipB, Offset: gen1})
+	raw := slices.Index(full, printedRawChainN)
 	tests := map[string][]string{
-		"synced":            full,
-		"extra raw jump":    slices.Concat(full, []string{"-t raw -A PREROUTING -i eth0 -g KST-HMARK"}),
-		"raw chain only":    full[len(full)-4:],
-		"mangle chain only": full[:len(full)-4],
-		"nothing there":     nil,
+		"synced":                full,
+		"extra raw jump":        slices.Concat(full, []string{"-t raw -A PREROUTING -i eth0 -g KST-HMARK"}),
+		"raw chains only":       full[raw:],
+		"mangle chain only":     full[:raw],
+		"SYN subchain only":     full[len(full)-2:],
+		"older version's state": legacyStickyLines(Target{VIP: vipA, Offset: gen0}),
+		"nothing there":         nil,
 	}
 	for name, lines := range tests {
 		t.Run(name, func(t *testing.T) {
@@ -636,17 +683,123 @@ func TestStickyCleanup(t *testing.T) {
 	}
 }
 
-// TestStickyCounters: the counters of every tunnel IP's HMARK rule,
-// whatever its generation; the fixed rules are left out.
+// TestStickyCounters: in sticky mode, the counters of every tunnel IP's
+// raw rule (which every packet to it goes through), not those of the
+// HMARK rules (which see only fresh decisions); other raw rules, the SYN
+// rule and an older version's rules are left out.
 func TestStickyCounters(t *testing.T) {
-	f := newFakeIPTables(t, slices.Concat(othersLines, stickyLines(Target{VIP: vipA, Offset: gen0}, Target{VIP: vipB, Offset: gen1}))...)
-	rules := f.chains["mangle/KST-HMARK"]
-	for i := range rules {
-		rules[i].packets, rules[i].bytes = uint64(i+1), uint64(100*(i+1))
+	lines := slices.Concat(othersLines, rawOthersLines, stickyLines(Target{VIP: vipA, Offset: gen0}, Target{VIP: vipB, Offset: gen1}),
+		[]string{printedLegacyRawRule(vipC)})
+	f := newFakeIPTables(t, lines...)
+	for _, key := range []string{"mangle/KST-HMARK", "raw/KST-HMARK", "raw/KST-HMARK-SYN", "raw/OPERATOR"} {
+		rules := f.chains[key]
+		for i := range rules {
+			rules[i].packets, rules[i].bytes = uint64(10*len(key)+i+1), uint64(1000*len(key)+100*(i+1))
+		}
 	}
+	// raw/KST-HMARK is 13 characters: A's rule is its first, B's its second.
 	got, err := newStickyChain(t, f).Counters()
-	want := map[netip.Addr]Counter{vipA: {Packets: 4, Bytes: 400}, vipB: {Packets: 5, Bytes: 500}}
+	want := map[netip.Addr]Counter{vipA: {Packets: 131, Bytes: 13100}, vipB: {Packets: 132, Bytes: 13200}}
 	if err != nil || !maps.Equal(got, want) {
 		t.Errorf("Counters = %v, %v; want %v", got, err, want)
+	}
+	if len(f.writes) != 0 {
+		t.Errorf("Counters wrote %q", f.writes)
+	}
+}
+
+// TestStickyNeedsRoomForSynChain: the SYN subchain's name is the chain's
+// and "-SYN", so a sticky chain's name has at most 24 characters; a
+// stateless one keeps the 28 of iptables.
+func TestStickyNeedsRoomForSynChain(t *testing.T) {
+	f := newFakeIPTables(t)
+	for _, tt := range []struct {
+		name string
+		ok   bool
+	}{{strings.Repeat("K", 24), true}, {strings.Repeat("K", 25), false}} {
+		c, err := NewChain(f, tt.name, stickyParams)
+		if err != nil {
+			t.Fatalf("NewChain(%q): %v", tt.name, err)
+		}
+		err = c.SetSticky(&testSticky)
+		if tt.ok != (err == nil) || (err != nil && (!strings.Contains(err.Error(), tt.name+"-SYN") || c.Sticky() != nil)) {
+			t.Errorf("SetSticky on chain %q = %v, sticky %v; want ok: %v (an error naming the subchain)", tt.name, err, c.Sticky(), tt.ok)
+		}
+		if err := c.Cleanup(); err != nil {
+			t.Errorf("Cleanup of chain %q: %v", tt.name, err)
+		}
+	}
+}
+
+// TestCountersSurviveRestores gives every rule of a synced chain counters,
+// then restores the chains in ways that leave tunnel IP A in place (B
+// removed, C added, A moved to another generation, a foreign rule
+// removed), in either mode: Counters reports the same for A after each,
+// and the restore payload carries them as "[PACKETS:BYTES]".
+func TestCountersSurviveRestores(t *testing.T) {
+	for _, sticky := range []bool{false, true} {
+		t.Run(fmt.Sprintf("sticky=%v", sticky), func(t *testing.T) {
+			f := newFakeIPTables(t, slices.Concat(othersLines, rawOthersLines)...)
+			newChain := func() *Chain {
+				if sticky {
+					return newStickyChain(t, f)
+				}
+				return newTestChain(t, f, stickyParams)
+			}
+			tA, tB, tC := Target{VIP: vipA, Offset: gen0}, Target{VIP: vipB, Offset: gen0}, Target{VIP: vipC, Offset: gen0}
+			if _, err := newChain().Sync([]Target{tA, tB}); err != nil {
+				t.Fatalf("first Sync: %v", err)
+			}
+			table := "mangle"
+			if sticky {
+				table = "raw"
+			}
+			// Counters as if traffic went through every rule of both tables.
+			for _, key := range []string{"mangle/KST-HMARK", "raw/KST-HMARK"} {
+				for i := range f.chains[key] {
+					f.chains[key][i].packets, f.chains[key][i].bytes = uint64(7+i), uint64(700+i)
+				}
+			}
+			want, err := newChain().Counters()
+			if err != nil || want[vipA] == (Counter{}) {
+				t.Fatalf("Counters = %v, %v; want A's non-zero", want, err)
+			}
+			carried := fmt.Sprintf("[%d:%d] -A KST-HMARK -d 10.96.0.10/32 ", want[vipA].Packets, want[vipA].Bytes)
+			steps := []struct {
+				name    string
+				setup   func()
+				targets []Target
+			}{
+				{"B removed", nil, []Target{tA}},
+				{"C added", nil, []Target{tA, tC}},
+				{"A to generation 1", nil, []Target{{VIP: vipA, Offset: gen1}, tC}},
+				{"foreign rule removed", func() {
+					f.chains[table+"/KST-HMARK"] = slices.Insert(f.chains[table+"/KST-HMARK"], 0, fakeRule{spec: "-j MARK --set-xmark 0x3/0xffffffff"})
+				}, []Target{{VIP: vipA, Offset: gen1}, tC}},
+			}
+			for _, step := range steps {
+				if step.setup != nil {
+					step.setup()
+				}
+				f.restores = nil
+				if _, err := newChain().Sync(step.targets); err != nil {
+					t.Fatalf("%s: Sync: %v", step.name, err)
+				}
+				got, err := newChain().Counters()
+				if err != nil || got[vipA] != want[vipA] {
+					t.Errorf("%s: Counters = %v, %v; want A's unchanged: %v", step.name, got, err, want[vipA])
+				}
+				// A's rule was written anew (the table read was restored)
+				// with its counters, or not written at all.
+				for _, payload := range f.restores {
+					if strings.HasPrefix(payload, "*"+table+"\n:KST-HMARK -") && !strings.Contains(payload, carried) {
+						t.Errorf("%s: restore without A's counters %q:\n%s", step.name, carried, payload)
+					}
+				}
+				if !slices.ContainsFunc(f.restores, func(p string) bool { return strings.HasPrefix(p, "*"+table+"\n") }) && step.name != "A to generation 1" {
+					t.Errorf("%s: %s not restored, the step proves nothing (restores: %q)", step.name, table, f.restores)
+				}
+			}
+		})
 	}
 }

@@ -135,8 +135,10 @@ func (c Config) Validate() error {
 	if c.Mode == ModeGRE && (c.GREDevice == "gre0" || c.GREDevice == "gretap0") {
 		errs = append(errs, fmt.Errorf("gre device %q: the kernel's fallback device cannot be flow-based", c.GREDevice))
 	}
-	if c.Chain == "" || len(c.Chain) > 28 {
-		errs = append(errs, fmt.Errorf("chain %q: must be 1-28 characters", c.Chain))
+	// iptables names have at most 28 characters; with generations the raw
+	// table also holds the chain's "-SYN" subchain.
+	if maxChain := chainNameLimit(c.Generations); c.Chain == "" || len(c.Chain) > maxChain {
+		errs = append(errs, fmt.Errorf("chain %q: must be 1-%d characters (--generations %d)", c.Chain, maxChain, c.Generations))
 	}
 	if c.RouteProtocol < 5 {
 		errs = append(errs, fmt.Errorf("route protocol %d: 0-4 are the kernel's own", c.RouteProtocol))
@@ -178,4 +180,14 @@ func markBlockSize(slots int) uint32 {
 		size <<= 1
 	}
 	return size
+}
+
+// chainNameLimit is the longest --chain name: iptables allows 28
+// characters, and with several generations the "-SYN" subchain (hmark's
+// sticky mode) must fit too.
+func chainNameLimit(generations int) int {
+	if generations > 1 {
+		return 28 - len("-SYN")
+	}
+	return 28
 }

@@ -81,10 +81,34 @@ type Controller struct {
 	byVIP    map[netip.Addr]map[string]bool // tunnel IP -> keys of the Services claiming it
 	reported map[string]string              // Service key -> last event reason+message, to record each state once
 	networks tunnelclaim.Networks           // what tunnel IPs must not take, as of the last resync
+	refused  map[string]string              // Service key -> why its claim is refused (refusedInvalid, refusedPolicy)
+	metrics  *Metrics                       // nil: none
+	status   *StatusWriter                  // publishes served tunnel IPs in LoadBalancer Services' status
 	synced1  atomic.Bool
 
 	announcer Announcer
 	announce  map[netip.Addr]bool // tunnel IPs programmed with a ready endpoint
+}
+
+// SetMetrics makes the controller export its state and reconciles to m.
+// Call it before Run; without it nothing is recorded.
+func (c *Controller) SetMetrics(m *Metrics) { c.metrics = m }
+
+// claimMetrics exports how many tunnel IPs are served and how many Services'
+// claims are refused, by reason (conflict losers: every claimant of a
+// tunnel IP but its winner).
+func (c *Controller) claimMetrics() {
+	if c.metrics == nil {
+		return
+	}
+	refused := map[string]int{}
+	for _, reason := range c.refused {
+		refused[reason]++
+	}
+	for _, keys := range c.byVIP {
+		refused[refusedConflict] += len(keys) - 1
+	}
+	c.metrics.setClaims(len(c.byVIP), refused)
 }
 
 // SetAnnouncer makes the controller announce every tunnel IP whose datapath
@@ -143,8 +167,10 @@ func NewController(cfg Config, client kubernetes.Interface, factory informers.Sh
 		claims:   map[string]netip.Addr{},
 		byVIP:    map[netip.Addr]map[string]bool{},
 		reported: map[string]string{},
+		refused:  map[string]string{},
 		announce: map[netip.Addr]bool{},
 	}
+	c.status = NewStatusWriter(client, c.services, cfg.Policy.Pools.Contains, log.WithField("component", "status"))
 	if _, err := svcInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    c.enqueueObject,
 		UpdateFunc: func(_, obj any) { c.enqueueObject(obj) },
@@ -307,11 +333,14 @@ func (c *Controller) Run(ctx context.Context) error {
 		c.log.Info("stopped before the informer caches synced")
 		return nil
 	}
+	statusDone := make(chan struct{})
+	go func() { c.status.Run(ctx); close(statusDone) }()
+	defer func() { <-statusDone }()
 	// Adopt and converge the whole state before handling single Services, so
 	// that nothing is programmed against a device or rule set not yet ensured.
 	backoff := wait.Backoff{Duration: time.Second, Factor: 2, Jitter: 0.1, Steps: 1 << 30, Cap: time.Minute}
 	for {
-		err := c.resync()
+		err := c.reconcile(reconcileResync, c.resync)
 		if err == nil {
 			break
 		}
@@ -342,11 +371,11 @@ func (c *Controller) processNext() bool {
 	var err error
 	switch key {
 	case resyncKey:
-		err = c.resync()
+		err = c.reconcile(reconcileResync, c.resync)
 	case networksKey:
-		err = c.networksChanged()
+		err = c.reconcile(reconcileNetworks, c.networksChanged)
 	default:
-		err = c.syncService(key)
+		err = c.reconcile(reconcileService, func() error { return c.syncService(key) })
 	}
 	if err != nil {
 		c.log.WithError(err).WithField("key", strings.TrimPrefix(key, "\x00")).Warn("sync failed, will retry")
@@ -357,11 +386,21 @@ func (c *Controller) processNext() bool {
 	return true
 }
 
+// reconcile runs one reconcile of kind and records its duration and error.
+func (c *Controller) reconcile(kind string, fn func() error) error {
+	start := time.Now()
+	err := fn()
+	c.metrics.reconciled(kind, time.Since(start), err)
+	return err
+}
+
 // claimOf reads the tunnel IP a Service claims; ok is false when it claims
 // none. A bad annotation, or a tunnel IP the address pools refuse, is
 // reported on the Service and claims nothing: it never beats an admitted
 // claimant of the same IP.
 func (c *Controller) claimOf(svc *corev1.Service) (netip.Addr, bool) {
+	key := svc.Namespace + "/" + svc.Name
+	delete(c.refused, key)
 	value, annotated := svc.Annotations[tunnelclaim.Annotation]
 	if !annotated {
 		return netip.Addr{}, false
@@ -369,11 +408,13 @@ func (c *Controller) claimOf(svc *corev1.Service) (netip.Addr, bool) {
 	field := "metadata.annotations[" + tunnelclaim.Annotation + "]"
 	vip, err := tunnelclaim.ParseIP(value)
 	if err != nil {
+		c.refused[key] = refusedInvalid
 		c.log.WithFields(logrus.Fields{"service": svc.Namespace + "/" + svc.Name, "field": field}).WithError(err).Warn("invalid tunnel IP")
 		c.report(svc, corev1.EventTypeWarning, ReasonInvalidTunnelIP, err.Error())
 		return netip.Addr{}, false
 	}
 	if err := c.cfg.Policy.Pools.Admit(vip, svc.Namespace, c.networks); err != nil {
+		c.refused[key] = refusedPolicy
 		// Logged with the event: once per reason, not on every resync.
 		if c.report(svc, corev1.EventTypeWarning, ReasonRefused, err.Error()) {
 			c.log.WithFields(logrus.Fields{"service": svc.Namespace + "/" + svc.Name, "field": field, "vip": vip}).WithError(err).Warn("tunnel IP refused")
@@ -425,12 +466,13 @@ func (c *Controller) resync() error {
 	if err != nil {
 		return fmt.Errorf("listing services: %w", err)
 	}
-	c.claims, c.byVIP = map[string]netip.Addr{}, map[netip.Addr]map[string]bool{}
+	c.claims, c.byVIP, c.refused = map[string]netip.Addr{}, map[netip.Addr]map[string]bool{}, map[string]string{}
 	for _, svc := range svcs {
 		if vip, ok := c.claimOf(svc); ok {
 			c.setClaim(svc.Namespace+"/"+svc.Name, vip)
 		}
 	}
+	c.claimMetrics()
 	for key := range c.reported {
 		if _, err := c.service(key); apierrors.IsNotFound(err) {
 			delete(c.reported, key)
@@ -445,6 +487,10 @@ func (c *Controller) resync() error {
 		return fmt.Errorf("resync of %d tunnel IPs: %w", len(tunnels), err)
 	}
 	c.log.WithFields(logrus.Fields{"tunnels": len(tunnels), "duration": time.Since(start).Round(time.Millisecond)}).Info("resynced datapath")
+	c.metrics.setTunnels(tunnels)
+	for _, svc := range svcs {
+		c.publishStatus(svc.Namespace + "/" + svc.Name)
+	}
 	if c.announcer != nil {
 		c.announce = map[netip.Addr]bool{}
 		for _, t := range tunnels {
@@ -486,6 +532,8 @@ func (c *Controller) syncService(key string) error {
 	var claims bool
 	if svc != nil {
 		vip, claims = c.claimOf(svc)
+	} else {
+		delete(c.refused, key)
 	}
 	if _, annotated := svcAnnotation(svc); !annotated {
 		delete(c.reported, key) // a later annotation reports afresh
@@ -494,12 +542,23 @@ func (c *Controller) syncService(key string) error {
 	if claims {
 		c.setClaim(key, vip)
 	}
+	c.claimMetrics()
 	affected := map[netip.Addr]bool{}
 	if hadClaim {
 		affected[old] = true
 	}
 	if claims {
 		affected[vip] = true
+	}
+	// The Service, and every other claimant of the tunnel IPs it took or
+	// released (a conflict's loser may have become the winner).
+	c.publishStatus(key)
+	for v := range affected {
+		for other := range c.byVIP[v] {
+			if other != key {
+				c.publishStatus(other)
+			}
+		}
 	}
 	for v := range affected {
 		if err := c.syncVIP(v); err != nil {
@@ -509,6 +568,21 @@ func (c *Controller) syncService(key string) error {
 	return nil
 }
 
+// publishStatus hands the status writer the tunnel IP the Service key is
+// served: the one it claims if it wins it, else none.
+func (c *Controller) publishStatus(key string) {
+	vip, ok := c.claims[key]
+	if ok {
+		if w := c.winner(vip); w == nil || w.Namespace+"/"+w.Name != key {
+			ok = false
+		}
+	}
+	if !ok {
+		vip = netip.Addr{}
+	}
+	c.status.Set(key, vip)
+}
+
 // syncVIP programs or removes one tunnel IP.
 func (c *Controller) syncVIP(vip netip.Addr) error {
 	if len(c.claimants(vip)) == 0 {
@@ -516,6 +590,7 @@ func (c *Controller) syncVIP(vip netip.Addr) error {
 		if err := c.dp.RemoveTunnel(vip); err != nil {
 			return fmt.Errorf("removing tunnel %v: %w", vip, err)
 		}
+		c.metrics.removeTunnel(vip)
 		c.log.WithField("vip", vip).Info("tunnel removed")
 		return nil
 	}
@@ -530,6 +605,7 @@ func (c *Controller) syncVIP(vip netip.Addr) error {
 		}
 		return fmt.Errorf("programming tunnel %v: %w", vip, err)
 	}
+	c.metrics.setTunnel(t)
 	c.announced(vip, t.HasReady())
 	return nil
 }

@@ -17,10 +17,17 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 )
 
-// fakeProgrammer keeps the tunnels the controller asks for.
-type fakeProgrammer struct{ tunnels map[netip.Addr]Tunnel }
+// fakeProgrammer keeps the tunnels the controller asks for; while fail is
+// set, every call fails with it and changes nothing.
+type fakeProgrammer struct {
+	tunnels map[netip.Addr]Tunnel
+	fail    error
+}
 
 func (f *fakeProgrammer) Resync(ts []Tunnel) error {
+	if f.fail != nil {
+		return f.fail
+	}
 	f.tunnels = map[netip.Addr]Tunnel{}
 	for _, t := range ts {
 		f.tunnels[t.VIP] = t
@@ -28,9 +35,21 @@ func (f *fakeProgrammer) Resync(ts []Tunnel) error {
 	return nil
 }
 
-func (f *fakeProgrammer) SetTunnel(t Tunnel) error { f.tunnels[t.VIP] = t; return nil }
+func (f *fakeProgrammer) SetTunnel(t Tunnel) error {
+	if f.fail != nil {
+		return f.fail
+	}
+	f.tunnels[t.VIP] = t
+	return nil
+}
 
-func (f *fakeProgrammer) RemoveTunnel(vip netip.Addr) error { delete(f.tunnels, vip); return nil }
+func (f *fakeProgrammer) RemoveTunnel(vip netip.Addr) error {
+	if f.fail != nil {
+		return f.fail
+	}
+	delete(f.tunnels, vip)
+	return nil
+}
 
 // served lists the programmed tunnel IPs and the endpoint each one's bucket
 // 0 goes to, "vip>endpoint", sorted.

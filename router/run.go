@@ -65,7 +65,9 @@ func Main(args []string) error {
 		}
 	}
 
-	dp, closeKernel, err := openDatapath(o.Config, o.CreateDevice, entry)
+	reg := daemon.NewRegistry()
+	metrics := NewMetrics(reg)
+	dp, chain, closeKernel, err := openDatapath(o.Config, o.CreateDevice, metrics, entry)
 	if err != nil {
 		return err
 	}
@@ -101,7 +103,8 @@ func Main(args []string) error {
 	if err != nil {
 		return err
 	}
-	reg := daemon.NewRegistry()
+	ctrl.SetMetrics(metrics)
+	metrics.CollectVIPTraffic(chain, entry.WithField("component", "metrics"))
 	var speaker *bgp.Speaker
 	if bgpCfg != nil {
 		speaker = bgp.NewSpeaker(*bgpCfg, entry.WithField("component", "bgp"), bgp.NewMetrics(reg))
@@ -165,27 +168,33 @@ func followNode(factory informers.SharedInformerFactory, name string, speaker *b
 	return nil
 }
 
-// openDatapath opens the kernel seams of the current network namespace.
-func openDatapath(cfg Config, createDevice bool, log logrus.FieldLogger) (*Datapath, func(), error) {
+// openDatapath opens the kernel seams of the current network namespace;
+// metrics counts the writes that go through them. It also returns the HMARK
+// chain, whose rules' counters are read at each scrape.
+func openDatapath(cfg Config, createDevice bool, metrics *Metrics, log logrus.FieldLogger) (*Datapath, *hmark.Chain, func(), error) {
 	handle, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 	if err != nil {
-		return nil, nil, fmt.Errorf("netlink handle: %w", err)
+		return nil, nil, nil, fmt.Errorf("netlink handle: %w", err)
 	}
 	routes, err := rtnl.Open(netns.None())
 	if err != nil {
 		handle.Close()
-		return nil, nil, fmt.Errorf("rtnetlink client: %w", err)
+		return nil, nil, nil, fmt.Errorf("rtnetlink client: %w", err)
 	}
 	closeAll := func() { routes.Close(); handle.Close() }
 	ipt, err := iptables.New()
 	if err != nil {
 		closeAll()
-		return nil, nil, fmt.Errorf("iptables (is the iptables package installed?): %w", err)
+		return nil, nil, nil, fmt.Errorf("iptables (is the iptables package installed?): %w", err)
 	}
-	chain, err := hmark.NewChain(ipt, cfg.Chain, hmark.Params{Buckets: uint32(cfg.Buckets), Offset: cfg.MarkOffset, Seed: cfg.Seed})
+	// iptables.New() runs "iptables" (IPv4): its restorer is
+	// iptables-restore, as hmark.NewChain would choose.
+	chain, err := hmark.NewChainWithRestorer(countedIPTables{ipt, metrics}, cfg.Chain,
+		hmark.Params{Buckets: uint32(cfg.Buckets), Offset: cfg.MarkOffset, Seed: cfg.Seed},
+		countedRestorer{hmark.NewExecRestorer("iptables"), metrics})
 	if err != nil {
 		closeAll()
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	var conntrack *netlink.Handle
 	tcpMinExpire := closingTimeout(log)
@@ -193,11 +202,11 @@ func openDatapath(cfg Config, createDevice bool, log logrus.FieldLogger) (*Datap
 		block, mask := cfg.MarkBlock()
 		if err := chain.SetSticky(&hmark.Sticky{Block: block, Mask: mask, TCPMinExpire: tcpMinExpire}); err != nil {
 			closeAll()
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 		if conntrack, err = netlink.NewHandle(unix.NETLINK_NETFILTER); err != nil {
 			closeAll()
-			return nil, nil, fmt.Errorf("netfilter netlink handle (conntrack): %w", err)
+			return nil, nil, nil, fmt.Errorf("netfilter netlink handle (conntrack): %w", err)
 		}
 		closeRoute := closeAll
 		closeAll = func() { closeRoute(); conntrack.Close() }
@@ -219,11 +228,11 @@ func openDatapath(cfg Config, createDevice bool, log logrus.FieldLogger) (*Datap
 		}
 		return rs[0].LinkIndex, nil
 	}
-	dp := NewDatapath(cfg, routes, handle, chain, device, nodeLink, log)
+	dp := NewDatapath(cfg, countedRoutes{routes, metrics}, countedRules{handle, metrics}, chain, device, nodeLink, log)
 	if conntrack != nil {
 		dp.EnableGenerationCollection(conntrack, tcpMinExpire)
 	}
-	return dp, closeAll, nil
+	return dp, chain, closeAll, nil
 }
 
 // closingTimeouts are the conntrack sysctls of TCP's closing states.

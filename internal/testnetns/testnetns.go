@@ -271,11 +271,11 @@ func (w *IPTables) DeleteById(table, chain string, id int) error {
 	return w.write(func() error { return w.ipt.DeleteById(table, chain, id) })
 }
 
-// Restore runs BINARY-restore --noflush --wait inside the namespace with
+// Restore runs BINARY-restore --noflush --counters --wait inside the namespace with
 // payload on stdin (hmark.Restorer), counted as one write.
 func (w *IPTables) Restore(table string, payload []byte) error {
 	return w.write(func() error {
-		cmd := exec.Command(w.binary+"-restore", "--noflush", "--wait")
+		cmd := exec.Command(w.binary+"-restore", "--noflush", "--counters", "--wait")
 		cmd.Stdin = bytes.NewReader(payload)
 		if out, err := cmd.CombinedOutput(); err != nil {
 			return fmt.Errorf("%s-restore (table %s): %w: %s", w.binary, table, err, out)

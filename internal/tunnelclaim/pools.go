@@ -306,3 +306,14 @@ type Policy struct {
 func (p Policy) Networks(nodes []*corev1.Node) Networks {
 	return KnownNetworks(nodes, p.PodCIDRs, p.ServiceCIDRs)
 }
+
+// Contains reports whether ip lies in one of the pools, whichever
+// namespaces the pool allows.
+func (ps Pools) Contains(ip netip.Addr) bool {
+	for _, p := range ps {
+		if p.Prefix.Contains(ip) {
+			return true
+		}
+	}
+	return false
+}

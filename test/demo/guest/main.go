@@ -124,6 +124,11 @@ func run(ctx context.Context) (err error) {
 		return err
 	}
 	say("both routers and all four pods programmed %v in %v", vip, time.Since(start).Round(time.Millisecond))
+	external, err := waitExternalIP(ctx, l, svc)
+	if err != nil {
+		return err
+	}
+	say("kubectl get svc -n %s %s shows EXTERNAL-IP %s: the routers published it in status.loadBalancer.ingress", svc.Namespace, svc.Name, external)
 
 	client, err := l.Client.NS()
 	if err != nil {
@@ -386,6 +391,30 @@ func waitEcho(s *workload.Stream, n int64) error {
 			return fmt.Errorf("the long connection echoed only %d of %d bytes in 30 s", st.Verified, n)
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// waitExternalIP waits until the routers published the Service's tunnel IP
+// in status.loadBalancer.ingress, and returns the addresses there.
+func waitExternalIP(ctx context.Context, l *topology.Lab, svc *corev1.Service) (string, error) {
+	want := svc.Annotations[tunnelclaim.Annotation]
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		got, err := l.Kube.CoreV1().Services(svc.Namespace).Get(ctx, svc.Name, metav1.GetOptions{})
+		if err != nil {
+			return "", err
+		}
+		var ips []string
+		for _, in := range got.Status.LoadBalancer.Ingress {
+			ips = append(ips, in.IP)
+		}
+		if slices.Contains(ips, want) {
+			return strings.Join(ips, ","), nil
+		}
+		if time.Now().After(deadline) {
+			return "", fmt.Errorf("Service %s/%s: status.loadBalancer.ingress is %v after 30 s, want %s", svc.Namespace, svc.Name, ips, want)
+		}
+		time.Sleep(100 * time.Millisecond)
 	}
 }
 

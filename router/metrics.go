@@ -1,0 +1,417 @@
+package router
+
+import (
+	"errors"
+	"net/netip"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/sirupsen/logrus"
+	"github.com/vishvananda/netlink"
+
+	"github.com/cmdnu/kube-service-tunnel/hmark"
+	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
+)
+
+// Reasons a Service's tunnel IP claim is not served (label reason of
+// kube_service_tunnel_router_refused_claims).
+const (
+	refusedInvalid  = "invalid"  // the annotation is not a usable IPv4 address
+	refusedPolicy   = "refused"  // address pools, node or service networks
+	refusedConflict = "conflict" // an older Service serves the tunnel IP
+)
+
+// Reconcile kinds (label kind of the reconcile metrics): the work items of
+// the controller's queue.
+const (
+	reconcileService  = "service"
+	reconcileResync   = "resync"
+	reconcileNetworks = "networks"
+)
+
+// Kernel objects and operations (labels of
+// kube_service_tunnel_router_kernel_operations_total).
+const (
+	objectRoute         = "route"
+	objectRule          = "rule"
+	objectIPTablesRule  = "iptables_rule"
+	objectIPTablesChain = "iptables_chain"
+)
+
+// Metrics are the router's Prometheus metrics. A nil *Metrics records
+// nothing, so that tests and callers without a registry need none.
+type Metrics struct {
+	reg prometheus.Registerer
+
+	servedVIPs      prometheus.Gauge
+	refusedClaims   *prometheus.GaugeVec
+	endpoints       *prometheus.GaugeVec
+	endpointBuckets *prometheus.GaugeVec
+	reconcileTime   *prometheus.HistogramVec
+	reconcileErrors *prometheus.CounterVec
+	kernelOps       *prometheus.CounterVec
+	counterErrors   prometheus.Counter
+
+	mu sync.Mutex
+	// labelled is, per tunnel IP with endpoint metrics, the endpoints it
+	// has a bucket gauge for: what to delete when it or they go away.
+	labelled map[netip.Addr]map[netip.Addr]bool
+}
+
+// NewMetrics registers the router's metrics on reg (nil: not exported).
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	m := &Metrics{
+		reg: reg,
+		servedVIPs: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kube_service_tunnel_router_served_tunnel_ips",
+			Help: "Tunnel IPs this router programs: claimed by at least one Service whose claim it admits.",
+		}),
+		refusedClaims: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kube_service_tunnel_router_refused_claims",
+			Help: "Services whose tunnel IP annotation this router does not serve for them, by reason: invalid (not an IPv4 address), refused (address pools, node or service networks), conflict (an older Service serves the tunnel IP).",
+		}, []string{"reason"}),
+		endpoints: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kube_service_tunnel_router_tunnel_endpoints",
+			Help: "Endpoints of each programmed tunnel IP, by state: ready (takes new flows) or draining (keeps its established flows).",
+		}, []string{"vip", "state"}),
+		endpointBuckets: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kube_service_tunnel_router_endpoint_buckets",
+			Help: "Buckets of the tunnel IP's table that send new flows to the endpoint (0: it gets no new flow, e.g. draining or more endpoints than buckets).",
+		}, []string{"vip", "endpoint"}),
+		reconcileTime: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "kube_service_tunnel_router_reconcile_duration_seconds",
+			Help:    "Time taken by one reconcile, by kind: service (one Service's tunnel IPs), resync (every tunnel IP), networks (Nodes' addresses and pod ranges).",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 10), // 0.5 ms .. 131 s
+		}, []string{"kind"}),
+		reconcileErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kube_service_tunnel_router_reconcile_errors_total",
+			Help: "Reconciles that failed and were queued again, by kind (service, resync, networks).",
+		}, []string{"kind"}),
+		kernelOps: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kube_service_tunnel_router_kernel_operations_total",
+			Help: "Kernel writes that succeeded, by object and operation: route replace/delete, rule add/delete, iptables_rule insert/append/delete/restore (rules written by iptables-restore), iptables_chain create/flush/delete/restore.",
+		}, []string{"object", "operation"}),
+		counterErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kube_service_tunnel_router_vip_counter_read_errors_total",
+			Help: "Scrapes at which the tunnel IPs' packet and byte counters could not be read from iptables.",
+		}),
+		labelled: map[netip.Addr]map[netip.Addr]bool{},
+	}
+	if reg != nil {
+		reg.MustRegister(m.servedVIPs, m.refusedClaims, m.endpoints, m.endpointBuckets,
+			m.reconcileTime, m.reconcileErrors, m.kernelOps)
+	}
+	// Every reason and kind is exported from the start, at 0.
+	for _, r := range []string{refusedInvalid, refusedPolicy, refusedConflict} {
+		m.refusedClaims.WithLabelValues(r)
+	}
+	for _, k := range []string{reconcileService, reconcileResync, reconcileNetworks} {
+		m.reconcileErrors.WithLabelValues(k)
+	}
+	return m
+}
+
+// reconciled records one reconcile of kind that took d and ended with err.
+func (m *Metrics) reconciled(kind string, d time.Duration, err error) {
+	if m == nil {
+		return
+	}
+	m.reconcileTime.WithLabelValues(kind).Observe(d.Seconds())
+	if err != nil {
+		m.reconcileErrors.WithLabelValues(kind).Inc()
+	}
+}
+
+// setClaims records how many tunnel IPs are served and how many Services'
+// claims are refused, by reason.
+func (m *Metrics) setClaims(served int, refused map[string]int) {
+	if m == nil {
+		return
+	}
+	m.servedVIPs.Set(float64(served))
+	for _, r := range []string{refusedInvalid, refusedPolicy, refusedConflict} {
+		m.refusedClaims.WithLabelValues(r).Set(float64(refused[r]))
+	}
+}
+
+// setTunnel records the endpoints and bucket shares of a programmed tunnel
+// IP, deleting the bucket gauges of endpoints it no longer has.
+func (m *Metrics) setTunnel(t Tunnel) {
+	if m == nil {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.setTunnelLocked(t)
+}
+
+func (m *Metrics) setTunnelLocked(t Tunnel) {
+	vip := t.VIP.String()
+	var ready, draining int
+	buckets := map[netip.Addr]int{}
+	for _, ep := range t.Present {
+		buckets[ep.Addr] = 0 // exported even without a bucket
+		if ep.Draining {
+			draining++
+		} else {
+			ready++
+		}
+	}
+	for _, ep := range t.Table {
+		buckets[ep.Addr]++
+	}
+	m.endpoints.WithLabelValues(vip, "ready").Set(float64(ready))
+	m.endpoints.WithLabelValues(vip, "draining").Set(float64(draining))
+	for ep := range m.labelled[t.VIP] {
+		if _, ok := buckets[ep]; !ok {
+			m.endpointBuckets.DeleteLabelValues(vip, ep.String())
+		}
+	}
+	eps := make(map[netip.Addr]bool, len(buckets))
+	for ep, n := range buckets {
+		m.endpointBuckets.WithLabelValues(vip, ep.String()).Set(float64(n))
+		eps[ep] = true
+	}
+	m.labelled[t.VIP] = eps
+}
+
+// removeTunnel deletes every label value of a tunnel IP no longer served.
+func (m *Metrics) removeTunnel(vip netip.Addr) {
+	if m == nil {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.removeTunnelLocked(vip)
+}
+
+func (m *Metrics) removeTunnelLocked(vip netip.Addr) {
+	m.endpoints.DeletePartialMatch(prometheus.Labels{"vip": vip.String()})
+	m.endpointBuckets.DeletePartialMatch(prometheus.Labels{"vip": vip.String()})
+	delete(m.labelled, vip)
+}
+
+// setTunnels replaces the endpoint metrics with those of tunnels, the whole
+// programmed state.
+func (m *Metrics) setTunnels(tunnels []Tunnel) {
+	if m == nil {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	keep := make(map[netip.Addr]bool, len(tunnels))
+	for _, t := range tunnels {
+		keep[t.VIP] = true
+		m.setTunnelLocked(t)
+	}
+	for vip := range m.labelled {
+		if !keep[vip] {
+			m.removeTunnelLocked(vip)
+		}
+	}
+}
+
+// wrote counts n kernel writes of object with operation.
+func (m *Metrics) wrote(object, operation string, n int) {
+	if m == nil || n <= 0 {
+		return
+	}
+	m.kernelOps.WithLabelValues(object, operation).Add(float64(n))
+}
+
+// vipCounterReader reads the packet and byte counters of every tunnel IP
+// (*hmark.Chain).
+type vipCounterReader interface {
+	Counters() (map[netip.Addr]hmark.Counter, error)
+}
+
+// vipTrafficCollector exports the tunnel IPs' packet and byte counters,
+// read from iptables at each scrape (one listing of one chain, see
+// hmark.Chain.Counters): every packet to the tunnel IP that reached this
+// router, in either mode (the HMARK rule's counters with --generations=1,
+// the raw-table rule's with sticky generations). Chain rewrites carry them
+// over; they restart from 0 when the tunnel IP is programmed anew or the
+// router's chains are removed.
+type vipTrafficCollector struct {
+	chain   vipCounterReader
+	errors  prometheus.Counter
+	log     logrus.FieldLogger
+	packets *prometheus.Desc
+	bytes   *prometheus.Desc
+}
+
+// CollectVIPTraffic registers the per-tunnel IP packet and byte counters
+// read from chain at each scrape. Read errors are counted and logged at
+// debug level; the scrape goes on without these counters.
+func (m *Metrics) CollectVIPTraffic(chain vipCounterReader, log logrus.FieldLogger) {
+	if m == nil || m.reg == nil {
+		return
+	}
+	m.reg.MustRegister(&vipTrafficCollector{
+		chain:  chain,
+		errors: m.counterErrors,
+		log:    log,
+		packets: prometheus.NewDesc("kube_service_tunnel_router_vip_packets_total",
+			"Packets to the tunnel IP that reached this router, every one of them with or without sticky generations (the counter of the tunnel IP's iptables rule, read at scrape time).",
+			[]string{"vip"}, nil),
+		bytes: prometheus.NewDesc("kube_service_tunnel_router_vip_bytes_total",
+			"Bytes (IP header included) of the packets counted by kube_service_tunnel_router_vip_packets_total.",
+			[]string{"vip"}, nil),
+	})
+}
+
+// Describe implements prometheus.Collector.
+func (c *vipTrafficCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.packets
+	ch <- c.bytes
+	c.errors.Describe(ch)
+}
+
+// Collect implements prometheus.Collector: one read of the chain's
+// counters. The error count is exported here, after the read, so that a
+// scrape whose read failed shows it.
+func (c *vipTrafficCollector) Collect(ch chan<- prometheus.Metric) {
+	counters, err := c.chain.Counters()
+	if err != nil {
+		c.errors.Inc()
+		c.log.WithError(err).Debug("reading the tunnel IPs' packet counters")
+	}
+	ch <- c.errors
+	if err != nil {
+		return
+	}
+	for vip, n := range counters {
+		ch <- prometheus.MustNewConstMetric(c.packets, prometheus.CounterValue, float64(n.Packets), vip.String())
+		ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(n.Bytes), vip.String())
+	}
+}
+
+// countedRoutes counts the route writes that the kernel accepted.
+type countedRoutes struct {
+	routeOps
+	m *Metrics
+}
+
+// Apply sends ops and counts those that succeeded, by kind: all of them,
+// all but the failed ones of an *rtnl.ApplyError, none on another error
+// (what was applied is unknown).
+func (c countedRoutes) Apply(ops []rtnl.Op) error {
+	err := c.routeOps.Apply(ops)
+	var ae *rtnl.ApplyError
+	if err != nil && !errors.As(err, &ae) {
+		return err
+	}
+	failed := map[int]bool{}
+	if ae != nil {
+		for _, f := range ae.Failed {
+			failed[f.Index] = true
+		}
+	}
+	byKind := map[string]int{}
+	for i, op := range ops {
+		if !failed[i] {
+			byKind[op.Kind.String()]++
+		}
+	}
+	for kind, n := range byKind {
+		c.m.wrote(objectRoute, kind, n)
+	}
+	return err
+}
+
+// countedRules counts the policy-rule writes that succeeded.
+type countedRules struct {
+	ruleOps
+	m *Metrics
+}
+
+func (c countedRules) RuleAdd(r *netlink.Rule) error {
+	err := c.ruleOps.RuleAdd(r)
+	if err == nil {
+		c.m.wrote(objectRule, "add", 1)
+	}
+	return err
+}
+
+func (c countedRules) RuleDel(r *netlink.Rule) error {
+	err := c.ruleOps.RuleDel(r)
+	if err == nil {
+		c.m.wrote(objectRule, "delete", 1)
+	}
+	return err
+}
+
+// countedIPTables counts the iptables writes (hmark.IPTables) that
+// succeeded; its restorer is counted by countedRestorer.
+type countedIPTables struct {
+	hmark.IPTables
+	m *Metrics
+}
+
+func (c countedIPTables) count(object, op string, err error) error {
+	if err == nil {
+		c.m.wrote(object, op, 1)
+	}
+	return err
+}
+
+func (c countedIPTables) NewChain(table, chain string) error {
+	return c.count(objectIPTablesChain, "create", c.IPTables.NewChain(table, chain))
+}
+
+func (c countedIPTables) ClearChain(table, chain string) error {
+	return c.count(objectIPTablesChain, "flush", c.IPTables.ClearChain(table, chain))
+}
+
+func (c countedIPTables) DeleteChain(table, chain string) error {
+	return c.count(objectIPTablesChain, "delete", c.IPTables.DeleteChain(table, chain))
+}
+
+func (c countedIPTables) Append(table, chain string, rulespec ...string) error {
+	return c.count(objectIPTablesRule, "append", c.IPTables.Append(table, chain, rulespec...))
+}
+
+func (c countedIPTables) Insert(table, chain string, pos int, rulespec ...string) error {
+	return c.count(objectIPTablesRule, "insert", c.IPTables.Insert(table, chain, pos, rulespec...))
+}
+
+func (c countedIPTables) Delete(table, chain string, rulespec ...string) error {
+	return c.count(objectIPTablesRule, "delete", c.IPTables.Delete(table, chain, rulespec...))
+}
+
+func (c countedIPTables) DeleteById(table, chain string, id int) error {
+	return c.count(objectIPTablesRule, "delete", c.IPTables.DeleteById(table, chain, id))
+}
+
+// countedRestorer counts the iptables-restore calls that succeeded (one
+// chain rewritten each) and the rules they wrote ("-A" lines, with or
+// without the "[PACKETS:BYTES]" counters before them).
+type countedRestorer struct {
+	hmark.Restorer
+	m *Metrics
+}
+
+func (c countedRestorer) Restore(table string, payload []byte) error {
+	if err := c.Restorer.Restore(table, payload); err != nil {
+		return err
+	}
+	chains, rules := 0, 0
+	for line := range strings.Lines(string(payload)) {
+		if strings.HasPrefix(line, "[") {
+			if _, rule, ok := strings.Cut(line, "] "); ok {
+				line = rule
+			}
+		}
+		switch {
+		case strings.HasPrefix(line, ":"):
+			chains++
+		case strings.HasPrefix(line, "-A "):
+			rules++
+		}
+	}
+	c.m.wrote(objectIPTablesChain, "restore", chains)
+	c.m.wrote(objectIPTablesRule, "restore", rules)
+	return nil
+}

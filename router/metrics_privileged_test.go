@@ -1,0 +1,189 @@
+package router
+
+import (
+	"net/netip"
+	"strings"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sys/unix"
+
+	"github.com/cmdnu/kube-service-tunnel/hmark"
+	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
+	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
+)
+
+// meteredKernelRouter is a Datapath on the real kernel of a test namespace
+// whose seams are wrapped as run.go wraps them, with the counting seams of
+// datapath_privileged_test.go beneath them to compare with.
+func meteredKernelRouter(t *testing.T, ns *testnetns.NS, cfg Config, m *Metrics) (*kernelRouter, *hmark.Chain) {
+	t.Helper()
+	rc, err := rtnl.Open(ns.Handle)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rc.Close() })
+	nl := ns.Netlink()
+	ipt := ns.IPTables("iptables")
+	chain, err := hmark.NewChainWithRestorer(countedIPTables{ipt, m}, cfg.Chain,
+		hmark.Params{Buckets: uint32(cfg.Buckets), Offset: cfg.MarkOffset, Seed: cfg.Seed}, countedRestorer{ipt, m})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Generations > 1 {
+		block, mask := cfg.MarkBlock()
+		if err := chain.SetSticky(&hmark.Sticky{Block: block, Mask: mask, TCPMinExpire: hmark.DefaultTCPMinExpire}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	k := &kernelRouter{routes: &countingRoutes{Client: rc}, rules: &countingRules{Handle: nl}, ipt: ipt}
+	k.dp = NewDatapath(cfg, countedRoutes{k.routes, m}, countedRules{k.rules, m}, chain, &ExistingDevice{Name: "veth0", Links: nl}, nil, quietLog())
+	return k, chain
+}
+
+// sendUDP sends one datagram of payload bytes to vip:9 from each of the
+// source ports, count times each, inside ns. The tunnel IP is on lo, so the
+// datagrams come back in through lo and mangle PREROUTING, like forwarded
+// packets, and a bound socket receives them (no ICMP error goes back).
+func sendUDP(t *testing.T, ns *testnetns.NS, vip netip.Addr, ports []int, count, payload int) {
+	t.Helper()
+	err := ns.Do(func() error {
+		rx, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		defer func() { _ = unix.Close(rx) }()
+		if err := unix.Bind(rx, &unix.SockaddrInet4{Addr: vip.As4(), Port: 9}); err != nil {
+			return err
+		}
+		for _, port := range ports {
+			tx, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+			if err != nil {
+				return err
+			}
+			defer func() { _ = unix.Close(tx) }()
+			if err := unix.Bind(tx, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}, Port: port}); err != nil {
+				return err
+			}
+			for range count {
+				if err := unix.Sendto(tx, make([]byte, payload), 0, &unix.SockaddrInet4{Addr: vip.As4(), Port: 9}); err != nil {
+					return err
+				}
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("send datagrams to %s: %v", vip, err)
+	}
+}
+
+func TestMetricsInNetns(t *testing.T) {
+	t.Run("stateless: every packet is counted", func(t *testing.T) { testMetricsInNetns(t, 1) })
+	t.Run("sticky: every packet is counted", func(t *testing.T) { testMetricsInNetns(t, 4) })
+}
+
+func testMetricsInNetns(t *testing.T, generations int) {
+	vip, quiet := netip.MustParseAddr("192.0.2.1"), netip.MustParseAddr("192.0.2.2")
+	ns := testnetns.New(t, netip.PrefixFrom(vip, 32), netip.PrefixFrom(quiet, 32))
+	ns.AddVeth("veth0", "veth1", netip.MustParsePrefix("192.168.50.1/24"))
+	cfg := testConfig()
+	cfg.Generations = generations
+	reg := prometheus.NewRegistry()
+	m := NewMetrics(reg)
+	k, chain := meteredKernelRouter(t, ns, cfg, m)
+	m.CollectVIPTraffic(chain, quietLog())
+
+	if err := k.dp.Resync([]Tunnel{tunnel(cfg, vip.String(), "10.244.1.5", "10.244.2.6"), tunnel(cfg, quiet.String(), "10.244.3.7")}); err != nil {
+		t.Fatal(err)
+	}
+	if err := k.dp.SetTunnel(tunnel(cfg, quiet.String(), "10.244.3.7", "10.244.4.8")); err != nil {
+		t.Fatal(err)
+	}
+
+	t.Run("kernel operations are the writes the kernel seams saw", func(t *testing.T) {
+		ops := kernelOps(t, reg)
+		var routes, rules, ipt float64
+		for key, n := range ops {
+			switch {
+			case key == "iptables_rule/restore":
+				// Rules written by a restore: the restore itself is the
+				// one write iptables saw (iptables_chain/restore).
+			case strings.HasPrefix(key, "route/"):
+				routes += n
+			case strings.HasPrefix(key, "rule/"):
+				rules += n
+			default:
+				ipt += n
+			}
+		}
+		if routes != float64(k.routes.writes) || rules != float64(k.rules.writes) || ipt != float64(k.ipt.Writes) {
+			t.Errorf("metrics count %v routes, %v rules, %v iptables writes; the seams saw %d, %d, %d (%v)",
+				routes, rules, ipt, k.routes.writes, k.rules.writes, k.ipt.Writes, ops)
+		}
+		if routes == 0 || rules == 0 || ipt == 0 || ops["iptables_rule/restore"] == 0 {
+			t.Errorf("some kind of write is missing, the comparison proves little: %v", ops)
+		}
+	})
+
+	packets := func() map[string]float64 {
+		return series(t, reg, "kube_service_tunnel_router_vip_packets_total")
+	}
+	bytes := func() map[string]float64 {
+		return series(t, reg, "kube_service_tunnel_router_vip_bytes_total")
+	}
+	key := "vip=" + vip.String()
+	p0, b0 := packets(), bytes()
+	if _, ok := p0[key]; !ok {
+		t.Fatalf("no counter for %s before any packet: %v", vip, p0)
+	}
+
+	const perFlow, payload = 5, 100
+	ports := []int{40001, 40002, 40003}
+	sendUDP(t, ns, vip, ports, perFlow, payload)
+	p1, b1 := packets(), bytes()
+	// Every datagram counts, in sticky mode too, where only each flow's
+	// first one is hashed: the later ones restore the flow's decision.
+	sent := float64(len(ports) * perFlow)
+	if got := p1[key] - p0[key]; got != sent {
+		t.Errorf("%s: %v packets counted for %v sent in %d flows, want %v", vip, got, sent, len(ports), sent)
+	}
+	if got, want := b1[key]-b0[key], sent*(20+8+payload); got != want {
+		t.Errorf("%s: %v bytes counted, want %v", vip, got, want)
+	}
+	if got := p1["vip="+quiet.String()] - p0["vip="+quiet.String()]; got != 0 {
+		t.Errorf("%s got %v packets, sent none", quiet, got)
+	}
+	t.Logf("generations %d: %v datagrams sent in %d flows, packets %v, bytes %v", generations, sent, len(ports), p1, b1)
+
+	// A tunnel IP removed is gone from the counters at the next scrape;
+	// the chains are rewritten without it (ipt-restore, see the kernel
+	// operations), and the tunnel IP that stays keeps its counters.
+	restoresBefore := kernelOps(t, reg)["iptables_chain/restore"]
+	if err := k.dp.RemoveTunnel(quiet); err != nil {
+		t.Fatal(err)
+	}
+	p2, b2 := packets(), bytes()
+	if _, ok := p2["vip="+quiet.String()]; ok {
+		t.Errorf("removed %s still has counters: %v", quiet, p2)
+	}
+	if restores := kernelOps(t, reg)["iptables_chain/restore"] - restoresBefore; restores == 0 {
+		t.Errorf("removing %s restored no chain: the counters' survival proves nothing", quiet)
+	}
+	if p2[key] != p1[key] || b2[key] != b1[key] {
+		t.Errorf("%s after removing %s: %v packets, %v bytes; want them kept: %v, %v", vip, quiet, p2[key], b2[key], p1[key], b1[key])
+	}
+
+	// Counters unreadable (the chains are gone): the scrape goes on, the
+	// error is counted.
+	if err := chain.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	if got := packets(); len(got) != 0 {
+		t.Errorf("counters of a missing chain: %v", got)
+	}
+	// Each scrape reads once: the one above and this one.
+	if got := series(t, reg, "kube_service_tunnel_router_vip_counter_read_errors_total")[""]; got != 2 {
+		t.Errorf("read errors %v, want 2", got)
+	}
+}
