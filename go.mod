@@ -11,6 +11,7 @@ require (
 	github.com/sirupsen/logrus v1.10.2
 	github.com/vishvananda/netlink v1.3.1
 	github.com/vishvananda/netns v0.0.5
+	go.uber.org/goleak v1.3.0
 	golang.org/x/sys v0.49.0
 	google.golang.org/grpc v1.83.2
 	k8s.io/api v0.34.4

@@ -351,14 +351,23 @@ func (c *Controller) Run(ctx context.Context) error {
 		case <-time.After(backoff.Step()):
 		}
 	}
-	go wait.UntilWithContext(ctx, func(context.Context) {
-		for c.processNext() {
-		}
-	}, time.Second)
+	// Run returns only once the worker has: nothing touches the datapath or
+	// records an event after it (the item in hand is finished, the rest of
+	// the queue is dropped).
+	workerDone := make(chan struct{})
+	go func() {
+		defer close(workerDone)
+		wait.UntilWithContext(ctx, func(ctx context.Context) {
+			for ctx.Err() == nil && c.processNext() {
+			}
+		}, time.Second)
+	}()
 	if c.cfg.ResyncPeriod > 0 {
 		go wait.Until(func() { c.queue.Add(resyncKey) }, c.cfg.ResyncPeriod, ctx.Done())
 	}
 	<-ctx.Done()
+	c.queue.ShutDown() // wakes a worker waiting for work
+	<-workerDone
 	return nil
 }
 

@@ -79,7 +79,7 @@ func (w *StatusWriter) Run(ctx context.Context) {
 	defer utilruntime.HandleCrash()
 	go func() { <-ctx.Done(); w.queue.ShutDown() }()
 	wait.UntilWithContext(ctx, func(ctx context.Context) {
-		for w.processNext(ctx) {
+		for ctx.Err() == nil && w.processNext(ctx) {
 		}
 	}, time.Second)
 }

@@ -95,7 +95,14 @@ func TestRouterPublishesLoadBalancerIngress(t *testing.T) {
 	cs := adminClient(t)
 	startRouter(t, routerCfg(router.ModeGRE, 8))
 	ns := freshNamespace(t, cs)
-	const vip = "192.0.2.241"
+	// Namespaces are never deleted here (no controller-manager): remove the
+	// Services so that their tunnel IPs do not outlive the test.
+	t.Cleanup(func() {
+		for _, name := range []string{"web", "newer", "refused", "other-class", "witness"} {
+			_ = cs.CoreV1().Services(ns).Delete(context.Background(), name, metav1.DeleteOptions{})
+		}
+	})
+	const vip = "192.0.2.161"
 
 	web := createLoadBalancer(t, cs, ns, "web", vip, nil)
 	waitIngress(t, cs, ns, "web", "once served", vip+"/Proxy")
@@ -139,11 +146,11 @@ func TestRouterPublishesLoadBalancerIngress(t *testing.T) {
 	// A Service of another load-balancer class is never touched, even with
 	// the annotation and an address from the pool in its status.
 	other := "example.com/other-lb"
-	createLoadBalancer(t, cs, ns, "other-class", "192.0.2.242", &other)
+	createLoadBalancer(t, cs, ns, "other-class", "192.0.2.162", &other)
 	setIngress(t, cs, ns, "other-class", "192.0.2.99")
-	ours := createLoadBalancer(t, cs, ns, "witness", "192.0.2.243", nil)
+	ours := createLoadBalancer(t, cs, ns, "witness", "192.0.2.163", nil)
 	// Once a later Service is published, the router has seen both.
-	waitIngress(t, cs, ns, ours.Name, "of a Service created after the other-class one", "192.0.2.243/Proxy")
+	waitIngress(t, cs, ns, ours.Name, "of a Service created after the other-class one", "192.0.2.163/Proxy")
 	if got, err := ingressOf(t, cs, ns, "other-class"); err != nil || !slices.Equal(got, []string{"192.0.2.99/VIP"}) {
 		t.Errorf("another class's status.loadBalancer.ingress became %q (%v), want it untouched", got, err)
 	}

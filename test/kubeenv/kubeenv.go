@@ -18,6 +18,10 @@
 //		...
 //	}
 //
+// StopAPIServer and StartAPIServer kill kube-apiserver and start it again on
+// the same address with the same etcd, tokens and certificate, for tests of
+// how clients live through a lost API server (see restart.go).
+//
 // No controller-manager runs: nothing creates EndpointSlices, garbage
 // collects, or finishes deleting namespaces (they stay Terminating), so use a
 // fresh namespace per test.
@@ -55,9 +59,17 @@ type Env struct {
 	caData     []byte
 	startup    time.Duration
 
-	launcher  *launcher
-	etcd      *process
+	launcher *launcher
+	etcd     *process
+
+	// apiserverBin and apiserverCmd are the binary and command line of the
+	// first start, which StartAPIServer reuses.
+	apiserverBin string
+	apiserverCmd []string
+
+	mu        sync.Mutex // guards apiserver and restarts (StopAPIServer, StartAPIServer)
 	apiserver *process
+	restarts  int
 
 	stopOnce sync.Once
 	stopErr  error
@@ -147,8 +159,9 @@ func SkipIfUnavailable(tb testing.TB, env *Env) {
 // Host returns the API server URL, https://127.0.0.1:PORT.
 func (e *Env) Host() string { return e.host }
 
-// Dir returns the Env's temp dir. It holds etcd.log, kube-apiserver.log, the
-// certificates and the etcd data, and is removed by Stop.
+// Dir returns the Env's temp dir. It holds etcd.log, kube-apiserver.log (and
+// kube-apiserver-N.log after N restarts), the certificates and the etcd data,
+// and is removed by Stop.
 func (e *Env) Dir() string { return e.dir }
 
 // StartupDuration returns how long New took from starting etcd until the API
@@ -158,7 +171,7 @@ func (e *Env) StartupDuration() time.Duration { return e.startup }
 // PIDs returns the process ids of etcd and kube-apiserver (for leak checks).
 func (e *Env) PIDs() []int {
 	var pids []int
-	for _, p := range []*process{e.etcd, e.apiserver} {
+	for _, p := range []*process{e.etcd, e.currentAPIServer()} {
 		if p != nil {
 			pids = append(pids, p.pid())
 		}
@@ -178,7 +191,7 @@ func (e *Env) Stop() error {
 
 func (e *Env) stop() error {
 	var errs []error
-	errs = append(errs, e.apiserver.kill(), e.etcd.kill())
+	errs = append(errs, e.currentAPIServer().kill(), e.etcd.kill())
 	e.launcher.close()
 	if err := os.RemoveAll(e.dir); err != nil {
 		errs = append(errs, fmt.Errorf("remove %s: %w", e.dir, err))

@@ -339,3 +339,51 @@ func pollUntil(ctx context.Context, timeout time.Duration, f func() error) error
 		time.Sleep(100 * time.Millisecond)
 	}
 }
+
+// TestRestartAPIServer stops kube-apiserver and starts it again (on an Env of
+// its own, so the shared one is not disturbed): the address, the objects in
+// etcd, the admin config and a service account token issued before all
+// still work afterwards, and the process is a new one.
+func TestRestartAPIServer(t *testing.T) {
+	e := kubeenv.Start(t)
+	ctx := t.Context()
+	admin := kubernetes.NewForConfigOrDie(e.AdminConfig())
+	ns := createNamespace(t, admin, "restart")
+	saCfg, err := e.ServiceAccountConfig(ctx, ns, "reader")
+	if err != nil {
+		t.Fatal(err)
+	}
+	grantListServices(t, admin, ns, "reader")
+	host, pidsBefore := e.Host(), e.PIDs()
+
+	if err := e.StopAPIServer(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.CoreV1().Namespaces().Get(ctx, ns, metav1.GetOptions{}); err == nil {
+		t.Fatal("API server still answers after StopAPIServer")
+	}
+	if err := e.StartAPIServer(); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.StartAPIServer(); err == nil {
+		t.Error("StartAPIServer on a running API server succeeded")
+	}
+
+	if e.Host() != host {
+		t.Errorf("host %s after restart, want %s", e.Host(), host)
+	}
+	pidsAfter := e.PIDs()
+	if len(pidsAfter) != 2 || pidsAfter[0] != pidsBefore[0] || pidsAfter[1] == pidsBefore[1] {
+		t.Errorf("PIDs %v after restart, %v before: want the same etcd and a new kube-apiserver", pidsAfter, pidsBefore)
+	}
+	if processAlive(pidsBefore[1]) {
+		t.Errorf("old kube-apiserver pid %d still running", pidsBefore[1])
+	}
+	if _, err := admin.CoreV1().Namespaces().Get(ctx, ns, metav1.GetOptions{}); err != nil {
+		t.Errorf("namespace created before the restart, through the old admin client: %v", err)
+	}
+	sa := kubernetes.NewForConfigOrDie(saCfg)
+	if _, err := sa.CoreV1().Services(ns).List(ctx, metav1.ListOptions{}); err != nil {
+		t.Errorf("service account token issued before the restart: %v", err)
+	}
+}

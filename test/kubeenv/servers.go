@@ -65,10 +65,12 @@ func (e *Env) startAPIServer(path string) error {
 	if err != nil {
 		return err
 	}
+	e.mu.Lock()
 	e.apiserver = p
+	e.mu.Unlock()
+	e.apiserverBin, e.apiserverCmd = path, args
 	e.host = "https://127.0.0.1:" + strconv.Itoa(port)
-	probe := func() error { return probeHTTP(insecureClient, e.host+"/readyz", e.adminToken, "ok") }
-	if err := waitReady(p, probe); err != nil {
+	if err := waitReady(p, e.probeAPIServer); err != nil {
 		return e.failedStart(p, err)
 	}
 	return e.loadServingCA()
@@ -108,6 +110,11 @@ func (e *Env) apiserverArgs(port int) ([]string, error) {
 		"--profiling=false",
 		"--v=1",
 	}, nil
+}
+
+// probeAPIServer checks that the API server's /readyz answers ok.
+func (e *Env) probeAPIServer() error {
+	return probeHTTP(insecureClient, e.host+"/readyz", e.adminToken, "ok")
 }
 
 func (e *Env) certDir() string { return filepath.Join(e.dir, "certs") }
