@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"testing"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/promtest"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
@@ -75,11 +76,11 @@ func TestDecapCountersFromKernel(t *testing.T) {
 	}
 	series := "pod=a/web-1,vip=192.0.2.10"
 	read := func() (packets, bytes float64) {
-		p, ok := samples(t, reg, "kube_service_tunnel_endpoint_decap_received_packets_total")[series]
+		p, ok := promtest.Series(t, reg, "kube_service_tunnel_endpoint_decap_received_packets_total")[series]
 		if !ok {
 			t.Fatalf("no packets series %s", series)
 		}
-		return p, samples(t, reg, "kube_service_tunnel_endpoint_decap_received_bytes_total")[series]
+		return p, promtest.Series(t, reg, "kube_service_tunnel_endpoint_decap_received_bytes_total")[series]
 	}
 	packets0, bytes0 := read()
 
@@ -115,17 +116,17 @@ func TestDecapCountersFromKernel(t *testing.T) {
 	if d := bytes - bytes0; d < sent*float64(ipLen) || d > sent*float64(ipLen+14) {
 		t.Errorf("decap_received_bytes_total rose by %v, want %d to %d", d, sent*ipLen, sent*(ipLen+14))
 	}
-	if n := samples(t, reg, "kube_service_tunnel_endpoint_decap_counter_errors_total")[""]; n != 0 {
+	if n := promtest.Series(t, reg, "kube_service_tunnel_endpoint_decap_counter_errors_total")[""]; n != 0 {
 		t.Errorf("decap_counter_errors_total = %v, want 0", n)
 	}
 
 	// The device vanishes (removed by hand): the scrape leaves the pod out
 	// and counts the failure.
 	pod.Run("ip", "link", "del", cfg.Device)
-	if s := samples(t, reg, "kube_service_tunnel_endpoint_decap_received_packets_total"); len(s) != 0 {
+	if s := promtest.Series(t, reg, "kube_service_tunnel_endpoint_decap_received_packets_total"); len(s) != 0 {
 		t.Errorf("series exported for a pod without its device: %v", s)
 	}
-	if n := samples(t, reg, "kube_service_tunnel_endpoint_decap_counter_errors_total")[""]; n < 1 {
+	if n := promtest.Series(t, reg, "kube_service_tunnel_endpoint_decap_counter_errors_total")[""]; n < 1 {
 		t.Errorf("decap_counter_errors_total = %v, want at least 1", n)
 	}
 }

@@ -13,13 +13,13 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 	"github.com/sirupsen/logrus"
 	"github.com/vishvananda/netns"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
+	"github.com/cmdnu/kube-service-tunnel/internal/promtest"
 )
 
 // scriptedPods stands in for PodNetwork: it remembers the tunnel IPs each pod
@@ -119,43 +119,6 @@ func (f *fixedCounters) setFail(v bool) {
 	f.fail = v
 }
 
-// samples gathers reg and returns the values of the metric family name by
-// their labels rendered as "k=v,k=v" ("" without labels); a histogram's
-// value is its sample count.
-func samples(t *testing.T, reg prometheus.Gatherer, name string) map[string]float64 {
-	t.Helper()
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatalf("gather: %v", err)
-	}
-	out := map[string]float64{}
-	for _, f := range families {
-		if f.GetName() != name {
-			continue
-		}
-		for _, m := range f.GetMetric() {
-			var labels []string
-			for _, l := range m.GetLabel() {
-				labels = append(labels, l.GetName()+"="+l.GetValue())
-			}
-			out[strings.Join(labels, ",")] = value(m)
-		}
-	}
-	return out
-}
-
-func value(m *dto.Metric) float64 {
-	switch {
-	case m.Gauge != nil:
-		return m.Gauge.GetValue()
-	case m.Counter != nil:
-		return m.Counter.GetValue()
-	case m.Histogram != nil:
-		return float64(m.Histogram.GetSampleCount())
-	}
-	return 0
-}
-
 // TestControllerMetrics runs the controller on two local pods (one serving
 // two tunnel IPs, one serving one of them) and a refused Service, and checks
 // every metric against what the syncs did; then one Service goes and its
@@ -179,17 +142,17 @@ func TestControllerMetrics(t *testing.T) {
 	client, ctrl := startControllerWith(t, loc, pods, node, NewMetrics(reg, counters), objects...)
 
 	waitFor(t, "first full sync", ctrl.Ready)
-	if got := samples(t, reg, "kube_service_tunnel_endpoint_tunnel_ips")[""]; got != 2 {
+	if got := promtest.Series(t, reg, "kube_service_tunnel_endpoint_tunnel_ips")[""]; got != 2 {
 		t.Errorf("tunnel_ips = %v, want 2", got)
 	}
-	if got := samples(t, reg, "kube_service_tunnel_endpoint_refused_tunnel_ips")[""]; got != 1 {
+	if got := promtest.Series(t, reg, "kube_service_tunnel_endpoint_refused_tunnel_ips")[""]; got != 1 {
 		t.Errorf("refused_tunnel_ips = %v, want 1", got)
 	}
-	endpoints := samples(t, reg, "kube_service_tunnel_endpoint_local_endpoints")
+	endpoints := promtest.Series(t, reg, "kube_service_tunnel_endpoint_local_endpoints")
 	if endpoints["vip=192.0.2.10"] != 2 || endpoints["vip=192.0.2.11"] != 1 || len(endpoints) != 2 {
 		t.Errorf("local_endpoints = %v, want 192.0.2.10: 2, 192.0.2.11: 1", endpoints)
 	}
-	ops := samples(t, reg, "kube_service_tunnel_endpoint_kernel_operations_total")
+	ops := promtest.Series(t, reg, "kube_service_tunnel_endpoint_kernel_operations_total")
 	wantOps := map[string]float64{
 		"netns=pod,object=decap_device,operation=create": float64(pods.count(actCreateDevice)),
 		"netns=pod,object=tunnel_ip,operation=add":       float64(pods.count(actAddTunnelIP)),
@@ -201,28 +164,28 @@ func TestControllerMetrics(t *testing.T) {
 	if !mapsEqual(ops, wantOps) {
 		t.Errorf("kernel_operations_total = %v, want %v", ops, wantOps)
 	}
-	if n := samples(t, reg, "kube_service_tunnel_endpoint_sync_duration_seconds")["kind=pod"]; n < 2 {
+	if n := promtest.Series(t, reg, "kube_service_tunnel_endpoint_sync_duration_seconds")["kind=pod"]; n < 2 {
 		t.Errorf("pod syncs observed = %v, want at least 2", n)
 	}
-	if n := samples(t, reg, "kube_service_tunnel_endpoint_sync_errors_total")["kind=pod"]; n != 0 {
+	if n := promtest.Series(t, reg, "kube_service_tunnel_endpoint_sync_errors_total")["kind=pod"]; n != 0 {
 		t.Errorf("pod sync errors = %v, want 0", n)
 	}
-	decap := samples(t, reg, "kube_service_tunnel_endpoint_decap_received_packets_total")
+	decap := promtest.Series(t, reg, "kube_service_tunnel_endpoint_decap_received_packets_total")
 	wantDecap := map[string]float64{"pod=a/both,vip=192.0.2.10,192.0.2.11": 42, "pod=a/webonly,vip=192.0.2.10": 42}
 	if !mapsEqual(decap, wantDecap) {
 		t.Errorf("decap_received_packets_total = %v, want %v", decap, wantDecap)
 	}
-	if b := samples(t, reg, "kube_service_tunnel_endpoint_decap_received_bytes_total")["pod=a/webonly,vip=192.0.2.10"]; b != 4200 {
+	if b := promtest.Series(t, reg, "kube_service_tunnel_endpoint_decap_received_bytes_total")["pod=a/webonly,vip=192.0.2.10"]; b != 4200 {
 		t.Errorf("decap_received_bytes_total = %v, want 4200", b)
 	}
 
 	// A scrape whose counters cannot be read counts the failures and still succeeds.
 	counters.setFail(true)
-	if decap := samples(t, reg, "kube_service_tunnel_endpoint_decap_received_packets_total"); len(decap) != 0 {
+	if decap := promtest.Series(t, reg, "kube_service_tunnel_endpoint_decap_received_packets_total"); len(decap) != 0 {
 		t.Errorf("series of unreadable counters exported: %v", decap)
 	}
 	counters.setFail(false) // so that the next scrape adds no failure
-	if n := samples(t, reg, "kube_service_tunnel_endpoint_decap_counter_errors_total")[""]; n != 2 {
+	if n := promtest.Series(t, reg, "kube_service_tunnel_endpoint_decap_counter_errors_total")[""]; n != 2 {
 		t.Errorf("decap_counter_errors_total = %v, want 2 (one per pod)", n)
 	}
 
@@ -232,16 +195,16 @@ func TestControllerMetrics(t *testing.T) {
 	}
 	waitFor(t, "192.0.2.11 removed from pod both", func() bool { return len(pods.holds("a/both")) == 1 })
 	waitFor(t, "its counters relabelled", func() bool {
-		_, ok := samples(t, reg, "kube_service_tunnel_endpoint_decap_received_packets_total")["pod=a/both,vip=192.0.2.10"]
+		_, ok := promtest.Series(t, reg, "kube_service_tunnel_endpoint_decap_received_packets_total")["pod=a/both,vip=192.0.2.10"]
 		return ok
 	})
-	if got := samples(t, reg, "kube_service_tunnel_endpoint_tunnel_ips")[""]; got != 1 {
+	if got := promtest.Series(t, reg, "kube_service_tunnel_endpoint_tunnel_ips")[""]; got != 1 {
 		t.Errorf("tunnel_ips = %v after the Service went, want 1", got)
 	}
-	if endpoints := samples(t, reg, "kube_service_tunnel_endpoint_local_endpoints"); !mapsEqual(endpoints, map[string]float64{"vip=192.0.2.10": 2}) {
+	if endpoints := promtest.Series(t, reg, "kube_service_tunnel_endpoint_local_endpoints"); !mapsEqual(endpoints, map[string]float64{"vip=192.0.2.10": 2}) {
 		t.Errorf("local_endpoints = %v after the Service went, want only 192.0.2.10: 2", endpoints)
 	}
-	if n := samples(t, reg, "kube_service_tunnel_endpoint_kernel_operations_total")["netns=pod,object=tunnel_ip,operation=delete"]; n != 1 || pods.count(actDelTunnelIP) != 1 {
+	if n := promtest.Series(t, reg, "kube_service_tunnel_endpoint_kernel_operations_total")["netns=pod,object=tunnel_ip,operation=delete"]; n != 1 || pods.count(actDelTunnelIP) != 1 {
 		t.Errorf("tunnel_ip deletions counted %v, made %d; want 1", n, pods.count(actDelTunnelIP))
 	}
 
@@ -251,13 +214,13 @@ func TestControllerMetrics(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor(t, "both pods emptied", func() bool { return len(pods.holds("a/both")) == 0 && len(pods.holds("a/webonly")) == 0 })
-	if decap := samples(t, reg, "kube_service_tunnel_endpoint_decap_received_packets_total"); len(decap) != 0 {
+	if decap := promtest.Series(t, reg, "kube_service_tunnel_endpoint_decap_received_packets_total"); len(decap) != 0 {
 		t.Errorf("counters of pods serving nothing still exported: %v", decap)
 	}
-	if endpoints := samples(t, reg, "kube_service_tunnel_endpoint_local_endpoints"); len(endpoints) != 0 {
+	if endpoints := promtest.Series(t, reg, "kube_service_tunnel_endpoint_local_endpoints"); len(endpoints) != 0 {
 		t.Errorf("local_endpoints = %v with nothing served", endpoints)
 	}
-	if n := samples(t, reg, "kube_service_tunnel_endpoint_kernel_operations_total")["netns=pod,object=decap_device,operation=delete"]; n != 2 {
+	if n := promtest.Series(t, reg, "kube_service_tunnel_endpoint_kernel_operations_total")["netns=pod,object=decap_device,operation=delete"]; n != 2 {
 		t.Errorf("device deletions counted %v, want 2", n)
 	}
 }
@@ -294,7 +257,7 @@ func TestReadyAfterFirstFullSync(t *testing.T) {
 	if code := status(t, base+"/healthz"); code != http.StatusOK {
 		t.Fatalf("/healthz = %d, want 200", code)
 	}
-	if n := samples(t, reg, "kube_service_tunnel_endpoint_sync_errors_total")["kind=pod"]; n < 1 {
+	if n := promtest.Series(t, reg, "kube_service_tunnel_endpoint_sync_errors_total")["kind=pod"]; n < 1 {
 		t.Errorf("pod sync errors = %v while its namespace is missing, want at least 1", n)
 	}
 

@@ -3,6 +3,7 @@ package router
 import (
 	"context"
 	"net/netip"
+	"slices"
 	"testing"
 	"time"
 
@@ -60,23 +61,11 @@ func TestDesiredIngress(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got, manage := DesiredIngress(tc.svc, tc.vip, inPool)
-			if manage != tc.manage || !equalStrings(ips(got), tc.want) {
+			if manage != tc.manage || !slices.Equal(ips(got), tc.want) {
 				t.Errorf("DesiredIngress = %v, %v; want %v, %v", ips(got), manage, tc.want, tc.manage)
 			}
 		})
 	}
-}
-
-func equalStrings(a, b []string) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }
 
 // TestStatusWriterWritesOnlyChanges checks the writer against a fake API:
@@ -113,7 +102,7 @@ func TestStatusWriterWritesOnlyChanges(t *testing.T) {
 		t.Helper()
 		for range 200 {
 			got, _ := lister.Services("default").Get("web")
-			if equalStrings(ips(got.Status.LoadBalancer.Ingress), want) {
+			if slices.Equal(ips(got.Status.LoadBalancer.Ingress), want) {
 				return
 			}
 			time.Sleep(10 * time.Millisecond) // the informer delivers the patched object

@@ -9,6 +9,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
+	"github.com/cmdnu/kube-service-tunnel/internal/promtest"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
 )
@@ -127,10 +128,10 @@ func testMetricsInNetns(t *testing.T, generations int) {
 	})
 
 	packets := func() map[string]float64 {
-		return series(t, reg, "kube_service_tunnel_router_vip_packets_total")
+		return promtest.Series(t, reg, "kube_service_tunnel_router_vip_packets_total")
 	}
 	bytes := func() map[string]float64 {
-		return series(t, reg, "kube_service_tunnel_router_vip_bytes_total")
+		return promtest.Series(t, reg, "kube_service_tunnel_router_vip_bytes_total")
 	}
 	key := "vip=" + vip.String()
 	p0, b0 := packets(), bytes()
@@ -183,7 +184,7 @@ func testMetricsInNetns(t *testing.T, generations int) {
 		t.Errorf("counters of a missing chain: %v", got)
 	}
 	// Each scrape reads once: the one above and this one.
-	if got := series(t, reg, "kube_service_tunnel_router_vip_counter_read_errors_total")[""]; got != 2 {
+	if got := promtest.Series(t, reg, "kube_service_tunnel_router_vip_counter_read_errors_total")[""]; got != 2 {
 		t.Errorf("read errors %v, want 2", got)
 	}
 }

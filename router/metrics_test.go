@@ -12,50 +12,13 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 	"github.com/vishvananda/netlink"
 	discoveryv1 "k8s.io/api/discovery/v1"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
+	"github.com/cmdnu/kube-service-tunnel/internal/promtest"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 )
-
-// series gathers reg and returns the values of metric name by their labels
-// ("k=v,k=v" in label-name order; "" without labels): a counter's or
-// gauge's value, a histogram's sample count.
-func series(t *testing.T, reg *prometheus.Registry, name string) map[string]float64 {
-	t.Helper()
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatalf("gather: %v", err)
-	}
-	out := map[string]float64{}
-	for _, f := range families {
-		if f.GetName() != name {
-			continue
-		}
-		for _, m := range f.GetMetric() {
-			var labels []string
-			for _, l := range m.GetLabel() {
-				labels = append(labels, l.GetName()+"="+l.GetValue())
-			}
-			out[strings.Join(labels, ",")] = metricValue(f.GetType(), m)
-		}
-	}
-	return out
-}
-
-func metricValue(typ dto.MetricType, m *dto.Metric) float64 {
-	switch typ {
-	case dto.MetricType_COUNTER:
-		return m.GetCounter().GetValue()
-	case dto.MetricType_GAUGE:
-		return m.GetGauge().GetValue()
-	case dto.MetricType_HISTOGRAM:
-		return float64(m.GetHistogram().GetSampleCount())
-	}
-	return m.GetUntyped().GetValue()
-}
 
 // withVIP keeps the series of one tunnel IP.
 func withVIP(s map[string]float64, vip string) map[string]float64 {
@@ -117,11 +80,11 @@ func TestControllerMetricsFollowClaimsAndEndpoints(t *testing.T) {
 	}
 	claims := func(step string, served float64, invalid, refused, conflict float64) {
 		t.Helper()
-		if got := series(t, reg, "kube_service_tunnel_router_served_tunnel_ips")[""]; got != served {
+		if got := promtest.Series(t, reg, "kube_service_tunnel_router_served_tunnel_ips")[""]; got != served {
 			t.Errorf("%s: served tunnel IPs %v, want %v", step, got, served)
 		}
 		want := map[string]float64{"reason=invalid": invalid, "reason=refused": refused, "reason=conflict": conflict}
-		if got := series(t, reg, "kube_service_tunnel_router_refused_claims"); !maps.Equal(got, want) {
+		if got := promtest.Series(t, reg, "kube_service_tunnel_router_refused_claims"); !maps.Equal(got, want) {
 			t.Errorf("%s: refused claims %v, want %v", step, got, want)
 		}
 	}
@@ -130,12 +93,12 @@ func TestControllerMetricsFollowClaimsAndEndpoints(t *testing.T) {
 	endpointsOf := func(step, vip string, ready, draining float64) {
 		t.Helper()
 		wantEps := map[string]float64{"state=ready,vip=" + vip: ready, "state=draining,vip=" + vip: draining}
-		if got := withVIP(series(t, reg, "kube_service_tunnel_router_tunnel_endpoints"), vip); !maps.Equal(got, wantEps) {
+		if got := withVIP(promtest.Series(t, reg, "kube_service_tunnel_router_tunnel_endpoints"), vip); !maps.Equal(got, wantEps) {
 			t.Errorf("%s: endpoints of %s %v, want %v", step, vip, got, wantEps)
 		}
 		programmed := tc.dp.tunnels[netip.MustParseAddr(vip)]
 		want := bucketShares(programmed)
-		got := withVIP(series(t, reg, "kube_service_tunnel_router_endpoint_buckets"), vip)
+		got := withVIP(promtest.Series(t, reg, "kube_service_tunnel_router_endpoint_buckets"), vip)
 		if !maps.Equal(got, want) {
 			t.Errorf("%s: buckets of %s %v, want what was programmed: %v", step, vip, got, want)
 		}
@@ -150,7 +113,7 @@ func TestControllerMetricsFollowClaimsAndEndpoints(t *testing.T) {
 	claims("resync", 2, 1, 1, 1)
 	endpointsOf("resync", "192.0.2.10", 3, 1)
 	endpointsOf("resync", "192.0.2.20", 1, 0)
-	if got := series(t, reg, "kube_service_tunnel_router_endpoint_buckets")["endpoint=10.244.4.8,vip=192.0.2.10"]; got != 0 {
+	if got := promtest.Series(t, reg, "kube_service_tunnel_router_endpoint_buckets")["endpoint=10.244.4.8,vip=192.0.2.10"]; got != 0 {
 		t.Errorf("draining endpoint has %v buckets, want 0", got)
 	}
 
@@ -160,7 +123,7 @@ func TestControllerMetricsFollowClaimsAndEndpoints(t *testing.T) {
 		t.Fatal(err)
 	}
 	endpointsOf("endpoint removed", "192.0.2.10", 2, 1)
-	if _, ok := series(t, reg, "kube_service_tunnel_router_endpoint_buckets")["endpoint=10.244.3.7,vip=192.0.2.10"]; ok {
+	if _, ok := promtest.Series(t, reg, "kube_service_tunnel_router_endpoint_buckets")["endpoint=10.244.3.7,vip=192.0.2.10"]; ok {
 		t.Error("the removed endpoint 10.244.3.7 still has a bucket gauge")
 	}
 
@@ -172,7 +135,7 @@ func TestControllerMetricsFollowClaimsAndEndpoints(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, name := range []string{"kube_service_tunnel_router_tunnel_endpoints", "kube_service_tunnel_router_endpoint_buckets"} {
-		if got := withVIP(series(t, reg, name), "192.0.2.20"); len(got) != 0 {
+		if got := withVIP(promtest.Series(t, reg, name), "192.0.2.20"); len(got) != 0 {
 			t.Errorf("removed tunnel IP 192.0.2.20 still in %s: %v", name, got)
 		}
 	}
@@ -212,7 +175,7 @@ func TestControllerMetricsFollowClaimsAndEndpoints(t *testing.T) {
 	}
 	claims("resync after delete", 1, 0, 0, 0)
 	for _, name := range []string{"kube_service_tunnel_router_tunnel_endpoints", "kube_service_tunnel_router_endpoint_buckets"} {
-		if got := withVIP(series(t, reg, name), "192.0.2.30"); len(got) != 0 {
+		if got := withVIP(promtest.Series(t, reg, name), "192.0.2.30"); len(got) != 0 {
 			t.Errorf("resync kept the removed tunnel IP 192.0.2.30 in %s: %v", name, got)
 		}
 	}
@@ -237,11 +200,11 @@ func TestControllerMetricsCountReconcilesAndErrors(t *testing.T) {
 	tc.dp.fail = nil
 
 	wantCount := map[string]float64{"kind=resync": 1, "kind=service": 2, "kind=networks": 1}
-	if got := series(t, reg, "kube_service_tunnel_router_reconcile_duration_seconds"); !maps.Equal(got, wantCount) {
+	if got := promtest.Series(t, reg, "kube_service_tunnel_router_reconcile_duration_seconds"); !maps.Equal(got, wantCount) {
 		t.Errorf("reconcile durations observed %v, want %v", got, wantCount)
 	}
 	wantErrors := map[string]float64{"kind=resync": 0, "kind=service": 1, "kind=networks": 0}
-	if got := series(t, reg, "kube_service_tunnel_router_reconcile_errors_total"); !maps.Equal(got, wantErrors) {
+	if got := promtest.Series(t, reg, "kube_service_tunnel_router_reconcile_errors_total"); !maps.Equal(got, wantErrors) {
 		t.Errorf("reconcile errors %v, want %v", got, wantErrors)
 	}
 }
@@ -299,7 +262,7 @@ func (k *writeCountingKernel) RuleDel(r *netlink.Rule) error {
 func kernelOps(t *testing.T, reg *prometheus.Registry) kernelWrites {
 	t.Helper()
 	out := kernelWrites{}
-	for labels, v := range series(t, reg, "kube_service_tunnel_router_kernel_operations_total") {
+	for labels, v := range promtest.Series(t, reg, "kube_service_tunnel_router_kernel_operations_total") {
 		var object, op string
 		for _, kv := range strings.Split(labels, ",") {
 			k, val, _ := strings.Cut(kv, "=")
@@ -411,8 +374,8 @@ func TestVIPTrafficReadAtScrape(t *testing.T) {
 		netip.MustParseAddr("192.0.2.2"): {Packets: 0, Bytes: 0},
 	}}
 	m.CollectVIPTraffic(chain, quietLog())
-	packets := series(t, reg, "kube_service_tunnel_router_vip_packets_total")
-	bytes := series(t, reg, "kube_service_tunnel_router_vip_bytes_total")
+	packets := promtest.Series(t, reg, "kube_service_tunnel_router_vip_packets_total")
+	bytes := promtest.Series(t, reg, "kube_service_tunnel_router_vip_bytes_total")
 	if want := map[string]float64{"vip=192.0.2.1": 3, "vip=192.0.2.2": 0}; !maps.Equal(packets, want) {
 		t.Errorf("packets %v, want %v", packets, want)
 	}
@@ -422,11 +385,11 @@ func TestVIPTrafficReadAtScrape(t *testing.T) {
 
 	// Read again at the next scrape: a tunnel IP gone is gone from it.
 	chain.counters = map[netip.Addr]hmark.Counter{netip.MustParseAddr("192.0.2.1"): {Packets: 5, Bytes: 300}}
-	if got, want := series(t, reg, "kube_service_tunnel_router_vip_packets_total"), map[string]float64{"vip=192.0.2.1": 5}; !maps.Equal(got, want) {
+	if got, want := promtest.Series(t, reg, "kube_service_tunnel_router_vip_packets_total"), map[string]float64{"vip=192.0.2.1": 5}; !maps.Equal(got, want) {
 		t.Errorf("next scrape: packets %v, want %v", got, want)
 	}
 
-	if got := series(t, reg, "kube_service_tunnel_router_vip_counter_read_errors_total")[""]; got != 0 {
+	if got := promtest.Series(t, reg, "kube_service_tunnel_router_vip_counter_read_errors_total")[""]; got != 0 {
 		t.Errorf("read errors %v after good reads, want 0", got)
 	}
 
@@ -443,7 +406,7 @@ func TestVIPTrafficReadAtScrape(t *testing.T) {
 	if slices.Contains(names, "kube_service_tunnel_router_vip_packets_total") {
 		t.Errorf("counters exported although reading them failed: %v", names)
 	}
-	if got := series(t, reg, "kube_service_tunnel_router_vip_counter_read_errors_total")[""]; got != 2 {
+	if got := promtest.Series(t, reg, "kube_service_tunnel_router_vip_counter_read_errors_total")[""]; got != 2 {
 		// Two scrapes with the error: the Gather above and this one.
 		t.Errorf("read errors %v, want 2", got)
 	}
