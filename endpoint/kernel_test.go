@@ -8,7 +8,7 @@ import (
 
 	"github.com/vishvananda/netns"
 
-	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
+	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
 // The TestKernel* tests need a kernel with GRE and MPLS routing, which this

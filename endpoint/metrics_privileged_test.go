@@ -6,7 +6,7 @@ import (
 	"net/netip"
 	"testing"
 
-	"github.com/cmdnu/kube-service-tunnel/internal/promtest"
+	"github.com/cmdnu/kube-service-tunnel/test/support/promtest"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"

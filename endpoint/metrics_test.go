@@ -19,7 +19,7 @@ import (
 	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
-	"github.com/cmdnu/kube-service-tunnel/internal/promtest"
+	"github.com/cmdnu/kube-service-tunnel/test/support/promtest"
 )
 
 // scriptedPods stands in for PodNetwork: it remembers the tunnel IPs each pod

@@ -13,8 +13,8 @@ import (
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 
-	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
+	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
 // podAndNode builds a pod namespace whose interface "net1" (deliberately not

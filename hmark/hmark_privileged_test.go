@@ -1,7 +1,7 @@
 package hmark
 
 // Privileged tests: each runs in a fresh network namespace of its own (see
-// internal/testnetns), with the real iptables binaries and the kernel's HMARK
+// test/support/testnetns), with the real iptables binaries and the kernel's HMARK
 // target. They skip when not root or when iptables is missing.
 
 import (
@@ -17,7 +17,7 @@ import (
 
 	"github.com/coreos/go-iptables/iptables"
 
-	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
+	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 	"golang.org/x/sys/unix"
 )
 

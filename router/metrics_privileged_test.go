@@ -9,9 +9,9 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
-	"github.com/cmdnu/kube-service-tunnel/internal/promtest"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
-	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
+	"github.com/cmdnu/kube-service-tunnel/test/support/promtest"
+	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
 // meteredKernelRouter is a Datapath on the real kernel of a test namespace

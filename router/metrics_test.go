@@ -16,8 +16,8 @@ import (
 	discoveryv1 "k8s.io/api/discovery/v1"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
-	"github.com/cmdnu/kube-service-tunnel/internal/promtest"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
+	"github.com/cmdnu/kube-service-tunnel/test/support/promtest"
 )
 
 // withVIP keeps the series of one tunnel IP.

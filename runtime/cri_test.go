@@ -18,8 +18,8 @@ import (
 	"google.golang.org/grpc"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
-	"github.com/cmdnu/kube-service-tunnel/internal/testcri"
-	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
+	"github.com/cmdnu/kube-service-tunnel/test/support/testcri"
+	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
 // Samples of PodSandboxStatusResponse.Info["info"], trimmed to the fields

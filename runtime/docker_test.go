@@ -17,8 +17,8 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
-	"github.com/cmdnu/kube-service-tunnel/internal/testdocker"
-	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
+	"github.com/cmdnu/kube-service-tunnel/test/support/testdocker"
+	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
 func TestNewestRunningSandbox(t *testing.T) {

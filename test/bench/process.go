@@ -19,9 +19,9 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
+	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
 // routerProcess runs the real tunnel-router binary in a network namespace

@@ -36,8 +36,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
 	"github.com/cmdnu/kube-service-tunnel/test/bgppeer/birdconf"
+	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 	"github.com/vishvananda/netlink"
 )
 

@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
+	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 	"github.com/vishvananda/netlink"
 )
 

@@ -28,8 +28,8 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
-	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
 	"github.com/cmdnu/kube-service-tunnel/test/bgppeer"
+	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
 // The BGP tests run the real tunnel-router binary, each instance in its own

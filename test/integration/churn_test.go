@@ -25,10 +25,10 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/cmdnu/kube-service-tunnel/endpoint"
-	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
+	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
 // Churn sizes: 1,000 Services, changed by churnWorkers goroutines at once,

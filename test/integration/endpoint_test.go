@@ -22,9 +22,9 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/cmdnu/kube-service-tunnel/endpoint"
-	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
+	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
 // countingPods wraps the real PodNetwork and counts, per pod, the syncs and

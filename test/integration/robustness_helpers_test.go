@@ -28,10 +28,10 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/endpoint"
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
-	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
+	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
 // connTracker dials the API server for the clients of one test and can

@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/cmdnu/kube-service-tunnel/internal/testnetns"
+	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
 func TestIptablesLines(t *testing.T) {

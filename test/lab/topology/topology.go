@@ -37,8 +37,8 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/cmdnu/kube-service-tunnel/internal/nsrelay"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/guest"
+	"github.com/cmdnu/kube-service-tunnel/test/support/nsrelay"
 )
 
 // Addresses of the lab. Tunnel IPs are taken from TunnelNet.

@@ -24,7 +24,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/cmdnu/kube-service-tunnel/internal/leftover"
+	"github.com/cmdnu/kube-service-tunnel/test/support/leftover"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
@@ -44,7 +44,7 @@ const PodUIDLabel = "io.kubernetes.pod.uid"
 // with both ends there (this lab's kernel has no dummy driver), the peer
 // named kst-peer.
 const cniPlugin = `#!/bin/sh
-# kst-veth: test CNI plugin written by internal/testcri. It gives the pod
+# kst-veth: test CNI plugin written by test/support/testcri. It gives the pod
 # sandbox an eth0 with a fixed address (a veth pair with both ends inside the
 # sandbox's own network namespace); it never touches the host namespace.
 set -e

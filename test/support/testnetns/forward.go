@@ -1,7 +1,7 @@
 package testnetns
 
 import (
-	"github.com/cmdnu/kube-service-tunnel/internal/nsrelay"
+	"github.com/cmdnu/kube-service-tunnel/test/support/nsrelay"
 	"github.com/vishvananda/netns"
 )
 

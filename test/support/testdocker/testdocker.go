@@ -36,7 +36,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/cmdnu/kube-service-tunnel/internal/leftover"
+	"github.com/cmdnu/kube-service-tunnel/test/support/leftover"
 	"github.com/docker/docker/client"
 	"golang.org/x/sys/unix"
 )
