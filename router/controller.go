@@ -11,6 +11,10 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
+	"github.com/cmdnu/kube-service-tunnel/router/bucket"
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
+	"github.com/cmdnu/kube-service-tunnel/router/metrics"
+	"github.com/cmdnu/kube-service-tunnel/router/status"
 	"github.com/sirupsen/logrus"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -51,8 +55,8 @@ const (
 
 // Programmer is what the controller asks of the datapath (*Datapath).
 type Programmer interface {
-	Resync([]Tunnel) error
-	SetTunnel(Tunnel) error
+	Resync([]datapath.Tunnel) error
+	SetTunnel(datapath.Tunnel) error
 	RemoveTunnel(netip.Addr) error
 }
 
@@ -81,9 +85,9 @@ type Controller struct {
 	byVIP    map[netip.Addr]map[string]bool // tunnel IP -> keys of the Services claiming it
 	reported map[string]string              // Service key -> last event reason+message, to record each state once
 	networks tunnelclaim.Networks           // what tunnel IPs must not take, as of the last resync
-	refused  map[string]string              // Service key -> why its claim is refused (refusedInvalid, refusedPolicy)
-	metrics  *Metrics                       // nil: none
-	status   *StatusWriter                  // publishes served tunnel IPs in LoadBalancer Services' status
+	refused  map[string]string              // Service key -> why its claim is refused (metrics.RefusedInvalid, metrics.RefusedPolicy)
+	metrics  *metrics.Metrics               // nil: none
+	status   *status.Writer                 // publishes served tunnel IPs in LoadBalancer Services' status
 	synced1  atomic.Bool
 
 	announcer Announcer
@@ -92,7 +96,7 @@ type Controller struct {
 
 // SetMetrics makes the controller export its state and reconciles to m.
 // Call it before Run; without it nothing is recorded.
-func (c *Controller) SetMetrics(m *Metrics) { c.metrics = m }
+func (c *Controller) SetMetrics(m *metrics.Metrics) { c.metrics = m }
 
 // claimMetrics exports how many tunnel IPs are served and how many Services'
 // claims are refused, by reason (conflict losers: every claimant of a
@@ -106,9 +110,9 @@ func (c *Controller) claimMetrics() {
 		refused[reason]++
 	}
 	for _, keys := range c.byVIP {
-		refused[refusedConflict] += len(keys) - 1
+		refused[metrics.RefusedConflict] += len(keys) - 1
 	}
-	c.metrics.setClaims(len(c.byVIP), refused)
+	c.metrics.SetClaims(len(c.byVIP), refused)
 }
 
 // SetAnnouncer makes the controller announce every tunnel IP whose datapath
@@ -170,7 +174,7 @@ func NewController(cfg Config, client kubernetes.Interface, factory informers.Sh
 		refused:  map[string]string{},
 		announce: map[netip.Addr]bool{},
 	}
-	c.status = NewStatusWriter(client, c.services, cfg.Policy.Pools.Contains, log.WithField("component", "status"))
+	c.status = status.NewWriter(client, c.services, cfg.Policy.Pools.Contains, log.WithField("component", "status"))
 	if _, err := svcInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    c.enqueueObject,
 		UpdateFunc: func(_, obj any) { c.enqueueObject(obj) },
@@ -340,7 +344,7 @@ func (c *Controller) Run(ctx context.Context) error {
 	// that nothing is programmed against a device or rule set not yet ensured.
 	backoff := wait.Backoff{Duration: time.Second, Factor: 2, Jitter: 0.1, Steps: 1 << 30, Cap: time.Minute}
 	for {
-		err := c.reconcile(reconcileResync, c.resync)
+		err := c.reconcile(metrics.ReconcileResync, c.resync)
 		if err == nil {
 			break
 		}
@@ -380,11 +384,11 @@ func (c *Controller) processNext() bool {
 	var err error
 	switch key {
 	case resyncKey:
-		err = c.reconcile(reconcileResync, c.resync)
+		err = c.reconcile(metrics.ReconcileResync, c.resync)
 	case networksKey:
-		err = c.reconcile(reconcileNetworks, c.networksChanged)
+		err = c.reconcile(metrics.ReconcileNetworks, c.networksChanged)
 	default:
-		err = c.reconcile(reconcileService, func() error { return c.syncService(key) })
+		err = c.reconcile(metrics.ReconcileService, func() error { return c.syncService(key) })
 	}
 	if err != nil {
 		c.log.WithError(err).WithField("key", strings.TrimPrefix(key, "\x00")).Warn("sync failed, will retry")
@@ -399,7 +403,7 @@ func (c *Controller) processNext() bool {
 func (c *Controller) reconcile(kind string, fn func() error) error {
 	start := time.Now()
 	err := fn()
-	c.metrics.reconciled(kind, time.Since(start), err)
+	c.metrics.Reconciled(kind, time.Since(start), err)
 	return err
 }
 
@@ -417,13 +421,13 @@ func (c *Controller) claimOf(svc *corev1.Service) (netip.Addr, bool) {
 	field := "metadata.annotations[" + tunnelclaim.Annotation + "]"
 	vip, err := tunnelclaim.ParseIP(value)
 	if err != nil {
-		c.refused[key] = refusedInvalid
+		c.refused[key] = metrics.RefusedInvalid
 		c.log.WithFields(logrus.Fields{"service": svc.Namespace + "/" + svc.Name, "field": field}).WithError(err).Warn("invalid tunnel IP")
 		c.report(svc, corev1.EventTypeWarning, ReasonInvalidTunnelIP, err.Error())
 		return netip.Addr{}, false
 	}
 	if err := c.cfg.Policy.Pools.Admit(vip, svc.Namespace, c.networks); err != nil {
-		c.refused[key] = refusedPolicy
+		c.refused[key] = metrics.RefusedPolicy
 		// Logged with the event: once per reason, not on every resync.
 		if c.report(svc, corev1.EventTypeWarning, ReasonRefused, err.Error()) {
 			c.log.WithFields(logrus.Fields{"service": svc.Namespace + "/" + svc.Name, "field": field, "vip": vip}).WithError(err).Warn("tunnel IP refused")
@@ -450,7 +454,7 @@ func (c *Controller) networksChanged() error {
 	if err != nil {
 		return err
 	}
-	if c.cfg.Mode != ModeMPLS && known.Equal(c.networks) {
+	if c.cfg.Mode != datapath.ModeMPLS && known.Equal(c.networks) {
 		return nil
 	}
 	return c.resync()
@@ -487,7 +491,7 @@ func (c *Controller) resync() error {
 			delete(c.reported, key)
 		}
 	}
-	tunnels := make([]Tunnel, 0, len(c.byVIP))
+	tunnels := make([]datapath.Tunnel, 0, len(c.byVIP))
 	for vip := range c.byVIP {
 		tunnels = append(tunnels, c.tunnelFor(vip))
 	}
@@ -496,7 +500,7 @@ func (c *Controller) resync() error {
 		return fmt.Errorf("resync of %d tunnel IPs: %w", len(tunnels), err)
 	}
 	c.log.WithFields(logrus.Fields{"tunnels": len(tunnels), "duration": time.Since(start).Round(time.Millisecond)}).Info("resynced datapath")
-	c.metrics.setTunnels(tunnels)
+	c.metrics.SetTunnels(tunnels)
 	for _, svc := range svcs {
 		c.publishStatus(svc.Namespace + "/" + svc.Name)
 	}
@@ -599,7 +603,7 @@ func (c *Controller) syncVIP(vip netip.Addr) error {
 		if err := c.dp.RemoveTunnel(vip); err != nil {
 			return fmt.Errorf("removing tunnel %v: %w", vip, err)
 		}
-		c.metrics.removeTunnel(vip)
+		c.metrics.RemoveTunnel(vip)
 		c.log.WithField("vip", vip).Info("tunnel removed")
 		return nil
 	}
@@ -614,7 +618,7 @@ func (c *Controller) syncVIP(vip netip.Addr) error {
 		}
 		return fmt.Errorf("programming tunnel %v: %w", vip, err)
 	}
-	c.metrics.setTunnel(t)
+	c.metrics.SetTunnel(t)
 	c.announced(vip, t.HasReady())
 	return nil
 }
@@ -664,9 +668,9 @@ func (c *Controller) winner(vip netip.Addr) *corev1.Service {
 
 // tunnelFor computes the desired bucket table of vip from its winning Service
 // and reports what an operator should know on the Services involved.
-func (c *Controller) tunnelFor(vip netip.Addr) Tunnel {
+func (c *Controller) tunnelFor(vip netip.Addr) datapath.Tunnel {
 	claimants := c.claimants(vip)
-	t := Tunnel{VIP: vip}
+	t := datapath.Tunnel{VIP: vip}
 	if len(claimants) == 0 {
 		return t
 	}
@@ -681,8 +685,8 @@ func (c *Controller) tunnelFor(vip netip.Addr) Tunnel {
 	if err != nil {
 		c.log.WithError(err).WithField("service", key).Warn("listing endpointslices")
 	}
-	eps, problems := ServiceEndpoints(esl, c.cfg.Mode == ModeMPLS, c.drained)
-	if c.cfg.Mode == ModeMPLS {
+	eps, problems := ServiceEndpoints(esl, c.cfg.Mode == datapath.ModeMPLS, c.drained)
+	if c.cfg.Mode == datapath.ModeMPLS {
 		eps, problems = c.withNodeIPs(eps, problems)
 	}
 	for _, p := range problems {
@@ -696,7 +700,7 @@ func (c *Controller) tunnelFor(vip netip.Addr) Tunnel {
 	t.Present = eps
 	// New flows go to the ready endpoints; to the draining ones only when no
 	// endpoint is ready (as kube-proxy does with terminating endpoints).
-	var ready, draining []Endpoint
+	var ready, draining []datapath.Endpoint
 	for _, ep := range eps {
 		if ep.Draining {
 			draining = append(draining, ep)
@@ -709,13 +713,13 @@ func (c *Controller) tunnelFor(vip netip.Addr) Tunnel {
 		assignable = draining
 	}
 	addrs := make([]netip.Addr, len(assignable))
-	byAddr := make(map[netip.Addr]Endpoint, len(assignable))
+	byAddr := make(map[netip.Addr]datapath.Endpoint, len(assignable))
 	for i, ep := range assignable {
 		addrs[i] = ep.Addr
 		byAddr[ep.Addr] = ep
 	}
-	table := Assign(c.cfg.Buckets, addrs)
-	t.Table = make([]Endpoint, len(table))
+	table := bucket.Assign(c.cfg.Buckets, addrs)
+	t.Table = make([]datapath.Endpoint, len(table))
 	for b, a := range table {
 		t.Table[b] = byAddr[a]
 	}
@@ -724,7 +728,7 @@ func (c *Controller) tunnelFor(vip netip.Addr) Tunnel {
 			fmt.Sprintf("tunnel IP %v has no ready endpoint; new flows go to its %d draining endpoints", vip, len(draining)))
 		return t
 	}
-	if idle := Unassigned(table, addrs); len(idle) > 0 {
+	if idle := bucket.Unassigned(table, addrs); len(idle) > 0 {
 		c.report(svc, corev1.EventTypeWarning, ReasonIdleEndpoints,
 			fmt.Sprintf("tunnel IP %v: %d of its %d ready endpoints own none of the %d buckets and get no traffic (raise --buckets): %v", vip, len(idle), len(ready), c.cfg.Buckets, idle))
 		return t
@@ -738,7 +742,7 @@ func (c *Controller) tunnelFor(vip netip.Addr) Tunnel {
 }
 
 // withNodeIPs fills in each endpoint's node address (mpls mode).
-func (c *Controller) withNodeIPs(eps []Endpoint, problems []string) ([]Endpoint, []string) {
+func (c *Controller) withNodeIPs(eps []datapath.Endpoint, problems []string) ([]datapath.Endpoint, []string) {
 	out := eps[:0]
 	for _, ep := range eps {
 		node, err := c.nodes.Get(ep.NodeName)

@@ -15,27 +15,29 @@ import (
 	"k8s.io/client-go/tools/record"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
+	"github.com/cmdnu/kube-service-tunnel/test/support/seamtest"
 )
 
 // fakeProgrammer keeps the tunnels the controller asks for; while fail is
 // set, every call fails with it and changes nothing.
 type fakeProgrammer struct {
-	tunnels map[netip.Addr]Tunnel
+	tunnels map[netip.Addr]datapath.Tunnel
 	fail    error
 }
 
-func (f *fakeProgrammer) Resync(ts []Tunnel) error {
+func (f *fakeProgrammer) Resync(ts []datapath.Tunnel) error {
 	if f.fail != nil {
 		return f.fail
 	}
-	f.tunnels = map[netip.Addr]Tunnel{}
+	f.tunnels = map[netip.Addr]datapath.Tunnel{}
 	for _, t := range ts {
 		f.tunnels[t.VIP] = t
 	}
 	return nil
 }
 
-func (f *fakeProgrammer) SetTunnel(t Tunnel) error {
+func (f *fakeProgrammer) SetTunnel(t datapath.Tunnel) error {
 	if f.fail != nil {
 		return f.fail
 	}
@@ -77,7 +79,8 @@ type testController struct {
 
 func newTestController(t *testing.T, pools string) *testController {
 	t.Helper()
-	cfg := testConfig()
+	cfg := Config{Config: datapath.DefaultConfig()}
+	cfg.Buckets, cfg.Seed = 8, 1
 	p, err := tunnelclaim.ParsePools(pools)
 	if err != nil {
 		t.Fatal(err)
@@ -85,9 +88,9 @@ func newTestController(t *testing.T, pools string) *testController {
 	cfg.Policy = tunnelclaim.Policy{Pools: p, ServiceCIDRs: []netip.Prefix{netip.MustParsePrefix("10.96.0.0/12")}}
 	client := fake.NewClientset()
 	inf := informers.NewSharedInformerFactory(client, 0)
-	dp := &fakeProgrammer{tunnels: map[netip.Addr]Tunnel{}}
+	dp := &fakeProgrammer{tunnels: map[netip.Addr]datapath.Tunnel{}}
 	events := record.NewFakeRecorder(100)
-	c, err := NewController(cfg, client, inf, dp, events, quietLog())
+	c, err := NewController(cfg, client, inf, dp, events, seamtest.QuietLog())
 	if err != nil {
 		t.Fatal(err)
 	}

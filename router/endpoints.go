@@ -5,21 +5,9 @@ import (
 	"net/netip"
 	"slices"
 
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	discoveryv1 "k8s.io/api/discovery/v1"
 )
-
-// Endpoint is one backend of a tunnel IP, as every router sees it in the
-// Service's EndpointSlices.
-type Endpoint struct {
-	// Draining endpoints get no new flows; their established flows stay.
-	Draining bool
-	// Addr is the pod IP: the GRE outer destination, and the source of the MPLS label.
-	Addr netip.Addr
-	// NodeName is the node the pod runs on; MPLS mode sends the packet there.
-	NodeName string
-	// NodeIP is the node's address (MPLS mode), filled in from the Node object.
-	NodeIP netip.Addr
-}
 
 // DrainAnnotation on a Pod, set to "true", drains the pod's endpoints: they
 // get no new flows, while their established flows keep reaching them.
@@ -35,8 +23,8 @@ const DrainAnnotation = "cmd.nu/tunnel-drain"
 // but not ready (terminating), or when drained(pod) says its Pod is marked
 // with DrainAnnotation; drained may be nil. Endpoints neither ready nor
 // serving are left out.
-func ServiceEndpoints(endpointSlices []*discoveryv1.EndpointSlice, needNode bool, drained func(namespace, name string) bool) (eps []Endpoint, problems []string) {
-	byAddr := map[netip.Addr]Endpoint{}
+func ServiceEndpoints(endpointSlices []*discoveryv1.EndpointSlice, needNode bool, drained func(namespace, name string) bool) (eps []datapath.Endpoint, problems []string) {
+	byAddr := map[netip.Addr]datapath.Endpoint{}
 	for _, es := range endpointSlices {
 		if es == nil {
 			continue
@@ -85,12 +73,12 @@ func ServiceEndpoints(endpointSlices []*discoveryv1.EndpointSlice, needNode bool
 				}
 				draining = draining && prev.Draining // ready in one slice is ready
 			}
-			byAddr[addr] = Endpoint{Addr: addr, NodeName: node, Draining: draining}
+			byAddr[addr] = datapath.Endpoint{Addr: addr, NodeName: node, Draining: draining}
 		}
 	}
 	for _, ep := range byAddr {
 		eps = append(eps, ep)
 	}
-	slices.SortFunc(eps, func(a, b Endpoint) int { return a.Addr.Compare(b.Addr) })
+	slices.SortFunc(eps, func(a, b datapath.Endpoint) int { return a.Addr.Compare(b.Addr) })
 	return eps, problems
 }

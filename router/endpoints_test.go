@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -64,7 +65,7 @@ func TestServiceEndpoints(t *testing.T) {
 	})
 }
 
-func assertAddrs(t *testing.T, eps []Endpoint, want []string) {
+func assertAddrs(t *testing.T, eps []datapath.Endpoint, want []string) {
 	t.Helper()
 	if len(eps) != len(want) {
 		t.Fatalf("got %v, want %v", eps, want)
@@ -76,7 +77,7 @@ func assertAddrs(t *testing.T, eps []Endpoint, want []string) {
 	}
 }
 
-func assertDraining(t *testing.T, eps []Endpoint, want ...string) {
+func assertDraining(t *testing.T, eps []datapath.Endpoint, want ...string) {
 	t.Helper()
 	var got []string
 	for _, ep := range eps {

@@ -8,7 +8,7 @@ import (
 	"os"
 	"runtime"
 
-	"github.com/cmdnu/kube-service-tunnel/router"
+	"github.com/cmdnu/kube-service-tunnel/router/startup"
 )
 
 // The main goroutine keeps the main thread for itself. Code that enters
@@ -19,7 +19,7 @@ import (
 func init() { runtime.LockOSThread() }
 
 func main() {
-	if err := router.Main(os.Args[1:]); err != nil {
+	if err := startup.Main(os.Args[1:]); err != nil {
 		fmt.Fprintln(os.Stderr, "tunnel-router:", err)
 		os.Exit(1)
 	}

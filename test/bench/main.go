@@ -29,7 +29,8 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
-	"github.com/cmdnu/kube-service-tunnel/router"
+	"github.com/cmdnu/kube-service-tunnel/router/bucket"
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
@@ -49,19 +50,19 @@ func main() {
 	}
 }
 
-func config() router.Config {
-	return router.Config{
-		Mode: router.ModeGRE, Buckets: *buckets, MarkOffset: router.DefaultMarkOffset, Seed: 0x5eed,
-		RulePriority: router.DefaultRulePriority, TableBase: router.DefaultTableBase,
-		RouteProtocol: router.DefaultRouteProtocol, GREDevice: "veth0", Chain: "KST-HMARK",
+func config() datapath.Config {
+	return datapath.Config{
+		Mode: datapath.ModeGRE, Buckets: *buckets, MarkOffset: datapath.DefaultMarkOffset, Seed: 0x5eed,
+		RulePriority: datapath.DefaultRulePriority, TableBase: datapath.DefaultTableBase,
+		RouteProtocol: datapath.DefaultRouteProtocol, GREDevice: "veth0", Chain: "KST-HMARK",
 	}
 }
 
 // tunnels builds n tunnel IPs, each with endpointsPer endpoints drawn from a
 // pool of podPool pod IPs.
-func tunnels(n int) []router.Tunnel {
+func tunnels(n int) []datapath.Tunnel {
 	cfg := config()
-	out := make([]router.Tunnel, n)
+	out := make([]datapath.Tunnel, n)
 	for i := range out {
 		vip := netip.AddrFrom4([4]byte{198, 18, byte(i >> 8), byte(i)})
 		eps := make([]netip.Addr, *endpointsPer)
@@ -74,10 +75,10 @@ func tunnels(n int) []router.Tunnel {
 	return out
 }
 
-func tunnelFor(cfg router.Config, vip netip.Addr, eps []netip.Addr) router.Tunnel {
-	t := router.Tunnel{VIP: vip}
-	for _, a := range router.Assign(cfg.Buckets, eps) {
-		t.Table = append(t.Table, router.Endpoint{Addr: a})
+func tunnelFor(cfg datapath.Config, vip netip.Addr, eps []netip.Addr) datapath.Tunnel {
+	t := datapath.Tunnel{VIP: vip}
+	for _, a := range bucket.Assign(cfg.Buckets, eps) {
+		t.Table = append(t.Table, datapath.Endpoint{Addr: a})
 	}
 	return t
 }
@@ -114,7 +115,7 @@ func (n *namespace) close() {
 }
 
 // ipBatch adds the same routes as the router with `ip -batch`.
-func ipBatch(ts []router.Tunnel) (time.Duration, int, error) {
+func ipBatch(ts []datapath.Tunnel) (time.Duration, int, error) {
 	ns, err := newNamespace("kst-bench-ip")
 	if err != nil {
 		return 0, 0, err
@@ -145,7 +146,7 @@ func ipBatch(ts []router.Tunnel) (time.Duration, int, error) {
 }
 
 // newDatapath opens the router's datapath inside ns.
-func newDatapath(ns *namespace) (*router.Datapath, func(), error) {
+func newDatapath(ns *namespace) (*datapath.Datapath, func(), error) {
 	cfg := config()
 	rc, err := rtnl.Open(ns.handle)
 	if err != nil {
@@ -166,7 +167,7 @@ func newDatapath(ns *namespace) (*router.Datapath, func(), error) {
 	}
 	log := logrus.New()
 	log.Out = io.Discard
-	dp := router.NewDatapath(cfg, rc, nl, chain, &router.ExistingDevice{Name: "veth0", Links: nl}, nil, log)
+	dp := datapath.NewDatapath(cfg, rc, nl, chain, &datapath.ExistingDevice{Name: "veth0", Links: nl}, nil, log)
 	return dp, func() { rc.Close(); nl.Close() }, nil
 }
 
@@ -219,7 +220,7 @@ func run() error {
 
 // removal removes one endpoint of 10 from one tunnel IP and reports the
 // kernel operations and the time.
-func removal(dp *router.Datapath, ts []router.Tunnel) error {
+func removal(dp *datapath.Datapath, ts []datapath.Tunnel) error {
 	cfg := config()
 	t := ts[0]
 	seen := map[netip.Addr]bool{}

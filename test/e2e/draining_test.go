@@ -11,7 +11,8 @@ import (
 	"time"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
-	"github.com/cmdnu/kube-service-tunnel/router"
+	"github.com/cmdnu/kube-service-tunnel/router/bucket"
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/kstate"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/topology"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
@@ -31,7 +32,7 @@ const drainAnnotation = "cmd.nu/tunnel-drain"
 func drainingEndpoint(t *testing.T, e *env) {
 	vip := topology.TunnelIP(9)
 	full := e.deploy(t, "draining", vip, e.Pods...)
-	if want := router.Assign(e.Opts.Buckets, podAddrs(e.Pods)); !slices.Equal(full, want) {
+	if want := bucket.Assign(e.Opts.Buckets, podAddrs(e.Pods)); !slices.Equal(full, want) {
 		t.Fatalf("the routers' table for %s is not the assignment of the %d pods:\n got %v\nwant %v", vip, len(e.Pods), full, want)
 	}
 	x, y := e.Pods[0], e.Pods[len(e.Pods)-1]
@@ -72,7 +73,7 @@ func drainTerminating(t *testing.T, e *env, vip netip.Addr, full []netip.Addr, x
 		t.Fatalf("after %s turned terminating: %v", x.Name, err)
 	}
 	t.Logf("%s terminating: both routers' current tables left it out %v later", x.Name, time.Since(drainedAt).Round(time.Millisecond))
-	if want := router.Assign(e.Opts.Buckets, podAddrs(rest)); !slices.Equal(drained, want) {
+	if want := bucket.Assign(e.Opts.Buckets, podAddrs(rest)); !slices.Equal(drained, want) {
 		t.Errorf("the current table is not the assignment without %s:\n got %v\nwant %v", x.Name, drained, want)
 	}
 	if ok, err := topology.PodHasAddr(ctx, x, vip); err != nil || !ok {
@@ -221,7 +222,7 @@ func drainAnnotated(t *testing.T, e *env, vip netip.Addr, y *topology.Pod) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := router.Assign(e.Opts.Buckets, podAddrs(e.Pods)); !slices.Equal(full, want) {
+	if want := bucket.Assign(e.Opts.Buckets, podAddrs(e.Pods)); !slices.Equal(full, want) {
 		t.Fatalf("with every pod ready again, the table is not their assignment:\n got %v\nwant %v", full, want)
 	}
 	port := e.portTo(t, full, vip, 48500, y)
@@ -242,7 +243,7 @@ func drainAnnotated(t *testing.T, e *env, vip netip.Addr, y *topology.Pod) {
 		t.Fatalf("after annotating %s %s=true: %v", y.Name, drainAnnotation, err)
 	}
 	t.Logf("%s annotated %s=true: both routers' current tables left it out %v later", y.Name, drainAnnotation, time.Since(annotatedAt).Round(time.Millisecond))
-	if want := router.Assign(e.Opts.Buckets, podAddrs(rest)); !slices.Equal(drained, want) {
+	if want := bucket.Assign(e.Opts.Buckets, podAddrs(rest)); !slices.Equal(drained, want) {
 		t.Errorf("the current table is not the assignment without %s:\n got %v\nwant %v", y.Name, drained, want)
 	}
 	if ok, err := topology.PodHasAddr(ctx, y, vip); err != nil || !ok {
@@ -480,7 +481,7 @@ func (e *env) checkOldGeneration(t *testing.T, vip netip.Addr, started []netip.A
 			continue
 		}
 		t.Logf("%s: new flows get generation %d (HMARK offset %#x); generation %d still holds the table the established flows started with",
-			r.Name, cur, router.DefaultMarkOffset+cur*e.Opts.Buckets, found[0])
+			r.Name, cur, datapath.DefaultMarkOffset+cur*e.Opts.Buckets, found[0])
 	}
 }
 

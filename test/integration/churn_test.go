@@ -27,6 +27,8 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/endpoint"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router"
+	"github.com/cmdnu/kube-service-tunnel/router/bucket"
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
@@ -206,7 +208,7 @@ func (g *gatedProgrammer) wait() {
 	})
 }
 
-func (g *gatedProgrammer) SetTunnel(t router.Tunnel) error {
+func (g *gatedProgrammer) SetTunnel(t datapath.Tunnel) error {
 	g.wait()
 	return g.recorder.SetTunnel(t)
 }
@@ -242,7 +244,7 @@ func TestChurnRouterIdleOnceRunReturns(t *testing.T) {
 	r.cancel()
 	select {
 	case <-r.done:
-		t.Errorf("router.Controller.Run returned while its worker was inside a datapath call (router/controller.go: Run does not wait for the worker it starts)")
+		t.Errorf("router.Controller.Run returned while its worker was inside a datapath call (router.Controller.Run does not wait for the worker it starts)")
 	case <-time.After(2 * time.Second): // Run is waiting for its worker
 	}
 	close(gate.release)
@@ -510,7 +512,7 @@ type desiredState struct {
 
 // finalState computes, from the API objects in ns, the tunnel IPs the router
 // must serve and how (the oldest admitted claimant wins its tunnel IP; its
-// ready endpoints share the buckets as router.Assign decides), and the
+// ready endpoints share the buckets as bucket.Assign decides), and the
 // tunnel IPs each pod of nodeName must hold (those of the winning Services
 // it backs, whatever its readiness).
 func finalState(t *testing.T, cs kubernetes.Interface, ns string, cfg router.Config, nodeName string) desiredState {
@@ -580,7 +582,7 @@ func finalState(t *testing.T, cs kubernetes.Interface, ns string, cfg router.Con
 			}
 		} else {
 			d.withReady++
-			for b, a := range router.Assign(cfg.Buckets, ready) {
+			for b, a := range bucket.Assign(cfg.Buckets, ready) {
 				hops[b] = a.String()
 			}
 		}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router"
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 )
 
 // createLoadBalancer creates a Service of type LoadBalancer claiming
@@ -93,7 +94,7 @@ func setIngress(t *testing.T, cs kubernetes.Interface, ns, name string, ips ...s
 // checks the tunnel IP appears in, and leaves, status.loadBalancer.ingress.
 func TestRouterPublishesLoadBalancerIngress(t *testing.T) {
 	cs := adminClient(t)
-	startRouter(t, routerCfg(router.ModeGRE, 8))
+	startRouter(t, routerCfg(datapath.ModeGRE, 8))
 	ns := freshNamespace(t, cs)
 	// Namespaces are never deleted here (no controller-manager): remove the
 	// Services so that their tunnel IPs do not outlive the test.

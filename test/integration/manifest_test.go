@@ -23,7 +23,7 @@ import (
 	"k8s.io/client-go/kubernetes/scheme"
 
 	"github.com/cmdnu/kube-service-tunnel/endpoint"
-	"github.com/cmdnu/kube-service-tunnel/router"
+	"github.com/cmdnu/kube-service-tunnel/router/startup"
 	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
 )
 
@@ -239,11 +239,11 @@ func TestManifestProperties(t *testing.T) {
 	if v, ok := config.Data["KST_METRICS_ADDRESS"]; ok {
 		t.Errorf("ConfigMap tunnel-config sets KST_METRICS_ADDRESS=%q for both daemons; set --metrics-address per DaemonSet", v)
 	}
-	if portOf(t, router.DefaultMetricsAddress) == portOf(t, endpoint.DefaultMetricsAddress) {
-		t.Errorf("router and endpoint agent default to the same metrics port %s", router.DefaultMetricsAddress)
+	if portOf(t, startup.DefaultMetricsAddress) == portOf(t, endpoint.DefaultMetricsAddress) {
+		t.Errorf("router and endpoint agent default to the same metrics port %s", startup.DefaultMetricsAddress)
 	}
 
-	routerDS, _ := checkDaemon(t, m, "tunnel-router", router.DefaultMetricsAddress, "NET_RAW")
+	routerDS, _ := checkDaemon(t, m, "tunnel-router", startup.DefaultMetricsAddress, "NET_RAW")
 	if sel := routerDS.Spec.Template.Spec.NodeSelector; len(sel) != 1 || sel["node"] != "tunnel" {
 		t.Errorf("tunnel-router nodeSelector %v, want node=tunnel", sel)
 	}

@@ -14,6 +14,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router"
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
@@ -50,7 +51,7 @@ func createNodeAt(t *testing.T, cs kubernetes.Interface, name, addr string) {
 func TestRouterAddressPools(t *testing.T) {
 	cs := adminClient(t)
 	team, other := freshNamespace(t, cs), freshNamespace(t, cs)
-	cfg := routerCfg(router.ModeGRE, 16)
+	cfg := routerCfg(datapath.ModeGRE, 16)
 	cfg.Policy = poolsPolicy(t, team)
 	rec := startRouter(t, cfg)
 

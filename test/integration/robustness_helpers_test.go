@@ -30,6 +30,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router"
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
@@ -105,7 +106,7 @@ func accounted(cfg *rest.Config, tracker *connTracker, writes *writeCounter) *re
 // encap ip routes accept any device, and routing decisions are the same.
 type kernelRouter struct {
 	ns *testnetns.NS
-	dp *router.Datapath
+	dp *datapath.Datapath
 }
 
 func newKernelRouter(t *testing.T, cfg router.Config) *kernelRouter {
@@ -122,7 +123,7 @@ func newKernelRouter(t *testing.T, cfg router.Config) *kernelRouter {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dp := router.NewDatapath(cfg, rc, nl, chain, &router.ExistingDevice{Name: "veth0", Links: nl}, nil, quietLogger())
+	dp := datapath.NewDatapath(cfg.Config, rc, nl, chain, &datapath.ExistingDevice{Name: "veth0", Links: nl}, nil, quietLogger())
 	return &kernelRouter{ns: ns, dp: dp}
 }
 
@@ -261,13 +262,13 @@ func (l *lateCalls) note() {
 	}
 }
 
-func (l *lateCalls) Resync(ts []router.Tunnel) error {
+func (l *lateCalls) Resync(ts []datapath.Tunnel) error {
 	l.note()
 	l.resyncs.Add(1)
 	return l.Programmer.Resync(ts)
 }
 
-func (l *lateCalls) SetTunnel(t router.Tunnel) error {
+func (l *lateCalls) SetTunnel(t datapath.Tunnel) error {
 	l.note()
 	return l.Programmer.SetTunnel(t)
 }
@@ -395,7 +396,7 @@ func quietLogger() logrus.FieldLogger {
 // kernel state depends on the desired state only, never on its history) and
 // a short resync period.
 func robustRouterCfg(policy tunnelclaim.Policy) router.Config {
-	cfg := routerCfg(router.ModeGRE, 8)
+	cfg := routerCfg(datapath.ModeGRE, 8)
 	cfg.Generations = 1
 	cfg.ResyncPeriod = 2 * time.Second
 	cfg.Policy = policy

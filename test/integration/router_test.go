@@ -23,31 +23,33 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router"
+	"github.com/cmdnu/kube-service-tunnel/router/bucket"
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 )
 
 // recorder is a Programmer that keeps the desired state the controller hands
 // to the datapath.
 type recorder struct {
 	mu      sync.Mutex
-	tunnels map[netip.Addr]router.Tunnel
+	tunnels map[netip.Addr]datapath.Tunnel
 	removed map[netip.Addr]int
 }
 
 func newRecorder() *recorder {
-	return &recorder{tunnels: map[netip.Addr]router.Tunnel{}, removed: map[netip.Addr]int{}}
+	return &recorder{tunnels: map[netip.Addr]datapath.Tunnel{}, removed: map[netip.Addr]int{}}
 }
 
-func (r *recorder) Resync(ts []router.Tunnel) error {
+func (r *recorder) Resync(ts []datapath.Tunnel) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.tunnels = map[netip.Addr]router.Tunnel{}
+	r.tunnels = map[netip.Addr]datapath.Tunnel{}
 	for _, t := range ts {
 		r.tunnels[t.VIP] = t
 	}
 	return nil
 }
 
-func (r *recorder) SetTunnel(t router.Tunnel) error {
+func (r *recorder) SetTunnel(t datapath.Tunnel) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.tunnels[t.VIP] = t
@@ -62,7 +64,7 @@ func (r *recorder) RemoveTunnel(vip netip.Addr) error {
 	return nil
 }
 
-func (r *recorder) get(vip string) (router.Tunnel, bool) {
+func (r *recorder) get(vip string) (datapath.Tunnel, bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	t, ok := r.tunnels[netip.MustParseAddr(vip)]
@@ -106,11 +108,13 @@ func startRouter(t *testing.T, cfg router.Config) *recorder {
 	return rec
 }
 
-func routerCfg(mode router.Mode, buckets int) router.Config {
+func routerCfg(mode datapath.Mode, buckets int) router.Config {
 	return router.Config{
-		Mode: mode, Buckets: buckets, MarkOffset: router.DefaultMarkOffset, Seed: 7,
-		RulePriority: router.DefaultRulePriority, TableBase: router.DefaultTableBase,
-		RouteProtocol: router.DefaultRouteProtocol, GREDevice: router.DefaultGREDevice, Chain: "KST-HMARK",
+		Config: datapath.Config{
+			Mode: mode, Buckets: buckets, MarkOffset: datapath.DefaultMarkOffset, Seed: 7,
+			RulePriority: datapath.DefaultRulePriority, TableBase: datapath.DefaultTableBase,
+			RouteProtocol: datapath.DefaultRouteProtocol, GREDevice: datapath.DefaultGREDevice, Chain: "KST-HMARK",
+		},
 		ResyncPeriod: time.Minute, Policy: testPolicy,
 	}
 }
@@ -183,7 +187,7 @@ func addrs(ss ...string) []netip.Addr {
 	return out
 }
 
-func tableAddrs(t router.Tunnel) []netip.Addr {
+func tableAddrs(t datapath.Tunnel) []netip.Addr {
 	var out []netip.Addr
 	for _, e := range t.Table {
 		out = append(out, e.Addr)
@@ -193,10 +197,10 @@ func tableAddrs(t router.Tunnel) []netip.Addr {
 
 // waitTable waits until the tunnel of vip has exactly the table Assign gives
 // for endpoints (nil endpoints: a tunnel that drops).
-func waitTable(t *testing.T, rec *recorder, vip string, buckets int, endpoints []netip.Addr) router.Tunnel {
+func waitTable(t *testing.T, rec *recorder, vip string, buckets int, endpoints []netip.Addr) datapath.Tunnel {
 	t.Helper()
-	want := router.Assign(buckets, endpoints)
-	var got router.Tunnel
+	want := bucket.Assign(buckets, endpoints)
+	var got datapath.Tunnel
 	eventually(t, 15*time.Second, "tunnel "+vip+" programmed with the expected table", func() error {
 		tun, ok := rec.get(vip)
 		if !ok {
@@ -244,7 +248,7 @@ func waitEvent(t *testing.T, cs kubernetes.Interface, svc *corev1.Service, event
 
 func TestRouterProgramsAnnotatedServices(t *testing.T) {
 	cs := adminClient(t)
-	rec := startRouter(t, routerCfg(router.ModeGRE, 64))
+	rec := startRouter(t, routerCfg(datapath.ModeGRE, 64))
 	ns := freshNamespace(t, cs)
 
 	svc := createService(t, cs, ns, "web", "192.0.2.10")
@@ -281,7 +285,7 @@ func TestRouterProgramsAnnotatedServices(t *testing.T) {
 
 func TestRouterBadInputKeepsOtherServicesWorking(t *testing.T) {
 	cs := adminClient(t)
-	rec := startRouter(t, routerCfg(router.ModeGRE, 64))
+	rec := startRouter(t, routerCfg(datapath.ModeGRE, 64))
 	ns := freshNamespace(t, cs)
 
 	good := createService(t, cs, ns, "good", "192.0.2.20")
@@ -314,7 +318,7 @@ func TestRouterBadInputKeepsOtherServicesWorking(t *testing.T) {
 
 func TestRouterConflictOldestWins(t *testing.T) {
 	cs := adminClient(t)
-	rec := startRouter(t, routerCfg(router.ModeGRE, 64))
+	rec := startRouter(t, routerCfg(datapath.ModeGRE, 64))
 	ns := freshNamespace(t, cs)
 
 	older := createService(t, cs, ns, "older", "192.0.2.30")
@@ -341,7 +345,7 @@ func TestRouterConflictOldestWins(t *testing.T) {
 
 func TestRouterMoreEndpointsThanBuckets(t *testing.T) {
 	cs := adminClient(t)
-	rec := startRouter(t, routerCfg(router.ModeGRE, 4))
+	rec := startRouter(t, routerCfg(datapath.ModeGRE, 4))
 	ns := freshNamespace(t, cs)
 	svc := createService(t, cs, ns, "wide", "192.0.2.40")
 	var eps []ep
@@ -353,7 +357,7 @@ func TestRouterMoreEndpointsThanBuckets(t *testing.T) {
 	}
 	applySlice(t, cs, ns, "wide", "wide-a", eps...)
 	tun := waitTable(t, rec, "192.0.2.40", 4, all)
-	idle := router.Unassigned(tableAddrs(tun), all)
+	idle := bucket.Unassigned(tableAddrs(tun), all)
 	// 6 endpoints over 4 buckets: at least 2 own none.
 	if len(idle) < 2 {
 		t.Fatalf("idle endpoints %v, want at least 2", idle)
@@ -363,7 +367,7 @@ func TestRouterMoreEndpointsThanBuckets(t *testing.T) {
 
 func TestRouterMPLSUsesNodeAddresses(t *testing.T) {
 	cs := adminClient(t)
-	rec := startRouter(t, routerCfg(router.ModeMPLS, 16))
+	rec := startRouter(t, routerCfg(datapath.ModeMPLS, 16))
 	ns := freshNamespace(t, cs)
 	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "mpls-node-" + ns}}
 	node, err := cs.CoreV1().Nodes().Create(context.Background(), node, metav1.CreateOptions{})
@@ -389,7 +393,7 @@ func TestRouterMPLSUsesNodeAddresses(t *testing.T) {
 
 // presentAddrs lists the endpoints a tunnel keeps for established flows,
 // and which of them drain.
-func presentAddrs(t router.Tunnel) (present, draining []string) {
+func presentAddrs(t datapath.Tunnel) (present, draining []string) {
 	for _, ep := range t.Present {
 		present = append(present, ep.Addr.String())
 		if ep.Draining {
@@ -405,7 +409,7 @@ func presentAddrs(t router.Tunnel) (present, draining []string) {
 // The router watches Pods as its own ServiceAccount (RBAC: pods list/watch).
 func TestRouterDrainsTerminatingAndAnnotatedEndpoints(t *testing.T) {
 	cs := adminClient(t)
-	rec := startRouter(t, routerCfg(router.ModeGRE, 64))
+	rec := startRouter(t, routerCfg(datapath.ModeGRE, 64))
 	ns := freshNamespace(t, cs)
 	svc := createService(t, cs, ns, "web", "192.0.2.77")
 	a := createPod(t, cs, ns, "web-a", "node-1", netip.MustParseAddr("10.244.1.5"))

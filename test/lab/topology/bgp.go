@@ -25,8 +25,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/yaml"
 
-	"github.com/cmdnu/kube-service-tunnel/router"
 	"github.com/cmdnu/kube-service-tunnel/router/bgp"
+	"github.com/cmdnu/kube-service-tunnel/router/startup"
 	"github.com/cmdnu/kube-service-tunnel/test/bgppeer/birdconf"
 )
 
@@ -274,10 +274,10 @@ func (l *Lab) WaitGatewayNextHops(ctx context.Context, vip netip.Addr, since tim
 }
 
 // RouterMetrics returns the lines of router r's /metrics (served on
-// router.DefaultMetricsAddress in its namespace) that start with one of
+// startup.DefaultMetricsAddress in its namespace) that start with one of
 // prefixes, e.g. "kube_service_tunnel_bgp_".
 func (l *Lab) RouterMetrics(ctx context.Context, r *Node, prefixes ...string) ([]string, error) {
-	_, port, _ := strings.Cut(router.DefaultMetricsAddress, ":")
+	_, port, _ := strings.Cut(startup.DefaultMetricsAddress, ":")
 	out, err := InNS(ctx, r.Name, "wget", "-q", "-O", "-", "http://127.0.0.1:"+port+"/metrics")
 	if err != nil {
 		return nil, err

@@ -11,12 +11,12 @@ import (
 	"time"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
-	"github.com/cmdnu/kube-service-tunnel/router"
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 )
 
 // HMARK returns the routers' HMARK parameters, to compute a flow's bucket.
 func (l *Lab) HMARK() hmark.Params {
-	return hmark.Params{Buckets: uint32(l.Opts.Buckets), Offset: router.DefaultMarkOffset, Seed: l.Opts.Seed}
+	return hmark.Params{Buckets: uint32(l.Opts.Buckets), Offset: datapath.DefaultMarkOffset, Seed: l.Opts.Seed}
 }
 
 // A router's bucket route for a tunnel IP in `ip route show table all`
@@ -114,12 +114,12 @@ func (l *Lab) CurrentGeneration(ctx context.Context, r *Node, vip netip.Addr) (i
 	if !ok {
 		return 0, fmt.Errorf("%s has no HMARK rule for %s", r.Name, vip)
 	}
-	return generationOf(offset, router.DefaultMarkOffset, l.Opts.Buckets)
+	return generationOf(offset, datapath.DefaultMarkOffset, l.Opts.Buckets)
 }
 
 // TableOf is the routing table of bucket in generation gen.
 func (l *Lab) TableOf(gen, bucket int) int {
-	return router.DefaultTableBase + gen*l.Opts.Buckets + bucket
+	return datapath.DefaultTableBase + gen*l.Opts.Buckets + bucket
 }
 
 // generationOf turns an HMARK offset into its generation.
@@ -159,7 +159,7 @@ func (l *Lab) bucketRoutes(ctx context.Context, r *Node, vip netip.Addr) (map[sl
 			continue
 		}
 		t, _ := strconv.Atoi(tm[1])
-		if s, ok := slotOf(t, router.DefaultTableBase, l.Opts.Buckets); ok {
+		if s, ok := slotOf(t, datapath.DefaultTableBase, l.Opts.Buckets); ok {
 			routes[s] = line
 		}
 	}

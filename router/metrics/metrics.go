@@ -1,4 +1,4 @@
-package router
+package metrics
 
 import (
 	"errors"
@@ -13,22 +13,23 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 )
 
 // Reasons a Service's tunnel IP claim is not served (label reason of
 // kube_service_tunnel_router_refused_claims).
 const (
-	refusedInvalid  = "invalid"  // the annotation is not a usable IPv4 address
-	refusedPolicy   = "refused"  // address pools, node or service networks
-	refusedConflict = "conflict" // an older Service serves the tunnel IP
+	RefusedInvalid  = "invalid"  // the annotation is not a usable IPv4 address
+	RefusedPolicy   = "refused"  // address pools, node or service networks
+	RefusedConflict = "conflict" // an older Service serves the tunnel IP
 )
 
 // Reconcile kinds (label kind of the reconcile metrics): the work items of
 // the controller's queue.
 const (
-	reconcileService  = "service"
-	reconcileResync   = "resync"
-	reconcileNetworks = "networks"
+	ReconcileService  = "service"
+	ReconcileResync   = "resync"
+	ReconcileNetworks = "networks"
 )
 
 // Kernel objects and operations (labels of
@@ -104,17 +105,17 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			m.reconcileTime, m.reconcileErrors, m.kernelOps)
 	}
 	// Every reason and kind is exported from the start, at 0.
-	for _, r := range []string{refusedInvalid, refusedPolicy, refusedConflict} {
+	for _, r := range []string{RefusedInvalid, RefusedPolicy, RefusedConflict} {
 		m.refusedClaims.WithLabelValues(r)
 	}
-	for _, k := range []string{reconcileService, reconcileResync, reconcileNetworks} {
+	for _, k := range []string{ReconcileService, ReconcileResync, ReconcileNetworks} {
 		m.reconcileErrors.WithLabelValues(k)
 	}
 	return m
 }
 
 // reconciled records one reconcile of kind that took d and ended with err.
-func (m *Metrics) reconciled(kind string, d time.Duration, err error) {
+func (m *Metrics) Reconciled(kind string, d time.Duration, err error) {
 	if m == nil {
 		return
 	}
@@ -126,19 +127,19 @@ func (m *Metrics) reconciled(kind string, d time.Duration, err error) {
 
 // setClaims records how many tunnel IPs are served and how many Services'
 // claims are refused, by reason.
-func (m *Metrics) setClaims(served int, refused map[string]int) {
+func (m *Metrics) SetClaims(served int, refused map[string]int) {
 	if m == nil {
 		return
 	}
 	m.servedVIPs.Set(float64(served))
-	for _, r := range []string{refusedInvalid, refusedPolicy, refusedConflict} {
+	for _, r := range []string{RefusedInvalid, RefusedPolicy, RefusedConflict} {
 		m.refusedClaims.WithLabelValues(r).Set(float64(refused[r]))
 	}
 }
 
 // setTunnel records the endpoints and bucket shares of a programmed tunnel
 // IP, deleting the bucket gauges of endpoints it no longer has.
-func (m *Metrics) setTunnel(t Tunnel) {
+func (m *Metrics) SetTunnel(t datapath.Tunnel) {
 	if m == nil {
 		return
 	}
@@ -147,7 +148,7 @@ func (m *Metrics) setTunnel(t Tunnel) {
 	m.setTunnelLocked(t)
 }
 
-func (m *Metrics) setTunnelLocked(t Tunnel) {
+func (m *Metrics) setTunnelLocked(t datapath.Tunnel) {
 	vip := t.VIP.String()
 	var ready, draining int
 	buckets := map[netip.Addr]int{}
@@ -178,7 +179,7 @@ func (m *Metrics) setTunnelLocked(t Tunnel) {
 }
 
 // removeTunnel deletes every label value of a tunnel IP no longer served.
-func (m *Metrics) removeTunnel(vip netip.Addr) {
+func (m *Metrics) RemoveTunnel(vip netip.Addr) {
 	if m == nil {
 		return
 	}
@@ -195,7 +196,7 @@ func (m *Metrics) removeTunnelLocked(vip netip.Addr) {
 
 // setTunnels replaces the endpoint metrics with those of tunnels, the whole
 // programmed state.
-func (m *Metrics) setTunnels(tunnels []Tunnel) {
+func (m *Metrics) SetTunnels(tunnels []datapath.Tunnel) {
 	if m == nil {
 		return
 	}
@@ -290,7 +291,7 @@ func (c *vipTrafficCollector) Collect(ch chan<- prometheus.Metric) {
 
 // countedRoutes counts the route writes that the kernel accepted.
 type countedRoutes struct {
-	routeOps
+	datapath.RouteOps
 	m *Metrics
 }
 
@@ -298,7 +299,7 @@ type countedRoutes struct {
 // all but the failed ones of an *rtnl.ApplyError, none on another error
 // (what was applied is unknown).
 func (c countedRoutes) Apply(ops []rtnl.Op) error {
-	err := c.routeOps.Apply(ops)
+	err := c.RouteOps.Apply(ops)
 	var ae *rtnl.ApplyError
 	if err != nil && !errors.As(err, &ae) {
 		return err
@@ -323,12 +324,12 @@ func (c countedRoutes) Apply(ops []rtnl.Op) error {
 
 // countedRules counts the policy-rule writes that succeeded.
 type countedRules struct {
-	ruleOps
+	datapath.RuleOps
 	m *Metrics
 }
 
 func (c countedRules) RuleAdd(r *netlink.Rule) error {
-	err := c.ruleOps.RuleAdd(r)
+	err := c.RuleOps.RuleAdd(r)
 	if err == nil {
 		c.m.wrote(objectRule, "add", 1)
 	}
@@ -336,7 +337,7 @@ func (c countedRules) RuleAdd(r *netlink.Rule) error {
 }
 
 func (c countedRules) RuleDel(r *netlink.Rule) error {
-	err := c.ruleOps.RuleDel(r)
+	err := c.RuleOps.RuleDel(r)
 	if err == nil {
 		c.m.wrote(objectRule, "delete", 1)
 	}
@@ -415,3 +416,16 @@ func (c countedRestorer) Restore(table string, payload []byte) error {
 	c.m.wrote(objectIPTablesRule, "restore", rules)
 	return nil
 }
+
+// Routes wraps the route seam so that its successful writes are counted.
+func (m *Metrics) Routes(r datapath.RouteOps) datapath.RouteOps { return countedRoutes{r, m} }
+
+// Rules wraps the policy-rule seam so that its successful writes are counted.
+func (m *Metrics) Rules(r datapath.RuleOps) datapath.RuleOps { return countedRules{r, m} }
+
+// IPTables wraps the iptables seam so that its successful writes are counted.
+func (m *Metrics) IPTables(ipt hmark.IPTables) hmark.IPTables { return countedIPTables{ipt, m} }
+
+// Restorer wraps the iptables-restore seam so that the rules and chains it
+// writes are counted.
+func (m *Metrics) Restorer(r hmark.Restorer) hmark.Restorer { return countedRestorer{r, m} }

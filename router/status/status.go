@@ -1,4 +1,4 @@
-package router
+package status
 
 import (
 	"context"
@@ -28,7 +28,7 @@ import (
 // load-balancer implementation and its status is never touched.
 const LoadBalancerClass = "cmd.nu/tunnel"
 
-// StatusWriter publishes each served tunnel IP in the status.loadBalancer.ingress
+// Writer publishes each served tunnel IP in the status.loadBalancer.ingress
 // of its Service, when the Service is of type LoadBalancer, so that kubectl
 // get svc shows it as the EXTERNAL-IP. Every router writes the same status
 // (they decide alike) and writes only when the status differs, so the
@@ -39,7 +39,7 @@ const LoadBalancerClass = "cmd.nu/tunnel"
 // entry is left as it is. An entry it publishes has ipMode Proxy, which
 // tells kube-proxy not to capture the IP on the nodes: packets to it must
 // reach the tunnel routers' HMARK rules unchanged, not kube-proxy's DNAT.
-type StatusWriter struct {
+type Writer struct {
 	client   kubernetes.Interface
 	services corelisters.ServiceLister
 	owns     func(netip.Addr) bool
@@ -50,10 +50,10 @@ type StatusWriter struct {
 	served map[string]netip.Addr // Service key -> the tunnel IP it is served
 }
 
-// NewStatusWriter returns a writer that patches Services through client.
+// NewWriter returns a writer that patches Services through client.
 // owns reports whether an ingress IP is one the router manages (in a pool).
-func NewStatusWriter(client kubernetes.Interface, services corelisters.ServiceLister, owns func(netip.Addr) bool, log logrus.FieldLogger) *StatusWriter {
-	return &StatusWriter{
+func NewWriter(client kubernetes.Interface, services corelisters.ServiceLister, owns func(netip.Addr) bool, log logrus.FieldLogger) *Writer {
+	return &Writer{
 		client: client, services: services, owns: owns, log: log,
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
 			workqueue.TypedRateLimitingQueueConfig[string]{Name: "tunnel-router-status"}),
@@ -63,7 +63,7 @@ func NewStatusWriter(client kubernetes.Interface, services corelisters.ServiceLi
 
 // Set records that the Service key is served vip (an invalid vip: none) and
 // queues a check of its status. It never blocks on the API server.
-func (w *StatusWriter) Set(key string, vip netip.Addr) {
+func (w *Writer) Set(key string, vip netip.Addr) {
 	w.mu.Lock()
 	if vip.IsValid() {
 		w.served[key] = vip
@@ -75,7 +75,7 @@ func (w *StatusWriter) Set(key string, vip netip.Addr) {
 }
 
 // Run writes statuses until ctx ends.
-func (w *StatusWriter) Run(ctx context.Context) {
+func (w *Writer) Run(ctx context.Context) {
 	defer utilruntime.HandleCrash()
 	go func() { <-ctx.Done(); w.queue.ShutDown() }()
 	wait.UntilWithContext(ctx, func(ctx context.Context) {
@@ -84,7 +84,7 @@ func (w *StatusWriter) Run(ctx context.Context) {
 	}, time.Second)
 }
 
-func (w *StatusWriter) processNext(ctx context.Context) bool {
+func (w *Writer) processNext(ctx context.Context) bool {
 	key, shutdown := w.queue.Get()
 	if shutdown {
 		return false
@@ -99,7 +99,7 @@ func (w *StatusWriter) processNext(ctx context.Context) bool {
 	return true
 }
 
-func (w *StatusWriter) sync(ctx context.Context, key string) error {
+func (w *Writer) sync(ctx context.Context, key string) error {
 	ns, name, err := cache.SplitMetaNamespaceKey(key)
 	if err != nil {
 		return nil

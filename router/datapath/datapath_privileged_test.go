@@ -1,4 +1,4 @@
-package router
+package datapath
 
 import (
 	"fmt"
@@ -6,41 +6,23 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/vishvananda/netlink"
-
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
+	"github.com/cmdnu/kube-service-tunnel/test/support/seamtest"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
-
-// countingRoutes and countingRules count kernel writes independently of what
-// the Datapath reports.
-type countingRoutes struct {
-	*rtnl.Client
-	writes int
-}
-
-func (c *countingRoutes) Apply(ops []rtnl.Op) error { c.writes += len(ops); return c.Client.Apply(ops) }
-
-type countingRules struct {
-	*netlink.Handle
-	writes int
-}
-
-func (c *countingRules) RuleAdd(r *netlink.Rule) error { c.writes++; return c.Handle.RuleAdd(r) }
-func (c *countingRules) RuleDel(r *netlink.Rule) error { c.writes++; return c.Handle.RuleDel(r) }
 
 // kernelRouter is a Datapath on the real kernel of a test namespace. The
 // host has no GRE, so the flow-based device is stood in for by a veth: encap
 // ip routes accept any device, and routing decisions are the same.
 type kernelRouter struct {
 	dp     *Datapath
-	routes *countingRoutes
-	rules  *countingRules
+	routes *seamtest.CountingRoutes
+	rules  *seamtest.CountingRules
 	ipt    *testnetns.IPTables
 }
 
-func (k *kernelRouter) writes() int { return k.routes.writes + k.rules.writes + k.ipt.Writes }
+func (k *kernelRouter) writes() int { return k.routes.Writes + k.rules.Writes + k.ipt.Writes }
 
 func newKernelRouter(t *testing.T, ns *testnetns.NS, cfg Config) *kernelRouter {
 	t.Helper()
@@ -55,8 +37,8 @@ func newKernelRouter(t *testing.T, ns *testnetns.NS, cfg Config) *kernelRouter {
 	if err != nil {
 		t.Fatal(err)
 	}
-	k := &kernelRouter{routes: &countingRoutes{Client: rc}, rules: &countingRules{Handle: nl}, ipt: ipt}
-	k.dp = NewDatapath(cfg, k.routes, k.rules, chain, &ExistingDevice{Name: "veth0", Links: nl}, nil, quietLog())
+	k := &kernelRouter{routes: &seamtest.CountingRoutes{Client: rc}, rules: &seamtest.CountingRules{Handle: nl}, ipt: ipt}
+	k.dp = NewDatapath(cfg, k.routes, k.rules, chain, &ExistingDevice{Name: "veth0", Links: nl}, nil, seamtest.QuietLog())
 	return k
 }
 

@@ -1,10 +1,11 @@
-package router
+package datapath
 
 import (
 	"net"
 	"net/netip"
 	"testing"
 
+	"github.com/cmdnu/kube-service-tunnel/test/support/seamtest"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 )
@@ -46,9 +47,9 @@ func drainTunnel(cfg Config, vip string, pods []string, draining ...string) Tunn
 
 // kernelTable reads generation g's bucket table of vip from the fake kernel:
 // the GRE destination of each bucket's route, or an invalid address.
-func kernelTable(cfg Config, k *fakeKernel, vip netip.Addr, g int) []netip.Addr {
+func kernelTable(cfg Config, k *seamtest.Kernel, vip netip.Addr, g int) []netip.Addr {
 	out := make([]netip.Addr, cfg.Buckets)
-	for _, r := range k.routes {
+	for _, r := range k.Routes {
 		slot := int(r.Table) - cfg.TableBase
 		if r.Dst.Addr() != vip || slot/cfg.Buckets != g || r.IPEncap == nil {
 			continue
@@ -84,7 +85,7 @@ func sameAddrs(a, b []netip.Addr) bool {
 func TestDrainingKeepsOldGenerationUntilItsFlowsEnd(t *testing.T) {
 	cfg := testConfig()
 	cfg.Buckets = 16
-	k := newFakeKernel()
+	k := seamtest.NewKernel()
 	d := newTestDatapath(cfg, k)
 	flows := &fakeFlows{}
 	d.EnableGenerationCollection(flows, 120)
@@ -94,16 +95,16 @@ func TestDrainingKeepsOldGenerationUntilItsFlowsEnd(t *testing.T) {
 	if err := d.Resync([]Tunnel{all}); err != nil {
 		t.Fatal(err)
 	}
-	if k.marked[vip] != cfg.GenerationOffset(0) {
-		t.Fatalf("first table in generation 0 (offset %#x), chain has %#x", cfg.GenerationOffset(0), k.marked[vip])
+	if k.Marked[vip] != cfg.GenerationOffset(0) {
+		t.Fatalf("first table in generation 0 (offset %#x), chain has %#x", cfg.GenerationOffset(0), k.Marked[vip])
 	}
 
 	drained := drainTunnel(cfg, vip.String(), pods, "10.244.2.12")
-	k.journal = nil
+	k.Journal = nil
 	if err := d.SetTunnel(drained); err != nil {
 		t.Fatal(err)
 	}
-	if got := k.marked[vip]; got != cfg.GenerationOffset(1) {
+	if got := k.Marked[vip]; got != cfg.GenerationOffset(1) {
 		t.Fatalf("after draining, new flows use offset %#x, want generation 1's %#x", got, cfg.GenerationOffset(1))
 	}
 	if !sameAddrs(kernelTable(cfg, k, vip, 0), addrsOf(all)) {
@@ -112,8 +113,8 @@ func TestDrainingKeepsOldGenerationUntilItsFlowsEnd(t *testing.T) {
 	if !sameAddrs(kernelTable(cfg, k, vip, 1), addrsOf(drained)) {
 		t.Errorf("generation 1 is %v, want %v", kernelTable(cfg, k, vip, 1), addrsOf(drained))
 	}
-	if n := len(k.journal); n == 0 || k.journal[n-1] != "mark~ "+vip.String() {
-		t.Errorf("the offset must switch after every route is in: %v", k.journal)
+	if n := len(k.Journal); n == 0 || k.Journal[n-1] != "mark~ "+vip.String() {
+		t.Errorf("the offset must switch after every route is in: %v", k.Journal)
 	}
 
 	// Flows on generation 0 keep it; a closing TCP entry does not count.
@@ -128,14 +129,14 @@ func TestDrainingKeepsOldGenerationUntilItsFlowsEnd(t *testing.T) {
 	}
 
 	// Restart while both generations are in use: nothing is written.
-	writes := k.writes
+	writes := k.Writes
 	restarted := newTestDatapath(cfg, k)
 	restarted.EnableGenerationCollection(flows, 120)
 	if err := restarted.Resync([]Tunnel{drained}); err != nil {
 		t.Fatal(err)
 	}
-	if k.writes != writes {
-		t.Fatalf("a restarted router wrote %d times; want none", k.writes-writes)
+	if k.Writes != writes {
+		t.Fatalf("a restarted router wrote %d times; want none", k.Writes-writes)
 	}
 
 	flows.entries = []*netlink.ConntrackFlow{
@@ -144,12 +145,12 @@ func TestDrainingKeepsOldGenerationUntilItsFlowsEnd(t *testing.T) {
 		flow(unix.IPPROTO_TCP, netip.MustParseAddr("192.0.2.99"), gen0, 299), // another tunnel IP
 		flow(unix.IPPROTO_TCP, vip, 0x8000, 299),                             // a foreign mark
 	}
-	writes = k.writes
+	writes = k.Writes
 	if n, err := restarted.CollectGenerations(); err != nil || n != 1 {
 		t.Fatalf("collected %d generations (%v), want generation 0", n, err)
 	}
-	if k.writes-writes != cfg.Buckets {
-		t.Errorf("%d writes to remove a generation, want %d route deletions", k.writes-writes, cfg.Buckets)
+	if k.Writes-writes != cfg.Buckets {
+		t.Errorf("%d writes to remove a generation, want %d route deletions", k.Writes-writes, cfg.Buckets)
 	}
 	for _, a := range kernelTable(cfg, k, vip, 0) {
 		if a.IsValid() {
@@ -169,7 +170,7 @@ func TestDrainingKeepsOldGenerationUntilItsFlowsEnd(t *testing.T) {
 func TestGoneEndpointIsRepointedInPlace(t *testing.T) {
 	cfg := testConfig()
 	cfg.Buckets = 16
-	k := newFakeKernel()
+	k := seamtest.NewKernel()
 	d := newTestDatapath(cfg, k)
 	vip := netip.MustParseAddr("192.0.2.1")
 	pods := []string{"10.244.1.11", "10.244.1.12", "10.244.2.11", "10.244.2.12"}
@@ -183,7 +184,7 @@ func TestGoneEndpointIsRepointedInPlace(t *testing.T) {
 	if err := d.SetTunnel(gone); err != nil {
 		t.Fatal(err)
 	}
-	if got := k.marked[vip]; got != cfg.GenerationOffset(1) {
+	if got := k.Marked[vip]; got != cfg.GenerationOffset(1) {
 		t.Fatalf("removing a gone endpoint switched generations: offset %#x", got)
 	}
 	for g := 0; g < 2; g++ {

@@ -1,4 +1,4 @@
-package router
+package startup
 
 import (
 	"errors"
@@ -8,11 +8,13 @@ import (
 	"time"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
+	"github.com/cmdnu/kube-service-tunnel/router"
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 )
 
 // Options are the tunnel router's command-line options.
 type Options struct {
-	Config
+	router.Config
 	daemon.Common
 	NodeName string
 	// Cleanup removes everything the router owns and exits.
@@ -32,13 +34,8 @@ const DefaultMetricsAddress = ":9641"
 
 // AddFlags registers the options on fs with their defaults.
 func (o *Options) AddFlags(fs *flag.FlagSet) {
-	o.Config = Config{
-		Mode: ModeGRE, Buckets: DefaultBuckets, MarkOffset: DefaultMarkOffset,
-		RulePriority: DefaultRulePriority, TableBase: DefaultTableBase, RouteProtocol: DefaultRouteProtocol,
-		GREDevice: DefaultGREDevice, Chain: "KST-HMARK", ResyncPeriod: DefaultResyncPeriod,
-		Generations: DefaultGenerations, GenerationCheckPeriod: DefaultGenerationCheckPeriod,
-	}
-	fs.Func("mode", `encapsulation: "gre" or "mpls" (default "gre")`, func(s string) error { o.Mode = Mode(s); return nil })
+	o.Config = router.Config{Config: datapath.DefaultConfig(), ResyncPeriod: router.DefaultResyncPeriod}
+	fs.Func("mode", `encapsulation: "gre" or "mpls" (default "gre")`, func(s string) error { o.Mode = datapath.Mode(s); return nil })
 	fs.StringVar(&o.seed, "seed", "", "HMARK seed shared by every router, decimal or 0x-hex (required)")
 	fs.IntVar(&o.Buckets, "buckets", o.Buckets, "number of HMARK buckets, each with its own rule and routing table")
 	fs.Func("mark-offset", "packet mark of slot 0, decimal or 0x-hex; slot k has mark-offset+k (default 0x1000)", func(s string) error {

@@ -1,4 +1,4 @@
-package router
+package status
 
 import (
 	"context"
@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cmdnu/kube-service-tunnel/test/support/seamtest"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/informers"
@@ -80,7 +81,7 @@ func TestStatusWriterWritesOnlyChanges(t *testing.T) {
 	defer cancel()
 	factory.Start(ctx.Done())
 	cache.WaitForCacheSync(ctx.Done(), informer.HasSynced)
-	w := NewStatusWriter(client, lister, inPool, quietLog())
+	w := NewWriter(client, lister, inPool, seamtest.QuietLog())
 
 	patches := func() int {
 		n := 0

@@ -1,4 +1,4 @@
-package router
+package startup
 
 import (
 	"context"
@@ -26,7 +26,10 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/kernelcheck"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
+	"github.com/cmdnu/kube-service-tunnel/router"
 	"github.com/cmdnu/kube-service-tunnel/router/bgp"
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
+	"github.com/cmdnu/kube-service-tunnel/router/metrics"
 )
 
 // Main runs the tunnel router with command-line arguments args.
@@ -66,8 +69,8 @@ func Main(args []string) error {
 	}
 
 	reg := daemon.NewRegistry()
-	metrics := NewMetrics(reg)
-	dp, chain, closeKernel, err := openDatapath(o.Config, o.CreateDevice, metrics, entry)
+	meter := metrics.NewMetrics(reg)
+	dp, chain, closeKernel, err := openDatapath(o.Config.Config, o.CreateDevice, meter, entry)
 	if err != nil {
 		return err
 	}
@@ -98,13 +101,13 @@ func Main(args []string) error {
 		return err
 	}
 	factory := informers.NewSharedInformerFactory(client, 0)
-	recorder := NewEventRecorder(ctx, client, "tunnel-router", o.NodeName)
-	ctrl, err := NewController(o.Config, client, factory, dp, recorder, entry)
+	recorder := router.NewEventRecorder(ctx, client, "tunnel-router", o.NodeName)
+	ctrl, err := router.NewController(o.Config, client, factory, dp, recorder, entry)
 	if err != nil {
 		return err
 	}
-	ctrl.SetMetrics(metrics)
-	metrics.CollectVIPTraffic(chain, entry.WithField("component", "metrics"))
+	ctrl.SetMetrics(meter)
+	meter.CollectVIPTraffic(chain, entry.WithField("component", "metrics"))
 	var speaker *bgp.Speaker
 	if bgpCfg != nil {
 		speaker = bgp.NewSpeaker(*bgpCfg, entry.WithField("component", "bgp"), bgp.NewMetrics(reg))
@@ -171,7 +174,7 @@ func followNode(factory informers.SharedInformerFactory, name string, speaker *b
 // openDatapath opens the kernel seams of the current network namespace;
 // metrics counts the writes that go through them. It also returns the HMARK
 // chain, whose rules' counters are read at each scrape.
-func openDatapath(cfg Config, createDevice bool, metrics *Metrics, log logrus.FieldLogger) (*Datapath, *hmark.Chain, func(), error) {
+func openDatapath(cfg datapath.Config, createDevice bool, meter *metrics.Metrics, log logrus.FieldLogger) (*datapath.Datapath, *hmark.Chain, func(), error) {
 	handle, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("netlink handle: %w", err)
@@ -189,9 +192,9 @@ func openDatapath(cfg Config, createDevice bool, metrics *Metrics, log logrus.Fi
 	}
 	// iptables.New() runs "iptables" (IPv4): its restorer is
 	// iptables-restore, as hmark.NewChain would choose.
-	chain, err := hmark.NewChainWithRestorer(countedIPTables{ipt, metrics}, cfg.Chain,
+	chain, err := hmark.NewChainWithRestorer(meter.IPTables(ipt), cfg.Chain,
 		hmark.Params{Buckets: uint32(cfg.Buckets), Offset: cfg.MarkOffset, Seed: cfg.Seed},
-		countedRestorer{hmark.NewExecRestorer("iptables"), metrics})
+		meter.Restorer(hmark.NewExecRestorer("iptables")))
 	if err != nil {
 		closeAll()
 		return nil, nil, nil, err
@@ -211,12 +214,12 @@ func openDatapath(cfg Config, createDevice bool, metrics *Metrics, log logrus.Fi
 		closeRoute := closeAll
 		closeAll = func() { closeRoute(); conntrack.Close() }
 	}
-	var device tunnelDevice = NoDevice{}
+	var device datapath.TunnelDevice = datapath.NoDevice{}
 	switch {
-	case cfg.Mode == ModeGRE && createDevice:
-		device = &GREDevice{Name: cfg.GREDevice, Links: handle}
-	case cfg.Mode == ModeGRE:
-		device = &ExistingDevice{Name: cfg.GREDevice, Links: handle}
+	case cfg.Mode == datapath.ModeGRE && createDevice:
+		device = &datapath.GREDevice{Name: cfg.GREDevice, Links: handle}
+	case cfg.Mode == datapath.ModeGRE:
+		device = &datapath.ExistingDevice{Name: cfg.GREDevice, Links: handle}
 	}
 	nodeLink := func(ip netip.Addr) (int, error) {
 		rs, err := handle.RouteGet(ip.AsSlice())
@@ -228,7 +231,7 @@ func openDatapath(cfg Config, createDevice bool, metrics *Metrics, log logrus.Fi
 		}
 		return rs[0].LinkIndex, nil
 	}
-	dp := NewDatapath(cfg, countedRoutes{routes, metrics}, countedRules{handle, metrics}, chain, device, nodeLink, log)
+	dp := datapath.NewDatapath(cfg, meter.Routes(routes), meter.Rules(handle), chain, device, nodeLink, log)
 	if conntrack != nil {
 		dp.EnableGenerationCollection(conntrack, tcpMinExpire)
 	}

@@ -1,4 +1,4 @@
-package router
+package metrics
 
 import (
 	"net/netip"
@@ -10,14 +10,24 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/test/support/promtest"
+	"github.com/cmdnu/kube-service-tunnel/test/support/seamtest"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
-// meteredKernelRouter is a Datapath on the real kernel of a test namespace
-// whose seams are wrapped as run.go wraps them, with the counting seams of
-// datapath_privileged_test.go beneath them to compare with.
-func meteredKernelRouter(t *testing.T, ns *testnetns.NS, cfg Config, m *Metrics) (*kernelRouter, *hmark.Chain) {
+// kernelRouter is a Datapath on the real kernel of a test namespace whose
+// seams are wrapped as the router's start-up wraps them, with counting seams
+// beneath them to compare with.
+type kernelRouter struct {
+	dp     *datapath.Datapath
+	routes *seamtest.CountingRoutes
+	rules  *seamtest.CountingRules
+	ipt    *testnetns.IPTables
+}
+
+// meteredKernelRouter builds a kernelRouter in ns.
+func meteredKernelRouter(t *testing.T, ns *testnetns.NS, cfg datapath.Config, m *Metrics) (*kernelRouter, *hmark.Chain) {
 	t.Helper()
 	rc, err := rtnl.Open(ns.Handle)
 	if err != nil {
@@ -37,8 +47,8 @@ func meteredKernelRouter(t *testing.T, ns *testnetns.NS, cfg Config, m *Metrics)
 			t.Fatal(err)
 		}
 	}
-	k := &kernelRouter{routes: &countingRoutes{Client: rc}, rules: &countingRules{Handle: nl}, ipt: ipt}
-	k.dp = NewDatapath(cfg, countedRoutes{k.routes, m}, countedRules{k.rules, m}, chain, &ExistingDevice{Name: "veth0", Links: nl}, nil, quietLog())
+	k := &kernelRouter{routes: &seamtest.CountingRoutes{Client: rc}, rules: &seamtest.CountingRules{Handle: nl}, ipt: ipt}
+	k.dp = datapath.NewDatapath(cfg, countedRoutes{k.routes, m}, countedRules{k.rules, m}, chain, &datapath.ExistingDevice{Name: "veth0", Links: nl}, nil, seamtest.QuietLog())
 	return k, chain
 }
 
@@ -93,9 +103,9 @@ func testMetricsInNetns(t *testing.T, generations int) {
 	reg := prometheus.NewRegistry()
 	m := NewMetrics(reg)
 	k, chain := meteredKernelRouter(t, ns, cfg, m)
-	m.CollectVIPTraffic(chain, quietLog())
+	m.CollectVIPTraffic(chain, seamtest.QuietLog())
 
-	if err := k.dp.Resync([]Tunnel{tunnel(cfg, vip.String(), "10.244.1.5", "10.244.2.6"), tunnel(cfg, quiet.String(), "10.244.3.7")}); err != nil {
+	if err := k.dp.Resync([]datapath.Tunnel{tunnel(cfg, vip.String(), "10.244.1.5", "10.244.2.6"), tunnel(cfg, quiet.String(), "10.244.3.7")}); err != nil {
 		t.Fatal(err)
 	}
 	if err := k.dp.SetTunnel(tunnel(cfg, quiet.String(), "10.244.3.7", "10.244.4.8")); err != nil {
@@ -118,9 +128,9 @@ func testMetricsInNetns(t *testing.T, generations int) {
 				ipt += n
 			}
 		}
-		if routes != float64(k.routes.writes) || rules != float64(k.rules.writes) || ipt != float64(k.ipt.Writes) {
+		if routes != float64(k.routes.Writes) || rules != float64(k.rules.Writes) || ipt != float64(k.ipt.Writes) {
 			t.Errorf("metrics count %v routes, %v rules, %v iptables writes; the seams saw %d, %d, %d (%v)",
-				routes, rules, ipt, k.routes.writes, k.rules.writes, k.ipt.Writes, ops)
+				routes, rules, ipt, k.routes.Writes, k.rules.Writes, k.ipt.Writes, ops)
 		}
 		if routes == 0 || rules == 0 || ipt == 0 || ops["iptables_rule/restore"] == 0 {
 			t.Errorf("some kind of write is missing, the comparison proves little: %v", ops)

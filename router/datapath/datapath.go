@@ -1,4 +1,4 @@
-package router
+package datapath
 
 import (
 	"errors"
@@ -16,14 +16,14 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 )
 
-// routeOps is the route seam: a netns-bound rtnetlink client (*rtnl.Client).
-type routeOps interface {
+// RouteOps is the route seam: a netns-bound rtnetlink client (*rtnl.Client).
+type RouteOps interface {
 	List(rtnl.ListFilter) ([]rtnl.Route, error)
 	Apply([]rtnl.Op) error
 }
 
-// ruleOps is the policy-rule seam (*netlink.Handle).
-type ruleOps interface {
+// RuleOps is the policy-rule seam (*netlink.Handle).
+type RuleOps interface {
 	RuleListFiltered(family int, filter *netlink.Rule, filterMask uint64) ([]netlink.Rule, error)
 	RuleAdd(*netlink.Rule) error
 	RuleDel(*netlink.Rule) error
@@ -41,9 +41,9 @@ type flowLister interface {
 	ConntrackTableList(table netlink.ConntrackTableType, family netlink.InetFamily) ([]*netlink.ConntrackFlow, error)
 }
 
-// tunnelDevice is the encapsulation device seam: the flow-based GRE device in
+// TunnelDevice is the encapsulation device seam: the flow-based GRE device in
 // gre mode, nothing in mpls mode.
-type tunnelDevice interface {
+type TunnelDevice interface {
 	// Ensure creates the device if needed and returns its index (0 if none).
 	Ensure() (int, error)
 	// Remove deletes the device if the router created it.
@@ -58,10 +58,10 @@ type tunnelDevice interface {
 // existing state after a restart and repairs drift.
 type Datapath struct {
 	cfg      Config
-	routes   routeOps
-	rules    ruleOps
+	routes   RouteOps
+	rules    RuleOps
 	chain    markChain
-	device   tunnelDevice
+	device   TunnelDevice
 	nodeLink func(netip.Addr) (int, error)
 	log      logrus.FieldLogger
 
@@ -85,7 +85,7 @@ type Datapath struct {
 
 // NewDatapath wires the kernel seams together. nodeLink returns the output
 // interface towards a node address (mpls mode); it may be nil in gre mode.
-func NewDatapath(cfg Config, routes routeOps, rules ruleOps, chain markChain, device tunnelDevice, nodeLink func(netip.Addr) (int, error), log logrus.FieldLogger) *Datapath {
+func NewDatapath(cfg Config, routes RouteOps, rules RuleOps, chain markChain, device TunnelDevice, nodeLink func(netip.Addr) (int, error), log logrus.FieldLogger) *Datapath {
 	return &Datapath{
 		cfg: cfg, routes: routes, rules: rules, chain: chain, device: device, nodeLink: nodeLink, log: log,
 		observed: map[netip.Addr][]nextHop{},
@@ -110,27 +110,6 @@ func (d *Datapath) Ops() uint64 {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return d.ops
-}
-
-// Tunnel is the desired state of one tunnel IP: the endpoint of every bucket
-// for new flows, or no table at all when it has no endpoint (its traffic is
-// dropped), and the endpoints that still exist (ready or draining): older
-// generations keep sending their established flows to those.
-type Tunnel struct {
-	VIP     netip.Addr
-	Table   []Endpoint
-	Present []Endpoint
-}
-
-// HasReady reports whether the tunnel has an endpoint that takes new flows
-// (present and not draining): only then is it announced to the network.
-func (t Tunnel) HasReady() bool {
-	for _, ep := range t.Present {
-		if !ep.Draining {
-			return true
-		}
-	}
-	return false
 }
 
 // hops turns a bucket table into next hops.
@@ -469,8 +448,8 @@ func (d *Datapath) syncMarks(force bool) error {
 	return nil
 }
 
-// bucketRule is the policy rule of slot b.
-func (c Config) bucketRule(b int) netlink.Rule {
+// SlotRule is the policy rule of slot b: fwmark Mark(b) lookup Table(b).
+func (c Config) SlotRule(b int) netlink.Rule {
 	r := *netlink.NewRule()
 	r.Family = unix.AF_INET
 	r.Priority = c.Priority(b)
@@ -513,7 +492,7 @@ func (d *Datapath) syncRules() error {
 	}
 	var errs []error
 	for b := 0; b < d.cfg.Slots(); b++ {
-		want := d.cfg.bucketRule(b)
+		want := d.cfg.SlotRule(b)
 		found := false
 		for i, r := range have[want.Priority] {
 			if !found && sameRule(&r, &want) {

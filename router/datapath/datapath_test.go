@@ -1,0 +1,278 @@
+package datapath
+
+import (
+	"fmt"
+	"net/netip"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/vishvananda/netlink"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
+	"github.com/cmdnu/kube-service-tunnel/router/bucket"
+	"github.com/cmdnu/kube-service-tunnel/test/support/seamtest"
+)
+
+func testConfig() Config {
+	cfg := DefaultConfig()
+	cfg.Buckets, cfg.Seed, cfg.GenerationCheckPeriod = 8, 1, time.Second
+	return cfg
+}
+
+func newTestDatapath(cfg Config, k *seamtest.Kernel) *Datapath {
+	return NewDatapath(cfg, k, k, k.Chain(), k.Device(), func(ip netip.Addr) (int, error) { return 7, nil }, seamtest.QuietLog())
+}
+
+func tunnel(cfg Config, vip string, pods ...string) Tunnel {
+	var eps []netip.Addr
+	for _, p := range pods {
+		eps = append(eps, netip.MustParseAddr(p))
+	}
+	t := Tunnel{VIP: netip.MustParseAddr(vip)}
+	for _, a := range bucket.Assign(cfg.Buckets, eps) {
+		t.Table = append(t.Table, Endpoint{Addr: a, NodeName: "node-" + a.String(), NodeIP: netip.MustParseAddr("192.168.0.1")})
+	}
+	return t
+}
+
+func TestResyncProgramsEverythingAndAdoptsOnRestart(t *testing.T) {
+	cfg := testConfig()
+	k := seamtest.NewKernel()
+	tunnels := []Tunnel{tunnel(cfg, "192.0.2.1", "10.244.1.5", "10.244.2.6"), tunnel(cfg, "192.0.2.2")}
+	if err := newTestDatapath(cfg, k).Resync(tunnels); err != nil {
+		t.Fatal(err)
+	}
+	if len(k.Routes) != 2*cfg.Buckets || len(k.Rules) != cfg.Slots() || len(k.Marked) != 2 || !k.DevUp {
+		t.Fatalf("routes=%d rules=%d marked=%v dev=%v", len(k.Routes), len(k.Rules), k.Marked, k.DevUp)
+	}
+	for b := 0; b < cfg.Buckets; b++ {
+		r := k.Routes[rtnl.RouteKey{Table: uint32(cfg.Table(b)), Dst: netip.MustParsePrefix("192.0.2.2/32")}]
+		if r.Type != rtnl.Blackhole {
+			t.Errorf("bucket %d of a tunnel without endpoints: %v, want blackhole", b, r.String())
+		}
+		r = k.Routes[rtnl.RouteKey{Table: uint32(cfg.Table(b)), Dst: netip.MustParsePrefix("192.0.2.1/32")}]
+		if r.IPEncap == nil || r.IPEncap.Dst != tunnels[0].Table[b].Addr || r.LinkIndex != 42 || r.IPEncap.TTL != greTTL {
+			t.Errorf("bucket %d: %v, want encap to %v via link 42", b, r.String(), tunnels[0].Table[b].Addr)
+		}
+	}
+
+	// A restarted router (a new Datapath over the same kernel) changes nothing.
+	before := k.Writes
+	if err := newTestDatapath(cfg, k).Resync(tunnels); err != nil {
+		t.Fatal(err)
+	}
+	if k.Writes != before {
+		t.Fatalf("restart made %d kernel writes, want 0", k.Writes-before)
+	}
+}
+
+func TestResyncRepairsDriftAndLeavesForeignStateAlone(t *testing.T) {
+	cfg := testConfig()
+	k := seamtest.NewKernel()
+	foreignRoute := rtnl.Route{Table: uint32(cfg.Table(0)), Dst: netip.MustParsePrefix("198.51.100.0/24"), Type: rtnl.Unicast, Protocol: 4}
+	otherTable := rtnl.Route{Table: 100, Dst: netip.MustParsePrefix("192.0.2.1/32"), Type: rtnl.Blackhole, Protocol: cfg.RouteProtocol}
+	k.Routes[foreignRoute.Key()] = foreignRoute
+	k.Routes[otherTable.Key()] = otherTable
+	foreignRule := netlink.Rule{Priority: cfg.RulePriority, Table: 500, Mark: 9, Protocol: 4}
+	k.Rules = append(k.Rules, foreignRule)
+
+	d := newTestDatapath(cfg, k)
+	tunnels := []Tunnel{tunnel(cfg, "192.0.2.1", "10.244.1.5", "10.244.2.6")}
+	if err := d.Resync(tunnels); err != nil {
+		t.Fatal(err)
+	}
+	// Drift: a route deleted by hand, one changed by hand, a stale tunnel IP, a rule deleted.
+	delete(k.Routes, rtnl.RouteKey{Table: uint32(cfg.Table(3)), Dst: netip.MustParsePrefix("192.0.2.1/32")})
+	changed := k.Routes[rtnl.RouteKey{Table: uint32(cfg.Table(4)), Dst: netip.MustParsePrefix("192.0.2.1/32")}]
+	changed.IPEncap = &rtnl.IPEncap{Dst: netip.MustParseAddr("10.9.9.9"), TTL: greTTL}
+	k.Routes[changed.Key()] = changed
+	stale := cfg.route(netip.MustParseAddr("192.0.2.99"), 5, nextHop{kind: hopDrop})
+	k.Routes[stale.Key()] = stale
+	k.Rules = slices.DeleteFunc(k.Rules, func(r netlink.Rule) bool { return r.Priority == cfg.Priority(2) && r.Protocol == cfg.RouteProtocol })
+
+	before := k.Writes
+	if err := d.Resync(tunnels); err != nil {
+		t.Fatal(err)
+	}
+	if got := k.Writes - before; got != 4 {
+		t.Errorf("repair made %d writes, want 4 (2 routes replaced, 1 stale deleted, 1 rule added)", got)
+	}
+	if _, ok := k.Routes[stale.Key()]; ok {
+		t.Error("stale tunnel IP route survived")
+	}
+	if _, ok := k.Routes[foreignRoute.Key()]; !ok {
+		t.Error("route of another protocol in our table was removed")
+	}
+	if _, ok := k.Routes[otherTable.Key()]; !ok {
+		t.Error("route outside our tables was removed")
+	}
+	if len(k.Rules) != cfg.Slots()+1 {
+		t.Errorf("%d rules, want %d ours + 1 foreign", len(k.Rules), cfg.Slots())
+	}
+
+	if err := d.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	if len(k.Routes) != 2 || len(k.Rules) != 1 || k.Marked != nil || k.DevUp {
+		t.Fatalf("after cleanup: routes=%v rules=%v marked=%v dev=%v; want only the foreign route, rule and nothing else", k.Routes, k.Rules, k.Marked, k.DevUp)
+	}
+}
+
+func TestRoutesBeforeMarksAndMarksBeforeRouteRemoval(t *testing.T) {
+	cfg := testConfig()
+	k := seamtest.NewKernel()
+	d := newTestDatapath(cfg, k)
+	if err := d.Resync(nil); err != nil {
+		t.Fatal(err)
+	}
+	vip := netip.MustParseAddr("192.0.2.1")
+	if err := d.SetTunnel(tunnel(cfg, vip.String(), "10.244.1.5")); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.RemoveTunnel(vip); err != nil {
+		t.Fatal(err)
+	}
+	firstMark, firstUnmark := slices.Index(k.Journal, "mark+ "+vip.String()), slices.Index(k.Journal, "mark- "+vip.String())
+	lastRouteAdd, firstRouteDel := -1, -1
+	for i, j := range k.Journal {
+		if j == "route+ "+vip.String() {
+			lastRouteAdd = i
+		}
+		if j == "route- "+vip.String() && firstRouteDel < 0 {
+			firstRouteDel = i
+		}
+	}
+	if firstMark < lastRouteAdd || firstMark < 0 {
+		t.Errorf("mark added before routes: %v", k.Journal)
+	}
+	if firstRouteDel < firstUnmark || firstUnmark < 0 {
+		t.Errorf("routes deleted before the mark: %v", k.Journal)
+	}
+	if len(k.Routes) != 0 {
+		t.Errorf("%d routes left after RemoveTunnel", len(k.Routes))
+	}
+}
+
+func TestRemovingOneEndpointTouchesOnlyMovedBuckets(t *testing.T) {
+	cfg := testConfig()
+	cfg.Buckets = 64
+	k := seamtest.NewKernel()
+	d := newTestDatapath(cfg, k)
+	var pods []string
+	for i := 1; i <= 10; i++ {
+		pods = append(pods, fmt.Sprintf("10.244.%d.%d", i, i))
+	}
+	before := tunnel(cfg, "192.0.2.1", pods...)
+	if err := d.Resync([]Tunnel{before}); err != nil {
+		t.Fatal(err)
+	}
+	after := tunnel(cfg, "192.0.2.1", pods[1:]...)
+	writes := k.Writes
+	if err := d.SetTunnel(after); err != nil {
+		t.Fatal(err)
+	}
+	movedBuckets := 0
+	for b := range before.Table {
+		if before.Table[b] != after.Table[b] {
+			movedBuckets++
+		}
+	}
+	if got := k.Writes - writes; got != movedBuckets {
+		t.Fatalf("%d kernel writes, want one per moved bucket (%d)", got, movedBuckets)
+	}
+}
+
+func TestMPLSRoutes(t *testing.T) {
+	cfg := testConfig()
+	cfg.Mode = ModeMPLS
+	k := seamtest.NewKernel()
+	d := NewDatapath(cfg, k, k, k.Chain(), NoDevice{}, func(ip netip.Addr) (int, error) { return 7, nil }, seamtest.QuietLog())
+	tun := tunnel(cfg, "192.0.2.1", "10.244.1.5")
+	if err := d.Resync([]Tunnel{tun}); err != nil {
+		t.Fatal(err)
+	}
+	r := k.Routes[rtnl.RouteKey{Table: uint32(cfg.Table(0)), Dst: netip.MustParsePrefix("192.0.2.1/32")}]
+	if !slices.Equal(r.MPLSLabels, []uint32{1024 + 1*256 + 5}) || r.Gateway != netip.MustParseAddr("192.168.0.1") || r.LinkIndex != 7 {
+		t.Fatalf("mpls route %v", r.String())
+	}
+	tun.Table[0].NodeIP = netip.Addr{}
+	if err := d.SetTunnel(tun); err == nil {
+		t.Fatal("endpoint without node address accepted in mpls mode")
+	}
+}
+
+func TestOneUnprogrammableTunnelDoesNotBlockTheOthers(t *testing.T) {
+	cfg := testConfig()
+	cfg.Mode = ModeMPLS
+	k := seamtest.NewKernel()
+	unreachable := netip.MustParseAddr("192.168.9.9")
+	nodeLink := func(ip netip.Addr) (int, error) {
+		if ip == unreachable {
+			return 0, fmt.Errorf("no route to %v", ip)
+		}
+		return 7, nil
+	}
+	d := NewDatapath(cfg, k, k, k.Chain(), NoDevice{}, nodeLink, seamtest.QuietLog())
+	good := tunnel(cfg, "192.0.2.1", "10.244.1.5")
+	bad := tunnel(cfg, "192.0.2.2", "10.244.2.6")
+	for b := range bad.Table {
+		bad.Table[b].NodeIP = unreachable
+	}
+	if err := d.Resync([]Tunnel{good, bad}); err != nil {
+		t.Fatalf("Resync failed because of one tunnel: %v", err)
+	}
+	if _, ok := k.Routes[rtnl.RouteKey{Table: uint32(cfg.Table(0)), Dst: netip.MustParsePrefix("192.0.2.1/32")}]; !ok {
+		t.Fatal("the good tunnel was not programmed")
+	}
+	if isMarked(k.Marked, bad.VIP) {
+		t.Fatal("the unprogrammable tunnel got an HMARK rule without routes")
+	}
+}
+
+// failingKernel fails route writes for one tunnel IP.
+type failingKernel struct {
+	*seamtest.Kernel
+	failVIP netip.Addr
+}
+
+func (f *failingKernel) Apply(ops []rtnl.Op) error {
+	var ok []rtnl.Op
+	for _, op := range ops {
+		if op.Route.Dst.Addr() != f.failVIP {
+			ok = append(ok, op)
+		}
+	}
+	_ = f.Kernel.Apply(ok)
+	if len(ok) != len(ops) {
+		return fmt.Errorf("injected failure for %v", f.failVIP)
+	}
+	return nil
+}
+
+func TestFailedRoutesNeverGetAMark(t *testing.T) {
+	cfg := testConfig()
+	k := &failingKernel{Kernel: seamtest.NewKernel(), failVIP: netip.MustParseAddr("192.0.2.9")}
+	d := NewDatapath(cfg, k, k, k.Kernel.Chain(), k.Kernel.Device(), nil, seamtest.QuietLog())
+	if err := d.Resync([]Tunnel{tunnel(cfg, "192.0.2.1", "10.244.1.5")}); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.SetTunnel(tunnel(cfg, "192.0.2.9", "10.244.1.6")); err == nil {
+		t.Fatal("injected failure not reported")
+	}
+	// Later changes to other tunnels must not mark the failed one.
+	if err := d.SetTunnel(tunnel(cfg, "192.0.2.3", "10.244.1.7")); err != nil {
+		t.Fatal(err)
+	}
+	if isMarked(k.Marked, k.failVIP) {
+		t.Fatalf("tunnel without routes is marked: %v", k.Marked)
+	}
+	if !isMarked(k.Marked, netip.MustParseAddr("192.0.2.3")) || !isMarked(k.Marked, netip.MustParseAddr("192.0.2.1")) {
+		t.Fatalf("marks %v, want the programmed tunnels", k.Marked)
+	}
+}
+
+func isMarked(marked map[netip.Addr]uint32, vip netip.Addr) bool {
+	_, ok := marked[vip]
+	return ok
+}

@@ -1,0 +1,37 @@
+package datapath
+
+import "net/netip"
+
+// Tunnel is the desired state of one tunnel IP: the endpoint of every bucket
+// for new flows, or no table at all when it has no endpoint (its traffic is
+// dropped), and the endpoints that still exist (ready or draining): older
+// generations keep sending their established flows to those.
+type Tunnel struct {
+	VIP     netip.Addr
+	Table   []Endpoint
+	Present []Endpoint
+}
+
+// HasReady reports whether the tunnel has an endpoint that takes new flows
+// (present and not draining): only then is it announced to the network.
+func (t Tunnel) HasReady() bool {
+	for _, ep := range t.Present {
+		if !ep.Draining {
+			return true
+		}
+	}
+	return false
+}
+
+// Endpoint is one backend of a tunnel IP, as every router sees it in the
+// Service's EndpointSlices.
+type Endpoint struct {
+	// Draining endpoints get no new flows; their established flows stay.
+	Draining bool
+	// Addr is the pod IP: the GRE outer destination, and the source of the MPLS label.
+	Addr netip.Addr
+	// NodeName is the node the pod runs on; MPLS mode sends the packet there.
+	NodeName string
+	// NodeIP is the node's address (MPLS mode), filled in from the Node object.
+	NodeIP netip.Addr
+}

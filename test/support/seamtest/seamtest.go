@@ -1,0 +1,148 @@
+// Package seamtest has stand-ins for the tunnel router datapath's kernel
+// seams (routes, rules, the HMARK chain, the tunnel device) for unit tests,
+// and wrappers that count the writes reaching a real kernel, for tests that
+// compare them with what the datapath and its metrics report.
+package seamtest
+
+import (
+	"fmt"
+	"io"
+	"maps"
+	"net/netip"
+	"slices"
+
+	"github.com/cmdnu/kube-service-tunnel/hmark"
+	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
+	"github.com/sirupsen/logrus"
+	"github.com/vishvananda/netlink"
+)
+
+// Kernel stands in for rtnetlink, the rule table, the HMARK chain and the
+// device. It records the order of route and mark changes per tunnel IP.
+type Kernel struct {
+	Routes  map[rtnl.RouteKey]rtnl.Route
+	Rules   []netlink.Rule
+	Marked  map[netip.Addr]uint32 // HMARK offset per tunnel IP
+	Writes  int
+	Journal []string
+	DevUp   bool
+}
+
+// NewKernel returns an empty Kernel.
+func NewKernel() *Kernel { return &Kernel{Routes: map[rtnl.RouteKey]rtnl.Route{}} }
+
+func (k *Kernel) List(f rtnl.ListFilter) ([]rtnl.Route, error) {
+	var out []rtnl.Route
+	for _, r := range k.Routes {
+		if r.Table >= f.Tables.First && r.Table <= f.Tables.Last && (f.Protocol == 0 || r.Protocol == f.Protocol) {
+			out = append(out, r)
+		}
+	}
+	return out, nil
+}
+
+func (k *Kernel) Apply(ops []rtnl.Op) error {
+	for _, op := range ops {
+		k.Writes++
+		switch op.Kind {
+		case rtnl.Replace:
+			k.Routes[op.Route.Key()] = op.Route
+			k.Journal = append(k.Journal, "route+ "+op.Route.Dst.Addr().String())
+		case rtnl.Delete:
+			if r, ok := k.Routes[op.Route.Key()]; ok && r.Protocol == op.Route.Protocol {
+				delete(k.Routes, op.Route.Key())
+			}
+			k.Journal = append(k.Journal, "route- "+op.Route.Dst.Addr().String())
+		}
+	}
+	return nil
+}
+
+func (k *Kernel) RuleListFiltered(int, *netlink.Rule, uint64) ([]netlink.Rule, error) {
+	return slices.Clone(k.Rules), nil
+}
+
+func (k *Kernel) RuleAdd(r *netlink.Rule) error {
+	k.Writes++
+	k.Rules = append(k.Rules, *r)
+	return nil
+}
+
+func (k *Kernel) RuleDel(r *netlink.Rule) error {
+	k.Writes++
+	for i := range k.Rules {
+		if k.Rules[i].Priority == r.Priority && k.Rules[i].Table == r.Table && k.Rules[i].Mark == r.Mark {
+			k.Rules = slices.Delete(k.Rules, i, i+1)
+			return nil
+		}
+	}
+	return fmt.Errorf("no such rule")
+}
+
+// Chain is the HMARK chain seam of a Kernel: it records the marked tunnel IPs.
+type Chain struct{ k *Kernel }
+
+// Chain returns the HMARK chain seam backed by k.
+func (k *Kernel) Chain() Chain { return Chain{k} }
+
+func (c Chain) Sync(targets []hmark.Target) (int, error) {
+	want := map[netip.Addr]uint32{}
+	for _, t := range targets {
+		want[t.VIP] = t.Offset
+	}
+	if maps.Equal(want, c.k.Marked) {
+		return 0, nil
+	}
+	for _, t := range targets {
+		if off, ok := c.k.Marked[t.VIP]; !ok {
+			c.k.Journal = append(c.k.Journal, "mark+ "+t.VIP.String())
+		} else if off != t.Offset {
+			c.k.Journal = append(c.k.Journal, "mark~ "+t.VIP.String())
+		}
+	}
+	for v := range c.k.Marked {
+		if _, ok := want[v]; !ok {
+			c.k.Journal = append(c.k.Journal, "mark- "+v.String())
+		}
+	}
+	c.k.Marked = want
+	c.k.Writes++
+	return 1, nil
+}
+
+func (c Chain) Offsets() (map[netip.Addr]uint32, error) { return maps.Clone(c.k.Marked), nil }
+
+func (c Chain) Cleanup() error { c.k.Marked = nil; return nil }
+
+// Device is the tunnel device seam of a Kernel: its index is always 42.
+type Device struct{ k *Kernel }
+
+// Device returns the tunnel device seam backed by k.
+func (k *Kernel) Device() Device { return Device{k} }
+
+func (d Device) Ensure() (int, error) { d.k.DevUp = true; return 42, nil }
+func (d Device) Remove() error        { d.k.DevUp = false; return nil }
+
+// CountingRoutes and CountingRules count kernel Writes independently of what
+// the Datapath reports.
+type CountingRoutes struct {
+	*rtnl.Client
+	Writes int
+}
+
+func (c *CountingRoutes) Apply(ops []rtnl.Op) error { c.Writes += len(ops); return c.Client.Apply(ops) }
+
+type CountingRules struct {
+	*netlink.Handle
+	Writes int
+}
+
+func (c *CountingRules) RuleAdd(r *netlink.Rule) error { c.Writes++; return c.Handle.RuleAdd(r) }
+func (c *CountingRules) RuleDel(r *netlink.Rule) error { c.Writes++; return c.Handle.RuleDel(r) }
+
+// QuietLog returns a logger that writes nowhere.
+func QuietLog() logrus.FieldLogger {
+	l := logrus.New()
+	l.Out = io.Discard
+	return l
+}
