@@ -21,17 +21,9 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/mplslabel"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
-)
-
-// Mode is the encapsulation the routers use.
-type Mode string
-
-// The two encapsulations.
-const (
-	ModeGRE  Mode = "gre"
-	ModeMPLS Mode = "mpls"
 )
 
 // Names and numbers that mark what the agent owns.
@@ -44,9 +36,6 @@ const (
 	// LoopbackLabel is the IPv4 address label of the tunnel IPs the agent adds
 	// to lo in mpls mode; lo addresses without it are never touched.
 	LoopbackLabel = "lo:kst"
-	// DefaultRouteProtocol (rtm_protocol) marks the agent's MPLS routes, in
-	// pods and on the node: the same number the router uses for its routes.
-	DefaultRouteProtocol = 245
 	// PodLabel is the label a node swaps to and a pod pops.
 	PodLabel = mplslabel.PodLabel
 	// podPlatformLabels is the net.mpls.platform_labels a pod needs to accept
@@ -58,7 +47,7 @@ const (
 
 // Config is what the endpoint agent needs to know to program pods.
 type Config struct {
-	Mode Mode
+	Mode encap.Mode
 	// NodeName is this node; only endpoints whose nodeName is it are handled.
 	NodeName string
 	// Device is the GRE device's name inside pods (gre mode).
@@ -85,8 +74,8 @@ type Config struct {
 // Validate checks the configuration for mistakes an operator can make.
 func (c Config) Validate() error {
 	var errs []error
-	if c.Mode != ModeGRE && c.Mode != ModeMPLS {
-		errs = append(errs, fmt.Errorf("--mode %q: must be %q or %q", c.Mode, ModeGRE, ModeMPLS))
+	if err := c.Mode.Validate(); err != nil {
+		errs = append(errs, fmt.Errorf("--%w", err))
 	}
 	if c.NodeName == "" {
 		errs = append(errs, errors.New("--node-name (or env NODE_NAME) is required: the agent handles the endpoints of its own node"))

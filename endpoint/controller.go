@@ -30,6 +30,7 @@ import (
 	"k8s.io/client-go/util/workqueue"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 )
@@ -539,7 +540,7 @@ func (c *Controller) syncPod(ctx context.Context, key string) error {
 	}
 	// In gre mode the pod's decapsulation device counts what it receives;
 	// the metrics read it through this namespace at each scrape.
-	if c.cfg.Mode == ModeGRE {
+	if c.cfg.Mode == encap.GRE {
 		kept = c.metrics.keepNamespace(key, want.TunnelIPs, podNS.Handle)
 	}
 	if len(acts) > 0 {

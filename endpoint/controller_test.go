@@ -15,6 +15,7 @@ import (
 	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes/fake"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 )
 
@@ -98,7 +99,7 @@ func startControllerWith(t *testing.T, loc *fakeLocator, pods PodSyncer, node No
 	inf := NewInformers(client, "n1")
 	log := logrus.New()
 	log.Out = io.Discard
-	c, err := NewController(testConfig(ModeGRE), inf, loc, pods, node, log)
+	c, err := NewController(testConfig(encap.GRE), inf, loc, pods, node, log)
 	if err != nil {
 		t.Fatal(err)
 	}

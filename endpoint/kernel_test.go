@@ -8,6 +8,7 @@ import (
 
 	"github.com/vishvananda/netns"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
@@ -31,7 +32,7 @@ func TestKernelGREPod(t *testing.T) {
 	requireGREAndMPLS(t)
 	ip := netip.MustParseAddr("198.18.10.91")
 	pod, _ := podAndNode(t, ip)
-	pn := NewPodNetwork(testConfig(ModeGRE), netns.None())
+	pn := NewPodNetwork(testConfig(encap.GRE), netns.None())
 	w := want(vip1, vip2)
 	w.Pod.IP = ip
 	if _, err := pn.Sync(pod.Handle, w); err != nil {
@@ -50,7 +51,7 @@ func TestKernelGREPod(t *testing.T) {
 		t.Errorf("rp_filter = %q", v)
 	}
 	// A restarted agent adopts the real GRE device without a change.
-	if acts, err := NewPodNetwork(testConfig(ModeGRE), netns.None()).Sync(pod.Handle, w); err != nil || len(acts) != 0 {
+	if acts, err := NewPodNetwork(testConfig(encap.GRE), netns.None()).Sync(pod.Handle, w); err != nil || len(acts) != 0 {
 		t.Fatalf("re-sync: %v, %v; want no change", render(acts), err)
 	}
 	w.TunnelIPs = nil
@@ -67,7 +68,7 @@ func TestKernelMPLSPod(t *testing.T) {
 	ip := netip.MustParseAddr("198.18.10.92")
 	pod, _ := podAndNode(t, ip)
 	pod.Run("sysctl", "-qw", "net.ipv4.conf.lo.rp_filter=1")
-	cfg := testConfig(ModeMPLS)
+	cfg := testConfig(encap.MPLS)
 	pn := NewPodNetwork(cfg, netns.None())
 	w := want(vip1)
 	w.Pod.IP = ip
@@ -101,7 +102,7 @@ func TestKernelMPLSNode(t *testing.T) {
 	requireGREAndMPLS(t)
 	ip := netip.MustParseAddr("198.18.10.93")
 	_, node := podAndNode(t, ip)
-	cfg := testConfig(ModeMPLS)
+	cfg := testConfig(encap.MPLS)
 	cfg.MPLSInputInterfaces = []string{"podveth"}
 	nn := &NodeNetwork{cfg: cfg, ns: node.Handle, sysctl: ProcSysctls{}}
 	pt := want(vip1)

@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"testing"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/test/support/promtest"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/vishvananda/netns"
@@ -55,7 +56,7 @@ func TestDecapCountersFromKernel(t *testing.T) {
 	ip := netip.MustParseAddr("198.18.10.101")
 	pod, node := podAndNode(t, ip)
 	node.Run("ip", "addr", "add", "198.18.99.1/32", "dev", "lo") // a source address for the "router"
-	cfg := testConfig(ModeGRE)
+	cfg := testConfig(encap.GRE)
 	pn := standInPodNetwork(cfg)
 	w := want(vip1)
 	w.Pod.IP = ip

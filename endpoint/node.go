@@ -12,6 +12,7 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/mplslabel"
 )
 
@@ -72,12 +73,12 @@ type nodeWant struct {
 }
 
 // sysctlNames lists the sysctls planNode reads.
-func (w nodeWant) sysctlNames(mode Mode) []string {
+func (w nodeWant) sysctlNames(mode encap.Mode) []string {
 	names := []string{sysctlIPForward}
 	for _, l := range w.PodLinks {
 		names = append(names, rpFilterSysctl(l))
 	}
-	if mode == ModeMPLS {
+	if mode == encap.MPLS {
 		names = append(names, sysctlPlatformLabels)
 		for _, l := range w.MPLSInput {
 			names = append(names, mplsInputSysctl(l))
@@ -89,7 +90,7 @@ func (w nodeWant) sysctlNames(mode Mode) []string {
 // planNode returns the changes that turn have into want: sysctls first (so a
 // route is never added that the node would not forward), then swap routes.
 // Sysctls are only raised. It is pure.
-func planNode(mode Mode, want nodeWant, have nodeState) []NodeChange {
+func planNode(mode encap.Mode, want nodeWant, have nodeState) []NodeChange {
 	var acts []NodeChange
 	served := len(want.PodLinks) > 0
 	if served && have.Sysctls[sysctlIPForward] != "1" {
@@ -100,7 +101,7 @@ func planNode(mode Mode, want nodeWant, have nodeState) []NodeChange {
 			acts = append(acts, NodeChange{Sysctl: rpFilterSysctl(l), Value: "2"})
 		}
 	}
-	if mode == ModeMPLS && served {
+	if mode == encap.MPLS && served {
 		if v, _ := strconv.Atoi(have.Sysctls[sysctlPlatformLabels]); v < mplslabel.PlatformLabels {
 			acts = append(acts, NodeChange{Sysctl: sysctlPlatformLabels, Value: strconv.Itoa(mplslabel.PlatformLabels)})
 		}
@@ -158,7 +159,7 @@ func (n *NodeNetwork) Sync(served []PodTunnels, nodeIP netip.Addr) ([]NodeChange
 	want, problems := n.want(nl, served, nodeIP)
 	var have nodeState
 	// Listed in gre mode too, so that a change of --mode removes them.
-	if have.Routes, err = n.listRoutes(nl); err != nil && n.cfg.Mode == ModeMPLS {
+	if have.Routes, err = n.listRoutes(nl); err != nil && n.cfg.Mode == encap.MPLS {
 		return nil, err
 	}
 	if have.Sysctls, err = n.sysctl.Read(n.ns, want.sysctlNames(n.cfg.Mode)); err != nil {
@@ -191,7 +192,7 @@ func (n *NodeNetwork) want(nl *netlink.Handle, served []PodTunnels, nodeIP netip
 			continue
 		}
 		links[link.Attrs().Name] = true
-		if n.cfg.Mode == ModeMPLS {
+		if n.cfg.Mode == encap.MPLS {
 			label, err := mplslabel.ForEndpoint(pt.Pod.IP)
 			if err != nil {
 				problems = append(problems, fmt.Errorf("pod %s: %w", pt.Pod, err))
@@ -208,7 +209,7 @@ func (n *NodeNetwork) want(nl *netlink.Handle, served []PodTunnels, nodeIP netip
 		w.PodLinks = append(w.PodLinks, l)
 	}
 	slices.Sort(w.PodLinks)
-	if n.cfg.Mode == ModeMPLS && len(served) > 0 {
+	if n.cfg.Mode == encap.MPLS && len(served) > 0 {
 		w.MPLSInput = n.cfg.MPLSInputInterfaces
 		if len(w.MPLSInput) == 0 {
 			name, err := linkHolding(nl, nodeIP)

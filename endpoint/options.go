@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 )
 
 // Options are the endpoint agent's command-line options.
@@ -31,10 +32,10 @@ const DefaultMetricsAddress = ":9642"
 // AddFlags registers the options on fs with their defaults.
 func (o *Options) AddFlags(fs *flag.FlagSet) {
 	o.Config = Config{
-		Mode: ModeGRE, Device: DefaultDevice, RouteProtocol: DefaultRouteProtocol,
+		Mode: encap.GRE, Device: DefaultDevice, RouteProtocol: encap.DefaultRouteProtocol,
 		ResyncPeriod: DefaultResyncPeriod, Workers: 4,
 	}
-	fs.Func("mode", `encapsulation the routers use: "gre" or "mpls" (default "gre")`, func(s string) error { o.Mode = Mode(s); return nil })
+	fs.Func("mode", `encapsulation the routers use: "gre" or "mpls" (default "gre")`, func(s string) error { o.Mode = encap.Mode(s); return nil })
 	fs.StringVar(&o.NodeName, "node-name", "", "name of this node: only its endpoints are handled (env NODE_NAME)")
 	fs.StringVar(&o.Device, "device", o.Device, "name of the GRE decapsulation device created in each pod (gre mode)")
 	fs.Func("route-protocol", "rtm_protocol number marking the agent's MPLS routes (default 245)", func(s string) error {

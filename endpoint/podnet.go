@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"slices"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
@@ -168,7 +169,7 @@ func (p *PodNetwork) observe(nl *netlink.Handle, ns netns.NsHandle, podIP netip.
 
 	routes, err := nl.RouteListFiltered(netlink.FAMILY_MPLS, &netlink.Route{Protocol: netlink.RouteProtocol(p.cfg.RouteProtocol)}, netlink.RT_FILTER_PROTOCOL)
 	switch {
-	case err != nil && p.cfg.Mode == ModeMPLS:
+	case err != nil && p.cfg.Mode == encap.MPLS:
 		return st, fmt.Errorf("listing MPLS routes (does the kernel have MPLS, CONFIG_MPLS_ROUTING?): %w", err)
 	case err == nil:
 		for _, r := range routes {
@@ -208,7 +209,7 @@ func (p *PodNetwork) Cleanup(ns netns.NsHandle) ([]PodChange, error) {
 	}
 	defer nl.Close()
 	cfg := *p
-	cfg.cfg.Mode = ModeGRE // tolerate kernels without MPLS while reading
+	cfg.cfg.Mode = encap.GRE // tolerate kernels without MPLS while reading
 	have, err := cfg.observe(nl, ns, netip.Addr{})
 	if err != nil {
 		return nil, err

@@ -13,6 +13,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
@@ -81,7 +82,7 @@ func addrsOn(t *testing.T, ns *testnetns.NS, link string) []string {
 func TestPodNetworkDeviceLifecycle(t *testing.T) {
 	ip := netip.MustParseAddr("198.18.10.11")
 	pod, _ := podAndNode(t, ip)
-	cfg := testConfig(ModeGRE)
+	cfg := testConfig(encap.GRE)
 	pn := standInPodNetwork(cfg)
 	w := PodTunnels{Pod: want().Pod, TunnelIPs: []netip.Addr{vip1}}
 	w.Pod.IP = ip
@@ -149,7 +150,7 @@ func TestPodNetworkRefusesWrongNamespace(t *testing.T) {
 	pod, _ := podAndNode(t, netip.MustParseAddr("198.18.10.21"))
 	w := want(vip1)
 	w.Pod.IP = netip.MustParseAddr("198.18.10.99") // not this namespace's pod
-	_, err := standInPodNetwork(testConfig(ModeGRE)).Sync(pod.Handle, w)
+	_, err := standInPodNetwork(testConfig(encap.GRE)).Sync(pod.Handle, w)
 	if err == nil || !strings.Contains(err.Error(), "on no interface") {
 		t.Fatalf("err = %v, want a refusal", err)
 	}
@@ -165,11 +166,11 @@ func TestPodNetworkLeavesForeignDeviceAlone(t *testing.T) {
 	pod.Run("ip", "addr", "add", "192.0.2.77/32", "dev", DefaultDevice)
 	w := want(vip1)
 	w.Pod.IP = ip
-	if _, err := standInPodNetwork(testConfig(ModeGRE)).Sync(pod.Handle, w); err == nil || !strings.Contains(err.Error(), "did not create") {
+	if _, err := standInPodNetwork(testConfig(encap.GRE)).Sync(pod.Handle, w); err == nil || !strings.Contains(err.Error(), "did not create") {
 		t.Fatalf("err = %v, want a refusal", err)
 	}
 	w.TunnelIPs = nil
-	if _, err := standInPodNetwork(testConfig(ModeGRE)).Sync(pod.Handle, w); err == nil {
+	if _, err := standInPodNetwork(testConfig(encap.GRE)).Sync(pod.Handle, w); err == nil {
 		t.Fatal("cleanup sync touched or ignored a foreign device silently")
 	}
 	if got := addrsOn(t, pod, DefaultDevice); !slices.Equal(got, []string{"192.0.2.77/32 kst-decap"}) {
@@ -187,7 +188,7 @@ func TestPodNetworkLoopbackOwnership(t *testing.T) {
 	pod.Run("ip", "addr", "add", "192.0.2.50/32", "dev", "lo") // the pod's own
 	w := want()
 	w.Pod.IP = ip
-	acts, err := standInPodNetwork(testConfig(ModeGRE)).Sync(pod.Handle, w)
+	acts, err := standInPodNetwork(testConfig(encap.GRE)).Sync(pod.Handle, w)
 	if err != nil || render(acts) != "remove tunnel IP 192.0.2.10 on lo" {
 		t.Fatalf("changes %q, err %v", render(acts), err)
 	}
@@ -206,7 +207,7 @@ func TestPodNetworkMPLSNeedsKernelSupport(t *testing.T) {
 	pod, _ := podAndNode(t, ip)
 	w := want(vip1)
 	w.Pod.IP = ip
-	_, err := standInPodNetwork(testConfig(ModeMPLS)).Sync(pod.Handle, w)
+	_, err := standInPodNetwork(testConfig(encap.MPLS)).Sync(pod.Handle, w)
 	if err == nil || !strings.Contains(err.Error(), "CONFIG_MPLS_ROUTING") {
 		t.Fatalf("err = %v, want one naming CONFIG_MPLS_ROUTING", err)
 	}
@@ -218,7 +219,7 @@ func TestPodNetworkMPLSNeedsKernelSupport(t *testing.T) {
 func TestPodNetworkAdvMSS(t *testing.T) {
 	ip := netip.MustParseAddr("198.18.10.61")
 	pod, _ := podAndNode(t, ip)
-	cfg := testConfig(ModeGRE)
+	cfg := testConfig(encap.GRE)
 	cfg.PodAdvMSS = 1400
 	w := want(vip1)
 	w.Pod.IP = ip
@@ -241,7 +242,7 @@ func TestNodeNetworkSysctls(t *testing.T) {
 	ip := netip.MustParseAddr("198.18.10.71")
 	_, node := podAndNode(t, ip)
 	node.Run("sysctl", "-qw", "net.ipv4.conf.podveth.rp_filter=1")
-	nn := &NodeNetwork{cfg: testConfig(ModeGRE), ns: node.Handle, sysctl: ProcSysctls{}}
+	nn := &NodeNetwork{cfg: testConfig(encap.GRE), ns: node.Handle, sysctl: ProcSysctls{}}
 	pt := want(vip1)
 	pt.Pod.IP = ip
 	acts, err := nn.Sync([]PodTunnels{pt}, netip.Addr{})
@@ -277,7 +278,7 @@ func TestCleanupRemovesOnlyWhatTheAgentOwns(t *testing.T) {
 	}
 	beforeA, beforeB := snapshot(podA), snapshot(podB)
 
-	cfg := testConfig(ModeGRE)
+	cfg := testConfig(encap.GRE)
 	cfg.PodAdvMSS = 1400
 	w := want(vip1, vip2)
 	w.Pod.IP = ipA

@@ -5,6 +5,8 @@ import (
 	"net/netip"
 	"slices"
 	"strconv"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 )
 
 // podState is what one pod's network namespace holds of the agent's, and what
@@ -142,7 +144,7 @@ func mplsInputSysctl(dev string) string { return "net/mpls/conf/" + dev + "/inpu
 
 // podSysctls lists the sysctls planPod reads in a pod.
 func podSysctls(cfg Config, podLink string) []string {
-	if cfg.Mode == ModeGRE {
+	if cfg.Mode == encap.GRE {
 		return []string{rpFilterSysctl(cfg.Device)}
 	}
 	return []string{sysctlPlatformLabels, mplsInputSysctl(podLink), rpFilterSysctl("lo")}
@@ -163,9 +165,9 @@ func planPod(cfg Config, want PodTunnels, have podState) ([]PodChange, error) {
 	serve := len(want.TunnelIPs) > 0
 	var wantDevice, wantLoopback []netip.Addr
 	switch {
-	case serve && cfg.Mode == ModeGRE:
+	case serve && cfg.Mode == encap.GRE:
 		wantDevice = want.TunnelIPs
-	case serve && cfg.Mode == ModeMPLS:
+	case serve && cfg.Mode == encap.MPLS:
 		wantLoopback = want.TunnelIPs
 	}
 	addDev, delDev := diffAddrs(wantDevice, have.DeviceIPs)
@@ -199,7 +201,7 @@ func planPod(cfg Config, want PodTunnels, have podState) ([]PodChange, error) {
 	}
 
 	switch cfg.Mode {
-	case ModeGRE:
+	case encap.GRE:
 		if dev == nil {
 			acts = append(acts, PodChange{Kind: actCreateDevice, Addr: want.Pod.IP}, PodChange{Kind: actMarkDevice})
 		}
@@ -210,7 +212,7 @@ func planPod(cfg Config, want PodTunnels, have podState) ([]PodChange, error) {
 		if dev == nil || have.Sysctls[rpFilterSysctl(cfg.Device)] != "2" {
 			acts = append(acts, PodChange{Kind: actSetSysctl, Sysctl: rpFilterSysctl(cfg.Device), Value: "2"})
 		}
-	case ModeMPLS:
+	case encap.MPLS:
 		if have.PodLink == "" {
 			return nil, fmt.Errorf("no interface holds the pod IP %v", want.Pod.IP)
 		}

@@ -13,6 +13,7 @@ import (
 	"github.com/vishvananda/netns"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/kernelcheck"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 )
@@ -46,7 +47,7 @@ func Main(args []string) error {
 		return Cleanup(o.Config, nodeNS, entry)
 	}
 	// Before any kernel state is touched; cleanup must work on any kernel.
-	if err := kernelcheck.Verify(kernelcheck.Endpoint(string(o.Mode)), entry); err != nil {
+	if err := kernelcheck.Verify(kernelcheck.Endpoint(o.Mode), entry); err != nil {
 		return fmt.Errorf("kernel check (--mode %s): %w", o.Mode, err)
 	}
 
@@ -75,7 +76,7 @@ func Main(args []string) error {
 	// Only gre mode has a decapsulation device (and its counters) per pod;
 	// in mpls mode the routers' counters cover the tunnel IPs.
 	var decap DecapCounterReader
-	if o.Mode == ModeGRE {
+	if o.Mode == encap.GRE {
 		decap = podNet
 	}
 	ctrl.SetMetrics(NewMetrics(reg, decap))

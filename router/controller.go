@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router/bucket"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
@@ -454,7 +455,7 @@ func (c *Controller) networksChanged() error {
 	if err != nil {
 		return err
 	}
-	if c.cfg.Mode != datapath.ModeMPLS && known.Equal(c.networks) {
+	if c.cfg.Mode != encap.MPLS && known.Equal(c.networks) {
 		return nil
 	}
 	return c.resync()
@@ -685,8 +686,8 @@ func (c *Controller) tunnelFor(vip netip.Addr) datapath.Tunnel {
 	if err != nil {
 		c.log.WithError(err).WithField("service", key).Warn("listing endpointslices")
 	}
-	eps, problems := ServiceEndpoints(esl, c.cfg.Mode == datapath.ModeMPLS, c.drained)
-	if c.cfg.Mode == datapath.ModeMPLS {
+	eps, problems := ServiceEndpoints(esl, c.cfg.Mode == encap.MPLS, c.drained)
+	if c.cfg.Mode == encap.MPLS {
 		eps, problems = c.withNodeIPs(eps, problems)
 	}
 	for _, p := range problems {

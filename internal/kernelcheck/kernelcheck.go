@@ -21,6 +21,8 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 )
 
 // Feature is something of the kernel's that a daemon needs.
@@ -174,16 +176,9 @@ func Names(checks []Check) string {
 	return strings.Join(names, ", ")
 }
 
-// Encapsulation modes, as both daemons spell them on their --mode flag.
-const (
-	ModeGRE  = "gre"
-	ModeMPLS = "mpls"
-)
-
 // RouterParams are the router options that decide what it uses.
 type RouterParams struct {
-	// Mode is "gre" or "mpls".
-	Mode string
+	Mode encap.Mode
 	// CreateGREDevice is --gre-device-create: only then does the router
 	// create a GRE device; otherwise it routes over an existing device.
 	CreateGREDevice bool
@@ -217,11 +212,11 @@ func Router(p RouterParams) []Check {
 		{Feature: LightweightTunnels, Probe: Kernel.EncapIPRoute},
 	}
 	switch p.Mode {
-	case ModeGRE:
+	case encap.GRE:
 		if p.CreateGREDevice {
 			checks = append(checks, Check{Feature: FlowBasedGRE, Probe: Kernel.FlowBasedGRE})
 		}
-	case ModeMPLS:
+	case encap.MPLS:
 		checks = append(checks,
 			Check{Feature: MPLSRouting, Probe: Kernel.MPLSRouting},
 			Check{Feature: MPLSEncap, Probe: Kernel.EncapMPLSRoute})
@@ -244,11 +239,11 @@ func Router(p RouterParams) []Check {
 
 // Endpoint returns the checks of the endpoint agent in mode: a GRE device
 // in each pod (gre), or MPLS routes in pods and on the node (mpls).
-func Endpoint(mode string) []Check {
+func Endpoint(mode encap.Mode) []Check {
 	switch mode {
-	case ModeGRE:
+	case encap.GRE:
 		return []Check{{Feature: GRE, Probe: Kernel.GRE}}
-	case ModeMPLS:
+	case encap.MPLS:
 		return []Check{{Feature: MPLSRouting, Probe: Kernel.MPLSRouting}}
 	}
 	return nil

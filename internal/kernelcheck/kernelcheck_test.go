@@ -5,6 +5,8 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 )
 
 // fakeKernel answers each probe from fail (by probe name, "rule:TABLE:TARGET"
@@ -70,13 +72,13 @@ func TestRouterChecksFollowModeAndFlags(t *testing.T) {
 		p    RouterParams
 		want []string
 	}{
-		{"gre creating its device", RouterParams{Mode: ModeGRE, CreateGREDevice: true, Generations: 1},
+		{"gre creating its device", RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 1},
 			slices.Concat(base[:2], []string{"ip_gre"}, base[2:])},
-		{"gre over an existing device", RouterParams{Mode: ModeGRE, Generations: 1}, base},
-		{"mpls ignores --gre-device-create", RouterParams{Mode: ModeMPLS, CreateGREDevice: true, Generations: 1},
+		{"gre over an existing device", RouterParams{Mode: encap.GRE, Generations: 1}, base},
+		{"mpls ignores --gre-device-create", RouterParams{Mode: encap.MPLS, CreateGREDevice: true, Generations: 1},
 			slices.Concat(base[:2], []string{"mpls_router", "mpls_iptunnel"}, base[2:])},
-		{"generations use conntrack", RouterParams{Mode: ModeGRE, Generations: 4}, slices.Concat(base, sticky)},
-		{"mpls with generations", RouterParams{Mode: ModeMPLS, Generations: 2},
+		{"generations use conntrack", RouterParams{Mode: encap.GRE, Generations: 4}, slices.Concat(base, sticky)},
+		{"mpls with generations", RouterParams{Mode: encap.MPLS, Generations: 2},
 			slices.Concat(base[:2], []string{"mpls_router", "mpls_iptunnel"}, base[2:], sticky)},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -86,17 +88,17 @@ func TestRouterChecksFollowModeAndFlags(t *testing.T) {
 		})
 	}
 	// The first two are the built-in options.
-	got := Router(RouterParams{Mode: ModeGRE, Generations: 1})
+	got := Router(RouterParams{Mode: encap.GRE, Generations: 1})
 	if got[0].Feature != PolicyRouting || got[1].Feature != LightweightTunnels {
 		t.Errorf("Router starts with %v, %v; want policy routing and lightweight tunnels", got[0].Feature, got[1].Feature)
 	}
 }
 
 func TestEndpointChecksFollowMode(t *testing.T) {
-	for mode, want := range map[string][]Feature{
-		ModeGRE:  {GRE},
-		ModeMPLS: {MPLSRouting},
-		"vxlan":  nil,
+	for mode, want := range map[encap.Mode][]Feature{
+		encap.GRE:  {GRE},
+		encap.MPLS: {MPLSRouting},
+		"vxlan":    nil,
 	} {
 		var got []Feature
 		for _, c := range Endpoint(mode) {
@@ -111,8 +113,8 @@ func TestEndpointChecksFollowMode(t *testing.T) {
 func TestEveryCheckProbesWhatItNames(t *testing.T) {
 	// Each probe of the most demanding router and of both agents fails
 	// alone, and only its own feature is reported.
-	checks := slices.Concat(Router(RouterParams{Mode: ModeMPLS, Generations: 2}),
-		Router(RouterParams{Mode: ModeGRE, CreateGREDevice: true, Generations: 1}), Endpoint(ModeGRE))
+	checks := slices.Concat(Router(RouterParams{Mode: encap.MPLS, Generations: 2}),
+		Router(RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 1}), Endpoint(encap.GRE))
 	probes := map[Feature]string{
 		PolicyRouting: "rules", LightweightTunnels: "encap-ip", FlowBasedGRE: "flow-gre", GRE: "gre",
 		MPLSRouting: "mpls", MPLSEncap: "encap-mpls", IPTablesCommand: "iptables",
@@ -143,7 +145,7 @@ func TestRunReportsEveryMissingFeatureByNameOptionAndModule(t *testing.T) {
 		"rule:mangle:HMARK": errors.New("iptables: No chain/target/match by that name."),
 		"rules":             errors.New("address family not supported by protocol"),
 	}}
-	err := Run(k, Router(RouterParams{Mode: ModeGRE, CreateGREDevice: true, Generations: 1}))
+	err := Run(k, Router(RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 1}))
 	want := []string{
 		"kernel lacks policy routing (CONFIG_IP_MULTIPLE_TABLES, built in: not available as a module): address family not supported by protocol",
 		"kernel lacks flow-based GRE (CONFIG_NET_IPGRE, module ip_gre): operation not supported",
@@ -172,7 +174,7 @@ func TestRunRetriesAfterLoadingTheModule(t *testing.T) {
 		fail:  map[string]error{"mpls": errors.New("no /proc/sys/net/mpls"), "encap-mpls": errors.New("operation not supported")},
 		loads: map[string][]string{"mpls_router": {"mpls"}},
 	}
-	err := Run(k, Router(RouterParams{Mode: ModeMPLS, Generations: 1}))
+	err := Run(k, Router(RouterParams{Mode: encap.MPLS, Generations: 1}))
 	m := Missing(err)
 	if len(m) != 1 || m[0].Feature != MPLSEncap {
 		t.Fatalf("after modprobe mpls_router: %v", err)
@@ -187,7 +189,7 @@ func TestRunRetriesAfterLoadingTheModule(t *testing.T) {
 
 func TestRunSkipsChecksWhosePrerequisiteIsMissing(t *testing.T) {
 	k := &fakeKernel{fail: map[string]error{"iptables": errors.New(`exec: "iptables": executable file not found in $PATH`)}}
-	err := Run(k, Router(RouterParams{Mode: ModeGRE, Generations: 3}))
+	err := Run(k, Router(RouterParams{Mode: encap.GRE, Generations: 3}))
 	if want := `the iptables command (package iptables) is missing: exec: "iptables": executable file not found in $PATH`; err == nil || err.Error() != want {
 		t.Fatalf("error %v, want %q", err, want)
 	}
@@ -198,7 +200,7 @@ func TestRunSkipsChecksWhosePrerequisiteIsMissing(t *testing.T) {
 	}
 
 	k = &fakeKernel{fail: map[string]error{"chain:raw": errors.New("can't initialize iptables table `raw'")}}
-	err = Run(k, Router(RouterParams{Mode: ModeGRE, Generations: 3}))
+	err = Run(k, Router(RouterParams{Mode: encap.GRE, Generations: 3}))
 	if m := Missing(err); len(m) != 1 || m[0].Feature != RawTable {
 		t.Errorf("raw table missing: %v", err)
 	}

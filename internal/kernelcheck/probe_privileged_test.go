@@ -12,6 +12,7 @@ import (
 	"github.com/sirupsen/logrus"
 	"github.com/sirupsen/logrus/hooks/test"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
@@ -29,8 +30,8 @@ func requirePrivileged(t *testing.T) {
 func everyCheck() []Check {
 	var out []Check
 	seen := map[Feature]bool{}
-	for _, c := range slices.Concat(Router(RouterParams{Mode: ModeMPLS, Generations: 2}),
-		Router(RouterParams{Mode: ModeGRE, CreateGREDevice: true, Generations: 1}), Endpoint(ModeGRE)) {
+	for _, c := range slices.Concat(Router(RouterParams{Mode: encap.MPLS, Generations: 2}),
+		Router(RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 1}), Endpoint(encap.GRE)) {
 		if !seen[c.Feature] {
 			seen[c.Feature] = true
 			out = append(out, c)
@@ -229,7 +230,7 @@ func TestProbesLeaveTheCallersNamespaceAlone(t *testing.T) {
 func TestVerifyLogsEachMissingFeature(t *testing.T) {
 	requirePrivileged(t)
 	log, hook := test.NewNullLogger()
-	checks := Router(RouterParams{Mode: ModeGRE, CreateGREDevice: true, Generations: 1})
+	checks := Router(RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 1})
 	err := Verify(checks, log)
 	missing := Missing(err)
 	var lines []*logrus.Entry

@@ -4,18 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
-)
 
-// Mode selects how a tunnel router encapsulates packets towards endpoints.
-type Mode string
-
-const (
-	// ModeGRE encapsulates in GRE through one flow-based GRE device, with the
-	// pod IP as the outer destination.
-	ModeGRE Mode = "gre"
-	// ModeMPLS pushes a per-endpoint label (see internal/mplslabel) and sends the
-	// packet to the endpoint's node, which swaps it towards the pod.
-	ModeMPLS Mode = "mpls"
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 )
 
 // Defaults. They stay clear of kube-proxy's marks (0x4000 masquerade, 0x8000
@@ -23,13 +13,12 @@ const (
 // (0x0f00 bits), the kernel's reserved tables (0, 253-255) and the default rule
 // priorities (0, 32766, 32767).
 const (
-	DefaultBuckets       = 64
-	DefaultMarkOffset    = 0x1000
-	DefaultRulePriority  = 7600
-	DefaultTableBase     = 7600
-	DefaultRouteProtocol = 0xf5 // 245: shown as "proto 245" by iproute2
-	DefaultGREDevice     = "kst-gre"
-	DefaultChain         = "KST-HMARK"
+	DefaultBuckets      = 64
+	DefaultMarkOffset   = 0x1000
+	DefaultRulePriority = 7600
+	DefaultTableBase    = 7600
+	DefaultGREDevice    = "kst-gre"
+	DefaultChain        = "KST-HMARK"
 	// DefaultGenerations is the number of routing generations: the current
 	// bucket tables plus up to three older ones kept for established flows.
 	DefaultGenerations = 4
@@ -55,7 +44,7 @@ const foreignMarkBits = 0x4000 | 0x8000 | 0xffff0000
 // the node-local ranges it owns. Everything the router creates is identified by
 // these ranges; nothing outside them is ever touched.
 type Config struct {
-	Mode Mode
+	Mode encap.Mode
 	// Buckets is the number of HMARK buckets (--hmark-mod), one rule and one
 	// routing table each per generation.
 	Buckets int
@@ -85,8 +74,8 @@ type Config struct {
 // cluster must choose.
 func DefaultConfig() Config {
 	return Config{
-		Mode: ModeGRE, Buckets: DefaultBuckets, MarkOffset: DefaultMarkOffset,
-		RulePriority: DefaultRulePriority, TableBase: DefaultTableBase, RouteProtocol: DefaultRouteProtocol,
+		Mode: encap.GRE, Buckets: DefaultBuckets, MarkOffset: DefaultMarkOffset,
+		RulePriority: DefaultRulePriority, TableBase: DefaultTableBase, RouteProtocol: encap.DefaultRouteProtocol,
 		GREDevice: DefaultGREDevice, Chain: DefaultChain,
 		Generations: DefaultGenerations, GenerationCheckPeriod: DefaultGenerationCheckPeriod,
 	}
@@ -95,8 +84,8 @@ func DefaultConfig() Config {
 // Validate checks the configuration and names the first bad field.
 func (c Config) Validate() error {
 	var errs []error
-	if c.Mode != ModeGRE && c.Mode != ModeMPLS {
-		errs = append(errs, fmt.Errorf("mode %q: must be %q or %q", c.Mode, ModeGRE, ModeMPLS))
+	if err := c.Mode.Validate(); err != nil {
+		errs = append(errs, err)
 	}
 	if c.Buckets < 1 || c.Buckets > MaxBuckets {
 		errs = append(errs, fmt.Errorf("buckets %d: must be between 1 and %d", c.Buckets, MaxBuckets))
@@ -132,10 +121,10 @@ func (c Config) Validate() error {
 	if c.Generations > 1 && c.GenerationCheckPeriod <= 0 {
 		errs = append(errs, fmt.Errorf("generation check period %v: must be positive", c.GenerationCheckPeriod))
 	}
-	if c.Mode == ModeGRE && (c.GREDevice == "" || len(c.GREDevice) > 15) {
+	if c.Mode == encap.GRE && (c.GREDevice == "" || len(c.GREDevice) > 15) {
 		errs = append(errs, fmt.Errorf("gre device %q: must be 1-15 characters", c.GREDevice))
 	}
-	if c.Mode == ModeGRE && (c.GREDevice == "gre0" || c.GREDevice == "gretap0") {
+	if c.Mode == encap.GRE && (c.GREDevice == "gre0" || c.GREDevice == "gretap0") {
 		errs = append(errs, fmt.Errorf("gre device %q: the kernel's fallback device cannot be flow-based", c.GREDevice))
 	}
 	// iptables names have at most 28 characters; with generations the raw

@@ -9,6 +9,7 @@ import (
 
 	"github.com/vishvananda/netlink"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 	"github.com/cmdnu/kube-service-tunnel/router/bucket"
 	"github.com/cmdnu/kube-service-tunnel/test/support/seamtest"
@@ -185,7 +186,7 @@ func TestRemovingOneEndpointTouchesOnlyMovedBuckets(t *testing.T) {
 
 func TestMPLSRoutes(t *testing.T) {
 	cfg := testConfig()
-	cfg.Mode = ModeMPLS
+	cfg.Mode = encap.MPLS
 	k := seamtest.NewKernel()
 	d := NewDatapath(cfg, k, k, k.Chain(), NoDevice{}, func(ip netip.Addr) (int, error) { return 7, nil }, seamtest.QuietLog())
 	tun := tunnel(cfg, "192.0.2.1", "10.244.1.5")
@@ -204,7 +205,7 @@ func TestMPLSRoutes(t *testing.T) {
 
 func TestOneUnprogrammableTunnelDoesNotBlockTheOthers(t *testing.T) {
 	cfg := testConfig()
-	cfg.Mode = ModeMPLS
+	cfg.Mode = encap.MPLS
 	k := seamtest.NewKernel()
 	unreachable := netip.MustParseAddr("192.168.9.9")
 	nodeLink := func(ip netip.Addr) (int, error) {

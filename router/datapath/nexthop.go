@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/netip"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/mplslabel"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 )
@@ -98,9 +99,9 @@ func (c Config) hopOf(r *rtnl.Route) (vip netip.Addr, bucket int, h nextHop, ok 
 // hopFor is the next hop that sends a bucket to endpoint ep.
 func (c Config) hopFor(ep Endpoint, greLink int, nodeLink func(netip.Addr) (int, error)) (nextHop, error) {
 	switch c.Mode {
-	case ModeGRE:
+	case encap.GRE:
 		return nextHop{kind: hopGRE, addr: ep.Addr.As4(), link: int32(greLink)}, nil
-	case ModeMPLS:
+	case encap.MPLS:
 		if !ep.NodeIP.Is4() {
 			return nextHop{}, fmt.Errorf("endpoint %v: node %q has no known IPv4 address", ep.Addr, ep.NodeName)
 		}

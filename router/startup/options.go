@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/router"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 )
@@ -35,7 +36,7 @@ const DefaultMetricsAddress = ":9641"
 // AddFlags registers the options on fs with their defaults.
 func (o *Options) AddFlags(fs *flag.FlagSet) {
 	o.Config = router.Config{Config: datapath.DefaultConfig(), ResyncPeriod: router.DefaultResyncPeriod}
-	fs.Func("mode", `encapsulation: "gre" or "mpls" (default "gre")`, func(s string) error { o.Mode = datapath.Mode(s); return nil })
+	fs.Func("mode", `encapsulation: "gre" or "mpls" (default "gre")`, func(s string) error { o.Mode = encap.Mode(s); return nil })
 	fs.StringVar(&o.seed, "seed", "", "HMARK seed shared by every router, decimal or 0x-hex (required)")
 	fs.IntVar(&o.Buckets, "buckets", o.Buckets, "number of HMARK buckets, each with its own rule and routing table")
 	fs.Func("mark-offset", "packet mark of slot 0, decimal or 0x-hex; slot k has mark-offset+k (default 0x1000)", func(s string) error {

@@ -24,6 +24,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/kernelcheck"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 	"github.com/cmdnu/kube-service-tunnel/router"
@@ -62,7 +63,7 @@ func Main(args []string) error {
 	}
 	// Before any kernel state is touched; cleanup must work on any kernel.
 	if !o.Cleanup {
-		checks := kernelcheck.Router(kernelcheck.RouterParams{Mode: string(o.Mode), CreateGREDevice: o.CreateDevice, Generations: o.Generations})
+		checks := kernelcheck.Router(kernelcheck.RouterParams{Mode: o.Mode, CreateGREDevice: o.CreateDevice, Generations: o.Generations})
 		if err := kernelcheck.Verify(checks, entry); err != nil {
 			return fmt.Errorf("kernel check (--mode %s): %w", o.Mode, err)
 		}
@@ -216,9 +217,9 @@ func openDatapath(cfg datapath.Config, createDevice bool, meter *metrics.Metrics
 	}
 	var device datapath.TunnelDevice = datapath.NoDevice{}
 	switch {
-	case cfg.Mode == datapath.ModeGRE && createDevice:
+	case cfg.Mode == encap.GRE && createDevice:
 		device = &datapath.GREDevice{Name: cfg.GREDevice, Links: handle}
-	case cfg.Mode == datapath.ModeGRE:
+	case cfg.Mode == encap.GRE:
 		device = &datapath.ExistingDevice{Name: cfg.GREDevice, Links: handle}
 	}
 	nodeLink := func(ip netip.Addr) (int, error) {

@@ -28,6 +28,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 	"github.com/cmdnu/kube-service-tunnel/router/bucket"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
@@ -52,9 +53,9 @@ func main() {
 
 func config() datapath.Config {
 	return datapath.Config{
-		Mode: datapath.ModeGRE, Buckets: *buckets, MarkOffset: datapath.DefaultMarkOffset, Seed: 0x5eed,
+		Mode: encap.GRE, Buckets: *buckets, MarkOffset: datapath.DefaultMarkOffset, Seed: 0x5eed,
 		RulePriority: datapath.DefaultRulePriority, TableBase: datapath.DefaultTableBase,
-		RouteProtocol: datapath.DefaultRouteProtocol, GREDevice: "veth0", Chain: "KST-HMARK",
+		RouteProtocol: encap.DefaultRouteProtocol, GREDevice: "veth0", Chain: "KST-HMARK",
 	}
 }
 

@@ -13,6 +13,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/cmdnu/kube-service-tunnel/endpoint"
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
@@ -57,8 +58,8 @@ func TestAPIServerLossKeepsDatapathAndRecovers(t *testing.T) {
 	pod := createPod(t, cs, ns, "pod-0", nodeName, ip)
 	kr := newKernelRouter(t, cfg)
 	rtr := runRouter(t, cfg, routerConfig(t), kr.dp)
-	agentCfg := endpoint.Config{Mode: endpoint.ModeGRE, NodeName: nodeName, Device: endpoint.DefaultDevice,
-		RouteProtocol: endpoint.DefaultRouteProtocol, ResyncPeriod: time.Second, Workers: 2, Policy: policy}
+	agentCfg := endpoint.Config{Mode: encap.GRE, NodeName: nodeName, Device: endpoint.DefaultDevice,
+		RouteProtocol: encap.DefaultRouteProtocol, ResyncPeriod: time.Second, Workers: 2, Policy: policy}
 	agent := runAgent(t, agentCfg, serviceAccountConfig(t, "tunnel-endpoint"), node)
 
 	// A handful of Services, each backed by the local pod and a remote one.

@@ -25,6 +25,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/cmdnu/kube-service-tunnel/endpoint"
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router"
 	"github.com/cmdnu/kube-service-tunnel/router/bucket"
@@ -102,8 +103,8 @@ func TestChurnConvergesToFreshState(t *testing.T) {
 	var tracker connTracker
 	var routerWrites, agentWrites, churnWrites writeCounter
 	rtr := runRouter(t, cfg, accounted(routerRest, &tracker, &routerWrites), kr.dp)
-	agentCfg := endpoint.Config{Mode: endpoint.ModeGRE, NodeName: nodeName, Device: endpoint.DefaultDevice,
-		RouteProtocol: endpoint.DefaultRouteProtocol, ResyncPeriod: 2 * time.Second, Workers: 2, Policy: policy}
+	agentCfg := endpoint.Config{Mode: encap.GRE, NodeName: nodeName, Device: endpoint.DefaultDevice,
+		RouteProtocol: encap.DefaultRouteProtocol, ResyncPeriod: 2 * time.Second, Workers: 2, Policy: policy}
 	agent := runAgent(t, agentCfg, accounted(agentRest, &tracker, &agentWrites), node)
 
 	churnClient := kubernetes.NewForConfigOrDie(accounted(env.AdminConfig(), &tracker, &churnWrites))

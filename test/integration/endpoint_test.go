@@ -22,6 +22,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/cmdnu/kube-service-tunnel/endpoint"
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
@@ -93,8 +94,8 @@ func startAgentWithPolicy(t *testing.T, nodeName string, node *testnetns.NS, pol
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg := endpoint.Config{Mode: endpoint.ModeGRE, NodeName: nodeName, Device: endpoint.DefaultDevice,
-		RouteProtocol: endpoint.DefaultRouteProtocol, ResyncPeriod: time.Minute, Workers: 2, Policy: policy}
+	cfg := endpoint.Config{Mode: encap.GRE, NodeName: nodeName, Device: endpoint.DefaultDevice,
+		RouteProtocol: encap.DefaultRouteProtocol, ResyncPeriod: time.Minute, Workers: 2, Policy: policy}
 	a := &agent{
 		pods: &countingPods{inner: endpoint.NewPodNetwork(cfg, node.Handle).WithDevice(testnetns.VXLANDecap{}),
 			syncs: map[string]int{}, changes: map[string]int{}},

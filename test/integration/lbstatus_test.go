@@ -11,9 +11,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router"
-	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 )
 
 // createLoadBalancer creates a Service of type LoadBalancer claiming
@@ -94,7 +94,7 @@ func setIngress(t *testing.T, cs kubernetes.Interface, ns, name string, ips ...s
 // checks the tunnel IP appears in, and leaves, status.loadBalancer.ingress.
 func TestRouterPublishesLoadBalancerIngress(t *testing.T) {
 	cs := adminClient(t)
-	startRouter(t, routerCfg(datapath.ModeGRE, 8))
+	startRouter(t, routerCfg(encap.GRE, 8))
 	ns := freshNamespace(t, cs)
 	// Namespaces are never deleted here (no controller-manager): remove the
 	// Services so that their tunnel IPs do not outlive the test.

@@ -12,9 +12,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router"
-	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
@@ -51,7 +51,7 @@ func createNodeAt(t *testing.T, cs kubernetes.Interface, name, addr string) {
 func TestRouterAddressPools(t *testing.T) {
 	cs := adminClient(t)
 	team, other := freshNamespace(t, cs), freshNamespace(t, cs)
-	cfg := routerCfg(datapath.ModeGRE, 16)
+	cfg := routerCfg(encap.GRE, 16)
 	cfg.Policy = poolsPolicy(t, team)
 	rec := startRouter(t, cfg)
 

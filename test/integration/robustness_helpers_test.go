@@ -27,6 +27,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/endpoint"
 	"github.com/cmdnu/kube-service-tunnel/hmark"
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router"
@@ -396,7 +397,7 @@ func quietLogger() logrus.FieldLogger {
 // kernel state depends on the desired state only, never on its history) and
 // a short resync period.
 func robustRouterCfg(policy tunnelclaim.Policy) router.Config {
-	cfg := routerCfg(datapath.ModeGRE, 8)
+	cfg := routerCfg(encap.GRE, 8)
 	cfg.Generations = 1
 	cfg.ResyncPeriod = 2 * time.Second
 	cfg.Policy = policy

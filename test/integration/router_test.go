@@ -21,6 +21,7 @@ import (
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router"
 	"github.com/cmdnu/kube-service-tunnel/router/bucket"
@@ -108,12 +109,12 @@ func startRouter(t *testing.T, cfg router.Config) *recorder {
 	return rec
 }
 
-func routerCfg(mode datapath.Mode, buckets int) router.Config {
+func routerCfg(mode encap.Mode, buckets int) router.Config {
 	return router.Config{
 		Config: datapath.Config{
 			Mode: mode, Buckets: buckets, MarkOffset: datapath.DefaultMarkOffset, Seed: 7,
 			RulePriority: datapath.DefaultRulePriority, TableBase: datapath.DefaultTableBase,
-			RouteProtocol: datapath.DefaultRouteProtocol, GREDevice: datapath.DefaultGREDevice, Chain: "KST-HMARK",
+			RouteProtocol: encap.DefaultRouteProtocol, GREDevice: datapath.DefaultGREDevice, Chain: "KST-HMARK",
 		},
 		ResyncPeriod: time.Minute, Policy: testPolicy,
 	}
@@ -248,7 +249,7 @@ func waitEvent(t *testing.T, cs kubernetes.Interface, svc *corev1.Service, event
 
 func TestRouterProgramsAnnotatedServices(t *testing.T) {
 	cs := adminClient(t)
-	rec := startRouter(t, routerCfg(datapath.ModeGRE, 64))
+	rec := startRouter(t, routerCfg(encap.GRE, 64))
 	ns := freshNamespace(t, cs)
 
 	svc := createService(t, cs, ns, "web", "192.0.2.10")
@@ -285,7 +286,7 @@ func TestRouterProgramsAnnotatedServices(t *testing.T) {
 
 func TestRouterBadInputKeepsOtherServicesWorking(t *testing.T) {
 	cs := adminClient(t)
-	rec := startRouter(t, routerCfg(datapath.ModeGRE, 64))
+	rec := startRouter(t, routerCfg(encap.GRE, 64))
 	ns := freshNamespace(t, cs)
 
 	good := createService(t, cs, ns, "good", "192.0.2.20")
@@ -318,7 +319,7 @@ func TestRouterBadInputKeepsOtherServicesWorking(t *testing.T) {
 
 func TestRouterConflictOldestWins(t *testing.T) {
 	cs := adminClient(t)
-	rec := startRouter(t, routerCfg(datapath.ModeGRE, 64))
+	rec := startRouter(t, routerCfg(encap.GRE, 64))
 	ns := freshNamespace(t, cs)
 
 	older := createService(t, cs, ns, "older", "192.0.2.30")
@@ -345,7 +346,7 @@ func TestRouterConflictOldestWins(t *testing.T) {
 
 func TestRouterMoreEndpointsThanBuckets(t *testing.T) {
 	cs := adminClient(t)
-	rec := startRouter(t, routerCfg(datapath.ModeGRE, 4))
+	rec := startRouter(t, routerCfg(encap.GRE, 4))
 	ns := freshNamespace(t, cs)
 	svc := createService(t, cs, ns, "wide", "192.0.2.40")
 	var eps []ep
@@ -367,7 +368,7 @@ func TestRouterMoreEndpointsThanBuckets(t *testing.T) {
 
 func TestRouterMPLSUsesNodeAddresses(t *testing.T) {
 	cs := adminClient(t)
-	rec := startRouter(t, routerCfg(datapath.ModeMPLS, 16))
+	rec := startRouter(t, routerCfg(encap.MPLS, 16))
 	ns := freshNamespace(t, cs)
 	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "mpls-node-" + ns}}
 	node, err := cs.CoreV1().Nodes().Create(context.Background(), node, metav1.CreateOptions{})
@@ -409,7 +410,7 @@ func presentAddrs(t datapath.Tunnel) (present, draining []string) {
 // The router watches Pods as its own ServiceAccount (RBAC: pods list/watch).
 func TestRouterDrainsTerminatingAndAnnotatedEndpoints(t *testing.T) {
 	cs := adminClient(t)
-	rec := startRouter(t, routerCfg(datapath.ModeGRE, 64))
+	rec := startRouter(t, routerCfg(encap.GRE, 64))
 	ns := freshNamespace(t, cs)
 	svc := createService(t, cs, ns, "web", "192.0.2.77")
 	a := createPod(t, cs, ns, "web-a", "node-1", netip.MustParseAddr("10.244.1.5"))
