@@ -6,10 +6,10 @@ PKGS := ./...
 # Where slow-to-build test assets (kube-apiserver, etcd) are cached.
 export KST_ASSETS_DIR ?= $(HOME)/.cache/kube-service-tunnel/assets
 
-.PHONY: help build test unit integration e2e bench lint demo deps assets clean
+.PHONY: help build test unit integration e2e bench lint demo docs deps assets clean
 
 help: ## show this help
-	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
 build: ## build static binaries into bin/
 	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/ ./cmd/...
@@ -52,6 +52,9 @@ lint: ## go vet and gofmt
 
 demo: deps assets ## boot the lab VM, deploy examples/echo.yaml and show a client reaching its pods through the tunnel IP
 	$(GO) run ./test/demo
+
+docs: ## regenerate docs/flags.md from the daemons' -h (go test ./test/docsgen fails when it is stale)
+	$(GO) run ./test/docsgen
 
 clean: ## remove build output
 	rm -rf $(BIN)
