@@ -426,10 +426,10 @@ func (c *Controller) recompute() error {
 	// reason, once per Service and reason.
 	logged := map[string]string{}
 	for _, r := range refused {
-		logged[r.Service] = r.Reason.Error()
-		if c.refused[r.Service] != logged[r.Service] {
-			c.log.WithFields(logrus.Fields{"service": r.Service, "vip": r.VIP, "field": "metadata.annotations[" + tunnelclaim.Annotation + "]"}).
-				WithError(r.Reason).Warn("tunnel IP refused: not served in this node's pods")
+		logged[r.Key()] = r.Err.Error()
+		if c.refused[r.Key()] != logged[r.Key()] {
+			c.log.WithFields(logrus.Fields{"service": r.Key(), "vip": r.VIP, "field": "metadata.annotations[" + tunnelclaim.Annotation + "]"}).
+				WithError(r.Err).Warn("tunnel IP refused: not served in this node's pods")
 		}
 	}
 	c.refused = logged

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
-	"strings"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -35,13 +34,18 @@ func (p PodTunnels) Equal(o PodTunnels) bool {
 // runs on node, whatever their ready/serving/terminating conditions: the
 // routers decide who gets new flows, and a pod that is not ready or is
 // draining must still accept the flows it already has. Of several Services
-// claiming one tunnel IP, only the winner (tunnelclaim.Compare) counts, as on
+// claiming one tunnel IP, only the winner (tunnelclaim.Decide) counts, as on
 // the routers; a Service whose tunnel IP the address pools refuse
 // (Pools.Admit, given the cluster's known networks) claims nothing and is
 // listed in refused. Entries that cannot be used are skipped and described in
 // problems, one line each naming the object and field.
-func Desired(node string, pools tunnelclaim.Pools, known tunnelclaim.Networks, services []*corev1.Service, endpointSlices []*discoveryv1.EndpointSlice, pods []*corev1.Pod) (desired map[string]PodTunnels, problems []string, refused []Refusal) {
-	winners, refused := winningServices(pools, known, services)
+func Desired(node string, pools tunnelclaim.Pools, known tunnelclaim.Networks, services []*corev1.Service, endpointSlices []*discoveryv1.EndpointSlice, pods []*corev1.Pod) (desired map[string]PodTunnels, problems []string, refused []tunnelclaim.Claim) {
+	decision := tunnelclaim.Decide(services, pools, known)
+	refused = decision.With(tunnelclaim.Refused)
+	winners := make(map[string]netip.Addr, len(decision.Winners))
+	for vip, svc := range decision.Winners {
+		winners[tunnelclaim.ServiceKey(svc)] = vip
+	}
 
 	localPods := map[string]*corev1.Pod{}
 	podByIP := map[netip.Addr]*corev1.Pod{}
@@ -115,46 +119,6 @@ func Desired(node string, pools tunnelclaim.Pools, known tunnelclaim.Networks, s
 		desired[key] = pt
 	}
 	return desired, problems, refused
-}
-
-// Refusal is a Service whose tunnel IP the address pools refuse.
-type Refusal struct {
-	// Service is "namespace/name".
-	Service string
-	VIP     netip.Addr
-	// Reason says why, in the words of the routers' TunnelIPRefused event.
-	Reason error
-}
-
-// winningServices maps "namespace/name" of each Service that wins its tunnel
-// IP to that IP. Services with an invalid annotation claim nothing; those
-// whose tunnel IP the pools refuse claim nothing either and are returned,
-// sorted by Service.
-func winningServices(pools tunnelclaim.Pools, known tunnelclaim.Networks, services []*corev1.Service) (map[string]netip.Addr, []Refusal) {
-	byVIP := map[netip.Addr][]*corev1.Service{}
-	var refused []Refusal
-	for _, svc := range services {
-		value, ok := svc.Annotations[tunnelclaim.Annotation]
-		if !ok {
-			continue
-		}
-		vip, err := tunnelclaim.ParseIP(value)
-		if err != nil {
-			continue // the routers record the Warning event on the Service
-		}
-		if err := pools.Admit(vip, svc.Namespace, known); err != nil {
-			refused = append(refused, Refusal{Service: svc.Namespace + "/" + svc.Name, VIP: vip, Reason: err})
-			continue
-		}
-		byVIP[vip] = append(byVIP[vip], svc)
-	}
-	slices.SortFunc(refused, func(a, b Refusal) int { return strings.Compare(a.Service, b.Service) })
-	winners := make(map[string]netip.Addr, len(byVIP))
-	for vip, claimants := range byVIP {
-		tunnelclaim.Sort(claimants)
-		winners[claimants[0].Namespace+"/"+claimants[0].Name] = vip
-	}
-	return winners, refused
 }
 
 // podOf finds the local pod behind an endpoint: by its targetRef when it names

@@ -190,63 +190,25 @@ func TestDesiredIsOrderIndependent(t *testing.T) {
 	}
 }
 
-// TestDesiredAdmission checks that a Service whose tunnel IP the pools refuse
-// serves nothing and does not take part in the conflict order, and that the
-// refusal names the Service and the reason.
+// TestDesiredAdmission: the claim decision itself is tested in
+// internal/tunnelclaim (TestDecide); here, that Desired serves only its
+// winners and hands back its refusals.
 func TestDesiredAdmission(t *testing.T) {
 	const node = "n1"
 	pods := []*corev1.Pod{testPod("a", "web-1", node, "10.1.0.11"), testPod("b", "db-1", node, "10.1.0.21")}
 	esl := []*discoveryv1.EndpointSlice{slice("a", "web", ep{"10.1.0.11", node, "web-1", true}), slice("b", "db", ep{"10.1.0.21", node, "db-1", true})}
 	limited := tunnelclaim.Pools{{Prefix: netip.MustParsePrefix("192.0.2.0/24"), Namespaces: []string{"a"}}}
-	nodeAt := tunnelclaim.KnownNetworks([]*corev1.Node{{ObjectMeta: metav1.ObjectMeta{Name: "n2"},
-		Status: corev1.NodeStatus{Addresses: []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: "192.0.2.10"}}}}}, nil, nil)
-	for _, tc := range []struct {
-		name     string
-		pools    tunnelclaim.Pools
-		known    tunnelclaim.Networks
-		services []*corev1.Service
-		want     string
-		refused  string
-	}{
-		{
-			name:     "no pool: nothing is served",
-			services: []*corev1.Service{tunnelService("a", "web", "192.0.2.10", 0)},
-			refused:  "a/web: tunnel IP 192.0.2.10 is not served: no address pool is configured (--pools)",
-		},
-		{
-			name:     "outside every pool",
-			pools:    testPools,
-			services: []*corev1.Service{tunnelService("a", "web", "198.51.100.7", 0)},
-			refused:  "a/web: tunnel IP 198.51.100.7 is in no address pool (--pools 192.0.2.0/24)",
-		},
-		{
-			name:     "a refused older Service does not beat an admitted newer one",
-			pools:    limited,
-			services: []*corev1.Service{tunnelService("b", "db", "192.0.2.10", time.Hour), tunnelService("a", "web", "192.0.2.10", time.Minute)},
-			want:     "a/web-1=192.0.2.10",
-			refused:  "b/db: tunnel IP 192.0.2.10 is in address pool 192.0.2.0/24, which only namespaces a may use, not b",
-		},
-		{
-			name:     "a Node's address is refused",
-			pools:    testPools,
-			known:    nodeAt,
-			services: []*corev1.Service{tunnelService("a", "web", "192.0.2.10", 0), tunnelService("b", "db", "192.0.2.11", 0)},
-			want:     "b/db-1=192.0.2.11",
-			refused:  "a/web: tunnel IP 192.0.2.10 is the address of Node n2",
-		},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			got, _, refused := Desired(node, tc.pools, tc.known, tc.services, esl, pods)
-			if s := summary(got); s != tc.want {
-				t.Errorf("desired = %q, want %q", s, tc.want)
-			}
-			var lines []string
-			for _, r := range refused {
-				lines = append(lines, r.Service+": "+r.Reason.Error())
-			}
-			if joined := strings.Join(lines, "\n"); joined != tc.refused {
-				t.Errorf("refused = %q, want %q", joined, tc.refused)
-			}
-		})
+	services := []*corev1.Service{tunnelService("b", "db", "192.0.2.10", time.Hour), tunnelService("a", "web", "192.0.2.10", time.Minute)}
+	got, _, refused := Desired(node, limited, tunnelclaim.Networks{}, services, esl, pods)
+	if s, want := summary(got), "a/web-1=192.0.2.10"; s != want {
+		t.Errorf("desired = %q, want %q", s, want)
+	}
+	var lines []string
+	for _, r := range refused {
+		lines = append(lines, r.Key()+": "+r.Err.Error())
+	}
+	want := "b/db: tunnel IP 192.0.2.10 is in address pool 192.0.2.0/24, which only namespaces a may use, not b"
+	if joined := strings.Join(lines, "\n"); joined != want {
+		t.Errorf("refused = %q, want %q", joined, want)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/vishvananda/netns"
 )
@@ -130,7 +131,7 @@ func (m *Metrics) nodeChanges(acts []NodeChange) {
 
 // desiredState sets the gauges from a newly computed desired state and stops
 // reading the counters of pods no longer in it.
-func (m *Metrics) desiredState(desired map[string]PodTunnels, refused []Refusal) {
+func (m *Metrics) desiredState(desired map[string]PodTunnels, refused []tunnelclaim.Claim) {
 	if m == nil {
 		return
 	}

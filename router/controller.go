@@ -408,34 +408,33 @@ func (c *Controller) reconcile(kind string, fn func() error) error {
 	return err
 }
 
-// claimOf reads the tunnel IP a Service claims; ok is false when it claims
-// none. A bad annotation, or a tunnel IP the address pools refuse, is
-// reported on the Service and claims nothing: it never beats an admitted
-// claimant of the same IP.
+// claimOf judges the tunnel IP claim of a Service alone
+// (tunnelclaim.Judge); ok is false when it claims none. A bad annotation,
+// or a tunnel IP the address pools refuse, is reported on the Service and
+// claims nothing: it never beats an admitted claimant of the same IP.
 func (c *Controller) claimOf(svc *corev1.Service) (netip.Addr, bool) {
-	key := svc.Namespace + "/" + svc.Name
+	key := tunnelclaim.ServiceKey(svc)
 	delete(c.refused, key)
-	value, annotated := svc.Annotations[tunnelclaim.Annotation]
+	claim, annotated := tunnelclaim.Judge(svc, c.cfg.Policy.Pools, c.networks)
 	if !annotated {
 		return netip.Addr{}, false
 	}
 	field := "metadata.annotations[" + tunnelclaim.Annotation + "]"
-	vip, err := tunnelclaim.ParseIP(value)
-	if err != nil {
+	switch claim.Verdict {
+	case tunnelclaim.Invalid:
 		c.refused[key] = metrics.RefusedInvalid
-		c.log.WithFields(logrus.Fields{"service": svc.Namespace + "/" + svc.Name, "field": field}).WithError(err).Warn("invalid tunnel IP")
-		c.report(svc, corev1.EventTypeWarning, ReasonInvalidTunnelIP, err.Error())
+		c.log.WithFields(logrus.Fields{"service": key, "field": field}).WithError(claim.Err).Warn("invalid tunnel IP")
+		c.report(svc, corev1.EventTypeWarning, ReasonInvalidTunnelIP, claim.Err.Error())
 		return netip.Addr{}, false
-	}
-	if err := c.cfg.Policy.Pools.Admit(vip, svc.Namespace, c.networks); err != nil {
+	case tunnelclaim.Refused:
 		c.refused[key] = metrics.RefusedPolicy
 		// Logged with the event: once per reason, not on every resync.
-		if c.report(svc, corev1.EventTypeWarning, ReasonRefused, err.Error()) {
-			c.log.WithFields(logrus.Fields{"service": svc.Namespace + "/" + svc.Name, "field": field, "vip": vip}).WithError(err).Warn("tunnel IP refused")
+		if c.report(svc, corev1.EventTypeWarning, ReasonRefused, claim.Err.Error()) {
+			c.log.WithFields(logrus.Fields{"service": key, "field": field, "vip": claim.VIP}).WithError(claim.Err).Warn("tunnel IP refused")
 		}
 		return netip.Addr{}, false
 	}
-	return vip, true
+	return claim.VIP, true
 }
 
 // knownNetworks reads what tunnel IPs must not take from the Nodes.
@@ -587,7 +586,7 @@ func (c *Controller) syncService(key string) error {
 func (c *Controller) publishStatus(key string) {
 	vip, ok := c.claims[key]
 	if ok {
-		if w := c.winner(vip); w == nil || w.Namespace+"/"+w.Name != key {
+		if w, _ := c.decide(vip); w == nil || tunnelclaim.ServiceKey(w) != key {
 			ok = false
 		}
 	}
@@ -599,7 +598,7 @@ func (c *Controller) publishStatus(key string) {
 
 // syncVIP programs or removes one tunnel IP.
 func (c *Controller) syncVIP(vip netip.Addr) error {
-	if len(c.claimants(vip)) == 0 {
+	if winner, _ := c.decide(vip); winner == nil {
 		c.announced(vip, false)
 		if err := c.dp.RemoveTunnel(vip); err != nil {
 			return fmt.Errorf("removing tunnel %v: %w", vip, err)
@@ -614,7 +613,7 @@ func (c *Controller) syncVIP(vip netip.Addr) error {
 	}
 	if err := c.dp.SetTunnel(t); err != nil {
 		c.announced(vip, false) // not announced while its datapath may be wrong
-		if svc := c.winner(vip); svc != nil {
+		if svc, _ := c.decide(vip); svc != nil {
 			c.report(svc, corev1.EventTypeWarning, ReasonProgramFailed, fmt.Sprintf("programming tunnel IP %v failed: %v", vip, err))
 		}
 		return fmt.Errorf("programming tunnel %v: %w", vip, err)
@@ -646,38 +645,33 @@ func (c *Controller) dropClaim(key string) {
 	}
 }
 
-// claimants returns the Services that claim vip, the winner first: the oldest
-// by creationTimestamp, then by namespace/name. Every router and node decides
-// the same way.
-func (c *Controller) claimants(vip netip.Addr) []*corev1.Service {
-	var out []*corev1.Service
+// decide returns the Service that wins vip and the admitted claimants that
+// lose it, by the decision every router and endpoint agent makes alike
+// (tunnelclaim.Decide); winner is nil when no Service claims vip.
+func (c *Controller) decide(vip netip.Addr) (winner *corev1.Service, losers []*corev1.Service) {
+	var svcs []*corev1.Service
 	for key := range c.byVIP[vip] {
 		if svc, err := c.service(key); err == nil {
-			out = append(out, svc)
+			svcs = append(svcs, svc)
 		}
 	}
-	tunnelclaim.Sort(out)
-	return out
-}
-
-func (c *Controller) winner(vip netip.Addr) *corev1.Service {
-	if cl := c.claimants(vip); len(cl) > 0 {
-		return cl[0]
+	d := tunnelclaim.Decide(svcs, c.cfg.Policy.Pools, c.networks)
+	for _, claim := range d.With(tunnelclaim.Lost) {
+		losers = append(losers, claim.Service)
 	}
-	return nil
+	return d.Winners[vip], losers
 }
 
 // tunnelFor computes the desired bucket table of vip from its winning Service
 // and reports what an operator should know on the Services involved.
 func (c *Controller) tunnelFor(vip netip.Addr) datapath.Tunnel {
-	claimants := c.claimants(vip)
+	svc, losers := c.decide(vip)
 	t := datapath.Tunnel{VIP: vip}
-	if len(claimants) == 0 {
+	if svc == nil {
 		return t
 	}
-	svc := claimants[0]
-	key := svc.Namespace + "/" + svc.Name
-	for _, loser := range claimants[1:] {
+	key := tunnelclaim.ServiceKey(svc)
+	for _, loser := range losers {
 		c.report(loser, corev1.EventTypeWarning, ReasonConflict,
 			fmt.Sprintf("tunnel IP %v is already served for Service %s (older); this Service gets it when that one releases it", vip, key))
 	}
