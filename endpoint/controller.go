@@ -29,8 +29,8 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
 
-	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
+	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 )
@@ -215,7 +215,7 @@ func NewController(cfg Config, inf Informers, locator runtime.Locator, podNet Po
 				recompute(obj)
 			},
 			UpdateFunc: func(old, obj any) {
-				if c.ownNode(obj) && daemon.NodeAddress(old.(*corev1.Node)) != daemon.NodeAddress(obj.(*corev1.Node)) {
+				if c.ownNode(obj) && kubeobj.NodeAddress(old.(*corev1.Node)) != kubeobj.NodeAddress(obj.(*corev1.Node)) {
 					c.queue.Add(nodeKey)
 				}
 				if nodeNetworksChanged(old, obj) {
@@ -566,7 +566,7 @@ func (c *Controller) syncNode() error {
 	slices.SortFunc(served, func(a, b PodTunnels) int { return a.Pod.IP.Compare(b.Pod.IP) })
 	var nodeIP netip.Addr
 	if node, err := c.nodes.Get(c.cfg.NodeName); err == nil {
-		nodeIP = daemon.NodeAddress(node)
+		nodeIP = kubeobj.NodeAddress(node)
 	}
 	acts, err := c.nodeNet.Sync(served, nodeIP)
 	c.metrics.nodeChanges(acts)

@@ -8,6 +8,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 )
@@ -124,13 +125,9 @@ func Desired(node string, pools tunnelclaim.Pools, known tunnelclaim.Networks, s
 // podOf finds the local pod behind an endpoint: by its targetRef when it names
 // a Pod, else by its address.
 func podOf(es *discoveryv1.EndpointSlice, ep discoveryv1.Endpoint, localPods map[string]*corev1.Pod, podByIP map[netip.Addr]*corev1.Pod) *corev1.Pod {
-	if ref := ep.TargetRef; ref != nil && ref.Kind == "Pod" {
-		ns := ref.Namespace
-		if ns == "" {
-			ns = es.Namespace
-		}
-		pod := localPods[ns+"/"+ref.Name]
-		if pod != nil && ref.UID != "" && pod.UID != ref.UID {
+	if ref, ok := kubeobj.EndpointPod(es, ep); ok {
+		pod := localPods[ref.Key()]
+		if pod != nil && ref.UID != "" && string(pod.UID) != ref.UID {
 			return nil // a different pod of the same name
 		}
 		return pod

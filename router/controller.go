@@ -9,8 +9,8 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
+	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router/bucket"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
@@ -216,7 +216,7 @@ func NewController(cfg Config, client kubernetes.Interface, factory informers.Sh
 		AddFunc: func(any) { c.queue.Add(networksKey) },
 		UpdateFunc: func(old, obj any) {
 			o, n := old.(*corev1.Node), obj.(*corev1.Node)
-			if daemon.NodeAddress(o) != daemon.NodeAddress(n) || !nodeNetworksEqual(o, n) {
+			if kubeobj.NodeAddress(o) != kubeobj.NodeAddress(n) || !nodeNetworksEqual(o, n) {
 				c.queue.Add(networksKey)
 			}
 		},
@@ -267,12 +267,8 @@ func slicePods(obj any) ([]string, error) {
 	}
 	var keys []string
 	for _, ep := range es.Endpoints {
-		if ref := ep.TargetRef; ref != nil && ref.Kind == "Pod" {
-			ns := ref.Namespace
-			if ns == "" {
-				ns = es.Namespace
-			}
-			keys = append(keys, ns+"/"+ref.Name)
+		if pod, ok := kubeobj.EndpointPod(es, ep); ok {
+			keys = append(keys, pod.Key())
 		}
 	}
 	return keys, nil
@@ -745,7 +741,7 @@ func (c *Controller) withNodeIPs(eps []datapath.Endpoint, problems []string) ([]
 			problems = append(problems, fmt.Sprintf("endpoint %v: node %q: %v", ep.Addr, ep.NodeName, err))
 			continue
 		}
-		ip := daemon.NodeAddress(node)
+		ip := kubeobj.NodeAddress(node)
 		if !ip.IsValid() {
 			problems = append(problems, fmt.Sprintf("endpoint %v: node %q has no IPv4 InternalIP or ExternalIP in status.addresses", ep.Addr, ep.NodeName))
 			continue

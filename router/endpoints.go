@@ -5,6 +5,7 @@ import (
 	"net/netip"
 	"slices"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	discoveryv1 "k8s.io/api/discovery/v1"
 )
@@ -42,12 +43,8 @@ func ServiceEndpoints(endpointSlices []*discoveryv1.EndpointSlice, needNode bool
 				}
 				draining = true
 			}
-			if ref := ep.TargetRef; !draining && drained != nil && ref != nil && ref.Kind == "Pod" {
-				ns := ref.Namespace
-				if ns == "" {
-					ns = es.Namespace
-				}
-				draining = drained(ns, ref.Name)
+			if pod, ok := kubeobj.EndpointPod(es, ep); !draining && drained != nil && ok {
+				draining = drained(pod.Namespace, pod.Name)
 			}
 			if len(ep.Addresses) == 0 {
 				problems = append(problems, fmt.Sprintf("EndpointSlice %s: endpoints[%d].addresses is empty", name, i))

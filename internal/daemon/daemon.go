@@ -1,17 +1,14 @@
 // Package daemon holds what the tunnel router and the endpoint agent set up
 // the same way: the options every daemon has, their KST_* environment
-// fallbacks, the logger, the Kubernetes client, and the node address both
-// daemons must agree on.
+// fallbacks, the logger, the Kubernetes client, and the metrics and health server.
 package daemon
 
 import (
 	"flag"
 	"fmt"
-	"net/netip"
 	"os"
 
 	"github.com/sirupsen/logrus"
-	corev1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
@@ -76,21 +73,4 @@ func (c *Common) KubeClient(component string, qps float32, burst int) (kubernete
 		return nil, fmt.Errorf("kubernetes client: %w", err)
 	}
 	return client, nil
-}
-
-// NodeAddress returns a node's first IPv4 InternalIP, else its first IPv4
-// ExternalIP: where routers send a node's MPLS packets, and so the address
-// whose interface the node's endpoint agent opens to MPLS.
-func NodeAddress(n *corev1.Node) netip.Addr {
-	for _, typ := range []corev1.NodeAddressType{corev1.NodeInternalIP, corev1.NodeExternalIP} {
-		for _, a := range n.Status.Addresses {
-			if a.Type != typ {
-				continue
-			}
-			if ip, err := netip.ParseAddr(a.Address); err == nil && ip.Is4() {
-				return ip
-			}
-		}
-	}
-	return netip.Addr{}
 }

@@ -26,6 +26,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/kernelcheck"
+	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 	"github.com/cmdnu/kube-service-tunnel/router"
 	"github.com/cmdnu/kube-service-tunnel/router/bgp"
@@ -159,7 +160,7 @@ func followNode(factory informers.SharedInformerFactory, name string, speaker *b
 	}
 	set := func(obj any) {
 		if n, ok := obj.(*corev1.Node); ok && n.Name == name {
-			speaker.SetNode(bgp.Node{Name: n.Name, Address: daemon.NodeAddress(n), Labels: n.Labels})
+			speaker.SetNode(bgp.Node{Name: n.Name, Address: kubeobj.NodeAddress(n), Labels: n.Labels})
 		}
 	}
 	_, err := factory.Core().V1().Nodes().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{

@@ -1,0 +1,52 @@
+// Package kubeobj reads Kubernetes objects the way both daemons must read
+// them alike: the address a tunnel router sends a node's packets to, and the
+// Pod an EndpointSlice endpoint stands for.
+package kubeobj
+
+import (
+	"net/netip"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+)
+
+// NodeAddress returns a node's first IPv4 InternalIP, else its first IPv4
+// ExternalIP: where routers send a node's MPLS packets, and so the address
+// whose interface the node's endpoint agent opens to MPLS.
+func NodeAddress(n *corev1.Node) netip.Addr {
+	for _, typ := range []corev1.NodeAddressType{corev1.NodeInternalIP, corev1.NodeExternalIP} {
+		for _, a := range n.Status.Addresses {
+			if a.Type != typ {
+				continue
+			}
+			if ip, err := netip.ParseAddr(a.Address); err == nil && ip.Is4() {
+				return ip
+			}
+		}
+	}
+	return netip.Addr{}
+}
+
+// PodRef is the Pod an endpoint's targetRef names.
+type PodRef struct {
+	Namespace, Name string
+	// UID is the Pod's UID when the targetRef gives it.
+	UID string
+}
+
+// Key is the Pod's "namespace/name".
+func (r PodRef) Key() string { return r.Namespace + "/" + r.Name }
+
+// EndpointPod returns the Pod an endpoint of slice es stands for, when its
+// targetRef names a Pod; a targetRef without a namespace means the slice's.
+func EndpointPod(es *discoveryv1.EndpointSlice, ep discoveryv1.Endpoint) (PodRef, bool) {
+	ref := ep.TargetRef
+	if ref == nil || ref.Kind != "Pod" {
+		return PodRef{}, false
+	}
+	ns := ref.Namespace
+	if ns == "" {
+		ns = es.Namespace
+	}
+	return PodRef{Namespace: ns, Name: ref.Name, UID: string(ref.UID)}, true
+}
