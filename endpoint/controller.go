@@ -7,7 +7,6 @@ import (
 	"maps"
 	"net/netip"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -29,18 +28,51 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 )
 
-// Queue keys that are not pods.
+// workKind is what a queue item asks a worker to do.
+type workKind uint8
+
 const (
-	desiredKey = "\x00desired" // recompute the desired state of every local pod
-	nodeKey    = "\x00node"    // converge the node's own namespace
-	resyncKey  = "\x00resync"  // check every local pod and the node again
+	syncPodWork workKind = iota // converge one local pod's namespace
+	desiredWork                 // recompute the desired state of every local pod
+	nodeWork                    // converge the node's own namespace
+	resyncWork                  // check every local pod and the node again
 )
+
+// queueKey is an item of the agent's queue.
+type queueKey struct {
+	kind workKind
+	// pod is the Pod's "namespace/name" (syncPodWork).
+	pod string
+}
+
+var (
+	desiredKey = queueKey{kind: desiredWork}
+	nodeKey    = queueKey{kind: nodeWork}
+	resyncKey  = queueKey{kind: resyncWork}
+)
+
+// podKey is the queue item of the Pod "namespace/name".
+func podKey(key string) queueKey { return queueKey{pod: key} }
+
+// String names the item in logs.
+func (k queueKey) String() string {
+	switch k.kind {
+	case desiredWork:
+		return "desired"
+	case nodeWork:
+		return "node"
+	case resyncWork:
+		return "resync"
+	}
+	return k.pod
+}
 
 // PodSyncer converges one pod's namespace (*PodNetwork).
 type PodSyncer interface {
@@ -115,7 +147,8 @@ type Controller struct {
 	pods     corelisters.PodLister
 	nodes    corelisters.NodeLister
 	synced   []cache.InformerSynced
-	queue    workqueue.TypedRateLimitingInterface[string]
+	queue    workqueue.TypedRateLimitingInterface[queueKey]
+	liveness daemon.Liveness
 	locator  runtime.Locator
 	podNet   PodSyncer
 	nodeNet  NodeSyncer
@@ -157,8 +190,8 @@ func NewController(cfg Config, inf Informers, locator runtime.Locator, podNet Po
 		synced: []cache.InformerSynced{svcInformer.Informer().HasSynced, sliceInformer.Informer().HasSynced,
 			podInformer.Informer().HasSynced, nodeInformer.Informer().HasSynced},
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
-			workqueue.NewTypedItemExponentialFailureRateLimiter[string](500*time.Millisecond, 2*time.Minute),
-			workqueue.TypedRateLimitingQueueConfig[string]{Name: "tunnel-endpoint"}),
+			workqueue.NewTypedItemExponentialFailureRateLimiter[queueKey](500*time.Millisecond, 2*time.Minute),
+			workqueue.TypedRateLimitingQueueConfig[queueKey]{Name: "tunnel-endpoint"}),
 		locator:  locator,
 		podNet:   podNet,
 		nodeNet:  nodeNet,
@@ -225,6 +258,10 @@ func NewController(cfg Config, inf Informers, locator runtime.Locator, podNet Po
 			DeleteFunc: recompute,
 		}},
 	}
+	for name, informer := range map[string]cache.SharedIndexInformer{"services": svcInformer.Informer(),
+		"endpointslices": sliceInformer.Informer(), "pods": podInformer.Informer(), "nodes": nodeInformer.Informer()} {
+		c.liveness.Watch(name, informer)
+	}
 	for _, h := range handlers {
 		if _, err := h.inf.AddEventHandler(h.h); err != nil {
 			return nil, fmt.Errorf("adding event handler: %w", err)
@@ -271,12 +308,16 @@ func (c *Controller) enqueuePod(obj any) {
 		utilruntime.HandleError(err)
 		return
 	}
-	c.queue.Add(key)
+	c.queue.Add(podKey(key))
 }
 
 // SetMetrics makes the controller record its metrics on m and hand the
 // namespaces of the pods it serves to m's counters. Call it before Run.
 func (c *Controller) SetMetrics(m *Metrics) { c.metrics = m }
+
+// Healthy returns nil while the agent is alive: its informers run and no
+// worker is stuck on one item (daemon.Liveness).
+func (c *Controller) Healthy() error { return c.liveness.Check() }
 
 // Ready reports whether the first full sync has succeeded: the desired state
 // was computed, the node's namespace was converged, and so was every pod
@@ -351,20 +392,21 @@ func (c *Controller) processNext(ctx context.Context) bool {
 		return false
 	}
 	defer c.queue.Done(key)
+	defer c.liveness.Begin(key.String())()
 	var err error
 	var kind string
 	start := time.Now()
-	switch key {
-	case resyncKey:
+	switch key.kind {
+	case resyncWork:
 		kind, err = syncKindResync, c.resync()
-	case desiredKey:
+	case desiredWork:
 		kind, err = syncKindDesired, c.recompute()
-	case nodeKey:
+	case nodeWork:
 		kind, err = syncKindNode, c.syncNode()
 	default:
-		kind, err = syncKindPod, c.syncPod(ctx, key)
+		kind, err = syncKindPod, c.syncPod(ctx, key.pod)
 		if err == nil {
-			c.podConverged(key)
+			c.podConverged(key.pod)
 		}
 	}
 	if errors.Is(err, errDesiredStale) {
@@ -373,7 +415,7 @@ func (c *Controller) processNext(ctx context.Context) bool {
 	}
 	c.metrics.observeSync(kind, time.Since(start), err)
 	if err != nil {
-		c.log.WithError(err).WithField("key", strings.TrimPrefix(key, "\x00")).Warn("sync failed, will retry with back-off")
+		c.log.WithError(err).WithField("key", key.String()).Warn("sync failed, will retry with back-off")
 		c.queue.AddRateLimited(key)
 		return true
 	}
@@ -394,7 +436,7 @@ func (c *Controller) resync() error {
 	c.clean = map[string]string{}
 	c.mu.Unlock()
 	for _, pod := range pods {
-		c.queue.Add(pod.Namespace + "/" + pod.Name)
+		c.queue.Add(podKey(pod.Namespace + "/" + pod.Name))
 	}
 	c.queue.Add(nodeKey)
 	return nil
@@ -449,7 +491,7 @@ func (c *Controller) recompute() error {
 	changed := false
 	for key := range keysOf(old, desired) {
 		if !old[key].Equal(desired[key]) {
-			c.queue.Add(key)
+			c.queue.Add(podKey(key))
 			changed = true
 		}
 	}

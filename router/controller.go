@@ -5,10 +5,10 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
-	"strings"
 	"sync/atomic"
 	"time"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
@@ -45,20 +45,59 @@ const (
 	ReasonProgramFailed    = "TunnelProgramFailed"
 )
 
-// Queue keys that are not Services.
+// workKind is what a queue item asks the worker to do.
+type workKind uint8
+
 const (
-	// resyncKey is the queue key of a full resynchronisation.
-	resyncKey = "\x00resync"
-	// networksKey re-reads the Nodes' addresses and pod ranges, and
+	// syncServiceWork converges the tunnel IPs of one Service.
+	syncServiceWork workKind = iota
+	// resyncWork hands the datapath the whole desired state.
+	resyncWork
+	// networksWork re-reads the Nodes' addresses and pod ranges, and
 	// re-evaluates every Service when they changed (the address pools).
-	networksKey = "\x00networks"
+	networksWork
+	// generationsWork removes the routing generations no flow uses any more.
+	generationsWork
 )
+
+// queueKey is an item of the controller's queue.
+type queueKey struct {
+	kind workKind
+	// service is the Service's "namespace/name" (syncServiceWork).
+	service string
+}
+
+var (
+	resyncKey      = queueKey{kind: resyncWork}
+	networksKey    = queueKey{kind: networksWork}
+	generationsKey = queueKey{kind: generationsWork}
+)
+
+// String names the item in logs.
+func (k queueKey) String() string {
+	switch k.kind {
+	case resyncWork:
+		return "resync"
+	case networksWork:
+		return "networks"
+	case generationsWork:
+		return "generations"
+	}
+	return k.service
+}
 
 // Programmer is what the controller asks of the datapath (*Datapath).
 type Programmer interface {
 	Resync([]datapath.Tunnel) error
 	SetTunnel(datapath.Tunnel) error
 	RemoveTunnel(netip.Addr) error
+}
+
+// GenerationCollector removes routing generations no flow uses any more
+// (*datapath.Datapath); the controller's worker calls it, so that only the
+// worker writes to the kernel.
+type GenerationCollector interface {
+	CollectGenerations() (removed int, err error)
 }
 
 // Announcer announces the tunnel IPs this router serves to the network
@@ -77,7 +116,7 @@ type Controller struct {
 	nodes    corelisters.NodeLister
 	pods     corelisters.PodLister
 	synced   []cache.InformerSynced
-	queue    workqueue.TypedRateLimitingInterface[string]
+	queue    workqueue.TypedRateLimitingInterface[queueKey]
 	recorder record.EventRecorder
 	dp       Programmer
 	log      logrus.FieldLogger
@@ -90,6 +129,7 @@ type Controller struct {
 	metrics  *metrics.Metrics               // nil: none
 	status   *status.Writer                 // publishes served tunnel IPs in LoadBalancer Services' status
 	synced1  atomic.Bool
+	liveness daemon.Liveness
 
 	announcer Announcer
 	announce  map[netip.Addr]bool // tunnel IPs programmed with a ready endpoint
@@ -164,8 +204,8 @@ func NewController(cfg Config, client kubernetes.Interface, factory informers.Sh
 		pods:     podInformer.Lister(),
 		synced: []cache.InformerSynced{svcInformer.Informer().HasSynced, sliceInformer.Informer().HasSynced,
 			nodeInformer.Informer().HasSynced, podInformer.Informer().HasSynced},
-		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
-			workqueue.TypedRateLimitingQueueConfig[string]{Name: "tunnel-router"}),
+		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[queueKey](),
+			workqueue.TypedRateLimitingQueueConfig[queueKey]{Name: "tunnel-router"}),
 		recorder: recorder,
 		dp:       dp,
 		log:      log,
@@ -174,6 +214,10 @@ func NewController(cfg Config, client kubernetes.Interface, factory informers.Sh
 		reported: map[string]string{},
 		refused:  map[string]string{},
 		announce: map[netip.Addr]bool{},
+	}
+	for name, informer := range map[string]cache.SharedIndexInformer{"services": svcInformer.Informer(),
+		"endpointslices": sliceInformer.Informer(), "nodes": nodeInformer.Informer(), "pods": podInformer.Informer()} {
+		c.liveness.Watch(name, informer)
 	}
 	c.status = status.NewWriter(client, c.services, cfg.Policy.Pools.Contains, log.WithField("component", "status"))
 	if _, err := svcInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
@@ -240,7 +284,7 @@ func (c *Controller) enqueueObject(obj any) {
 		utilruntime.HandleError(err)
 		return
 	}
-	c.queue.Add(key)
+	c.queue.Add(queueKey{service: key})
 }
 
 func (c *Controller) enqueueSliceService(obj any) {
@@ -252,7 +296,7 @@ func (c *Controller) enqueueSliceService(obj any) {
 		return
 	}
 	if svc := es.Labels[discoveryv1.LabelServiceName]; svc != "" {
-		c.queue.Add(es.Namespace + "/" + svc)
+		c.queue.Add(queueKey{service: es.Namespace + "/" + svc})
 	}
 }
 
@@ -323,6 +367,10 @@ func (c *Controller) drained(namespace, name string) bool {
 // Ready reports whether the first full synchronisation has succeeded.
 func (c *Controller) Ready() bool { return c.synced1.Load() }
 
+// Healthy returns nil while the controller is alive: its informers run and
+// its worker is not stuck on one item (daemon.Liveness).
+func (c *Controller) Healthy() error { return c.liveness.Check() }
+
 // Run waits for the caches, programs the whole desired state once (adopting
 // what the kernel already has), then processes changes until ctx ends.
 func (c *Controller) Run(ctx context.Context) error {
@@ -366,6 +414,9 @@ func (c *Controller) Run(ctx context.Context) error {
 	if c.cfg.ResyncPeriod > 0 {
 		go wait.Until(func() { c.queue.Add(resyncKey) }, c.cfg.ResyncPeriod, ctx.Done())
 	}
+	if _, ok := c.dp.(GenerationCollector); ok && c.cfg.Generations > 1 && c.cfg.GenerationCheckPeriod > 0 {
+		go wait.Until(func() { c.queue.Add(generationsKey) }, c.cfg.GenerationCheckPeriod, ctx.Done())
+	}
 	<-ctx.Done()
 	c.queue.ShutDown() // wakes a worker waiting for work
 	<-workerDone
@@ -378,17 +429,20 @@ func (c *Controller) processNext() bool {
 		return false
 	}
 	defer c.queue.Done(key)
+	defer c.liveness.Begin(key.String())()
 	var err error
-	switch key {
-	case resyncKey:
+	switch key.kind {
+	case resyncWork:
 		err = c.reconcile(metrics.ReconcileResync, c.resync)
-	case networksKey:
+	case networksWork:
 		err = c.reconcile(metrics.ReconcileNetworks, c.networksChanged)
+	case generationsWork:
+		err = c.collectGenerations()
 	default:
-		err = c.reconcile(metrics.ReconcileService, func() error { return c.syncService(key) })
+		err = c.reconcile(metrics.ReconcileService, func() error { return c.syncService(key.service) })
 	}
 	if err != nil {
-		c.log.WithError(err).WithField("key", strings.TrimPrefix(key, "\x00")).Warn("sync failed, will retry")
+		c.log.WithError(err).WithField("key", key.String()).Warn("sync failed, will retry")
 		c.queue.AddRateLimited(key)
 		return true
 	}
@@ -402,6 +456,15 @@ func (c *Controller) reconcile(kind string, fn func() error) error {
 	err := fn()
 	c.metrics.Reconciled(kind, time.Since(start), err)
 	return err
+}
+
+// collectGenerations removes the routing generations that no flow uses any
+// more. A failure is logged and retried at the next period, not sooner.
+func (c *Controller) collectGenerations() error {
+	if _, err := c.dp.(GenerationCollector).CollectGenerations(); err != nil {
+		c.log.WithError(err).Warn("looking for unused generations")
+	}
+	return nil
 }
 
 // claimOf judges the tunnel IP claim of a Service alone
@@ -488,13 +551,17 @@ func (c *Controller) resync() error {
 		}
 	}
 	tunnels := make([]datapath.Tunnel, 0, len(c.byVIP))
+	var notices []notice
 	for vip := range c.byVIP {
-		tunnels = append(tunnels, c.tunnelFor(vip))
+		t, n := c.tunnelFor(vip)
+		tunnels = append(tunnels, t)
+		notices = append(notices, n...)
 	}
 	start := time.Now()
 	if err := c.dp.Resync(tunnels); err != nil {
 		return fmt.Errorf("resync of %d tunnel IPs: %w", len(tunnels), err)
 	}
+	c.record(notices)
 	c.log.WithFields(logrus.Fields{"tunnels": len(tunnels), "duration": time.Since(start).Round(time.Millisecond)}).Info("resynced datapath")
 	c.metrics.SetTunnels(tunnels)
 	for _, svc := range svcs {
@@ -603,7 +670,7 @@ func (c *Controller) syncVIP(vip netip.Addr) error {
 		c.log.WithField("vip", vip).Info("tunnel removed")
 		return nil
 	}
-	t := c.tunnelFor(vip)
+	t, notices := c.tunnelFor(vip)
 	if !t.HasReady() {
 		c.announced(vip, false)
 	}
@@ -614,6 +681,9 @@ func (c *Controller) syncVIP(vip netip.Addr) error {
 		}
 		return fmt.Errorf("programming tunnel %v: %w", vip, err)
 	}
+	// Reported once the kernel holds it: a failed write is never preceded
+	// by a success event.
+	c.record(notices)
 	c.metrics.SetTunnel(t)
 	c.announced(vip, t.HasReady())
 	return nil
@@ -658,18 +728,27 @@ func (c *Controller) decide(vip netip.Addr) (winner *corev1.Service, losers []*c
 	return d.Winners[vip], losers
 }
 
-// tunnelFor computes the desired bucket table of vip from its winning Service
-// and reports what an operator should know on the Services involved.
-func (c *Controller) tunnelFor(vip netip.Addr) datapath.Tunnel {
+// notice is an event to record on a Service once the datapath holds what it
+// says.
+type notice struct {
+	svc                        *corev1.Service
+	eventType, reason, message string
+}
+
+// tunnelFor computes the desired bucket table of vip from its winning Service,
+// and what an operator should know of it on the Services involved: the
+// caller records those notices after the datapath write succeeded.
+func (c *Controller) tunnelFor(vip netip.Addr) (datapath.Tunnel, []notice) {
+	var notices []notice
 	svc, losers := c.decide(vip)
 	t := datapath.Tunnel{VIP: vip}
 	if svc == nil {
-		return t
+		return t, nil
 	}
 	key := tunnelclaim.ServiceKey(svc)
 	for _, loser := range losers {
-		c.report(loser, corev1.EventTypeWarning, ReasonConflict,
-			fmt.Sprintf("tunnel IP %v is already served for Service %s (older); this Service gets it when that one releases it", vip, key))
+		notices = append(notices, notice{loser, corev1.EventTypeWarning, ReasonConflict,
+			fmt.Sprintf("tunnel IP %v is already served for Service %s (older); this Service gets it when that one releases it", vip, key)})
 	}
 	sel := labels.SelectorFromSet(labels.Set{discoveryv1.LabelServiceName: svc.Name})
 	esl, err := c.slices.EndpointSlices(svc.Namespace).List(sel)
@@ -684,9 +763,9 @@ func (c *Controller) tunnelFor(vip netip.Addr) datapath.Tunnel {
 		c.log.WithFields(logrus.Fields{"service": key, "vip": vip}).Warn(p)
 	}
 	if len(eps) == 0 {
-		c.report(svc, corev1.EventTypeWarning, ReasonNoReadyEndpoints,
-			fmt.Sprintf("tunnel IP %v has no ready endpoint; its traffic is dropped", vip))
-		return t
+		notices = append(notices, notice{svc, corev1.EventTypeWarning, ReasonNoReadyEndpoints,
+			fmt.Sprintf("tunnel IP %v has no ready endpoint; its traffic is dropped", vip)})
+		return t, notices
 	}
 	t.Present = eps
 	// New flows go to the ready endpoints; to the draining ones only when no
@@ -715,21 +794,21 @@ func (c *Controller) tunnelFor(vip netip.Addr) datapath.Tunnel {
 		t.Table[b] = byAddr[a]
 	}
 	if len(ready) == 0 {
-		c.report(svc, corev1.EventTypeWarning, ReasonNoReadyEndpoints,
-			fmt.Sprintf("tunnel IP %v has no ready endpoint; new flows go to its %d draining endpoints", vip, len(draining)))
-		return t
+		notices = append(notices, notice{svc, corev1.EventTypeWarning, ReasonNoReadyEndpoints,
+			fmt.Sprintf("tunnel IP %v has no ready endpoint; new flows go to its %d draining endpoints", vip, len(draining))})
+		return t, notices
 	}
 	if idle := bucket.Unassigned(table, addrs); len(idle) > 0 {
-		c.report(svc, corev1.EventTypeWarning, ReasonIdleEndpoints,
-			fmt.Sprintf("tunnel IP %v: %d of its %d ready endpoints own none of the %d buckets and get no traffic (raise --buckets): %v", vip, len(idle), len(ready), c.cfg.Buckets, idle))
-		return t
+		notices = append(notices, notice{svc, corev1.EventTypeWarning, ReasonIdleEndpoints,
+			fmt.Sprintf("tunnel IP %v: %d of its %d ready endpoints own none of the %d buckets and get no traffic (raise --buckets): %v", vip, len(idle), len(ready), c.cfg.Buckets, idle)})
+		return t, notices
 	}
 	msg := fmt.Sprintf("tunnel IP %v programmed: %d endpoints over %d buckets (%s)", vip, len(ready), c.cfg.Buckets, c.cfg.Mode)
 	if len(draining) > 0 {
 		msg += fmt.Sprintf("; %d draining (no new flows)", len(draining))
 	}
-	c.report(svc, corev1.EventTypeNormal, ReasonProgrammed, msg)
-	return t
+	notices = append(notices, notice{svc, corev1.EventTypeNormal, ReasonProgrammed, msg})
+	return t, notices
 }
 
 // withNodeIPs fills in each endpoint's node address (mpls mode).
@@ -750,6 +829,13 @@ func (c *Controller) withNodeIPs(eps []datapath.Endpoint, problems []string) ([]
 		out = append(out, ep)
 	}
 	return out, problems
+}
+
+// record reports each notice on its Service.
+func (c *Controller) record(notices []notice) {
+	for _, n := range notices {
+		c.report(n.svc, n.eventType, n.reason, n.message)
+	}
 }
 
 // report records an event on a Service when its state changed since the last

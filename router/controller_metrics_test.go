@@ -181,7 +181,7 @@ func TestControllerMetricsFollowClaimsAndEndpoints(t *testing.T) {
 func TestControllerMetricsCountReconcilesAndErrors(t *testing.T) {
 	tc, reg := newMeteredController(t, "192.0.2.0/24")
 	tc.add(t, tunnelSvc("web", "a", "192.0.2.10", time.Hour), oneEndpoint("web", "a", "10.244.1.5"))
-	process := func(key string) {
+	process := func(key queueKey) {
 		t.Helper()
 		tc.queue.Add(key)
 		if !tc.processNext() {
@@ -189,9 +189,9 @@ func TestControllerMetricsCountReconcilesAndErrors(t *testing.T) {
 		}
 	}
 	process(resyncKey)
-	process("web/a")
+	process(queueKey{service: "web/a"})
 	tc.dp.fail = errors.New("kernel says no")
-	process("web/a")
+	process(queueKey{service: "web/a"})
 	process(networksKey) // nothing changed: no resync, no error
 	tc.dp.fail = nil
 

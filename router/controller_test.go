@@ -1,6 +1,8 @@
 package router
 
 import (
+	"context"
+	"errors"
 	"net/netip"
 	"slices"
 	"strings"
@@ -22,8 +24,14 @@ import (
 // fakeProgrammer keeps the tunnels the controller asks for; while fail is
 // set, every call fails with it and changes nothing.
 type fakeProgrammer struct {
-	tunnels map[netip.Addr]datapath.Tunnel
-	fail    error
+	tunnels     map[netip.Addr]datapath.Tunnel
+	fail        error
+	collections int // CollectGenerations calls
+}
+
+func (f *fakeProgrammer) CollectGenerations() (int, error) {
+	f.collections++
+	return 0, f.fail
 }
 
 func (f *fakeProgrammer) Resync(ts []datapath.Tunnel) error {
@@ -268,5 +276,63 @@ func TestControllerWithoutPoolsServesNothing(t *testing.T) {
 	}
 	if events := tc.drain(); !hasEvent(events, "Warning TunnelIPRefused tunnel IP 192.0.2.10 is not served: no address pool is configured (--pools)") {
 		t.Fatalf("events %q", events)
+	}
+}
+
+// A success event is recorded only after the kernel write it reports: a
+// failed write is followed by TunnelProgramFailed alone, and the retry that
+// succeeds reports TunnelProgrammed.
+func TestControllerReportsProgrammedOnlyAfterTheWrite(t *testing.T) {
+	tc := newTestController(t, "192.0.2.0/24")
+	if err := tc.resync(); err != nil {
+		t.Fatal(err)
+	}
+	tc.add(t, tunnelSvc("web", "a", "192.0.2.10", time.Hour), oneEndpoint("web", "a", "10.244.1.5"))
+	tc.dp.fail = errors.New("kernel says no")
+	if err := tc.syncService("web/a"); err == nil {
+		t.Fatal("sync succeeded while the datapath failed")
+	}
+	events := tc.drain()
+	if hasEvent(events, ReasonProgrammed) || !hasEvent(events, "Warning TunnelProgramFailed programming tunnel IP 192.0.2.10 failed: kernel says no") {
+		t.Errorf("events of a failed write: %q, want TunnelProgramFailed alone", events)
+	}
+	tc.dp.fail = nil
+	if err := tc.syncService("web/a"); err != nil {
+		t.Fatal(err)
+	}
+	if events := tc.drain(); !hasEvent(events, "Normal TunnelProgrammed tunnel IP 192.0.2.10 programmed") {
+		t.Errorf("events of the successful retry: %q, want TunnelProgrammed", events)
+	}
+}
+
+// Unused routing generations are collected by the worker, from the queue,
+// so that it alone writes to the kernel.
+func TestControllerCollectsGenerationsFromTheQueue(t *testing.T) {
+	tc := newTestController(t, "192.0.2.0/24")
+	tc.queue.Add(generationsKey)
+	if !tc.processNext() {
+		t.Fatal("queue shut down")
+	}
+	if tc.dp.collections != 1 {
+		t.Fatalf("CollectGenerations called %d times, want 1", tc.dp.collections)
+	}
+	if n := tc.queue.Len(); n != 0 {
+		t.Fatalf("%d items left in the queue", n)
+	}
+}
+
+// /healthz fails once an informer stops.
+func TestControllerUnhealthyWhenAnInformerStops(t *testing.T) {
+	tc := newTestController(t, "192.0.2.0/24")
+	ctx, cancel := context.WithCancel(context.Background())
+	tc.inf.Start(ctx.Done())
+	tc.inf.WaitForCacheSync(ctx.Done())
+	if err := tc.Healthy(); err != nil {
+		t.Fatalf("running informers: %v", err)
+	}
+	cancel()
+	tc.inf.Shutdown()
+	if err := tc.Healthy(); err == nil || !strings.Contains(err.Error(), "informer has stopped") {
+		t.Fatalf("stopped informers: Healthy() = %v", err)
 	}
 }

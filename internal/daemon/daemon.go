@@ -8,9 +8,11 @@ import (
 	"fmt"
 	"os"
 
+	"github.com/bombsimon/logrusr/v4"
 	"github.com/sirupsen/logrus"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/flagenv"
 )
@@ -56,7 +58,16 @@ func (c *Common) Logger(component string) (*logrus.Entry, error) {
 		return nil, fmt.Errorf("--log-level: %w", err)
 	}
 	log.SetLevel(level)
-	return log.WithField("component", component), nil
+	entry := log.WithField("component", component)
+	RouteKlog(entry)
+	return entry, nil
+}
+
+// RouteKlog sends what client-go logs through klog (reflector errors, leader
+// and watch warnings) to log as structured lines tagged source=client-go,
+// instead of klog's own format on stderr.
+func RouteKlog(log logrus.FieldLogger) {
+	klog.SetLogger(logrusr.New(log.WithField("source", "client-go")))
 }
 
 // KubeClient returns a client from --kubeconfig (or the in-cluster

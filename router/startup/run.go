@@ -121,7 +121,7 @@ func Main(args []string) error {
 		entry.Info("BGP is off (no --bgp-config): the tunnel IPs must be routed to the tunnel nodes by other means")
 	}
 	if o.MetricsAddress != "" {
-		if err := daemon.ServeHTTP(ctx, o.MetricsAddress, reg, ctrl.Ready, entry); err != nil {
+		if err := daemon.ServeHTTP(ctx, o.MetricsAddress, reg, ctrl.Ready, ctrl.Healthy, entry); err != nil {
 			return err
 		}
 	}
@@ -135,16 +135,15 @@ func Main(args []string) error {
 		defer func() { <-done }()
 	}
 	if o.Generations > 1 {
-		liberal := false
+		// Conntrack's sysctls exist once the chain's rules loaded it. (The
+		// controller's worker collects unused generations: it alone writes
+		// to the kernel.)
+		liberalCtx, done := context.WithCancel(ctx)
 		go wait.Until(func() {
-			// Conntrack's sysctls exist once the chain's rules loaded it.
-			if !liberal {
-				liberal = ensureLiberalTCP(entry)
+			if ensureLiberalTCP(entry) {
+				done()
 			}
-			if _, err := dp.CollectGenerations(); err != nil {
-				entry.WithError(err).Warn("looking for unused generations")
-			}
-		}, o.GenerationCheckPeriod, ctx.Done())
+		}, o.GenerationCheckPeriod, liberalCtx.Done())
 	}
 	// The datapath stays as it is on exit: a restarted router adopts it, and
 	// traffic keeps flowing meanwhile. Use --cleanup to remove it.
