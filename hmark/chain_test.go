@@ -1,0 +1,93 @@
+package hmark
+
+import (
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/coreos/go-iptables/iptables"
+)
+
+func TestNewChainValidates(t *testing.T) {
+	f := newFakeIPTables(t)
+	tests := []struct {
+		name    string
+		chain   string
+		params  Params
+		wantErr string
+	}{
+		{"default name", "", testParams, ""},
+		{"own name", "KST-HMARK-2", testParams, ""},
+		{"too long", strings.Repeat("K", 29), testParams, "longer than 28"},
+		{"space", "KST HMARK", testParams, "without spaces"},
+		{"option-like", "-KST", testParams, "must not start"},
+		{"built-in", "PREROUTING", testParams, "reserved"},
+		{"no buckets", "", Params{Seed: 1}, "at least 1"},
+	}
+	for _, tt := range tests {
+		c, err := NewChain(f, tt.chain, tt.params)
+		switch {
+		case tt.wantErr == "" && err != nil:
+			t.Errorf("%s: NewChain: %v", tt.name, err)
+		case tt.wantErr == "" && tt.chain == "" && c.Name() != DefaultChainName:
+			t.Errorf("%s: Name() = %q, want %q", tt.name, c.Name(), DefaultChainName)
+		case tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)):
+			t.Errorf("%s: NewChain err = %v, want one containing %q", tt.name, err, tt.wantErr)
+		}
+	}
+	if _, err := NewChain(nil, "", testParams); err == nil {
+		t.Errorf("NewChain(nil iptables): want an error")
+	}
+}
+
+// TestNewChainRestorer checks which restorer NewChain picks.
+func TestNewChainRestorer(t *testing.T) {
+	f := newFakeIPTables(t)
+	if c := newTestChain(t, f, testParams); c.restorer != Restorer(f) {
+		t.Errorf("NewChain over an IPTables that restores: restorer %v, want the IPTables itself", c.restorer)
+	}
+	if c := newTestChain(t, plainIPTables{f}, testParams); c.restorer != nil {
+		t.Errorf("NewChain over an IPTables that does not restore: restorer %v, want none", c.restorer)
+	}
+	if ipt, err := iptables.New(); err != nil {
+		t.Logf("no go-iptables here (%v); not checking its default restorer", err)
+	} else if r, ok := newTestChain(t, ipt, testParams).restorer.(*ExecRestorer); !ok || r.Command != "iptables-restore" {
+		t.Errorf("NewChain over go-iptables: restorer %#v, want iptables-restore", r)
+	}
+	r := NewExecRestorer("iptables-legacy")
+	if c, err := NewChainWithRestorer(f, "", testParams, r); err != nil || c.restorer != Restorer(r) {
+		t.Errorf("NewChainWithRestorer: %v, %v; want the restorer given", c, err)
+	}
+	if _, err := NewChainWithRestorer(f, "", testParams, nil); err == nil {
+		t.Errorf("NewChainWithRestorer(nil restorer): want an error")
+	}
+	if _, err := NewChainWithRestorer(nil, "", testParams, r); err == nil {
+		t.Errorf("NewChainWithRestorer(nil iptables): want an error")
+	}
+}
+
+func TestCleanup(t *testing.T) {
+	tests := []struct {
+		name  string
+		lines []string
+	}{
+		{"synced", []string{printedChainN, printedJump, printedRuleA, printedRuleB}},
+		{"extra jumps", []string{printedChainN, printedJump, printedRuleA, "-A PREROUTING -i eth0 -j KST-HMARK"}},
+		{"chain without jump", []string{printedChainN, printedRuleA}},
+		{"nothing there", nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := newFakeIPTables(t, slices.Concat(othersLines, tt.lines)...)
+			if err := newTestChain(t, f, testParams).Cleanup(); err != nil {
+				t.Fatalf("Cleanup: %v", err)
+			}
+			if got, want := f.dump(), newFakeIPTables(t, othersLines...).dump(); got != want {
+				t.Errorf("mangle after Cleanup:\n%s\nwant:\n%s", got, want)
+			}
+			if err := newTestChain(t, f, testParams).Cleanup(); err != nil {
+				t.Errorf("second Cleanup: %v", err)
+			}
+		})
+	}
+}
