@@ -5,13 +5,14 @@ import (
 	"fmt"
 	"slices"
 	"strings"
-
-	"github.com/coreos/go-iptables/iptables"
 )
 
 // IPTables is the part of github.com/coreos/go-iptables' *iptables.IPTables
-// that Chain uses. It is the seam to the kernel: unit tests give Chain a
-// fake, privileged tests an iptables bound to a test network namespace.
+// that Chain uses: it reads every chain and writes the chains themselves
+// and the jumps in PREROUTING, while the rules inside Chain's chains go
+// through its Restorer. It is the seam to the kernel: unit tests give
+// Chain a fake, privileged tests an iptables bound to a test network
+// namespace.
 type IPTables interface {
 	// ChainExists reports whether chain exists in table.
 	ChainExists(table, chain string) (bool, error)
@@ -25,15 +26,10 @@ type IPTables interface {
 	List(table, chain string) ([]string, error)
 	// ListWithCounters is List with "-c PACKETS BYTES" in every rule.
 	ListWithCounters(table, chain string) ([]string, error)
-	// Append adds a rule at the end of chain.
-	Append(table, chain string, rulespec ...string) error
 	// Insert adds a rule at position pos (1-based) of chain.
 	Insert(table, chain string, pos int, rulespec ...string) error
 	// Delete removes the first rule of chain that matches rulespec.
 	Delete(table, chain string, rulespec ...string) error
-	// DeleteById (go-iptables' spelling) removes the rule at position id
-	// (1-based) of chain.
-	DeleteById(table, chain string, id int) error
 }
 
 const (
@@ -71,53 +67,23 @@ type Chain struct {
 	ipt    IPTables
 	name   string
 	params Params
-	// restorer rewrites the chain's rules in one call; nil when ipt offers
-	// none, and then rules are written one by one through ipt.
+	// restorer rewrites the content of a chain in one call.
 	restorer Restorer
 	// sticky is nil in stateless mode.
 	sticky *Sticky
 }
 
 // NewChain returns the router's chain named name (DefaultChainName when
-// empty), programmed through ipt, whose rules mark packets with params.
-// Nothing is written until Sync.
-//
-// The chain's rules are written with iptables-restore (see Sync), chosen
-// from ipt: ipt itself when it also implements Restorer; for go-iptables'
-// *iptables.IPTables, iptables-restore from PATH (ip6tables-restore for
-// IPv6), which matches the binary iptables.New() uses by default, so give
-// an *iptables.IPTables on another binary (iptables-legacy, a path) its
-// restorer with NewChainWithRestorer and NewExecRestorer. Any other ipt
-// (say, a wrapper running iptables in another network namespace) has no
-// restorer, and Chain then writes its rules one by one through ipt: the
-// same result, one iptables process per rule.
-func NewChain(ipt IPTables, name string, params Params) (*Chain, error) {
-	var restorer Restorer
-	switch v := ipt.(type) {
-	case Restorer:
-		restorer = v
-	case *iptables.IPTables:
-		binary := "iptables"
-		if v.Proto() == iptables.ProtocolIPv6 {
-			binary = "ip6tables"
-		}
-		restorer = NewExecRestorer(binary)
-	}
-	return newChain(ipt, name, params, restorer)
-}
-
-// NewChainWithRestorer is NewChain with the Restorer that writes the
-// chain's rules, e.g. NewExecRestorer("iptables-legacy") for an ipt driving
-// iptables-legacy. restorer must write where ipt reads: the same backend,
-// in the same network namespace.
-func NewChainWithRestorer(ipt IPTables, name string, params Params, restorer Restorer) (*Chain, error) {
+// empty), whose rules mark packets with params. The chains are read,
+// created and jumped to through ipt; their rules are written through
+// restorer (see Sync), which must write where ipt reads: the same backend,
+// in the same network namespace (for go-iptables' iptables.New(), which
+// runs "iptables", NewExecRestorer("iptables")). Nothing is written until
+// Sync.
+func NewChain(ipt IPTables, name string, params Params, restorer Restorer) (*Chain, error) {
 	if restorer == nil {
 		return nil, errors.New("hmark: new chain: nil restorer")
 	}
-	return newChain(ipt, name, params, restorer)
-}
-
-func newChain(ipt IPTables, name string, params Params, restorer Restorer) (*Chain, error) {
 	if ipt == nil {
 		return nil, errors.New("hmark: new chain: nil iptables")
 	}

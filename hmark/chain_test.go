@@ -4,8 +4,6 @@ import (
 	"slices"
 	"strings"
 	"testing"
-
-	"github.com/coreos/go-iptables/iptables"
 )
 
 func TestNewChainValidates(t *testing.T) {
@@ -25,7 +23,7 @@ func TestNewChainValidates(t *testing.T) {
 		{"no buckets", "", Params{Seed: 1}, "at least 1"},
 	}
 	for _, tt := range tests {
-		c, err := NewChain(f, tt.chain, tt.params)
+		c, err := NewChain(f, tt.chain, tt.params, f)
 		switch {
 		case tt.wantErr == "" && err != nil:
 			t.Errorf("%s: NewChain: %v", tt.name, err)
@@ -35,34 +33,15 @@ func TestNewChainValidates(t *testing.T) {
 			t.Errorf("%s: NewChain err = %v, want one containing %q", tt.name, err, tt.wantErr)
 		}
 	}
-	if _, err := NewChain(nil, "", testParams); err == nil {
-		t.Errorf("NewChain(nil iptables): want an error")
-	}
-}
-
-// TestNewChainRestorer checks which restorer NewChain picks.
-func TestNewChainRestorer(t *testing.T) {
-	f := newFakeIPTables(t)
-	if c := newTestChain(t, f, testParams); c.restorer != Restorer(f) {
-		t.Errorf("NewChain over an IPTables that restores: restorer %v, want the IPTables itself", c.restorer)
-	}
-	if c := newTestChain(t, plainIPTables{f}, testParams); c.restorer != nil {
-		t.Errorf("NewChain over an IPTables that does not restore: restorer %v, want none", c.restorer)
-	}
-	if ipt, err := iptables.New(); err != nil {
-		t.Logf("no go-iptables here (%v); not checking its default restorer", err)
-	} else if r, ok := newTestChain(t, ipt, testParams).restorer.(*ExecRestorer); !ok || r.Command != "iptables-restore" {
-		t.Errorf("NewChain over go-iptables: restorer %#v, want iptables-restore", r)
-	}
 	r := NewExecRestorer("iptables-legacy")
-	if c, err := NewChainWithRestorer(f, "", testParams, r); err != nil || c.restorer != Restorer(r) {
-		t.Errorf("NewChainWithRestorer: %v, %v; want the restorer given", c, err)
+	if c, err := NewChain(f, "", testParams, r); err != nil || c.restorer != Restorer(r) {
+		t.Errorf("NewChain: %v, %v; want a chain writing through the restorer given", c, err)
 	}
-	if _, err := NewChainWithRestorer(f, "", testParams, nil); err == nil {
-		t.Errorf("NewChainWithRestorer(nil restorer): want an error")
+	if _, err := NewChain(f, "", testParams, nil); err == nil {
+		t.Errorf("NewChain(nil restorer): want an error")
 	}
-	if _, err := NewChainWithRestorer(nil, "", testParams, r); err == nil {
-		t.Errorf("NewChainWithRestorer(nil iptables): want an error")
+	if _, err := NewChain(nil, "", testParams, r); err == nil {
+		t.Errorf("NewChain(nil iptables): want an error")
 	}
 }
 

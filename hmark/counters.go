@@ -33,9 +33,9 @@ type Counter struct {
 // chain writes the rules of the tunnel IPs that stay with the counters
 // they had (see Sync), so adding, removing or moving other tunnel IPs,
 // repairing the chain, or a restarted router adopting it, does not reset
-// them. They restart from 0 when a chain is written without a restorer,
-// when the mode changes (the other chain is read), when Cleanup removed
-// the chain, or when something else flushed it.
+// them. They restart from 0 when the mode changes (the other chain is
+// read), when Cleanup removed the chain, or when something else flushed
+// it.
 func (c *Chain) Counters() (map[netip.Addr]Counter, error) {
 	table, match := Table, c.mangleVIPRule
 	if c.sticky != nil {

@@ -1,5 +1,8 @@
 package hmark
 
+// The fake iptables and iptables-restore that the unit tests give Chain,
+// and the fixtures they share.
+
 import (
 	"errors"
 	"fmt"
@@ -10,18 +13,18 @@ import (
 	"testing"
 )
 
-// fakeIPTables is an in-memory iptables with the behaviour Chain relies on:
-// it prints rules back in iptables' normalized form (HMARK options
-// rewritten, as in `iptables -S`), fails like iptables on missing chains and
-// rules, and records every write call.
+// fakeIPTables is an in-memory iptables, and iptables-restore, with the
+// behaviour Chain relies on: it prints rules back in iptables' normalized
+// form (HMARK options rewritten, as in `iptables -S`), fails like iptables
+// on missing chains and rules, and records every write call.
 type fakeIPTables struct {
 	// chains maps "table/chain" to its rules, each as printed after
 	// "-A CHAIN ".
 	chains map[string][]fakeRule
 	// order keeps chain creation order for listing.
 	order []string
-	// writes records write calls, e.g. "append mangle/KST-HMARK ..." or
-	// "restore mangle".
+	// writes records write calls, e.g. "insert mangle/PREROUTING 1 ..."
+	// or "restore mangle".
 	writes []string
 	// restores records the payload of every Restore call.
 	restores []string
@@ -190,18 +193,6 @@ func (f *fakeIPTables) ListWithCounters(table, chain string) ([]string, error) {
 	return f.list(table, chain, true)
 }
 
-func (f *fakeIPTables) Append(table, chain string, rulespec ...string) error {
-	key := table + "/" + chain
-	if err := f.write("append %s %s", key, strings.Join(rulespec, " ")); err != nil {
-		return err
-	}
-	if _, ok := f.chains[key]; !ok {
-		return fmt.Errorf("no chain %s", chain)
-	}
-	f.chains[key] = append(f.chains[key], fakeRule{spec: normalizeFakeSpec(rulespec)})
-	return nil
-}
-
 func (f *fakeIPTables) Insert(table, chain string, pos int, rulespec ...string) error {
 	key := table + "/" + chain
 	if err := f.write("insert %s %d %s", key, pos, strings.Join(rulespec, " ")); err != nil {
@@ -226,19 +217,6 @@ func (f *fakeIPTables) Delete(table, chain string, rulespec ...string) error {
 		return errors.New("Bad rule (does a matching rule exist in that chain?)")
 	}
 	f.chains[key] = slices.Delete(f.chains[key], i, i+1)
-	return nil
-}
-
-func (f *fakeIPTables) DeleteById(table, chain string, id int) error {
-	key := table + "/" + chain
-	if err := f.write("delete %s #%d", key, id); err != nil {
-		return err
-	}
-	rules := f.chains[key]
-	if id < 1 || id > len(rules) {
-		return fmt.Errorf("index of deletion too big: %d", id)
-	}
-	f.chains[key] = slices.Delete(rules, id-1, id)
 	return nil
 }
 
@@ -414,9 +392,11 @@ func targetsOf(vips ...netip.Addr) []Target {
 	return targets
 }
 
-func newTestChain(t *testing.T, ipt IPTables, params Params) *Chain {
+// newTestChain returns the default chain over f, with params; f is its
+// restorer too.
+func newTestChain(t *testing.T, f *fakeIPTables, params Params) *Chain {
 	t.Helper()
-	c, err := NewChain(ipt, "", params)
+	c, err := NewChain(f, "", params, f)
 	if err != nil {
 		t.Fatalf("NewChain: %v", err)
 	}
@@ -439,15 +419,17 @@ func canonicalState(t *testing.T, ruleLines ...string) string {
 // chain (whose rules all continue, so order does not matter); every other
 // chain must be identical, order included.
 func sameState(a, b string) bool {
+	return sameIgnoringOrder(a, b, "-A PREROUTING ", "-A "+DefaultChainName+" ")
+}
+
+// sameIgnoringOrder compares two dumps, ignoring the order of the lines
+// that start with one of unordered; every other line must be identical,
+// order included.
+func sameIgnoringOrder(a, b string, unordered ...string) bool {
 	key := func(dump string) string {
-		lines := strings.Split(dump, "\n")
-		unordered := func(l string) bool {
-			return strings.HasPrefix(l, "-A PREROUTING ") || strings.HasPrefix(l, "-A "+DefaultChainName+" ")
-		}
-		var free []string
-		var fixed []string
-		for _, l := range lines {
-			if unordered(l) {
+		var fixed, free []string
+		for _, l := range strings.Split(dump, "\n") {
+			if slices.ContainsFunc(unordered, func(prefix string) bool { return strings.HasPrefix(l, prefix) }) {
 				free = append(free, l)
 			} else {
 				fixed = append(fixed, l)
@@ -459,6 +441,14 @@ func sameState(a, b string) bool {
 	return key(a) == key(b)
 }
 
-// plainIPTables hides the fake's Restore: NewChain gives a Chain over it
-// no restorer, and the Chain writes rules one by one.
-type plainIPTables struct{ IPTables }
+// checkWrites compares f's writes with prefixes of the wanted ones.
+func checkWrites(t *testing.T, step string, f *fakeIPTables, want []string) {
+	t.Helper()
+	ok := len(f.writes) == len(want)
+	for i := 0; ok && i < len(want); i++ {
+		ok = strings.HasPrefix(f.writes[i], want[i])
+	}
+	if !ok {
+		t.Errorf("%s: writes:\n%s\nwant (prefixes):\n%s", step, strings.Join(f.writes, "\n"), strings.Join(want, "\n"))
+	}
+}

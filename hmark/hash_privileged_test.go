@@ -74,7 +74,7 @@ func TestKernelMarksMatchGo(t *testing.T) {
 
 	totalFlows := 0
 	for i, params := range kernelParamSets {
-		chain, err := NewChainWithRestorer(ipt, "", params, restorer)
+		chain, err := NewChain(ipt, "", params, restorer)
 		if err != nil {
 			t.Fatalf("NewChain(%v): %v", params, err)
 		}

@@ -26,9 +26,9 @@ func TestExecRestorer(t *testing.T) {
 	dir := t.TempDir()
 	writeScript(t, filepath.Join(dir, "iptables-restore"), `echo "$@" > "$(dirname "$0")/args"; cat > "$(dirname "$0")/stdin"`+"\n")
 	f := newFakeIPTables(t, slices.Concat(othersLines, []string{printedChainN, printedJump})...)
-	c, err := NewChainWithRestorer(f, "", testParams, NewExecRestorer(filepath.Join(dir, "iptables")))
+	c, err := NewChain(f, "", testParams, NewExecRestorer(filepath.Join(dir, "iptables")))
 	if err != nil {
-		t.Fatalf("NewChainWithRestorer: %v", err)
+		t.Fatalf("NewChain: %v", err)
 	}
 	if changed, err := c.Sync(targetsOf(vipA)); err != nil || changed != 1 {
 		t.Fatalf("Sync = %d, %v; want 1, nil", changed, err)
@@ -44,9 +44,9 @@ func TestExecRestorer(t *testing.T) {
 
 	// A failing tool that echoes its input, as a verbose one might.
 	writeScript(t, filepath.Join(dir, "iptables-legacy-restore"), "cat >&2; echo 'Error occurred at line: 3' >&2; exit 2\n")
-	c, err = NewChainWithRestorer(f, "", testParams, NewExecRestorer(filepath.Join(dir, "iptables-legacy")))
+	c, err = NewChain(f, "", testParams, NewExecRestorer(filepath.Join(dir, "iptables-legacy")))
 	if err != nil {
-		t.Fatalf("NewChainWithRestorer: %v", err)
+		t.Fatalf("NewChain: %v", err)
 	}
 	changed, err := c.Sync(targetsOf(vipA, vipB))
 	if err == nil || changed != 0 {

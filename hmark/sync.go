@@ -5,7 +5,6 @@ import (
 	"net/netip"
 	"slices"
 	"strconv"
-	"strings"
 )
 
 // Target is one tunnel IP and the HMARK offset its rule marks with: the
@@ -48,14 +47,7 @@ type Target struct {
 // with the sum of the counters of its old rules ("[PACKETS:BYTES]", what
 // Counters reported for it), so that only the packets counted between
 // that listing and the restore are lost; a tunnel IP's mangle rule keeps
-// them when it moves to another generation too. Without a restorer (see
-// NewChain) the missing rules are added and the unwanted ones deleted, one
-// iptables call each (new tunnel IPs' rules inserted before the save rule
-// in sticky mode); when the sticky fixed rules are wrong, the whole
-// desired content is appended after the old rules, then the old rules
-// deleted, so that the chain is never empty. Rules written that way start
-// from zero counters: a tunnel IP moved to another generation, or every
-// one of them when the chain is rewritten, restarts its mangle counters.
+// them when it moves to another generation too.
 //
 // The order is fixed: mangle chain and jump; in sticky mode, raw chain,
 // its SYN subchain and the subchain's rule, the raw jump, then raw rules
@@ -89,57 +81,47 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 	if err != nil {
 		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
 	}
+	// count adds the changes of one step to changed and passes its error on.
+	count := func(n int, err error) error {
+		changed += n
+		return err
+	}
 
-	n, err := c.ensureChain(Table)
-	changed += n
-	if err != nil {
+	if err := count(c.ensureChain(Table)); err != nil {
 		return changed, err
 	}
-	n, err = c.syncJump(Table)
-	changed += n
-	if err != nil {
+	if err := count(c.syncJump(Table)); err != nil {
 		return changed, err
 	}
 
 	var raw rawPlan
 	if c.sticky != nil {
-		n, err = c.ensureChain(RawTable)
-		changed += n
-		if err != nil {
+		if err := count(c.ensureChain(RawTable)); err != nil {
 			return changed, err
 		}
-		n, err = c.syncSynChain()
-		changed += n
-		if err != nil {
+		if err := count(c.syncSynChain()); err != nil {
 			return changed, err
 		}
-		n, err = c.syncJump(RawTable)
-		changed += n
-		if err != nil {
+		if err := count(c.syncJump(RawTable)); err != nil {
 			return changed, err
 		}
 		if raw, err = c.planRaw(want); err != nil {
 			return changed, err
 		}
-		n, err = c.addRawRules(want, &raw)
-		changed += n
-		if err != nil {
+		if err := count(c.addRawRules(want, &raw)); err != nil {
 			return changed, err
 		}
 	}
 
-	n, err = c.syncMangleRules(want)
-	changed += n
-	if err != nil {
+	if err := count(c.syncMangleRules(want)); err != nil {
 		return changed, err
 	}
 
 	if c.sticky != nil {
-		n, err = c.removeRawRules(want, &raw)
+		err = count(c.removeRawRules(want, &raw))
 	} else {
-		n, err = c.removeRawChain()
+		err = count(c.removeRawChain())
 	}
-	changed += n
 	return changed, err
 }
 
@@ -194,9 +176,6 @@ func (c *Chain) paramsAt(offset uint32) Params {
 // desiredRule is one rule of the desired content of a chain.
 type desiredRule struct {
 	spec []string
-	// vip is the tunnel IP of an HMARK or raw rule, invalid for a fixed
-	// rule.
-	vip netip.Addr
 	// missing is set when the chain lacks the rule where it belongs.
 	missing bool
 	// counters are the counters a restore writes the rule with: those of
@@ -259,7 +238,7 @@ func (c *Chain) syncMangleRules(want []Target) (changed int, err error) {
 		offsets[t.VIP] = t.Offset
 	}
 	keptVIP := make(map[netip.Addr]bool, len(want))
-	var stale []int // 1-based positions in the chain, ascending
+	stale := 0
 	for i, r := range rules {
 		if kept[i] {
 			continue
@@ -270,16 +249,11 @@ func (c *Chain) syncMangleRules(want []Target) (changed int, err error) {
 			kept[i] = true
 			continue
 		}
-		stale = append(stale, r.pos)
+		stale++
 	}
-	var missingVIPs []Target
 	carried := sumCounters(rules, c.mangleVIPRule)
 	for _, t := range want {
-		d := desiredRule{spec: c.ruleSpec(t.VIP, t.Offset), vip: t.VIP, missing: !keptVIP[t.VIP], counters: carried[t.VIP]}
-		desired = append(desired, d)
-		if d.missing {
-			missingVIPs = append(missingVIPs, t)
-		}
+		desired = append(desired, desiredRule{spec: c.ruleSpec(t.VIP, t.Offset), missing: !keptVIP[t.VIP], counters: carried[t.VIP]})
 	}
 	desired = append(desired, tailRules...)
 
@@ -289,88 +263,14 @@ func (c *Chain) syncMangleRules(want []Target) (changed int, err error) {
 			missing++
 		}
 	}
-	if missing == 0 && len(stale) == 0 && structureOK {
+	if missing == 0 && stale == 0 && structureOK {
 		return 0, nil
 	}
-	if c.restorer != nil {
-		if err := c.restorer.Restore(Table, c.restorePayload(Table, desired)); err != nil {
-			return 0, fmt.Errorf("hmark: sync chain %s: table %s: restore %d rules (%d to add, %d to remove): %w",
-				c.name, Table, len(desired), missing, len(stale), err)
-		}
-		return missing + len(stale), nil
+	if err := c.restorer.Restore(Table, c.restorePayload(Table, desired)); err != nil {
+		return 0, fmt.Errorf("hmark: sync chain %s: table %s: restore %d rules (%d to add, %d to remove): %w",
+			c.name, Table, len(desired), missing, stale, err)
 	}
-	if !structureOK {
-		return c.rewriteOneByOne(Table, desired, n, stale)
-	}
-	// Add first: the HMARK rules all continue (HMARK is not a terminating
-	// target), so with both an old and a new rule for a tunnel IP the
-	// later, new one sets the mark until the old one is gone. The tail
-	// (the save rule) must stay after the HMARK rules: insert new ones just
-	// before it, in address order. Without a tail, append.
-	pos := n - len(tail) + 1
-	for _, t := range missingVIPs {
-		spec := c.ruleSpec(t.VIP, t.Offset)
-		if len(tail) == 0 {
-			err = c.ipt.Append(Table, c.name, spec...)
-		} else {
-			err = c.ipt.Insert(Table, c.name, pos, spec...)
-			pos++
-		}
-		if err != nil {
-			return changed, fmt.Errorf("hmark: sync chain %s: table %s: add rule for vip %s: %w", c.name, Table, t.VIP, err)
-		}
-		changed++
-	}
-	// Delete from the end, so that the positions listed stay valid; the
-	// added rules come after all of them.
-	n, err = c.deleteByPosition(Table, stale)
-	return changed + n, err
-}
-
-// rewriteOneByOne replaces the n rules of c's chain in table by desired
-// without a restorer: it appends every desired rule after the old ones,
-// then deletes the old ones from the bottom up, so that packets always
-// meet a whole content (the old one first, which may return early), never
-// an empty chain. Only the appends of missing rules and the deletes of
-// stale ones (positions in stale) count as changes.
-func (c *Chain) rewriteOneByOne(table string, desired []desiredRule, n int, stale []int) (changed int, err error) {
-	for _, d := range desired {
-		if err := c.ipt.Append(table, c.name, d.spec...); err != nil {
-			return changed, fmt.Errorf("hmark: sync chain %s: table %s: append rule %s: %w", c.name, table, d.describe(), err)
-		}
-		if d.missing {
-			changed++
-		}
-	}
-	for pos := n; pos >= 1; pos-- {
-		if err := c.ipt.DeleteById(table, c.name, pos); err != nil {
-			return changed, fmt.Errorf("hmark: sync chain %s: table %s: delete old rule %d: %w", c.name, table, pos, err)
-		}
-		if _, found := slices.BinarySearch(stale, pos); found {
-			changed++
-		}
-	}
-	return changed, nil
-}
-
-// describe names a desired rule in errors.
-func (d desiredRule) describe() string {
-	if d.vip.IsValid() {
-		return "for vip " + d.vip.String()
-	}
-	return strconv.Quote(strings.Join(d.spec, " "))
-}
-
-// deleteByPosition deletes the rules at positions (ascending) of c's chain
-// in table, from the last one up, so that the positions listed stay valid.
-func (c *Chain) deleteByPosition(table string, positions []int) (changed int, err error) {
-	for i := len(positions) - 1; i >= 0; i-- {
-		if err := c.ipt.DeleteById(table, c.name, positions[i]); err != nil {
-			return changed, fmt.Errorf("hmark: sync chain %s: table %s: delete stale rule %d: %w", c.name, table, positions[i], err)
-		}
-		changed++
-	}
-	return changed, nil
+	return missing + stale, nil
 }
 
 // ruleSpec is the HMARK rule for vip with offset, as it is written.

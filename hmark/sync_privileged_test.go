@@ -12,8 +12,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 	"github.com/coreos/go-iptables/iptables"
+
+	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 	"golang.org/x/sys/unix"
 )
 
@@ -68,20 +69,14 @@ var iptablesBinaries = []string{"iptables", "iptables-legacy"}
 // TestSyncInNetns drives Chain against the real iptables of each backend in
 // a fresh namespace: creation, adoption by a new Chain with no write,
 // repair of a rule deleted by hand, removal of a rule added by hand to the
-// chain, rules of other chains left alone, counters, and Cleanup. It does
-// so with iptables-restore, and without a restorer (rule by rule).
-// withoutRestore hides an IPTables' Restore method, so that NewChain takes
-// the one-rule-at-a-time path.
-type withoutRestore struct{ IPTables }
-
+// chain, rules of other chains left alone, counters, and Cleanup.
 func TestSyncInNetns(t *testing.T) {
 	for _, binary := range iptablesBinaries {
-		t.Run(binary, func(t *testing.T) { testSyncInNetns(t, binary, true) })
-		t.Run(binary+"/one-by-one", func(t *testing.T) { testSyncInNetns(t, binary, false) })
+		t.Run(binary, func(t *testing.T) { testSyncInNetns(t, binary) })
 	}
 }
 
-func testSyncInNetns(t *testing.T, binary string, restore bool) {
+func testSyncInNetns(t *testing.T, binary string) {
 	ns := testnetns.New(t, prefixesOf(vipBelow, vipAbove)...)
 	ipt := ns.IPTables(binary)
 	restorer := newNSRestorer(ns, binary)
@@ -90,18 +85,9 @@ func testSyncInNetns(t *testing.T, binary string, restore bool) {
 	mangleS := func() string { return ns.Run(binary, "-t", "mangle", "-S") }
 	newChain := func() *Chain {
 		t.Helper()
-		var c *Chain
-		var err error
-		if restore {
-			c, err = NewChainWithRestorer(ipt, "", params, restorer)
-		} else {
-			c, err = NewChain(withoutRestore{ipt}, "", params) // hides the wrapper's Restore
-		}
+		c, err := NewChain(ipt, "", params, restorer)
 		if err != nil {
 			t.Fatalf("NewChain: %v", err)
-		}
-		if (c.restorer != nil) != restore {
-			t.Fatalf("NewChain: restorer %v, want one: %v", c.restorer, restore)
 		}
 		return c
 	}
@@ -123,8 +109,7 @@ func testSyncInNetns(t *testing.T, binary string, restore bool) {
 	// syncExpect syncs and checks the changes Sync reports against the
 	// lines that changed in `iptables -S`, and the writes iptables and
 	// iptables-restore saw: wantIPT of the changes go through go-iptables
-	// (chain and jump) and the rest through at most one restore, or all
-	// through go-iptables without a restorer.
+	// (chain and jump) and the rest through at most one restore.
 	syncExpect := func(step string, c *Chain, want, wantIPT int) {
 		t.Helper()
 		ipt.Writes, restorer.Calls = 0, 0
@@ -134,9 +119,7 @@ func testSyncInNetns(t *testing.T, binary string, restore bool) {
 			t.Fatalf("%s: Sync: %v", step, err)
 		}
 		wantRestores := 0
-		if !restore {
-			wantIPT = want
-		} else if want > wantIPT {
+		if want > wantIPT {
 			wantRestores = 1
 		}
 		if diff := lineChanges(before, mangleS()); changed != want || diff != want {
@@ -184,7 +167,7 @@ func testSyncInNetns(t *testing.T, binary string, restore bool) {
 	}
 
 	// Another tunnel IP removed, then added back, then the chain repaired
-	// (each a restore with a restorer): the tunnel IP's counters stay.
+	// (each a restore): the tunnel IP's counters stay.
 	all := vips
 	vips = []netip.Addr{vipLoopback, vipAbove}
 	syncExpect("a tunnel IP removed", adopter, 1, 0)
@@ -272,7 +255,7 @@ func testSyncManyVIPsInNetns(t *testing.T, binary string) {
 	vips := manyVIPs(n)
 	sync := func(step string, vips []netip.Addr, want, wantIPT, wantRestores int) {
 		t.Helper()
-		chain, err := NewChainWithRestorer(ipt, "", params, restorer)
+		chain, err := NewChain(ipt, "", params, restorer)
 		if err != nil {
 			t.Fatalf("NewChain: %v", err)
 		}

@@ -2,7 +2,6 @@ package hmark
 
 import (
 	"errors"
-	"fmt"
 	"math/rand/v2"
 	"net/netip"
 	"slices"
@@ -43,31 +42,6 @@ COMMIT
 	}
 }
 
-// TestSyncFromScratchOneByOne is TestSyncFromScratch for a Chain without
-// a restorer: one write per rule.
-func TestSyncFromScratchOneByOne(t *testing.T) {
-	f := newFakeIPTables(t, othersLines...)
-	c := newTestChain(t, plainIPTables{f}, testParams)
-	changed, err := c.Sync(targetsOf(vipC, vipA, vipB))
-	if err != nil {
-		t.Fatalf("Sync: %v", err)
-	}
-	if changed != 5 || len(f.writes) != 5 {
-		t.Errorf("Sync changed = %d, writes %q; want 5 (chain, jump, three rules)", changed, f.writes)
-	}
-	if got, want := f.dump(), canonicalState(t, printedRuleA, printedRuleB, printedRuleC); got != want {
-		t.Errorf("mangle after Sync:\n%s\nwant:\n%s", got, want)
-	}
-	wantFirst := []string{
-		"new mangle/KST-HMARK",
-		"insert mangle/PREROUTING 1 -m comment --comment kube-service-tunnel -j KST-HMARK",
-		"append mangle/KST-HMARK -d 10.96.0.10/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-tuple src,dst,sport,dport,proto --hmark-mod 16 --hmark-offset 256 --hmark-rnd 0x00c0ffee",
-	}
-	if !slices.Equal(f.writes[:3], wantFirst) {
-		t.Errorf("first writes:\n%s\nwant:\n%s", strings.Join(f.writes[:3], "\n"), strings.Join(wantFirst, "\n"))
-	}
-}
-
 // TestSyncAdoptsWithoutWrites gives a new Chain a kernel state that is
 // already right, in the several forms iptables may print it, and expects
 // no write at all.
@@ -88,23 +62,17 @@ func TestSyncAdoptsWithoutWrites(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			for _, restore := range []bool{true, false} {
-				f := newFakeIPTables(t, slices.Concat(othersLines, tt.lines)...)
-				before := f.dump()
-				var ipt IPTables = f
-				if !restore {
-					ipt = plainIPTables{f}
-				}
-				changed, err := newTestChain(t, ipt, tt.params).Sync(targetsOf(vipA, vipB))
-				if err != nil {
-					t.Fatalf("Sync (restore %v): %v", restore, err)
-				}
-				if changed != 0 || len(f.writes) != 0 {
-					t.Errorf("Sync (restore %v) changed = %d, writes %q; want none", restore, changed, f.writes)
-				}
-				if f.dump() != before {
-					t.Errorf("state changed (restore %v):\n%s\nwant:\n%s", restore, f.dump(), before)
-				}
+			f := newFakeIPTables(t, slices.Concat(othersLines, tt.lines)...)
+			before := f.dump()
+			changed, err := newTestChain(t, f, tt.params).Sync(targetsOf(vipA, vipB))
+			if err != nil {
+				t.Fatalf("Sync: %v", err)
+			}
+			if changed != 0 || len(f.writes) != 0 {
+				t.Errorf("Sync changed = %d, writes %q; want none", changed, f.writes)
+			}
+			if f.dump() != before {
+				t.Errorf("state changed:\n%s\nwant:\n%s", f.dump(), before)
 			}
 		})
 	}
@@ -118,22 +86,17 @@ func TestSyncRepairs(t *testing.T) {
 	tests := []struct {
 		name  string
 		lines []string
-		// Prefixes of the expected write calls, in order: oneByOne for a
-		// Chain without a restorer (one write per difference, so also the
-		// changed count in both modes), restore for a Chain with one.
-		oneByOne []string
-		restore  []string
+		// changed is the number of differences: rules added plus removed,
+		// chains created, jumps inserted or deleted.
+		changed int
+		// writes are prefixes of the expected write calls, in order.
+		writes []string
 	}{
-		{"chain missing", []string{printedJump},
-			[]string{"new", "append mangle/KST-HMARK -d 10.96.0.10/32", "append mangle/KST-HMARK -d 10.96.0.20/32"}, []string{"new", "restore mangle"}},
-		{"jump missing", []string{printedChainN, printedRuleA, printedRuleB},
-			[]string{"insert mangle/PREROUTING 1"}, []string{"insert mangle/PREROUTING 1"}},
-		{"rule missing", []string{printedChainN, printedJump, printedRuleB},
-			[]string{"append mangle/KST-HMARK -d 10.96.0.10/32"}, []string{"restore mangle"}},
-		{"stale tunnel IP", []string{printedChainN, printedJump, printedRuleA, printedRuleC, printedRuleB},
-			[]string{"delete mangle/KST-HMARK #2"}, []string{"restore mangle"}},
-		{"duplicate rule", []string{printedChainN, printedJump, printedRuleA, printedRuleB, printedRuleA},
-			[]string{"delete mangle/KST-HMARK #3"}, []string{"restore mangle"}},
+		{"chain missing", []string{printedJump}, 3, []string{"new", "restore mangle"}},
+		{"jump missing", []string{printedChainN, printedRuleA, printedRuleB}, 1, []string{"insert mangle/PREROUTING 1"}},
+		{"rule missing", []string{printedChainN, printedJump, printedRuleB}, 1, []string{"restore mangle"}},
+		{"stale tunnel IP", []string{printedChainN, printedJump, printedRuleA, printedRuleC, printedRuleB}, 1, []string{"restore mangle"}},
+		{"duplicate rule", []string{printedChainN, printedJump, printedRuleA, printedRuleB, printedRuleA}, 1, []string{"restore mangle"}},
 		{"foreign rules in own chain", []string{printedChainN, printedJump,
 			"-A KST-HMARK -j MARK --set-xmark 0x1/0xffffffff",
 			printedRuleA,
@@ -147,53 +110,34 @@ func TestSyncRepairs(t *testing.T) {
 			"-A KST-HMARK -d 10.96.0.20/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-sport 0x0050 --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 256",
 			"-A KST-HMARK -d 10.96.0.20/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xfff0 --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 256",
 			"-A KST-HMARK -d 10.96.0.20/32 -m comment --comment kube-service-tunnel -j MARK --set-xmark 0x100/0xffffffff",
-		}, []string{"append mangle/KST-HMARK -d 10.96.0.20/32",
-			"delete mangle/KST-HMARK #12", "delete mangle/KST-HMARK #11", "delete mangle/KST-HMARK #10", "delete mangle/KST-HMARK #9", "delete mangle/KST-HMARK #8",
-			"delete mangle/KST-HMARK #7", "delete mangle/KST-HMARK #6", "delete mangle/KST-HMARK #5",
-			"delete mangle/KST-HMARK #4", "delete mangle/KST-HMARK #3", "delete mangle/KST-HMARK #1"}, []string{"restore mangle"}},
+		}, 12, []string{"restore mangle"}},
 		{"other parameters after a config change", []string{printedChainN, printedJump, hmarkA("--hmark-mod 8"),
-			strings.Replace(printedRuleB, "0x00c0ffee", "0x00c0fffe", 1)},
-			[]string{"append mangle/KST-HMARK -d 10.96.0.10/32", "append mangle/KST-HMARK -d 10.96.0.20/32",
-				"delete mangle/KST-HMARK #2", "delete mangle/KST-HMARK #1"}, []string{"restore mangle"}},
-		{"duplicate jump", []string{printedChainN, printedJump, printedRuleA, printedRuleB, printedJump},
-			[]string{"delete mangle/PREROUTING -m comment --comment kube-service-tunnel -j KST-HMARK"}, []string{"delete mangle/PREROUTING -m comment --comment kube-service-tunnel -j KST-HMARK"}},
-		{"jump of another shape", []string{printedChainN, "-A PREROUTING -i eth0 -g KST-HMARK", printedRuleA, printedRuleB},
-			[]string{"insert mangle/PREROUTING 1", "delete mangle/PREROUTING -i eth0 -g KST-HMARK"}, []string{"insert mangle/PREROUTING 1", "delete mangle/PREROUTING -i eth0 -g KST-HMARK"}},
+			strings.Replace(printedRuleB, "0x00c0ffee", "0x00c0fffe", 1)}, 4, []string{"restore mangle"}},
+		{"duplicate jump", []string{printedChainN, printedJump, printedRuleA, printedRuleB, printedJump}, 1,
+			[]string{"delete mangle/PREROUTING -m comment --comment kube-service-tunnel -j KST-HMARK"}},
+		{"jump of another shape", []string{printedChainN, "-A PREROUTING -i eth0 -g KST-HMARK", printedRuleA, printedRuleB}, 2,
+			[]string{"insert mangle/PREROUTING 1", "delete mangle/PREROUTING -i eth0 -g KST-HMARK"}},
 	}
 	for _, tt := range tests {
-		for _, restore := range []bool{true, false} {
-			t.Run(fmt.Sprintf("%s/restore=%v", tt.name, restore), func(t *testing.T) {
-				f := newFakeIPTables(t, slices.Concat(othersLines, tt.lines)...)
-				var ipt IPTables = f
-				wantWrites := tt.restore
-				if !restore {
-					ipt, wantWrites = plainIPTables{f}, tt.oneByOne
-				}
-				changed, err := newTestChain(t, ipt, testParams).Sync(targetsOf(vipB, vipA))
-				if err != nil {
-					t.Fatalf("Sync: %v", err)
-				}
-				if changed != len(tt.oneByOne) {
-					t.Errorf("Sync changed = %d, want %d differences", changed, len(tt.oneByOne))
-				}
-				if len(f.writes) != len(wantWrites) {
-					t.Fatalf("writes:\n%s\nwant %d:\n%s", strings.Join(f.writes, "\n"), len(wantWrites), strings.Join(wantWrites, "\n"))
-				}
-				for i, w := range wantWrites {
-					if !strings.HasPrefix(f.writes[i], w) {
-						t.Errorf("write %d = %q, want prefix %q", i, f.writes[i], w)
-					}
-				}
-				if got, want := f.dump(), canonicalState(t, printedRuleA, printedRuleB); !sameState(got, want) {
-					t.Errorf("mangle after Sync:\n%s\nwant:\n%s", got, want)
-				}
-				// A second Sync has nothing left to do.
-				f.writes = nil
-				if changed, err := newTestChain(t, ipt, testParams).Sync(targetsOf(vipA, vipB)); err != nil || changed != 0 || len(f.writes) != 0 {
-					t.Errorf("second Sync: changed %d, err %v, writes %q; want 0, nil, none", changed, err, f.writes)
-				}
-			})
-		}
+		t.Run(tt.name, func(t *testing.T) {
+			f := newFakeIPTables(t, slices.Concat(othersLines, tt.lines)...)
+			changed, err := newTestChain(t, f, testParams).Sync(targetsOf(vipB, vipA))
+			if err != nil {
+				t.Fatalf("Sync: %v", err)
+			}
+			if changed != tt.changed {
+				t.Errorf("Sync changed = %d, want %d differences", changed, tt.changed)
+			}
+			checkWrites(t, "Sync", f, tt.writes)
+			if got, want := f.dump(), canonicalState(t, printedRuleA, printedRuleB); !sameState(got, want) {
+				t.Errorf("mangle after Sync:\n%s\nwant:\n%s", got, want)
+			}
+			// A second Sync has nothing left to do.
+			f.writes = nil
+			if changed, err := newTestChain(t, f, testParams).Sync(targetsOf(vipA, vipB)); err != nil || changed != 0 || len(f.writes) != 0 {
+				t.Errorf("second Sync: changed %d, err %v, writes %q; want 0, nil, none", changed, err, f.writes)
+			}
+		})
 	}
 }
 
@@ -226,50 +170,59 @@ func TestSyncRejectsNonIPv4(t *testing.T) {
 	}
 }
 
-// TestSyncRestoreFailure makes the restore fail after the jump was
-// inserted: Sync returns an error that wraps the restorer's, names the
-// chain and quotes the failed rule without its seed, counts only the jump,
-// and leaves the chain as it was (a restore is all or nothing).
-func TestSyncRestoreFailure(t *testing.T) {
-	f := newFakeIPTables(t, slices.Concat(othersLines, []string{printedChainN, printedRuleC})...)
-	f.failWrite = "restore mangle"
-	changed, err := newTestChain(t, f, testParams).Sync(targetsOf(vipA, vipB))
-	if !errors.Is(err, errFake) {
-		t.Fatalf("Sync err = %v, want it to wrap the restorer's error", err)
+// TestSyncWriteFailures makes one write fail: Sync returns an error that
+// wraps it, names the chain and what failed (the restore's error quotes
+// the failed rule, its seed replaced by its fingerprint) without the seed, counts only what was applied before
+// it, writes nothing after it, and leaves the chain's rules as they were (a
+// restore is all or nothing).
+func TestSyncWriteFailures(t *testing.T) {
+	jump := "insert mangle/PREROUTING 1 -m comment --comment kube-service-tunnel -j KST-HMARK"
+	tests := []struct {
+		name, failWrite string
+		// rules are the chain's rules, before and after.
+		rules []string
+		// inErr must all be in the error.
+		inErr   []string
+		changed int
+		writes  []string
+	}{
+		{"restore after the jump", "restore mangle", []string{printedRuleC}, []string{"table mangle", "10.96.0.10/32", "<seed " + SeedFingerprint(testParams.Seed) + ">"}, 1, []string{jump, "restore mangle"}},
+		{"jump after the chain", "insert mangle/PREROUTING", nil, []string{"table mangle", "insert jump in PREROUTING"}, 1, []string{"new mangle/KST-HMARK", jump}},
 	}
-	if !strings.Contains(err.Error(), "KST-HMARK") || !strings.Contains(err.Error(), "10.96.0.10/32") {
-		t.Errorf("Sync err = %q, want the chain and the failed rule in it", err)
-	}
-	if strings.Contains(err.Error(), "c0ffee") || !strings.Contains(err.Error(), "<seed "+SeedFingerprint(testParams.Seed)+">") {
-		t.Errorf("Sync err = %q, want the seed replaced by its fingerprint", err)
-	}
-	if changed != 1 {
-		t.Errorf("Sync changed = %d, want 1 (the jump inserted before the failure)", changed)
-	}
-	if got := f.chains["mangle/KST-HMARK"]; len(got) != 1 || "-A KST-HMARK "+got[0].spec != printedRuleC {
-		t.Errorf("chain after a failed restore: %v, want it untouched", got)
-	}
-	if !slices.Equal(f.writes, []string{"insert mangle/PREROUTING 1 -m comment --comment kube-service-tunnel -j KST-HMARK", "restore mangle"}) {
-		t.Errorf("writes %q, want the jump, then one restore", f.writes)
-	}
-}
-
-func TestSyncWrapsErrors(t *testing.T) {
-	f := newFakeIPTables(t, slices.Concat(othersLines, []string{printedChainN, printedJump})...)
-	f.failWrite = "append mangle/KST-HMARK -d 10.96.0.20/32"
-	changed, err := newTestChain(t, plainIPTables{f}, testParams).Sync(targetsOf(vipA, vipB))
-	if !errors.Is(err, errFake) {
-		t.Fatalf("Sync err = %v, want it to wrap the iptables error", err)
-	}
-	if !strings.Contains(err.Error(), "KST-HMARK") || !strings.Contains(err.Error(), "10.96.0.20") {
-		t.Errorf("Sync err = %q, want the chain and tunnel IP in it", err)
-	}
-	// The fake, like go-iptables, puts the command line in its error.
-	if strings.Contains(err.Error(), "c0ffee") || !strings.Contains(err.Error(), "<seed "+SeedFingerprint(testParams.Seed)+">") {
-		t.Errorf("Sync err = %q, want the seed replaced by its fingerprint", err)
-	}
-	if changed != 1 {
-		t.Errorf("Sync changed = %d, want 1 (the append before the failure)", changed)
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			lines := othersLines
+			if tt.rules != nil {
+				lines = slices.Concat(othersLines, []string{printedChainN}, tt.rules)
+			}
+			f := newFakeIPTables(t, lines...)
+			f.failWrite = tt.failWrite
+			changed, err := newTestChain(t, f, testParams).Sync(targetsOf(vipA, vipB))
+			if !errors.Is(err, errFake) {
+				t.Fatalf("Sync err = %v, want it to wrap the iptables error", err)
+			}
+			for _, want := range append(tt.inErr, "KST-HMARK") {
+				if !strings.Contains(err.Error(), want) {
+					t.Errorf("Sync err = %q, want %q in it", err, want)
+				}
+			}
+			if strings.Contains(err.Error(), "c0ffee") {
+				t.Errorf("Sync err = %q shows the seed", err)
+			}
+			if changed != tt.changed {
+				t.Errorf("Sync changed = %d, want %d (what was applied before the failure)", changed, tt.changed)
+			}
+			if !slices.Equal(f.writes, tt.writes) {
+				t.Errorf("writes %q, want %q", f.writes, tt.writes)
+			}
+			var got []string
+			for _, r := range f.chains["mangle/KST-HMARK"] {
+				got = append(got, "-A KST-HMARK "+r.spec)
+			}
+			if !slices.Equal(got, tt.rules) {
+				t.Errorf("chain after the failure: %q, want %q", got, tt.rules)
+			}
+		})
 	}
 }
 

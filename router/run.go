@@ -188,8 +188,8 @@ func openDatapath(cfg Config, createDevice bool, metrics *Metrics, log logrus.Fi
 		return nil, nil, nil, fmt.Errorf("iptables (is the iptables package installed?): %w", err)
 	}
 	// iptables.New() runs "iptables" (IPv4): its restorer is
-	// iptables-restore, as hmark.NewChain would choose.
-	chain, err := hmark.NewChainWithRestorer(countedIPTables{ipt, metrics}, cfg.Chain,
+	// iptables-restore.
+	chain, err := hmark.NewChain(countedIPTables{ipt, metrics}, cfg.Chain,
 		hmark.Params{Buckets: uint32(cfg.Buckets), Offset: cfg.MarkOffset, Seed: cfg.Seed},
 		countedRestorer{hmark.NewExecRestorer("iptables"), metrics})
 	if err != nil {
