@@ -186,9 +186,8 @@ const synChainSuffix = "-SYN"
 func (c *Chain) synChainName() string { return c.name + synChainSuffix }
 
 // syncSynChain leaves exactly synRuleSpec in the raw SYN subchain, which
-// it creates if missing: with a restorer in one restore, otherwise the
-// rule appended if missing and every other rule deleted. It returns the
-// chain created plus the rules added and removed.
+// it creates if missing, in one restore. It returns the chain created plus
+// the rules added and removed.
 func (c *Chain) syncSynChain() (changed int, err error) {
 	syn := c.synChainName()
 	changed, err = c.ensureNamedChain(RawTable, syn)
@@ -200,39 +199,17 @@ func (c *Chain) syncSynChain() (changed int, err error) {
 		return changed, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
 	}
 	want := synRuleSpec()
-	kept := slices.IndexFunc(rules, func(r rule) bool { return slices.Equal(r.spec, want) })
-	var stale []int
-	for i, r := range rules {
-		if i != kept {
-			stale = append(stale, r.pos)
-		}
+	missing, stale := 1, len(rules)
+	if slices.ContainsFunc(rules, func(r rule) bool { return slices.Equal(r.spec, want) }) {
+		missing, stale = 0, stale-1
 	}
-	missing := 0
-	if kept < 0 {
-		missing = 1
-	}
-	if missing == 0 && len(stale) == 0 {
+	if missing == 0 && stale == 0 {
 		return changed, nil
 	}
-	if c.restorer != nil {
-		if err := c.restorer.Restore(RawTable, restorePayloadOf(RawTable, syn, []desiredRule{{spec: want}})); err != nil {
-			return changed, fmt.Errorf("hmark: sync chain %s: table %s: restore chain %s: %w", c.name, RawTable, syn, err)
-		}
-		return changed + missing + len(stale), nil
+	if err := c.restorer.Restore(RawTable, restorePayloadOf(RawTable, syn, []desiredRule{{spec: want}})); err != nil {
+		return changed, fmt.Errorf("hmark: sync chain %s: table %s: restore chain %s: %w", c.name, RawTable, syn, err)
 	}
-	if missing == 1 {
-		if err := c.ipt.Append(RawTable, syn, want...); err != nil {
-			return changed, fmt.Errorf("hmark: sync chain %s: table %s: append rule to %s: %w", c.name, RawTable, syn, err)
-		}
-		changed++
-	}
-	for i := len(stale) - 1; i >= 0; i-- {
-		if err := c.ipt.DeleteById(RawTable, syn, stale[i]); err != nil {
-			return changed, fmt.Errorf("hmark: sync chain %s: table %s: delete stale rule %d of %s: %w", c.name, RawTable, stale[i], syn, err)
-		}
-		changed++
-	}
-	return changed, nil
+	return changed + missing + stale, nil
 }
 
 // rawPlan is the difference between c's raw chain and the desired one,
@@ -240,8 +217,8 @@ func (c *Chain) syncSynChain() (changed int, err error) {
 type rawPlan struct {
 	// missing are the wanted tunnel IPs without their rule, sorted.
 	missing []netip.Addr
-	// stale are the 1-based positions (ascending) of every other rule.
-	stale []int
+	// stale is the number of every other rule.
+	stale int
 	// staleVIPs are the tunnel IPs no longer wanted that still have a
 	// rule, canonical or of an older version (once each, sorted).
 	staleVIPs []netip.Addr
@@ -272,7 +249,7 @@ func (c *Chain) planRaw(want []Target) (rawPlan, error) {
 			kept[vip] = true
 			continue
 		}
-		plan.stale = append(plan.stale, r.pos)
+		plan.stale++
 		if !ok {
 			// An older version's rule for a tunnel IP no longer wanted
 			// stays until the mangle rules changed, like a canonical one.
@@ -294,22 +271,13 @@ func (c *Chain) planRaw(want []Target) (rawPlan, error) {
 
 // addRawRules is the first step of plan, before the mangle rules change:
 // the raw rules of new tunnel IPs are added, the rules of tunnel IPs gone
-// kept. With a restorer, the chain is restored with the rules of want and
-// of plan.staleVIPs (in address order), each with the counters it had,
-// which drops the rules that are neither (duplicates, rules of an older
-// version, rules Chain did not write): those count here.
+// kept: the chain is restored with the rules of want and of
+// plan.staleVIPs (in address order), each with the counters it had, which
+// drops the rules that are neither (duplicates, rules of an older version,
+// rules Chain did not write): those count here.
 func (c *Chain) addRawRules(want []Target, plan *rawPlan) (changed int, err error) {
 	if len(plan.missing) == 0 {
 		return 0, nil
-	}
-	if c.restorer == nil {
-		for _, vip := range plan.missing {
-			if err := c.ipt.Append(RawTable, c.name, c.rawRuleSpec(vip)...); err != nil {
-				return changed, fmt.Errorf("hmark: sync chain %s: table %s: append rule for vip %s: %w", c.name, RawTable, vip, err)
-			}
-			changed++
-		}
-		return changed, nil
 	}
 	vips := make([]netip.Addr, 0, len(want)+len(plan.staleVIPs))
 	for _, t := range want {
@@ -322,7 +290,7 @@ func (c *Chain) addRawRules(want []Target, plan *rawPlan) (changed int, err erro
 			c.name, RawTable, len(vips), len(plan.missing), err)
 	}
 	plan.restoredAdds = true
-	return len(plan.missing) + len(plan.stale) - len(plan.staleVIPs), nil
+	return len(plan.missing) + plan.stale - len(plan.staleVIPs), nil
 }
 
 // removeRawRules is the second step of plan, after the mangle rules
@@ -331,11 +299,7 @@ func (c *Chain) addRawRules(want []Target, plan *rawPlan) (changed int, err erro
 // is listed again, since packets went on counting since planRaw (and a
 // first restore may have written the rules since).
 func (c *Chain) removeRawRules(want []Target, plan *rawPlan) (changed int, err error) {
-	if c.restorer == nil {
-		// The appended rules come after every stale one.
-		return c.deleteByPosition(RawTable, plan.stale)
-	}
-	left := len(plan.stale)
+	left := plan.stale
 	if plan.restoredAdds {
 		left = len(plan.staleVIPs)
 	}
@@ -362,7 +326,7 @@ func (c *Chain) removeRawRules(want []Target, plan *rawPlan) (changed int, err e
 func (c *Chain) rawDesired(vips []netip.Addr, counters map[netip.Addr]Counter) []desiredRule {
 	desired := make([]desiredRule, len(vips))
 	for i, vip := range vips {
-		desired[i] = desiredRule{spec: c.rawRuleSpec(vip), vip: vip, counters: counters[vip]}
+		desired[i] = desiredRule{spec: c.rawRuleSpec(vip), counters: counters[vip]}
 	}
 	return desired
 }

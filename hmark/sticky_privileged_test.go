@@ -24,19 +24,18 @@ import (
 )
 
 // TestStickySyncInNetns drives a sticky Chain against the real iptables of
-// each backend, with and without a restorer: creation of both chains,
+// each backend: creation of both chains,
 // adoption by a new Chain without any write (which proves that Chain
 // writes its rules exactly as iptables prints them), Offsets, moving one
 // tunnel IP to another generation, leaving and re-entering sticky mode,
 // and Cleanup.
 func TestStickySyncInNetns(t *testing.T) {
 	for _, binary := range iptablesBinaries {
-		t.Run(binary, func(t *testing.T) { testStickySyncInNetns(t, binary, true) })
-		t.Run(binary+"/one-by-one", func(t *testing.T) { testStickySyncInNetns(t, binary, false) })
+		t.Run(binary, func(t *testing.T) { testStickySyncInNetns(t, binary) })
 	}
 }
 
-func testStickySyncInNetns(t *testing.T, binary string, restore bool) {
+func testStickySyncInNetns(t *testing.T, binary string) {
 	ns := testnetns.New(t)
 	ipt := ns.IPTables(binary)
 	restorer := newNSRestorer(ns, binary)
@@ -47,13 +46,7 @@ func testStickySyncInNetns(t *testing.T, binary string, restore bool) {
 
 	newChain := func(sticky bool) *Chain {
 		t.Helper()
-		var c *Chain
-		var err error
-		if restore {
-			c, err = NewChainWithRestorer(ipt, "", stickyParams, restorer)
-		} else {
-			c, err = NewChain(withoutRestore{ipt}, "", stickyParams)
-		}
+		c, err := NewChain(ipt, "", stickyParams, restorer)
 		if err != nil {
 			t.Fatalf("NewChain: %v", err)
 		}
@@ -197,7 +190,7 @@ func TestStickyDrainingInNetns(t *testing.T) {
 func testStickyDrainingInNetns(t *testing.T, binary string) {
 	c, r, s := newDrainingLab(t)
 	ipt := r.IPTables(binary)
-	chain, err := NewChainWithRestorer(ipt, "", Params{Buckets: 64, Offset: 0x1000, Seed: 0x5eed}, newNSRestorer(r, binary))
+	chain, err := NewChain(ipt, "", Params{Buckets: 64, Offset: 0x1000, Seed: 0x5eed}, newNSRestorer(r, binary))
 	if err != nil {
 		t.Fatalf("NewChain: %v", err)
 	}

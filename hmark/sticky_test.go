@@ -107,29 +107,27 @@ func stickyState(t *testing.T, targets ...Target) (mangle, raw string) {
 // finds it); every other chain must be identical, order included (the
 // sticky chain's order matters).
 func samePrerouting(a, b string) bool {
-	key := func(dump string) string {
-		var fixed, free []string
-		for _, l := range strings.Split(dump, "\n") {
-			if strings.HasPrefix(l, "-A PREROUTING ") {
-				free = append(free, l)
-			} else {
-				fixed = append(fixed, l)
-			}
-		}
-		slices.Sort(free)
-		return strings.Join(fixed, "\n") + "\n--\n" + strings.Join(free, "\n")
-	}
-	return key(a) == key(b)
+	return sameIgnoringOrder(a, b, "-A PREROUTING ")
 }
 
-// newStickyChain returns a sticky Chain over ipt.
-func newStickyChain(t *testing.T, ipt IPTables) *Chain {
+// newStickyChain returns a sticky Chain over f.
+func newStickyChain(t *testing.T, f *fakeIPTables) *Chain {
 	t.Helper()
-	c := newTestChain(t, ipt, stickyParams)
+	c := newTestChain(t, f, stickyParams)
 	if err := c.SetSticky(&testSticky); err != nil {
 		t.Fatalf("SetSticky: %v", err)
 	}
 	return c
+}
+
+// newChainInMode returns a Chain over f with stickyParams: sticky (see
+// newStickyChain) or stateless.
+func newChainInMode(t *testing.T, f *fakeIPTables, sticky bool) *Chain {
+	t.Helper()
+	if sticky {
+		return newStickyChain(t, f)
+	}
+	return newTestChain(t, f, stickyParams)
 }
 
 // checkState compares both tables of f with the sticky state for targets.
@@ -144,39 +142,26 @@ func checkState(t *testing.T, step string, f *fakeIPTables, targets ...Target) {
 	}
 }
 
-// checkWrites compares f's writes with prefixes of the wanted ones.
-func checkWrites(t *testing.T, step string, f *fakeIPTables, want []string) {
-	t.Helper()
-	ok := len(f.writes) == len(want)
-	for i := 0; ok && i < len(want); i++ {
-		ok = strings.HasPrefix(f.writes[i], want[i])
-	}
-	if !ok {
-		t.Errorf("%s: writes:\n%s\nwant (prefixes):\n%s", step, strings.Join(f.writes, "\n"), strings.Join(want, "\n"))
-	}
-}
-
 func TestStickySyncFromScratch(t *testing.T) {
 	targets := []Target{{VIP: vipB, Offset: gen1}, {VIP: vipA}}
 	synced := []Target{{VIP: vipA, Offset: gen0}, {VIP: vipB, Offset: gen1}}
 	// chain, SYN subchain and its rule, jump, 2 raw rules in raw; chain,
 	// jump, 4 fixed and 2 HMARK rules in mangle.
 	const wantChanged = 2 + 4 + 2 + 6
-	t.Run("restore", func(t *testing.T) {
-		f := newFakeIPTables(t, slices.Concat(othersLines, rawOthersLines)...)
-		changed, err := newStickyChain(t, f).Sync(targets)
-		if err != nil || changed != wantChanged {
-			t.Fatalf("Sync = %d, %v; want %d, nil", changed, err, wantChanged)
-		}
-		checkState(t, "after Sync", f, synced...)
-		// The raw rules go in before the mangle rules hash the tunnel IPs.
-		checkWrites(t, "Sync", f, []string{
-			"new mangle/KST-HMARK", "insert mangle/PREROUTING 1 -m comment --comment kube-service-tunnel -j KST-HMARK",
-			"new raw/KST-HMARK", "new raw/KST-HMARK-SYN", "restore raw",
-			"insert raw/PREROUTING 1 -m comment --comment kube-service-tunnel -j KST-HMARK",
-			"restore raw", "restore mangle",
-		})
-		wantMangle := `*mangle
+	f := newFakeIPTables(t, slices.Concat(othersLines, rawOthersLines)...)
+	changed, err := newStickyChain(t, f).Sync(targets)
+	if err != nil || changed != wantChanged {
+		t.Fatalf("Sync = %d, %v; want %d, nil", changed, err, wantChanged)
+	}
+	checkState(t, "after Sync", f, synced...)
+	// The raw rules go in before the mangle rules hash the tunnel IPs.
+	checkWrites(t, "Sync", f, []string{
+		"new mangle/KST-HMARK", "insert mangle/PREROUTING 1 -m comment --comment kube-service-tunnel -j KST-HMARK",
+		"new raw/KST-HMARK", "new raw/KST-HMARK-SYN", "restore raw",
+		"insert raw/PREROUTING 1 -m comment --comment kube-service-tunnel -j KST-HMARK",
+		"restore raw", "restore mangle",
+	})
+	wantMangle := `*mangle
 :KST-HMARK - [0:0]
 -A KST-HMARK -p tcp -m connmark --mark 0x1000/0xffffff00 -m conntrack --ctexpire 121:4294967295 -m comment --comment kube-service-tunnel -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff
 -A KST-HMARK ! -p tcp -m connmark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff
@@ -186,41 +171,20 @@ func TestStickySyncFromScratch(t *testing.T) {
 -A KST-HMARK -m connmark --mark 0x0 -m mark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j CONNMARK --save-mark --nfmask 0xffffffff --ctmask 0xffffffff
 COMMIT
 `
-		wantSyn := `*raw
+	wantSyn := `*raw
 :KST-HMARK-SYN - [0:0]
 -A KST-HMARK-SYN -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -m comment --comment kube-service-tunnel -j CT --notrack
 COMMIT
 `
-		wantRaw := `*raw
+	wantRaw := `*raw
 :KST-HMARK - [0:0]
 -A KST-HMARK -d 10.96.0.10/32 -m comment --comment kube-service-tunnel -j KST-HMARK-SYN
 -A KST-HMARK -d 10.96.0.20/32 -m comment --comment kube-service-tunnel -j KST-HMARK-SYN
 COMMIT
 `
-		if len(f.restores) != 3 || f.restores[0] != wantSyn || f.restores[1] != wantRaw || f.restores[2] != wantMangle {
-			t.Errorf("restore payloads:\n%s\nwant:\n%s%s%s", strings.Join(f.restores, ""), wantSyn, wantRaw, wantMangle)
-		}
-	})
-	t.Run("one-by-one", func(t *testing.T) {
-		f := newFakeIPTables(t, slices.Concat(othersLines, rawOthersLines)...)
-		changed, err := newStickyChain(t, plainIPTables{f}).Sync(targets)
-		if err != nil || changed != wantChanged {
-			t.Fatalf("Sync = %d, %v; want %d, nil", changed, err, wantChanged)
-		}
-		checkState(t, "after Sync", f, synced...)
-		// In order: what is appended to the mangle chain is its final
-		// order (fixed head, HMARK rules by address, save rule).
-		checkWrites(t, "Sync", f, []string{
-			"new mangle/KST-HMARK", "insert mangle/PREROUTING 1",
-			"new raw/KST-HMARK", "new raw/KST-HMARK-SYN", "append raw/KST-HMARK-SYN -p tcp", "insert raw/PREROUTING 1",
-			"append raw/KST-HMARK -d 10.96.0.10/32", "append raw/KST-HMARK -d 10.96.0.20/32",
-			"append mangle/KST-HMARK -p tcp -m connmark",
-			"append mangle/KST-HMARK ! -p tcp -m connmark",
-			"append mangle/KST-HMARK -m mark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j RETURN",
-			"append mangle/KST-HMARK -d 10.96.0.10/32", "append mangle/KST-HMARK -d 10.96.0.20/32",
-			"append mangle/KST-HMARK -m connmark --mark 0x0",
-		})
-	})
+	if len(f.restores) != 3 || f.restores[0] != wantSyn || f.restores[1] != wantRaw || f.restores[2] != wantMangle {
+		t.Errorf("restore payloads:\n%s\nwant:\n%s%s%s", strings.Join(f.restores, ""), wantSyn, wantRaw, wantMangle)
+	}
 }
 
 // TestStickyAdoptsWithoutWrites gives a new sticky Chain the state a
@@ -235,40 +199,34 @@ func TestStickyAdoptsWithoutWrites(t *testing.T) {
 		hexOffset[i] = strings.Replace(l, "--hmark-offset 4112", "--hmark-offset 0x1010", 1)
 	}
 	for name, lines := range map[string][]string{"decimal offsets": stickyLines(left...), "hex offsets": hexOffset} {
-		for _, restore := range []bool{true, false} {
-			t.Run(fmt.Sprintf("%s/restore=%v", name, restore), func(t *testing.T) {
-				f := newFakeIPTables(t, slices.Concat(othersLines, rawOthersLines, lines)...)
-				beforeMangle, beforeRaw := f.dumpTable("mangle"), f.dumpTable("raw")
-				var ipt IPTables = f
-				if !restore {
-					ipt = plainIPTables{f}
-				}
-				c := newStickyChain(t, ipt)
-				offsets, err := c.Offsets()
-				if err != nil {
-					t.Fatalf("Offsets: %v", err)
-				}
-				want := map[netip.Addr]uint32{vipA: gen1, vipB: gen0, vipC: gen1}
-				if !maps.Equal(offsets, want) {
-					t.Errorf("Offsets = %v, want %v", offsets, want)
-				}
-				var targets []Target
-				for vip, offset := range offsets {
-					targets = append(targets, Target{VIP: vip, Offset: offset})
-				}
-				changed, err := c.Sync(targets)
-				if err != nil || changed != 0 || len(f.writes) != 0 {
-					t.Errorf("Sync = %d, %v with writes %q; want 0, nil, none", changed, err, f.writes)
-				}
-				if f.dumpTable("mangle") != beforeMangle || f.dumpTable("raw") != beforeRaw {
-					t.Errorf("state changed")
-				}
-				// Offset 0 means the chain's own offset, generation 0.
-				if changed, err := c.Sync([]Target{{VIP: vipA, Offset: gen1}, {VIP: vipB}, {VIP: vipC, Offset: gen1}}); err != nil || changed != 0 {
-					t.Errorf("Sync with vip B on offset 0 = %d, %v; want 0, nil", changed, err)
-				}
-			})
-		}
+		t.Run(name, func(t *testing.T) {
+			f := newFakeIPTables(t, slices.Concat(othersLines, rawOthersLines, lines)...)
+			beforeMangle, beforeRaw := f.dumpTable("mangle"), f.dumpTable("raw")
+			c := newStickyChain(t, f)
+			offsets, err := c.Offsets()
+			if err != nil {
+				t.Fatalf("Offsets: %v", err)
+			}
+			want := map[netip.Addr]uint32{vipA: gen1, vipB: gen0, vipC: gen1}
+			if !maps.Equal(offsets, want) {
+				t.Errorf("Offsets = %v, want %v", offsets, want)
+			}
+			var targets []Target
+			for vip, offset := range offsets {
+				targets = append(targets, Target{VIP: vip, Offset: offset})
+			}
+			changed, err := c.Sync(targets)
+			if err != nil || changed != 0 || len(f.writes) != 0 {
+				t.Errorf("Sync = %d, %v with writes %q; want 0, nil, none", changed, err, f.writes)
+			}
+			if f.dumpTable("mangle") != beforeMangle || f.dumpTable("raw") != beforeRaw {
+				t.Errorf("state changed")
+			}
+			// Offset 0 means the chain's own offset, generation 0.
+			if changed, err := c.Sync([]Target{{VIP: vipA, Offset: gen1}, {VIP: vipB}, {VIP: vipC, Offset: gen1}}); err != nil || changed != 0 {
+				t.Errorf("Sync with vip B on offset 0 = %d, %v; want 0, nil", changed, err)
+			}
+		})
 	}
 }
 
@@ -279,57 +237,34 @@ func TestSyncPerVIPOffsets(t *testing.T) {
 	before := []Target{{VIP: vipA, Offset: gen0}, {VIP: vipB, Offset: gen0}, {VIP: vipC, Offset: gen1}}
 	after := []Target{{VIP: vipA, Offset: gen0}, {VIP: vipB, Offset: gen1}, {VIP: vipC, Offset: gen1}}
 	for _, sticky := range []bool{false, true} {
-		for _, restore := range []bool{true, false} {
-			t.Run(fmt.Sprintf("sticky=%v/restore=%v", sticky, restore), func(t *testing.T) {
-				f := newFakeIPTables(t, slices.Concat(othersLines, rawOthersLines)...)
-				var ipt IPTables = f
-				if !restore {
-					ipt = plainIPTables{f}
-				}
-				newChain := func() *Chain {
-					if sticky {
-						return newStickyChain(t, ipt)
-					}
-					return newTestChain(t, ipt, stickyParams)
-				}
-				if offsets, err := newChain().Offsets(); err != nil || len(offsets) != 0 {
-					t.Errorf("Offsets without a chain = %v, %v; want empty, nil", offsets, err)
-				}
-				if _, err := newChain().Sync(before); err != nil {
-					t.Fatalf("first Sync: %v", err)
-				}
-				f.writes = nil
-				changed, err := newChain().Sync(after)
-				if err != nil || changed != 2 {
-					t.Errorf("Sync moving %s to generation 1 = %d, %v; want 2, nil", vipB, changed, err)
-				}
-				var want []string
-				switch {
-				case restore:
-					want = []string{"restore mangle"}
-				case sticky:
-					// Inserted before the save rule (3 head rules, 3
-					// HMARK rules: the save rule is 7th), then the old
-					// rule (5th) deleted.
-					want = []string{"insert mangle/KST-HMARK 7 -d 10.96.0.20/32", "delete mangle/KST-HMARK #5"}
-				default:
-					want = []string{"append mangle/KST-HMARK -d 10.96.0.20/32", "delete mangle/KST-HMARK #2"}
-				}
-				checkWrites(t, "offset change", f, want)
-				if sticky && restore {
-					checkState(t, "offset change", f, after...)
-				}
-				offsets, err := newChain().Offsets()
-				wantOffsets := map[netip.Addr]uint32{vipA: gen0, vipB: gen1, vipC: gen1}
-				if err != nil || !maps.Equal(offsets, wantOffsets) {
-					t.Errorf("Offsets = %v, %v; want %v", offsets, err, wantOffsets)
-				}
-				f.writes = nil
-				if changed, err := newChain().Sync(after); err != nil || changed != 0 || len(f.writes) != 0 {
-					t.Errorf("second Sync = %d, %v with writes %q; want 0, nil, none", changed, err, f.writes)
-				}
-			})
-		}
+		t.Run(fmt.Sprintf("sticky=%v", sticky), func(t *testing.T) {
+			f := newFakeIPTables(t, slices.Concat(othersLines, rawOthersLines)...)
+			newChain := func() *Chain { return newChainInMode(t, f, sticky) }
+			if offsets, err := newChain().Offsets(); err != nil || len(offsets) != 0 {
+				t.Errorf("Offsets without a chain = %v, %v; want empty, nil", offsets, err)
+			}
+			if _, err := newChain().Sync(before); err != nil {
+				t.Fatalf("first Sync: %v", err)
+			}
+			f.writes = nil
+			changed, err := newChain().Sync(after)
+			if err != nil || changed != 2 {
+				t.Errorf("Sync moving %s to generation 1 = %d, %v; want 2, nil", vipB, changed, err)
+			}
+			checkWrites(t, "offset change", f, []string{"restore mangle"})
+			if sticky {
+				checkState(t, "offset change", f, after...)
+			}
+			offsets, err := newChain().Offsets()
+			wantOffsets := map[netip.Addr]uint32{vipA: gen0, vipB: gen1, vipC: gen1}
+			if err != nil || !maps.Equal(offsets, wantOffsets) {
+				t.Errorf("Offsets = %v, %v; want %v", offsets, err, wantOffsets)
+			}
+			f.writes = nil
+			if changed, err := newChain().Sync(after); err != nil || changed != 0 || len(f.writes) != 0 {
+				t.Errorf("second Sync = %d, %v with writes %q; want 0, nil, none", changed, err, f.writes)
+			}
+		})
 	}
 }
 
@@ -339,61 +274,46 @@ func TestSyncPerVIPOffsets(t *testing.T) {
 func TestStickyVIPOrdering(t *testing.T) {
 	tA, tB, tC := Target{VIP: vipA, Offset: gen0}, Target{VIP: vipB, Offset: gen0}, Target{VIP: vipC, Offset: gen1}
 	tests := []struct {
-		name                   string
-		from, to               []Target
-		changed                int
-		oneByOne, withRestorer []string
+		name     string
+		from, to []Target
+		changed  int
+		writes   []string
 	}{
-		{"add", []Target{tA}, []Target{tA, tB}, 2,
-			[]string{"append raw/KST-HMARK -d 10.96.0.20/32", "insert mangle/KST-HMARK 5 -d 10.96.0.20/32"},
-			[]string{"restore raw", "restore mangle"}},
-		{"remove", []Target{tA, tB}, []Target{tA}, 2,
-			[]string{"delete mangle/KST-HMARK #5", "delete raw/KST-HMARK #2"},
-			[]string{"restore mangle", "restore raw"}},
-		{"add and remove", []Target{tA, tB}, []Target{tA, tC}, 4,
-			[]string{"append raw/KST-HMARK -d 10.96.0.30/32", "insert mangle/KST-HMARK 6 -d 10.96.0.30/32", "delete mangle/KST-HMARK #5", "delete raw/KST-HMARK #2"},
-			[]string{"restore raw", "restore mangle", "restore raw"}},
+		{"add", []Target{tA}, []Target{tA, tB}, 2, []string{"restore raw", "restore mangle"}},
+		{"remove", []Target{tA, tB}, []Target{tA}, 2, []string{"restore mangle", "restore raw"}},
+		{"add and remove", []Target{tA, tB}, []Target{tA, tC}, 4, []string{"restore raw", "restore mangle", "restore raw"}},
 	}
 	for _, tt := range tests {
-		for _, restore := range []bool{true, false} {
-			t.Run(fmt.Sprintf("%s/restore=%v", tt.name, restore), func(t *testing.T) {
-				f := newFakeIPTables(t, slices.Concat(othersLines, rawOthersLines, stickyLines(tt.from...))...)
-				var ipt IPTables = f
-				want := tt.withRestorer
-				if !restore {
-					ipt, want = plainIPTables{f}, tt.oneByOne
+		t.Run(tt.name, func(t *testing.T) {
+			f := newFakeIPTables(t, slices.Concat(othersLines, rawOthersLines, stickyLines(tt.from...))...)
+			changed, err := newStickyChain(t, f).Sync(tt.to)
+			if err != nil || changed != tt.changed {
+				t.Errorf("Sync = %d, %v; want %d, nil", changed, err, tt.changed)
+			}
+			checkWrites(t, "Sync", f, tt.writes)
+			checkState(t, "after Sync", f, tt.to...)
+			if tt.name == "add and remove" && len(f.restores) == 3 {
+				// The first raw restore keeps B's rule (it goes after
+				// the mangle rules) and adds C's.
+				if got := strings.Count(f.restores[0], "-j KST-HMARK-SYN"); got != 3 || !strings.Contains(f.restores[0], "10.96.0.20/32") {
+					t.Errorf("first raw restore has %d rules, want A, B and C:\n%s", got, f.restores[0])
 				}
-				changed, err := newStickyChain(t, ipt).Sync(tt.to)
-				if err != nil || changed != tt.changed {
-					t.Errorf("Sync = %d, %v; want %d, nil", changed, err, tt.changed)
+				if strings.Contains(f.restores[2], "10.96.0.20/32") {
+					t.Errorf("second raw restore still has B:\n%s", f.restores[2])
 				}
-				checkWrites(t, "Sync", f, want)
-				if restore {
-					checkState(t, "after Sync", f, tt.to...)
-				}
-				if restore && tt.name == "add and remove" && len(f.restores) == 3 {
-					// The first raw restore keeps B's rule (it goes after
-					// the mangle rules) and adds C's.
-					if got := strings.Count(f.restores[0], "-j KST-HMARK-SYN"); got != 3 || !strings.Contains(f.restores[0], "10.96.0.20/32") {
-						t.Errorf("first raw restore has %d rules, want A, B and C:\n%s", got, f.restores[0])
-					}
-					if strings.Contains(f.restores[2], "10.96.0.20/32") {
-						t.Errorf("second raw restore still has B:\n%s", f.restores[2])
-					}
-				}
-				f.writes = nil
-				if changed, err := newStickyChain(t, ipt).Sync(tt.to); err != nil || changed != 0 || len(f.writes) != 0 {
-					t.Errorf("second Sync = %d, %v with writes %q; want 0, nil, none", changed, err, f.writes)
-				}
-			})
-		}
+			}
+			f.writes = nil
+			if changed, err := newStickyChain(t, f).Sync(tt.to); err != nil || changed != 0 || len(f.writes) != 0 {
+				t.Errorf("second Sync = %d, %v with writes %q; want 0, nil, none", changed, err, f.writes)
+			}
+		})
 	}
 }
 
 // TestStickyRepairs starts from drifted sticky states: fixed rules out of
-// order or missing need a rewrite of the whole mangle chain (one restore,
-// or everything appended then the old rules deleted); a foreign rule among
-// the HMARK rules only its deletion.
+// order or missing need a rewrite of the whole mangle chain, a foreign rule
+// among the HMARK rules only its removal; each table is restored once, the
+// raw one twice when its rules change both ways.
 func TestStickyRepairs(t *testing.T) {
 	targets := []Target{{VIP: vipA, Offset: gen0}, {VIP: vipB, Offset: gen1}}
 	base := stickyLines(targets...) // chain, jump, 3 head, A, B, save, raw...
@@ -405,72 +325,44 @@ func TestStickyRepairs(t *testing.T) {
 	without := func(lines []string, i int) []string { return slices.Delete(slices.Clone(lines), i, i+1) }
 	foreign := "-A KST-HMARK -d 10.96.0.20/32 -j MARK --set-xmark 0x1010/0xffffffff"
 	wrongExpire := strings.Replace(printedRestoreTCP, "121:4294967295", "61:4294967295", 1)
+	mangle, raw := []string{"restore mangle"}, []string{"restore raw"}
 	tests := []struct {
 		name    string
 		lines   []string
 		changed int
-		// oneByOne are the writes without a restorer.
-		oneByOne []string
+		// writes are prefixes of the expected write calls, in order.
+		writes []string
 	}{
-		{"restore rules swapped", swap(base, 2, 3), 2, rewriteWrites(6, 6)},
-		{"save rule first", slices.Insert(without(base, 7), 2, printedSave), 2, rewriteWrites(6, 6)},
-		{"save rule missing", without(base, 7), 1, rewriteWrites(6, 5)},
-		{"RETURN missing", without(base, 4), 1, rewriteWrites(6, 5)},
-		{"other TCP expiry", slices.Concat(base[:2], []string{wrongExpire}, base[3:]), 2, rewriteWrites(6, 6)},
-		{"stateless chain", slices.Concat(base[:2], base[5:7], base[8:]), 4, rewriteWrites(6, 2)},
-		{"foreign rule among the HMARK rules", slices.Insert(slices.Clone(base), 6, foreign), 1, []string{"delete mangle/KST-HMARK #5"}},
-		{"raw duplicate and foreign rule", slices.Concat(base, []string{printedRawRule(vipA), "-t raw -A KST-HMARK -j CT --notrack"}), 2,
-			[]string{"delete raw/KST-HMARK #4", "delete raw/KST-HMARK #3"}},
+		{"restore rules swapped", swap(base, 2, 3), 2, mangle},
+		{"save rule first", slices.Insert(without(base, 7), 2, printedSave), 2, mangle},
+		{"save rule missing", without(base, 7), 1, mangle},
+		{"RETURN missing", without(base, 4), 1, mangle},
+		{"other TCP expiry", slices.Concat(base[:2], []string{wrongExpire}, base[3:]), 2, mangle},
+		{"stateless chain", slices.Concat(base[:2], base[5:7], base[8:]), 4, mangle},
+		{"foreign rule among the HMARK rules", slices.Insert(slices.Clone(base), 6, foreign), 1, mangle},
+		{"raw duplicate and foreign rule", slices.Concat(base, []string{printedRawRule(vipA), "-t raw -A KST-HMARK -j CT --notrack"}), 2, raw},
 		{"raw jump missing", without(base, 9), 1, []string{"insert raw/PREROUTING 1"}},
-		{"SYN rule missing", base[:len(base)-1], 1, []string{"append raw/KST-HMARK-SYN -p tcp"}},
-		{"SYN subchain missing", base[:len(base)-2], 2, []string{"new raw/KST-HMARK-SYN", "append raw/KST-HMARK-SYN -p tcp"}},
-		{"foreign rule before the SYN rule", slices.Insert(slices.Clone(base), len(base)-1, "-t raw -A KST-HMARK-SYN -p udp -j CT --notrack"), 1,
-			[]string{"delete raw/KST-HMARK-SYN #1"}},
+		{"SYN rule missing", base[:len(base)-1], 1, raw},
+		{"SYN subchain missing", base[:len(base)-2], 2, []string{"new raw/KST-HMARK-SYN", "restore raw"}},
+		{"foreign rule before the SYN rule", slices.Insert(slices.Clone(base), len(base)-1, "-t raw -A KST-HMARK-SYN -p udp -j CT --notrack"), 1, raw},
 		{"raw rules of an older version", legacyStickyLines(targets...), 2 + 2 + 2,
-			[]string{"new raw/KST-HMARK-SYN", "append raw/KST-HMARK-SYN -p tcp",
-				"append raw/KST-HMARK -d 10.96.0.10/32 -m comment --comment kube-service-tunnel -j KST-HMARK-SYN",
-				"append raw/KST-HMARK -d 10.96.0.20/32 -m comment --comment kube-service-tunnel -j KST-HMARK-SYN",
-				"delete raw/KST-HMARK #2", "delete raw/KST-HMARK #1"}},
+			[]string{"new raw/KST-HMARK-SYN", "restore raw", "restore raw"}},
 	}
 	for _, tt := range tests {
-		for _, restore := range []bool{true, false} {
-			t.Run(fmt.Sprintf("%s/restore=%v", tt.name, restore), func(t *testing.T) {
-				f := newFakeIPTables(t, slices.Concat(othersLines, rawOthersLines, tt.lines)...)
-				var ipt IPTables = f
-				if !restore {
-					ipt = plainIPTables{f}
-				}
-				changed, err := newStickyChain(t, ipt).Sync(targets)
-				if err != nil || changed != tt.changed {
-					t.Errorf("Sync = %d, %v; want %d, nil", changed, err, tt.changed)
-				}
-				if !restore {
-					checkWrites(t, "Sync", f, tt.oneByOne)
-				} else if len(f.writes) > 3 {
-					t.Errorf("Sync with a restorer wrote %q, want at most 3 writes", f.writes)
-				}
-				checkState(t, "after Sync", f, targets...)
-				f.writes = nil
-				if changed, err := newStickyChain(t, ipt).Sync(targets); err != nil || changed != 0 || len(f.writes) != 0 {
-					t.Errorf("second Sync = %d, %v with writes %q; want 0, nil, none", changed, err, f.writes)
-				}
-			})
-		}
+		t.Run(tt.name, func(t *testing.T) {
+			f := newFakeIPTables(t, slices.Concat(othersLines, rawOthersLines, tt.lines)...)
+			changed, err := newStickyChain(t, f).Sync(targets)
+			if err != nil || changed != tt.changed {
+				t.Errorf("Sync = %d, %v; want %d, nil", changed, err, tt.changed)
+			}
+			checkWrites(t, "Sync", f, tt.writes)
+			checkState(t, "after Sync", f, targets...)
+			f.writes = nil
+			if changed, err := newStickyChain(t, f).Sync(targets); err != nil || changed != 0 || len(f.writes) != 0 {
+				t.Errorf("second Sync = %d, %v with writes %q; want 0, nil, none", changed, err, f.writes)
+			}
+		})
 	}
-}
-
-// rewriteWrites are the writes of a one-by-one rewrite of the mangle
-// chain: the desired rules appended, then the old ones deleted from the
-// bottom up.
-func rewriteWrites(desired, old int) []string {
-	var w []string
-	for range desired {
-		w = append(w, "append mangle/KST-HMARK ")
-	}
-	for pos := old; pos >= 1; pos-- {
-		w = append(w, fmt.Sprintf("delete mangle/KST-HMARK #%d", pos))
-	}
-	return w
 }
 
 // TestStickyModeChanges switches a chain from sticky to stateless mode
@@ -481,50 +373,42 @@ func TestStickyModeChanges(t *testing.T) {
 	statelessLines := []string{printedChainN, printedJump, printedStickyRule(vipA, gen0), printedStickyRule(vipB, gen0)}
 	stateless := newFakeIPTables(t, slices.Concat(othersLines, rawOthersLines, statelessLines)...)
 	wantStatelessMangle, wantStatelessRaw := stateless.dumpTable("mangle"), stateless.dumpTable("raw")
-	for _, restore := range []bool{true, false} {
-		t.Run(fmt.Sprintf("restore=%v", restore), func(t *testing.T) {
-			f := newFakeIPTables(t, slices.Concat(othersLines, rawOthersLines, stickyLines(targets...))...)
-			var ipt IPTables = f
-			if !restore {
-				ipt = plainIPTables{f}
-			}
-			c := newStickyChain(t, ipt)
-			if err := c.SetSticky(nil); err != nil || c.Sticky() != nil {
-				t.Fatalf("SetSticky(nil) = %v, Sticky() = %v; want stateless", err, c.Sticky())
-			}
-			// Mangle: 4 fixed rules removed; raw: jump, 2 rules, chain,
-			// the SYN rule and subchain.
-			changed, err := c.Sync(targets)
-			if err != nil || changed != 4+6 {
-				t.Errorf("sticky -> stateless: Sync = %d, %v; want 10, nil", changed, err)
-			}
-			if got := f.dumpTable("mangle"); !sameState(got, wantStatelessMangle) {
-				t.Errorf("sticky -> stateless: mangle:\n%s\nwant:\n%s", got, wantStatelessMangle)
-			}
-			if got := f.dumpTable("raw"); got != wantStatelessRaw {
-				t.Errorf("sticky -> stateless: raw:\n%s\nwant:\n%s", got, wantStatelessRaw)
-			}
-			wantTail := []string{"delete raw/PREROUTING -m comment --comment kube-service-tunnel -j KST-HMARK", "clear raw/KST-HMARK", "delete-chain raw/KST-HMARK",
-				"clear raw/KST-HMARK-SYN", "delete-chain raw/KST-HMARK-SYN"}
-			if len(f.writes) < len(wantTail) || !slices.Equal(f.writes[len(f.writes)-len(wantTail):], wantTail) {
-				t.Errorf("sticky -> stateless: writes %q, want the mangle chain first, then %q", f.writes, wantTail)
-			}
-			f.writes = nil
-			if changed, err := c.Sync(targets); err != nil || changed != 0 || len(f.writes) != 0 {
-				t.Errorf("stateless again: Sync = %d, %v with writes %q; want 0, nil, none", changed, err, f.writes)
-			}
-
-			if err := c.SetSticky(&testSticky); err != nil {
-				t.Fatalf("SetSticky: %v", err)
-			}
-			// Raw: chain, SYN subchain and rule, jump, 2 rules; mangle: 4
-			// fixed rules.
-			if changed, err := c.Sync(targets); err != nil || changed != 4+6 {
-				t.Errorf("stateless -> sticky: Sync = %d, %v; want 10, nil", changed, err)
-			}
-			checkState(t, "stateless -> sticky", f, targets...)
-		})
+	f := newFakeIPTables(t, slices.Concat(othersLines, rawOthersLines, stickyLines(targets...))...)
+	c := newStickyChain(t, f)
+	if err := c.SetSticky(nil); err != nil || c.Sticky() != nil {
+		t.Fatalf("SetSticky(nil) = %v, Sticky() = %v; want stateless", err, c.Sticky())
 	}
+	// Mangle: 4 fixed rules removed; raw: jump, 2 rules, chain,
+	// the SYN rule and subchain.
+	changed, err := c.Sync(targets)
+	if err != nil || changed != 4+6 {
+		t.Errorf("sticky -> stateless: Sync = %d, %v; want 10, nil", changed, err)
+	}
+	if got := f.dumpTable("mangle"); !sameState(got, wantStatelessMangle) {
+		t.Errorf("sticky -> stateless: mangle:\n%s\nwant:\n%s", got, wantStatelessMangle)
+	}
+	if got := f.dumpTable("raw"); got != wantStatelessRaw {
+		t.Errorf("sticky -> stateless: raw:\n%s\nwant:\n%s", got, wantStatelessRaw)
+	}
+	wantTail := []string{"delete raw/PREROUTING -m comment --comment kube-service-tunnel -j KST-HMARK", "clear raw/KST-HMARK", "delete-chain raw/KST-HMARK",
+		"clear raw/KST-HMARK-SYN", "delete-chain raw/KST-HMARK-SYN"}
+	if len(f.writes) < len(wantTail) || !slices.Equal(f.writes[len(f.writes)-len(wantTail):], wantTail) {
+		t.Errorf("sticky -> stateless: writes %q, want the mangle chain first, then %q", f.writes, wantTail)
+	}
+	f.writes = nil
+	if changed, err := c.Sync(targets); err != nil || changed != 0 || len(f.writes) != 0 {
+		t.Errorf("stateless again: Sync = %d, %v with writes %q; want 0, nil, none", changed, err, f.writes)
+	}
+
+	if err := c.SetSticky(&testSticky); err != nil {
+		t.Fatalf("SetSticky: %v", err)
+	}
+	// Raw: chain, SYN subchain and rule, jump, 2 rules; mangle: 4
+	// fixed rules.
+	if changed, err := c.Sync(targets); err != nil || changed != 4+6 {
+		t.Errorf("stateless -> sticky: Sync = %d, %v; want 10, nil", changed, err)
+	}
+	checkState(t, "stateless -> sticky", f, targets...)
 }
 
 // TestStickyLeavesForeignRawJump: in stateless mode, only the canonical
@@ -619,23 +503,16 @@ func TestSyncRejectsTargets(t *testing.T) {
 func TestStickyErrorsRedactSeed(t *testing.T) {
 	tests := []struct {
 		name, failWrite string
-		restore         bool
 		want            []string
 	}{
-		{"one-by-one rewrite", "append mangle/KST-HMARK -d 10.96.0.20/32", false, []string{"table mangle", "vip 10.96.0.20"}},
-		{"raw append", "append raw/KST-HMARK -d 10.96.0.10/32", false, []string{"table raw", "vip 10.96.0.10"}},
-		{"raw restore", "restore raw", true, []string{"table raw"}},
-		{"mangle restore", "restore mangle", true, []string{"table mangle", "--restore-mark"}},
-		{"raw jump", "insert raw/PREROUTING", true, []string{"table raw", "PREROUTING"}},
+		{"raw restore", "restore raw", []string{"table raw"}},
+		{"mangle restore", "restore mangle", []string{"table mangle", "--restore-mark"}},
+		{"raw jump", "insert raw/PREROUTING", []string{"table raw", "PREROUTING"}},
 	}
 	for _, tt := range tests {
 		f := newFakeIPTables(t, othersLines...)
 		f.failWrite = tt.failWrite
-		var ipt IPTables = f
-		if !tt.restore {
-			ipt = plainIPTables{f}
-		}
-		_, err := newStickyChain(t, ipt).Sync(targetsOf(vipA, vipB))
+		_, err := newStickyChain(t, f).Sync(targetsOf(vipA, vipB))
 		if !errors.Is(err, errFake) {
 			t.Errorf("%s: Sync err = %v, want it to wrap the iptables error", tt.name, err)
 			continue
@@ -717,7 +594,7 @@ func TestStickyNeedsRoomForSynChain(t *testing.T) {
 		name string
 		ok   bool
 	}{{strings.Repeat("K", 24), true}, {strings.Repeat("K", 25), false}} {
-		c, err := NewChain(f, tt.name, stickyParams)
+		c, err := NewChain(f, tt.name, stickyParams, f)
 		if err != nil {
 			t.Fatalf("NewChain(%q): %v", tt.name, err)
 		}
@@ -740,12 +617,7 @@ func TestCountersSurviveRestores(t *testing.T) {
 	for _, sticky := range []bool{false, true} {
 		t.Run(fmt.Sprintf("sticky=%v", sticky), func(t *testing.T) {
 			f := newFakeIPTables(t, slices.Concat(othersLines, rawOthersLines)...)
-			newChain := func() *Chain {
-				if sticky {
-					return newStickyChain(t, f)
-				}
-				return newTestChain(t, f, stickyParams)
-			}
+			newChain := func() *Chain { return newChainInMode(t, f, sticky) }
 			tA, tB, tC := Target{VIP: vipA, Offset: gen0}, Target{VIP: vipB, Offset: gen0}, Target{VIP: vipC, Offset: gen0}
 			if _, err := newChain().Sync([]Target{tA, tB}); err != nil {
 				t.Fatalf("first Sync: %v", err)

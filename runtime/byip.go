@@ -63,41 +63,28 @@ func (b *ByIP) Name() string { return "netns" }
 // Close does nothing: ByIP holds no connection.
 func (b *ByIP) Close() error { return nil }
 
-// nsKey identifies a namespace: the device and inode of its nsfs file.
-type nsKey struct{ dev, ino uint64 }
-
-func keyOf(st *unix.Stat_t) nsKey { return nsKey{dev: uint64(st.Dev), ino: st.Ino} }
-
-func statKey(path string) (nsKey, error) {
-	var st unix.Stat_t
-	if err := unix.Stat(path, &st); err != nil {
-		return nsKey{}, &fs.PathError{Op: "stat", Path: path, Err: err}
-	}
-	return keyOf(&st), nil
-}
-
 // hostKey identifies the host's network namespace: PID 1's, or, where PID 1
 // cannot be inspected (some sandboxes deny it even to root), kthreadd's,
 // which is always the kernel's initial namespace.
-func (b *ByIP) hostKey() (nsKey, error) {
-	key, err := statKey(b.hostNetns)
+func (b *ByIP) hostKey() (nsID, error) {
+	key, err := nsIDOfPath(b.hostNetns)
 	if err == nil {
 		return key, nil
 	}
 	if b.kthreadd != "" {
 		if comm, cerr := os.ReadFile(b.kthreadd + "/comm"); cerr == nil && string(comm) == "kthreadd\n" {
-			if key, kerr := statKey(b.kthreadd + "/ns/net"); kerr == nil {
+			if key, kerr := nsIDOfPath(b.kthreadd + "/ns/net"); kerr == nil {
 				return key, nil
 			}
 		}
 	}
-	return nsKey{}, err
+	return "", err
 }
 
 // nsCandidate is a path through which a namespace may be opened.
 type nsCandidate struct {
 	path string
-	key  nsKey
+	key  nsID
 }
 
 // Locate opens the only network namespace, other than the agent's and the
@@ -153,8 +140,8 @@ func (b *ByIP) Locate(ctx context.Context, pod Pod) (Netns, error) {
 
 // ownAndHost returns the keys of the namespaces never handed out: the
 // agent's own and the host's.
-func (b *ByIP) ownAndHost() (map[nsKey]bool, error) {
-	self, err := statKey(b.selfNetns)
+func (b *ByIP) ownAndHost() (map[nsID]bool, error) {
+	self, err := nsIDOfPath(b.selfNetns)
 	if err != nil {
 		return nil, fmt.Errorf("identifying the agent's own network namespace: %w", err)
 	}
@@ -162,7 +149,7 @@ func (b *ByIP) ownAndHost() (map[nsKey]bool, error) {
 	if err != nil {
 		return nil, fmt.Errorf("identifying the host's network namespace: %w", err)
 	}
-	return map[nsKey]bool{self: true, host: true}, nil
+	return map[nsID]bool{self: true, host: true}, nil
 }
 
 // each opens every candidate namespace not in skip once and calls visit with
@@ -170,7 +157,7 @@ func (b *ByIP) ownAndHost() (map[nsKey]bool, error) {
 // otherwise each closes it. Namespaces that vanish during the scan are
 // skipped; the ones that could not be opened or visited are returned as
 // scanErrs. err is set only when ctx ends.
-func (b *ByIP) each(ctx context.Context, skip map[nsKey]bool, visit func(Netns) (keep bool, err error)) (scanErrs []error, err error) {
+func (b *ByIP) each(ctx context.Context, skip map[nsID]bool, visit func(Netns) (keep bool, err error)) (scanErrs []error, err error) {
 	for _, c := range b.candidates(skip) {
 		if err := ctx.Err(); err != nil {
 			return scanErrs, err
@@ -183,15 +170,14 @@ func (b *ByIP) each(ctx context.Context, skip map[nsKey]bool, visit func(Netns) 
 			scanErrs = append(scanErrs, err)
 			continue
 		}
-		// The stat was only for deduplication: a PID may have been reused
-		// since, so identify what was actually opened.
-		var st unix.Stat_t
-		if err := unix.Fstat(int(handle), &st); err != nil {
+		// The candidate's key was only for deduplication: a PID may have
+		// been reused since, so identify what was actually opened.
+		key, err := nsIDOf(handle)
+		if err != nil {
 			handle.Close()
-			scanErrs = append(scanErrs, fmt.Errorf("fstat %s: %w", c.path, err))
+			scanErrs = append(scanErrs, fmt.Errorf("%s: %w", c.path, err))
 			continue
 		}
-		key := keyOf(&st)
 		if skip[key] {
 			handle.Close()
 			continue
@@ -210,16 +196,15 @@ func (b *ByIP) each(ctx context.Context, skip map[nsKey]bool, visit func(Netns) 
 
 // candidates lists the paths of the namespaces to search, one per namespace
 // (named ones first, under their names), leaving out the keys in skip. It
-// costs one stat per process.
-func (b *ByIP) candidates(skip map[nsKey]bool) []nsCandidate {
-	seen := map[nsKey]bool{}
+// costs one open, fstat and close per process.
+func (b *ByIP) candidates(skip map[nsID]bool) []nsCandidate {
+	seen := map[nsID]bool{}
 	var out []nsCandidate
 	add := func(path string) {
-		var st unix.Stat_t
-		if err := unix.Stat(path, &st); err != nil {
+		k, err := nsIDOfPath(path)
+		if err != nil {
 			return // gone, or not a namespace we can see
 		}
-		k := keyOf(&st)
 		if seen[k] || skip[k] {
 			return
 		}

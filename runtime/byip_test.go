@@ -86,8 +86,8 @@ func TestByIPFindsAProcessNamespace(t *testing.T) {
 	if got.Path != procNetns(pid) || got.Via != "netns" {
 		t.Errorf("got %s via %s, want %s via netns", got.Path, got.Via, procNetns(pid))
 	}
-	if g, w := nsKeyOfHandle(t, got.Handle), nsKeyOfHandle(t, ns.Handle); g != w {
-		t.Fatalf("opened namespace %v, want the test's %v", g, w)
+	if !got.Handle.Equal(ns.Handle) {
+		t.Fatalf("opened namespace %v, want the test's %v", got.Handle, ns.Handle)
 	}
 }
 
@@ -111,8 +111,8 @@ func TestByIPFindsANamedNamespaceOnce(t *testing.T) {
 	if got.Path != first {
 		t.Errorf("got %s, want the name %s (names come first)", got.Path, first)
 	}
-	if g, w := nsKeyOfHandle(t, got.Handle), nsKeyOfHandle(t, ns.Handle); g != w {
-		t.Fatalf("opened namespace %v, want the test's %v", g, w)
+	if !got.Handle.Equal(ns.Handle) {
+		t.Fatalf("opened namespace %v, want the test's %v", got.Handle, ns.Handle)
 	}
 }
 
@@ -219,10 +219,10 @@ func TestByIPCandidates(t *testing.T) {
 	if len(got) != 1 || got[0].path != filepath.Join(proc, "42", "ns", "net") {
 		t.Fatalf("candidates %v, want only %s", got, filepath.Join(proc, "42", "ns", "net"))
 	}
-	if want := nsKeyOfPath(t, "/proc/self/ns/net"); got[0].key != want {
+	if want := idOfPath(t, "/proc/self/ns/net"); got[0].key != want {
 		t.Errorf("candidate key %v, want %v", got[0].key, want)
 	}
-	if got := b.candidates(map[nsKey]bool{nsKeyOfPath(t, "/proc/self/ns/net"): true}); len(got) != 0 {
+	if got := b.candidates(map[nsID]bool{idOfPath(t, "/proc/self/ns/net"): true}); len(got) != 0 {
 		t.Errorf("candidates %v, want none when the only namespace is left out", got)
 	}
 }
@@ -237,7 +237,7 @@ func TestByIPWithoutAnIP(t *testing.T) {
 // TestByIPHostKeyFallsBackToKthreadd checks, without root, where the host's
 // namespace is taken from when PID 1's cannot be read.
 func TestByIPHostKeyFallsBackToKthreadd(t *testing.T) {
-	want := nsKeyOfPath(t, "/proc/thread-self/ns/net")
+	want := idOfPath(t, "/proc/thread-self/ns/net")
 	fake := func(t *testing.T, comm string) string {
 		dir := t.TempDir()
 		if err := os.WriteFile(filepath.Join(dir, "comm"), []byte(comm), 0o444); err != nil {

@@ -10,7 +10,6 @@ import (
 	"strings"
 
 	"github.com/vishvananda/netns"
-	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
@@ -251,18 +250,7 @@ func criProcNetns(pid int) (string, error) {
 // the same: it names the main thread's namespace, and the Go runtime never
 // terminates the main thread, so a goroutine that locked it and switched it
 // into another namespace (see internal/nsexec) leaves it there for good.
-var criStartNetns, criStartNetnsErr = criStatNetns("/proc/thread-self/ns/net")
-
-// criNetnsID is the (device, inode) pair that identifies a namespace.
-type criNetnsID struct{ dev, ino uint64 }
-
-func criStatNetns(path string) (criNetnsID, error) {
-	var st unix.Stat_t
-	if err := unix.Stat(path, &st); err != nil {
-		return criNetnsID{}, err
-	}
-	return criNetnsID{uint64(st.Dev), st.Ino}, nil
-}
+var criStartNetns, criStartNetnsErr = nsIDOfPath("/proc/thread-self/ns/net")
 
 // criRefuseOwnNetns returns ErrHostNetwork when h is the network namespace
 // this process started in, or PID 1's (the host's, when the agent sees the
@@ -271,15 +259,14 @@ func criRefuseOwnNetns(h netns.NsHandle) error {
 	if criStartNetnsErr != nil {
 		return fmt.Errorf("cannot tell the host's network namespace apart: %w", criStartNetnsErr)
 	}
-	var st unix.Stat_t
-	if err := unix.Fstat(int(h), &st); err != nil {
-		return fmt.Errorf("fstat of the opened namespace: %w", err)
+	id, err := nsIDOf(h)
+	if err != nil {
+		return fmt.Errorf("the opened namespace: %w", err)
 	}
-	id := criNetnsID{uint64(st.Dev), st.Ino}
 	if id == criStartNetns {
 		return ErrHostNetwork
 	}
-	if init, err := criStatNetns("/proc/1/ns/net"); err == nil && id == init {
+	if init, err := nsIDOfPath("/proc/1/ns/net"); err == nil && id == init {
 		return ErrHostNetwork
 	}
 	return nil

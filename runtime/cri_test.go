@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
@@ -363,24 +362,6 @@ func TestCRILocateFake(t *testing.T) {
 	}
 }
 
-func criIDOfPath(t *testing.T, path string) criNetnsID {
-	t.Helper()
-	id, err := criStatNetns(path)
-	if err != nil {
-		t.Fatalf("stat %s: %v", path, err)
-	}
-	return id
-}
-
-func criIDOfHandle(t *testing.T, h netns.NsHandle) criNetnsID {
-	t.Helper()
-	var st unix.Stat_t
-	if err := unix.Fstat(int(h), &st); err != nil {
-		t.Fatalf("fstat namespace handle: %v", err)
-	}
-	return criNetnsID{uint64(st.Dev), st.Ino}
-}
-
 // TestCRIContainerd runs real pod sandboxes in a private containerd through
 // its CRI plugin, as the kubelet does, and checks that Locate opens exactly
 // the namespace containerd made for each, that the newest sandbox of a pod
@@ -444,7 +425,7 @@ func TestCRIContainerd(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Locate after removing the newer sandbox: %v", err)
 	}
-	if got := criIDOfHandle(t, n.Handle); got != firstID {
+	if got := idOfHandle(t, n.Handle); got != firstID {
 		t.Errorf("after removing the newer sandbox Locate opened %v, want the older %v", got, firstID)
 	}
 	n.Close()
@@ -458,14 +439,14 @@ func TestCRIContainerd(t *testing.T) {
 
 // checkCRISandbox locates pod, expects sandbox id's namespace, and returns
 // its identity.
-func checkCRISandbox(t *testing.T, ctx context.Context, ctr *testcri.Containerd, loc *CRI, pod Pod, id string, hostID criNetnsID) criNetnsID {
+func checkCRISandbox(t *testing.T, ctx context.Context, ctr *testcri.Containerd, loc *CRI, pod Pod, id string, hostID nsID) nsID {
 	t.Helper()
 	n, err := loc.Locate(ctx, pod)
 	if err != nil {
 		t.Fatalf("Locate(%s) with sandbox %s running: %v\ncontainerd log:\n%s", pod, id, err, ctr.LogTail(20))
 	}
 	defer n.Close()
-	got := criIDOfHandle(t, n.Handle)
+	got := idOfHandle(t, n.Handle)
 
 	// The path containerd reports for this very sandbox...
 	st, err := ctr.Runtime.PodSandboxStatus(ctx, &runtimeapi.PodSandboxStatusRequest{PodSandboxId: id, Verbose: true})
@@ -484,9 +465,9 @@ func checkCRISandbox(t *testing.T, ctx context.Context, ctr *testcri.Containerd,
 	}
 	// ...and its sandbox process's namespace are the one Locate opened.
 	pid := ctr.SandboxPid(ctx, id)
-	for what, want := range map[string]criNetnsID{
-		"path containerd reports (" + reported + ")":               criIDOfPath(t, reported),
-		fmt.Sprintf("/proc/%d/ns/net of the sandbox process", pid): criIDOfPath(t, fmt.Sprintf("/proc/%d/ns/net", pid)),
+	for what, want := range map[string]nsID{
+		"path containerd reports (" + reported + ")":               idOfPath(t, reported),
+		fmt.Sprintf("/proc/%d/ns/net of the sandbox process", pid): idOfPath(t, fmt.Sprintf("/proc/%d/ns/net", pid)),
 	} {
 		if got != want {
 			t.Errorf("Locate opened namespace %v, but the %s is %v", got, what, want)

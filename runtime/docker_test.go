@@ -14,7 +14,6 @@ import (
 	"github.com/docker/docker/api/types"
 	"github.com/docker/docker/api/types/container"
 	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
 	"github.com/cmdnu/kube-service-tunnel/test/support/testdocker"
@@ -135,26 +134,6 @@ func sandboxLabels(kind, uid string) map[string]string {
 	return testdocker.PodLabels(kind, uid, "default", "web")
 }
 
-// nsKeyOfPath is the (device, inode) of a namespace file.
-func nsKeyOfPath(t *testing.T, path string) nsKey {
-	t.Helper()
-	var st unix.Stat_t
-	if err := unix.Stat(path, &st); err != nil {
-		t.Fatalf("stat %s: %v", path, err)
-	}
-	return keyOf(&st)
-}
-
-// nsKeyOfHandle is the (device, inode) of an open namespace.
-func nsKeyOfHandle(t *testing.T, h netns.NsHandle) nsKey {
-	t.Helper()
-	var st unix.Stat_t
-	if err := unix.Fstat(int(h), &st); err != nil {
-		t.Fatalf("fstat namespace handle: %v", err)
-	}
-	return keyOf(&st)
-}
-
 // noSuchPID is above the kernel's PID_MAX_LIMIT, so no process has it.
 const noSuchPID = 1 << 30
 
@@ -179,7 +158,7 @@ func TestDockerLocateWithFakeDaemon(t *testing.T) {
 		if ns.Path != selfPath || ns.Via != "docker" {
 			t.Errorf("got path %q via %q, want %q via docker", ns.Path, ns.Via, selfPath)
 		}
-		if got, want := nsKeyOfHandle(t, ns.Handle), nsKeyOfPath(t, "/proc/self/ns/net"); got != want {
+		if got, want := idOfHandle(t, ns.Handle), idOfPath(t, "/proc/self/ns/net"); got != want {
 			t.Errorf("opened namespace %v, want %v", got, want)
 		}
 		if f.inspects["app"] != 0 || f.inspects["other-pod"] != 0 {
@@ -309,11 +288,11 @@ func TestDockerEngine(t *testing.T) {
 		if ns.Path != netnsPath(sandboxPID) || ns.Via != "docker" {
 			t.Errorf("got %s via %s, want %s via docker", ns.Path, ns.Via, netnsPath(sandboxPID))
 		}
-		got := nsKeyOfHandle(t, ns.Handle)
-		if want := nsKeyOfPath(t, netnsPath(sandboxPID)); got != want {
+		got := idOfHandle(t, ns.Handle)
+		if want := idOfPath(t, netnsPath(sandboxPID)); got != want {
 			t.Fatalf("opened namespace %v, sandbox's is %v", got, want)
 		}
-		if app := nsKeyOfPath(t, netnsPath(appPID)); got == app {
+		if app := idOfPath(t, netnsPath(appPID)); got == app {
 			t.Fatalf("the app container shares the namespace %v: the test cannot tell them apart", app)
 		}
 
@@ -349,9 +328,9 @@ func TestDockerEngine(t *testing.T) {
 			t.Fatalf("Locate: %v", err)
 		}
 		defer ns.Close()
-		got := nsKeyOfHandle(t, ns.Handle)
-		if want := nsKeyOfPath(t, netnsPath(newPID)); got != want {
-			t.Fatalf("opened %v, want the newer sandbox's %v (older: %v)", got, want, nsKeyOfPath(t, netnsPath(oldPID)))
+		got := idOfHandle(t, ns.Handle)
+		if want := idOfPath(t, netnsPath(newPID)); got != want {
+			t.Fatalf("opened %v, want the newer sandbox's %v (older: %v)", got, want, idOfPath(t, netnsPath(oldPID)))
 		}
 	})
 

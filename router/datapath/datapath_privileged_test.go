@@ -33,7 +33,7 @@ func newKernelRouter(t *testing.T, ns *testnetns.NS, cfg Config) *kernelRouter {
 	t.Cleanup(func() { rc.Close() })
 	nl := ns.Netlink()
 	ipt := ns.IPTables("iptables")
-	chain, err := hmark.NewChain(ipt, cfg.Chain, hmark.Params{Buckets: uint32(cfg.Buckets), Offset: cfg.MarkOffset, Seed: cfg.Seed})
+	chain, err := hmark.NewChain(ipt, cfg.Chain, hmark.Params{Buckets: uint32(cfg.Buckets), Offset: cfg.MarkOffset, Seed: cfg.Seed}, ipt)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -92,7 +92,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, []string{"kind"}),
 		kernelOps: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kube_service_tunnel_router_kernel_operations_total",
-			Help: "Kernel writes that succeeded, by object and operation: route replace/delete, rule add/delete, iptables_rule insert/append/delete/restore (rules written by iptables-restore), iptables_chain create/flush/delete/restore.",
+			Help: "Kernel writes that succeeded, by object and operation: route replace/delete, rule add/delete, iptables_rule insert/delete/restore (rules written by iptables-restore), iptables_chain create/flush/delete/restore.",
 		}, []string{"object", "operation"}),
 		counterErrors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kube_service_tunnel_router_vip_counter_read_errors_total",
@@ -370,20 +370,12 @@ func (c countedIPTables) DeleteChain(table, chain string) error {
 	return c.count(objectIPTablesChain, "delete", c.IPTables.DeleteChain(table, chain))
 }
 
-func (c countedIPTables) Append(table, chain string, rulespec ...string) error {
-	return c.count(objectIPTablesRule, "append", c.IPTables.Append(table, chain, rulespec...))
-}
-
 func (c countedIPTables) Insert(table, chain string, pos int, rulespec ...string) error {
 	return c.count(objectIPTablesRule, "insert", c.IPTables.Insert(table, chain, pos, rulespec...))
 }
 
 func (c countedIPTables) Delete(table, chain string, rulespec ...string) error {
 	return c.count(objectIPTablesRule, "delete", c.IPTables.Delete(table, chain, rulespec...))
-}
-
-func (c countedIPTables) DeleteById(table, chain string, id int) error {
-	return c.count(objectIPTablesRule, "delete", c.IPTables.DeleteById(table, chain, id))
 }
 
 // countedRestorer counts the iptables-restore calls that succeeded (one

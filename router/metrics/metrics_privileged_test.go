@@ -36,7 +36,7 @@ func meteredKernelRouter(t *testing.T, ns *testnetns.NS, cfg datapath.Config, m 
 	t.Cleanup(func() { rc.Close() })
 	nl := ns.Netlink()
 	ipt := ns.IPTables("iptables")
-	chain, err := hmark.NewChainWithRestorer(countedIPTables{ipt, m}, cfg.Chain,
+	chain, err := hmark.NewChain(countedIPTables{ipt, m}, cfg.Chain,
 		hmark.Params{Buckets: uint32(cfg.Buckets), Offset: cfg.MarkOffset, Seed: cfg.Seed}, countedRestorer{ipt, m})
 	if err != nil {
 		t.Fatal(err)

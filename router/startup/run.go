@@ -192,8 +192,8 @@ func openDatapath(cfg datapath.Config, createDevice bool, meter *metrics.Metrics
 		return nil, nil, nil, fmt.Errorf("iptables (is the iptables package installed?): %w", err)
 	}
 	// iptables.New() runs "iptables" (IPv4): its restorer is
-	// iptables-restore, as hmark.NewChain would choose.
-	chain, err := hmark.NewChainWithRestorer(meter.IPTables(ipt), cfg.Chain,
+	// iptables-restore.
+	chain, err := hmark.NewChain(meter.IPTables(ipt), cfg.Chain,
 		hmark.Params{Buckets: uint32(cfg.Buckets), Offset: cfg.MarkOffset, Seed: cfg.Seed},
 		meter.Restorer(hmark.NewExecRestorer("iptables")))
 	if err != nil {

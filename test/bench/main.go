@@ -162,7 +162,7 @@ func newDatapath(ns *namespace) (*datapath.Datapath, func(), error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	chain, err := hmark.NewChain(ipt, cfg.Chain, hmark.Params{Buckets: uint32(cfg.Buckets), Offset: cfg.MarkOffset, Seed: cfg.Seed})
+	chain, err := hmark.NewChain(ipt, cfg.Chain, hmark.Params{Buckets: uint32(cfg.Buckets), Offset: cfg.MarkOffset, Seed: cfg.Seed}, ipt)
 	if err != nil {
 		return nil, nil, err
 	}

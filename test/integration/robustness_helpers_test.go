@@ -120,7 +120,8 @@ func newKernelRouter(t *testing.T, cfg router.Config) *kernelRouter {
 	}
 	t.Cleanup(func() { rc.Close() })
 	nl := ns.Netlink()
-	chain, err := hmark.NewChain(ns.IPTables("iptables"), cfg.Chain, hmark.Params{Buckets: uint32(cfg.Buckets), Offset: cfg.MarkOffset, Seed: cfg.Seed})
+	ipt := ns.IPTables("iptables")
+	chain, err := hmark.NewChain(ipt, cfg.Chain, hmark.Params{Buckets: uint32(cfg.Buckets), Offset: cfg.MarkOffset, Seed: cfg.Seed}, ipt)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,0 +1,309 @@
+package hmark
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+)
+
+// IPTables is the part of github.com/coreos/go-iptables' *iptables.IPTables
+// that Chain uses: it reads every chain and writes the chains themselves
+// and the jumps in PREROUTING, while the rules inside Chain's chains go
+// through its Restorer. It is the seam to the kernel: unit tests give
+// Chain a fake, privileged tests an iptables bound to a test network
+// namespace.
+type IPTables interface {
+	// ChainExists reports whether chain exists in table.
+	ChainExists(table, chain string) (bool, error)
+	// NewChain creates chain in table; it fails if it exists.
+	NewChain(table, chain string) error
+	// ClearChain flushes chain in table (creating it if absent).
+	ClearChain(table, chain string) error
+	// DeleteChain deletes the empty, unreferenced chain from table.
+	DeleteChain(table, chain string) error
+	// List returns chain's rules as `iptables -S` prints them.
+	List(table, chain string) ([]string, error)
+	// ListWithCounters is List with "-c PACKETS BYTES" in every rule.
+	ListWithCounters(table, chain string) ([]string, error)
+	// Insert adds a rule at position pos (1-based) of chain.
+	Insert(table, chain string, pos int, rulespec ...string) error
+	// Delete removes the first rule of chain that matches rulespec.
+	Delete(table, chain string, rulespec ...string) error
+}
+
+const (
+	// Table is the iptables table that holds the router's chain: HMARK
+	// must mark packets before the routing decision.
+	Table = "mangle"
+	// RawTable holds, in sticky mode, a chain of the same name that keeps
+	// SYNs to the tunnel IPs untracked (the raw table is the only one seen
+	// before conntrack), and counts every packet to each tunnel IP.
+	RawTable = "raw"
+	// ParentChain is the built-in chain that jumps to the router's chain,
+	// in each table.
+	ParentChain = "PREROUTING"
+	// DefaultChainName is the router's own chain when none is configured.
+	DefaultChainName = "KST-HMARK"
+	// RuleComment is the iptables comment on every rule the router writes,
+	// so that operators can tell where a rule comes from.
+	RuleComment = "kube-service-tunnel"
+	// maxChainNameLen is the longest chain name iptables accepts
+	// (XT_EXTENSION_MAXNAMELEN - 1).
+	maxChainNameLen = 28
+)
+
+// Chain is the router's own chain in the mangle table: one HMARK rule per
+// tunnel IP, and a single jump to it from mangle PREROUTING. In sticky mode
+// (see SetSticky) the mangle chain also restores and saves each flow's
+// decision, and a chain of the same name in the raw table, jumped to once
+// from raw PREROUTING, sends every packet to a tunnel IP to a subchain
+// (the name and "-SYN") that keeps SYNs untracked. Chain owns everything
+// inside its chains (and removes what it did not write), but only its jump
+// rules in PREROUTING and nothing in any other chain. It
+// assumes it is the only writer of its chains: calls must not run
+// concurrently, nor two routers share a network namespace.
+type Chain struct {
+	ipt    IPTables
+	name   string
+	params Params
+	// restorer rewrites the content of a chain in one call.
+	restorer Restorer
+	// sticky is nil in stateless mode.
+	sticky *Sticky
+}
+
+// NewChain returns the router's chain named name (DefaultChainName when
+// empty), whose rules mark packets with params. The chains are read,
+// created and jumped to through ipt; their rules are written through
+// restorer (see Sync), which must write where ipt reads: the same backend,
+// in the same network namespace (for go-iptables' iptables.New(), which
+// runs "iptables", NewExecRestorer("iptables")). Nothing is written until
+// Sync.
+func NewChain(ipt IPTables, name string, params Params, restorer Restorer) (*Chain, error) {
+	if restorer == nil {
+		return nil, errors.New("hmark: new chain: nil restorer")
+	}
+	if ipt == nil {
+		return nil, errors.New("hmark: new chain: nil iptables")
+	}
+	if name == "" {
+		name = DefaultChainName
+	}
+	if err := validateChainName(name); err != nil {
+		return nil, fmt.Errorf("hmark: new chain: %w", err)
+	}
+	if err := params.Validate(); err != nil {
+		return nil, fmt.Errorf("hmark: new chain %s: %w", name, err)
+	}
+	return &Chain{ipt: ipt, name: name, params: params, restorer: restorer}, nil
+}
+
+// Name returns the name of the chain.
+func (c *Chain) Name() string { return c.name }
+
+// Params returns the HMARK parameters the chain installs.
+func (c *Chain) Params() Params { return c.params }
+
+// ensureChain creates c's chain in table if it is missing.
+func (c *Chain) ensureChain(table string) (changed int, err error) {
+	return c.ensureNamedChain(table, c.name)
+}
+
+// ensureNamedChain creates chain (c's or its raw SYN subchain) in table if
+// it is missing.
+func (c *Chain) ensureNamedChain(table, chain string) (changed int, err error) {
+	exists, err := c.ipt.ChainExists(table, chain)
+	if err != nil {
+		return 0, fmt.Errorf("hmark: sync chain %s: table %s: check chain %s: %w", c.name, table, chain, err)
+	}
+	if exists {
+		return 0, nil
+	}
+	if err := c.ipt.NewChain(table, chain); err != nil {
+		return 0, fmt.Errorf("hmark: sync chain %s: table %s: create chain %s: %w", c.name, table, chain, err)
+	}
+	return 1, nil
+}
+
+// syncJump leaves exactly one jump rule to c in table's PREROUTING, in its
+// canonical form; other rules that jump or go to c there are deleted.
+func (c *Chain) syncJump(table string) (changed int, err error) {
+	rules, err := c.listRules(table, ParentChain, false)
+	if err != nil {
+		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
+	}
+	haveCanonical := false
+	var stale []rule
+	for _, r := range rules {
+		if !r.targets(c.name) {
+			continue
+		}
+		if !haveCanonical && r.isCanonicalJump(c.name) {
+			haveCanonical = true
+			continue
+		}
+		stale = append(stale, r)
+	}
+	if !haveCanonical {
+		// Insert before deleting, so that traffic is never left unmarked.
+		if err := c.ipt.Insert(table, ParentChain, 1, c.jumpSpec()...); err != nil {
+			return changed, fmt.Errorf("hmark: sync chain %s: table %s: insert jump in %s: %w", c.name, table, ParentChain, err)
+		}
+		changed++
+	}
+	for _, r := range stale {
+		// By spec, not position: other agents write PREROUTING too.
+		if err := c.ipt.Delete(table, ParentChain, r.spec...); err != nil {
+			return changed, fmt.Errorf("hmark: sync chain %s: table %s: delete stale jump %q from %s: %w",
+				c.name, table, strings.Join(r.spec, " "), ParentChain, err)
+		}
+		changed++
+	}
+	return changed, nil
+}
+
+// jumpSpec is the canonical jump rule to c in PREROUTING.
+func (c *Chain) jumpSpec() []string {
+	return []string{"-m", "comment", "--comment", RuleComment, "-j", c.name}
+}
+
+// listRules lists and parses the rules of chain in table (not its -N/-P
+// lines).
+func (c *Chain) listRules(table, chain string, withCounters bool) ([]rule, error) {
+	var lines []string
+	var err error
+	if withCounters {
+		lines, err = c.ipt.ListWithCounters(table, chain)
+	} else {
+		lines, err = c.ipt.List(table, chain)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("list %s %s: %w", table, chain, err)
+	}
+	var rules []rule
+	for _, line := range lines {
+		r, ok, err := parseRule(line, chain, withCounters)
+		if err != nil {
+			return nil, fmt.Errorf("list %s %s: %w", table, chain, err)
+		}
+		if !ok {
+			continue
+		}
+		r.pos = len(rules) + 1
+		rules = append(rules, r)
+	}
+	return rules, nil
+}
+
+// Cleanup removes the jump rules to c from mangle PREROUTING, then c's
+// mangle chain with its rules, then the same in the raw table (where a
+// sticky Chain has its chain), then the raw SYN subchain. What is already
+// absent is not an error. It fails if a rule outside PREROUTING (and, for
+// the subchain, outside c's raw chain) still refers to a chain: Chain
+// never touches those.
+func (c *Chain) Cleanup() error {
+	err := c.cleanup(Table)
+	if err == nil {
+		err = c.cleanup(RawTable)
+	}
+	if err == nil {
+		err = c.cleanupSynChain()
+	}
+	return c.redactSeed(err)
+}
+
+func (c *Chain) cleanup(table string) error {
+	if table != Table {
+		// A raw chain is rare (sticky mode only); a jump to a missing
+		// chain cannot exist.
+		exists, err := c.ipt.ChainExists(table, c.name)
+		if err != nil {
+			return fmt.Errorf("hmark: cleanup chain %s: table %s: check chain: %w", c.name, table, err)
+		}
+		if !exists {
+			return nil
+		}
+	}
+	rules, err := c.listRules(table, ParentChain, false)
+	if err != nil {
+		return fmt.Errorf("hmark: cleanup chain %s: %w", c.name, err)
+	}
+	for _, r := range rules {
+		if !r.targets(c.name) {
+			continue
+		}
+		if err := c.ipt.Delete(table, ParentChain, r.spec...); err != nil {
+			return fmt.Errorf("hmark: cleanup chain %s: table %s: delete jump %q from %s: %w",
+				c.name, table, strings.Join(r.spec, " "), ParentChain, err)
+		}
+	}
+	return c.deleteChain(table, c.name)
+}
+
+// cleanupSynChain removes the raw SYN subchain, once c's raw chain (the
+// only one of c's chains that jumps to it) is gone. A Chain whose name
+// leaves no room for the subchain's name never had one.
+func (c *Chain) cleanupSynChain() error {
+	syn := c.synChainName()
+	if validateChainName(syn) != nil {
+		return nil
+	}
+	return c.deleteChain(RawTable, syn)
+}
+
+// deleteChain flushes and deletes chain from table, if it exists.
+func (c *Chain) deleteChain(table, chain string) error {
+	exists, err := c.ipt.ChainExists(table, chain)
+	if err != nil {
+		return fmt.Errorf("hmark: cleanup chain %s: table %s: check chain %s: %w", c.name, table, chain, err)
+	}
+	if !exists {
+		return nil
+	}
+	if err := c.ipt.ClearChain(table, chain); err != nil {
+		return fmt.Errorf("hmark: cleanup chain %s: table %s: flush %s: %w", c.name, table, chain, err)
+	}
+	if err := c.ipt.DeleteChain(table, chain); err != nil {
+		return fmt.Errorf("hmark: cleanup chain %s: table %s: delete chain %s: %w", c.name, table, chain, err)
+	}
+	return nil
+}
+
+// redactSeed hides c's seed, in the form Chain writes it and iptables
+// prints it, from err's message; the wrapped errors stay reachable with
+// errors.Is and errors.As.
+func (c *Chain) redactSeed(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &seedRedactedError{err: err, seed: fmt.Sprintf("0x%08x", c.params.Seed), fingerprint: SeedFingerprint(c.params.Seed)}
+}
+
+// seedRedactedError is an error whose message has the seed replaced by
+// its fingerprint.
+type seedRedactedError struct {
+	err               error
+	seed, fingerprint string
+}
+
+func (e *seedRedactedError) Error() string {
+	return strings.ReplaceAll(e.err.Error(), e.seed, "<seed "+e.fingerprint+">")
+}
+
+func (e *seedRedactedError) Unwrap() error { return e.err }
+
+// validateChainName rejects names iptables would refuse or misread.
+func validateChainName(name string) error {
+	switch {
+	case len(name) > maxChainNameLen:
+		return fmt.Errorf("chain name %q is longer than %d characters", name, maxChainNameLen)
+	case strings.HasPrefix(name, "-") || strings.HasPrefix(name, "!"):
+		return fmt.Errorf("chain name %q must not start with %q", name, name[:1])
+	case strings.ContainsFunc(name, func(r rune) bool { return r <= ' ' || r > '~' || r == '"' || r == '\'' }):
+		return fmt.Errorf("chain name %q must be printable ASCII without spaces or quotes", name)
+	case slices.Contains([]string{"ACCEPT", "DROP", "RETURN", "QUEUE", "PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"}, name):
+		return fmt.Errorf("chain name %q is reserved by iptables", name)
+	}
+	return nil
+}

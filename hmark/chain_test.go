@@ -1,0 +1,72 @@
+package hmark
+
+import (
+	"slices"
+	"strings"
+	"testing"
+)
+
+func TestNewChainValidates(t *testing.T) {
+	f := newFakeIPTables(t)
+	tests := []struct {
+		name    string
+		chain   string
+		params  Params
+		wantErr string
+	}{
+		{"default name", "", testParams, ""},
+		{"own name", "KST-HMARK-2", testParams, ""},
+		{"too long", strings.Repeat("K", 29), testParams, "longer than 28"},
+		{"space", "KST HMARK", testParams, "without spaces"},
+		{"option-like", "-KST", testParams, "must not start"},
+		{"built-in", "PREROUTING", testParams, "reserved"},
+		{"no buckets", "", Params{Seed: 1}, "at least 1"},
+	}
+	for _, tt := range tests {
+		c, err := NewChain(f, tt.chain, tt.params, f)
+		switch {
+		case tt.wantErr == "" && err != nil:
+			t.Errorf("%s: NewChain: %v", tt.name, err)
+		case tt.wantErr == "" && tt.chain == "" && c.Name() != DefaultChainName:
+			t.Errorf("%s: Name() = %q, want %q", tt.name, c.Name(), DefaultChainName)
+		case tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)):
+			t.Errorf("%s: NewChain err = %v, want one containing %q", tt.name, err, tt.wantErr)
+		}
+	}
+	r := NewExecRestorer("iptables-legacy")
+	if c, err := NewChain(f, "", testParams, r); err != nil || c.restorer != Restorer(r) {
+		t.Errorf("NewChain: %v, %v; want a chain writing through the restorer given", c, err)
+	}
+	if _, err := NewChain(f, "", testParams, nil); err == nil {
+		t.Errorf("NewChain(nil restorer): want an error")
+	}
+	if _, err := NewChain(nil, "", testParams, r); err == nil {
+		t.Errorf("NewChain(nil iptables): want an error")
+	}
+}
+
+func TestCleanup(t *testing.T) {
+	tests := []struct {
+		name  string
+		lines []string
+	}{
+		{"synced", []string{printedChainN, printedJump, printedRuleA, printedRuleB}},
+		{"extra jumps", []string{printedChainN, printedJump, printedRuleA, "-A PREROUTING -i eth0 -j KST-HMARK"}},
+		{"chain without jump", []string{printedChainN, printedRuleA}},
+		{"nothing there", nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := newFakeIPTables(t, slices.Concat(othersLines, tt.lines)...)
+			if err := newTestChain(t, f, testParams).Cleanup(); err != nil {
+				t.Fatalf("Cleanup: %v", err)
+			}
+			if got, want := f.dump(), newFakeIPTables(t, othersLines...).dump(); got != want {
+				t.Errorf("mangle after Cleanup:\n%s\nwant:\n%s", got, want)
+			}
+			if err := newTestChain(t, f, testParams).Cleanup(); err != nil {
+				t.Errorf("second Cleanup: %v", err)
+			}
+		})
+	}
+}

@@ -1,0 +1,454 @@
+package hmark
+
+// The fake iptables and iptables-restore that the unit tests give Chain,
+// and the fixtures they share.
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+// fakeIPTables is an in-memory iptables, and iptables-restore, with the
+// behaviour Chain relies on: it prints rules back in iptables' normalized
+// form (HMARK options rewritten, as in `iptables -S`), fails like iptables
+// on missing chains and rules, and records every write call.
+type fakeIPTables struct {
+	// chains maps "table/chain" to its rules, each as printed after
+	// "-A CHAIN ".
+	chains map[string][]fakeRule
+	// order keeps chain creation order for listing.
+	order []string
+	// writes records write calls, e.g. "insert mangle/PREROUTING 1 ..."
+	// or "restore mangle".
+	writes []string
+	// restores records the payload of every Restore call.
+	restores []string
+	// failWrite, when set, makes write calls whose record starts with it
+	// fail.
+	failWrite string
+}
+
+type fakeRule struct {
+	spec           string
+	packets, bytes uint64
+}
+
+var errFake = errors.New("fake iptables failure")
+
+// builtinChains are mangle's built-in chains, listed with a policy;
+// rawBuiltinChains are raw's.
+var (
+	builtinChains    = []string{"PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"}
+	rawBuiltinChains = []string{"PREROUTING", "OUTPUT"}
+)
+
+var (
+	_ IPTables = (*fakeIPTables)(nil)
+	_ Restorer = (*fakeIPTables)(nil)
+)
+
+// newFakeIPTables returns a fake with the built-in mangle and raw chains,
+// then lines in `iptables -t mangle -S` form ("-N X", "-A X ...") applied;
+// a line starting with "-t raw" is for the raw table.
+func newFakeIPTables(t *testing.T, lines ...string) *fakeIPTables {
+	t.Helper()
+	f := &fakeIPTables{chains: make(map[string][]fakeRule)}
+	for _, c := range builtinChains {
+		f.addChain("mangle/" + c)
+	}
+	for _, c := range rawBuiltinChains {
+		f.addChain("raw/" + c)
+	}
+	for _, line := range lines {
+		words, err := splitWords(line)
+		if err != nil || len(words) < 2 {
+			t.Fatalf("bad seed line %q: %v", line, err)
+		}
+		table := "mangle"
+		if words[0] == "-t" {
+			table, words = words[1], words[2:]
+		}
+		key := table + "/" + words[1]
+		switch words[0] {
+		case "-N":
+			f.addChain(key)
+		case "-A":
+			if _, ok := f.chains[key]; !ok {
+				t.Fatalf("seed line %q: no chain %s", line, words[1])
+			}
+			f.chains[key] = append(f.chains[key], fakeRule{spec: strings.Join(quoteWords(words[2:]), " ")})
+		default:
+			t.Fatalf("bad seed line %q", line)
+		}
+	}
+	return f
+}
+
+func (f *fakeIPTables) addChain(key string) {
+	f.chains[key] = []fakeRule{}
+	f.order = append(f.order, key)
+}
+
+func (f *fakeIPTables) write(format string, args ...any) error {
+	call := fmt.Sprintf(format, args...)
+	f.writes = append(f.writes, call)
+	if f.failWrite != "" && strings.HasPrefix(call, f.failWrite) {
+		return fmt.Errorf("%s: %w", call, errFake)
+	}
+	return nil
+}
+
+func (f *fakeIPTables) ChainExists(table, chain string) (bool, error) {
+	_, ok := f.chains[table+"/"+chain]
+	return ok, nil
+}
+
+func (f *fakeIPTables) NewChain(table, chain string) error {
+	if err := f.write("new %s/%s", table, chain); err != nil {
+		return err
+	}
+	if _, ok := f.chains[table+"/"+chain]; ok {
+		return fmt.Errorf("chain %s already exists", chain)
+	}
+	f.addChain(table + "/" + chain)
+	return nil
+}
+
+func (f *fakeIPTables) ClearChain(table, chain string) error {
+	if err := f.write("clear %s/%s", table, chain); err != nil {
+		return err
+	}
+	if _, ok := f.chains[table+"/"+chain]; !ok {
+		f.addChain(table + "/" + chain)
+	}
+	f.chains[table+"/"+chain] = []fakeRule{}
+	return nil
+}
+
+func (f *fakeIPTables) DeleteChain(table, chain string) error {
+	key := table + "/" + chain
+	if err := f.write("delete-chain %s", key); err != nil {
+		return err
+	}
+	rules, ok := f.chains[key]
+	if !ok {
+		return fmt.Errorf("no chain %s", chain)
+	}
+	if len(rules) > 0 {
+		return fmt.Errorf("chain %s is not empty", chain)
+	}
+	for _, k := range f.order {
+		if !strings.HasPrefix(k, table+"/") {
+			continue // references do not cross tables
+		}
+		for _, r := range f.chains[k] {
+			if slices.Contains(strings.Fields(r.spec), chain) {
+				return fmt.Errorf("chain %s is referenced from %s", chain, k)
+			}
+		}
+	}
+	delete(f.chains, key)
+	f.order = slices.DeleteFunc(f.order, func(k string) bool { return k == key })
+	return nil
+}
+
+func (f *fakeIPTables) list(table, chain string, counters bool) ([]string, error) {
+	key := table + "/" + chain
+	rules, ok := f.chains[key]
+	if !ok {
+		return nil, fmt.Errorf("iptables: chain %s does not exist", chain)
+	}
+	var out []string
+	if slices.Contains(builtinChains, chain) {
+		out = append(out, "-P "+chain+" ACCEPT")
+	} else {
+		out = append(out, "-N "+chain)
+	}
+	for _, r := range rules {
+		spec := r.spec
+		if counters {
+			// iptables 1.8 prints the counters before the target.
+			c := fmt.Sprintf("-c %d %d", r.packets, r.bytes)
+			if i := strings.Index(spec, "-j "); i >= 0 {
+				spec = spec[:i] + c + " " + spec[i:]
+			} else {
+				spec += " " + c
+			}
+		}
+		out = append(out, "-A "+chain+" "+spec)
+	}
+	return out, nil
+}
+
+func (f *fakeIPTables) List(table, chain string) ([]string, error) {
+	return f.list(table, chain, false)
+}
+
+func (f *fakeIPTables) ListWithCounters(table, chain string) ([]string, error) {
+	return f.list(table, chain, true)
+}
+
+func (f *fakeIPTables) Insert(table, chain string, pos int, rulespec ...string) error {
+	key := table + "/" + chain
+	if err := f.write("insert %s %d %s", key, pos, strings.Join(rulespec, " ")); err != nil {
+		return err
+	}
+	rules, ok := f.chains[key]
+	if !ok || pos < 1 || pos > len(rules)+1 {
+		return fmt.Errorf("bad insert into %s at %d", chain, pos)
+	}
+	f.chains[key] = slices.Insert(rules, pos-1, fakeRule{spec: normalizeFakeSpec(rulespec)})
+	return nil
+}
+
+func (f *fakeIPTables) Delete(table, chain string, rulespec ...string) error {
+	key := table + "/" + chain
+	if err := f.write("delete %s %s", key, strings.Join(rulespec, " ")); err != nil {
+		return err
+	}
+	spec := normalizeFakeSpec(rulespec)
+	i := slices.IndexFunc(f.chains[key], func(r fakeRule) bool { return r.spec == spec })
+	if i < 0 {
+		return errors.New("Bad rule (does a matching rule exist in that chain?)")
+	}
+	f.chains[key] = slices.Delete(f.chains[key], i, i+1)
+	return nil
+}
+
+// Restore applies payload as `iptables-restore --noflush --counters` does:
+// atomically (all or nothing), each declared chain created or flushed,
+// rules appended (with the counters of a "[PACKETS:BYTES]" prefix), every
+// other chain left alone. It rejects what Chain must never
+// write: another table, a policy, a rule for an undeclared chain of the
+// payload that does not exist, a missing COMMIT. Like iptables-restore, its
+// errors quote the offending line.
+func (f *fakeIPTables) Restore(table string, payload []byte) error {
+	f.restores = append(f.restores, string(payload))
+	if err := f.write("restore %s", table); err != nil {
+		// Quote the first rule, as iptables-restore may quote a failed one.
+		var rule string
+		for l := range strings.Lines(string(payload)) {
+			if strings.HasPrefix(l, "-A ") {
+				rule = strings.TrimSuffix(l, "\n")
+				break
+			}
+		}
+		return fmt.Errorf("rule %q failed: %w", rule, err)
+	}
+	text, ok := strings.CutSuffix(string(payload), "\n")
+	if !ok {
+		return errors.New("restore: payload does not end with a newline")
+	}
+	lines := strings.Split(text, "\n")
+	if len(lines) < 2 || lines[0] != "*"+table || lines[len(lines)-1] != "COMMIT" {
+		return fmt.Errorf("restore: payload is not one *%s table ending in COMMIT:\n%s", table, payload)
+	}
+	// Work on a copy and commit it only when every line applied.
+	chains := make(map[string][]fakeRule, len(f.chains))
+	for k, rules := range f.chains {
+		chains[k] = slices.Clone(rules)
+	}
+	order := slices.Clone(f.order)
+	for i, line := range lines[1 : len(lines)-1] {
+		var counters fakeRule
+		if rest, ok := strings.CutPrefix(line, "["); ok {
+			pb, after, found := strings.Cut(rest, "] ")
+			p, b, colon := strings.Cut(pb, ":")
+			var perr, berr error
+			counters.packets, perr = strconv.ParseUint(p, 10, 64)
+			counters.bytes, berr = strconv.ParseUint(b, 10, 64)
+			if !found || !colon || perr != nil || berr != nil || !strings.HasPrefix(after, "-A ") {
+				return fmt.Errorf("restore: line %d %q: bad counters", i+2, line)
+			}
+			line = after
+		}
+		words, err := splitWords(line)
+		if err != nil || len(words) < 2 {
+			return fmt.Errorf("restore: line %d %q: bad line", i+2, line)
+		}
+		key := table + "/" + words[1]
+		switch {
+		case strings.HasPrefix(words[0], ":") && len(words) == 3 && words[1] == "-" && words[2] == "[0:0]":
+			key = table + "/" + strings.TrimPrefix(words[0], ":")
+			if slices.Contains(builtinChains, strings.TrimPrefix(words[0], ":")) {
+				return fmt.Errorf("restore: line %d %q: Chain writes no policy", i+2, line)
+			}
+			if _, ok := chains[key]; !ok {
+				order = append(order, key)
+			}
+			chains[key] = []fakeRule{}
+		case words[0] == "-A":
+			if _, ok := chains[key]; !ok {
+				return fmt.Errorf("restore: line %d %q: no chain %s", i+2, line, words[1])
+			}
+			chains[key] = append(chains[key], fakeRule{spec: normalizeFakeSpec(words[2:]), packets: counters.packets, bytes: counters.bytes})
+		default:
+			return fmt.Errorf("restore: line %d %q: unexpected", i+2, line)
+		}
+	}
+	f.chains, f.order = chains, order
+	return nil
+}
+
+// normalizeFakeSpec prints a rule spec the way iptables -S prints it back:
+// HMARK's --hmark-tuple src,dst,sport,dport,proto becomes its prefixes and
+// masks, and the options come in libxt_HMARK's order and number formats.
+func normalizeFakeSpec(spec []string) string {
+	j := slices.Index(spec, "HMARK")
+	if j < 1 || spec[j-1] != "-j" {
+		return strings.Join(quoteWords(spec), " ")
+	}
+	opts := make(map[string]string)
+	for i := j + 1; i+1 < len(spec); i += 2 {
+		opts[spec[i]] = spec[i+1]
+	}
+	out := slices.Clone(spec[:j+1])
+	if opts["--hmark-tuple"] == "src,dst,sport,dport,proto" {
+		out = append(out, "--hmark-src-prefix", "32", "--hmark-dst-prefix", "32",
+			"--hmark-sport-mask", "0xffff", "--hmark-dport-mask", "0xffff", "--hmark-proto-mask", "0xffff")
+	}
+	num := func(s string) uint64 {
+		v, err := strconv.ParseUint(s, 0, 32)
+		if err != nil {
+			panic(fmt.Sprintf("fake iptables: bad number %q", s))
+		}
+		return v
+	}
+	out = append(out, "--hmark-rnd", fmt.Sprintf("0x%08x", num(opts["--hmark-rnd"])),
+		"--hmark-mod", strconv.FormatUint(num(opts["--hmark-mod"]), 10))
+	if off, ok := opts["--hmark-offset"]; ok {
+		out = append(out, "--hmark-offset", strconv.FormatUint(num(off), 10))
+	}
+	return strings.Join(quoteWords(out), " ")
+}
+
+// quoteWords quotes words with spaces or quotes as iptables -S does.
+func quoteWords(words []string) []string {
+	out := make([]string, len(words))
+	for i, w := range words {
+		if strings.ContainsAny(w, " \"\\") {
+			w = `"` + strings.NewReplacer(`\`, `\\`, `"`, `\"`).Replace(w) + `"`
+		}
+		out[i] = w
+	}
+	return out
+}
+
+// dump returns the fake's mangle table as `iptables -t mangle -S` would.
+func (f *fakeIPTables) dump() string { return f.dumpTable("mangle") }
+
+// dumpTable returns one of the fake's tables as `iptables -t TABLE -S`
+// would.
+func (f *fakeIPTables) dumpTable(table string) string {
+	var lines []string
+	for _, key := range f.order {
+		chain, ok := strings.CutPrefix(key, table+"/")
+		if !ok {
+			continue
+		}
+		l, _ := f.list(table, chain, false)
+		lines = append(lines, l...)
+	}
+	return strings.Join(lines, "\n")
+}
+
+// Lines as Linux 6.18's iptables v1.8.9 (nft and legacy alike) printed
+// them for Chain's rules with testParams.
+const (
+	printedJump   = "-A PREROUTING -m comment --comment kube-service-tunnel -j KST-HMARK"
+	printedRuleA  = "-A KST-HMARK -d 10.96.0.10/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 256"
+	printedRuleB  = "-A KST-HMARK -d 10.96.0.20/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 256"
+	printedRuleC  = "-A KST-HMARK -d 10.96.0.30/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 256"
+	printedChainN = "-N KST-HMARK"
+)
+
+var (
+	testParams = Params{Buckets: 16, Offset: 256, Seed: 0xc0ffee}
+	vipA       = netip.MustParseAddr("10.96.0.10")
+	vipB       = netip.MustParseAddr("10.96.0.20")
+	vipC       = netip.MustParseAddr("10.96.0.30")
+	// Rules of others that Chain must never touch.
+	othersLines = []string{
+		"-N OPERATOR",
+		"-A OPERATOR -d 10.1.1.1/32 -j MARK --set-xmark 0x5/0xffffffff",
+		"-A OPERATOR -d 10.96.0.10/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x00000001 --hmark-mod 2",
+		"-A FORWARD -j OPERATOR",
+		`-A PREROUTING -p tcp -m comment --comment "someone else's \"rule\"" -j MARK --set-xmark 0x9/0xffffffff`,
+	}
+)
+
+// targetsOf returns one Target per tunnel IP, each on the chain's own
+// offset (Offset 0).
+func targetsOf(vips ...netip.Addr) []Target {
+	targets := make([]Target, len(vips))
+	for i, vip := range vips {
+		targets[i] = Target{VIP: vip}
+	}
+	return targets
+}
+
+// newTestChain returns the default chain over f, with params; f is its
+// restorer too.
+func newTestChain(t *testing.T, f *fakeIPTables, params Params) *Chain {
+	t.Helper()
+	c, err := NewChain(f, "", params, f)
+	if err != nil {
+		t.Fatalf("NewChain: %v", err)
+	}
+	return c
+}
+
+// canonicalState is the mangle table once Chain has synced vips with
+// testParams on top of othersLines (jump inserted first in PREROUTING,
+// rules sorted by tunnel IP).
+func canonicalState(t *testing.T, ruleLines ...string) string {
+	t.Helper()
+	f := newFakeIPTables(t, slices.Concat(othersLines, []string{printedChainN}, ruleLines)...)
+	f.chains["mangle/PREROUTING"] = slices.Insert(f.chains["mangle/PREROUTING"], 0,
+		fakeRule{spec: strings.TrimPrefix(printedJump, "-A PREROUTING ")})
+	return f.dump()
+}
+
+// sameState compares two dumps of mangle, ignoring the order of rules in
+// PREROUTING (Chain keeps a jump where it finds it) and in Chain's own
+// chain (whose rules all continue, so order does not matter); every other
+// chain must be identical, order included.
+func sameState(a, b string) bool {
+	return sameIgnoringOrder(a, b, "-A PREROUTING ", "-A "+DefaultChainName+" ")
+}
+
+// sameIgnoringOrder compares two dumps, ignoring the order of the lines
+// that start with one of unordered; every other line must be identical,
+// order included.
+func sameIgnoringOrder(a, b string, unordered ...string) bool {
+	key := func(dump string) string {
+		var fixed, free []string
+		for _, l := range strings.Split(dump, "\n") {
+			if slices.ContainsFunc(unordered, func(prefix string) bool { return strings.HasPrefix(l, prefix) }) {
+				free = append(free, l)
+			} else {
+				fixed = append(fixed, l)
+			}
+		}
+		slices.Sort(free)
+		return strings.Join(fixed, "\n") + "\n--\n" + strings.Join(free, "\n")
+	}
+	return key(a) == key(b)
+}
+
+// checkWrites compares f's writes with prefixes of the wanted ones.
+func checkWrites(t *testing.T, step string, f *fakeIPTables, want []string) {
+	t.Helper()
+	ok := len(f.writes) == len(want)
+	for i := 0; ok && i < len(want); i++ {
+		ok = strings.HasPrefix(f.writes[i], want[i])
+	}
+	if !ok {
+		t.Errorf("%s: writes:\n%s\nwant (prefixes):\n%s", step, strings.Join(f.writes, "\n"), strings.Join(want, "\n"))
+	}
+}

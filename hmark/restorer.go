@@ -1,0 +1,90 @@
+package hmark
+
+import (
+	"bytes"
+	"fmt"
+	"os/exec"
+	"strings"
+)
+
+// Restorer is the seam to iptables-restore: Chain hands it the whole new
+// content of its chain in one payload, so that rewriting 10,000 rules costs
+// one process instead of 10,000. ExecRestorer runs the real binary; unit
+// tests give Chain a fake, privileged tests a restorer bound to a test
+// network namespace.
+type Restorer interface {
+	// Restore applies payload, in iptables-save format and for table only
+	// ("*table", chain declarations, rules, "COMMIT"), as `iptables-restore
+	// --noflush --counters --wait` does: atomically, each chain the payload
+	// declares flushed and refilled, every other chain and rule left as it
+	// is, and a rule written "[PACKETS:BYTES] -A ..." starting from those
+	// counters (Chain carries a rewritten rule's counters over that way; a
+	// restorer that ignores them only makes the counters restart from 0).
+	// Errors may quote the payload; Chain scrubs its seed from them.
+	Restore(table string, payload []byte) error
+}
+
+// ExecRestorer is the Restorer that runs an iptables-restore binary with
+// --noflush --counters --wait (waiting for the xtables lock, like
+// go-iptables does).
+type ExecRestorer struct {
+	// Command is the iptables-restore binary: a name looked up in PATH,
+	// or a path. It must match the iptables binary Chain reads with (same
+	// backend), or Chain writes rules where it never reads them.
+	Command string
+}
+
+// NewExecRestorer returns the Restorer that runs the iptables-restore
+// matching iptablesBinary, a name or a path: "iptables" (or "") gives
+// "iptables-restore", "iptables-legacy" gives "iptables-legacy-restore",
+// "/usr/sbin/iptables-nft" gives "/usr/sbin/iptables-nft-restore".
+func NewExecRestorer(iptablesBinary string) *ExecRestorer {
+	if iptablesBinary == "" {
+		iptablesBinary = "iptables"
+	}
+	return &ExecRestorer{Command: iptablesBinary + "-restore"}
+}
+
+// Restore runs `Command --noflush --counters --wait` with payload on its
+// standard input. It refuses a payload that does not start with "*table".
+// Its error has the tool's output, which may quote a rule of the payload.
+func (r *ExecRestorer) Restore(table string, payload []byte) error {
+	if !bytes.HasPrefix(payload, []byte("*"+table+"\n")) {
+		return fmt.Errorf("%s: payload does not start with *%s", r.Command, table)
+	}
+	cmd := exec.Command(r.Command, "--noflush", "--counters", "--wait")
+	cmd.Stdin = bytes.NewReader(payload)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("%s --noflush --counters --wait (table %s): %w: %s", r.Command, table, err, strings.TrimSpace(out.String()))
+	}
+	return nil
+}
+
+// restorePayloadOf is the iptables-restore input that replaces the content
+// of chain in table with desired, in order. With --noflush, declaring the
+// chain flushes it (and creates it if absent); no other chain is declared,
+// so no other chain changes. A rule with non-zero counters starts with
+// "[PACKETS:BYTES]", which iptables-restore --counters gives the new rule.
+// No word needs quoting: the chain name is validated, the comment is
+// RuleComment, the rest are numbers, addresses, chain and option names.
+func restorePayloadOf(table, chain string, desired []desiredRule) []byte {
+	var b bytes.Buffer
+	b.Grow(64 + len(desired)*(len(chain)+200))
+	fmt.Fprintf(&b, "*%s\n:%s - [0:0]\n", table, chain)
+	for _, d := range desired {
+		if d.counters != (Counter{}) {
+			fmt.Fprintf(&b, "[%d:%d] ", d.counters.Packets, d.counters.Bytes)
+		}
+		b.WriteString("-A ")
+		b.WriteString(chain)
+		for _, w := range d.spec {
+			b.WriteByte(' ')
+			b.WriteString(w)
+		}
+		b.WriteByte('\n')
+	}
+	b.WriteString("COMMIT\n")
+	return b.Bytes()
+}

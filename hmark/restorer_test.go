@@ -1,0 +1,81 @@
+package hmark
+
+import (
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+)
+
+// writeScript writes an executable shell script.
+func writeScript(t *testing.T, path, body string) {
+	t.Helper()
+	if err := os.WriteFile(path, []byte("#!/bin/sh\n"+body), 0o755); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestExecRestorer runs ExecRestorer against stand-in iptables-restore
+// scripts: it passes --noflush --counters --wait and the payload on stdin, and a
+// failure reaches Sync's error with the tool's output but not the seed.
+func TestExecRestorer(t *testing.T) {
+	if _, err := os.Stat("/bin/sh"); err != nil {
+		t.Skip("needs /bin/sh")
+	}
+	dir := t.TempDir()
+	writeScript(t, filepath.Join(dir, "iptables-restore"), `echo "$@" > "$(dirname "$0")/args"; cat > "$(dirname "$0")/stdin"`+"\n")
+	f := newFakeIPTables(t, slices.Concat(othersLines, []string{printedChainN, printedJump})...)
+	c, err := NewChain(f, "", testParams, NewExecRestorer(filepath.Join(dir, "iptables")))
+	if err != nil {
+		t.Fatalf("NewChain: %v", err)
+	}
+	if changed, err := c.Sync(targetsOf(vipA)); err != nil || changed != 1 {
+		t.Fatalf("Sync = %d, %v; want 1, nil", changed, err)
+	}
+	args, _ := os.ReadFile(filepath.Join(dir, "args"))
+	stdin, _ := os.ReadFile(filepath.Join(dir, "stdin"))
+	if string(args) != "--noflush --counters --wait\n" {
+		t.Errorf("iptables-restore ran with %q, want --noflush --counters --wait", args)
+	}
+	if want := string(c.restorePayload(Table, []desiredRule{{spec: c.ruleSpec(vipA, testParams.Offset)}})); string(stdin) != want || !strings.HasPrefix(want, "*mangle\n:KST-HMARK - [0:0]\n-A KST-HMARK -d 10.96.0.10/32 ") {
+		t.Errorf("iptables-restore read:\n%s\nwant:\n%s", stdin, want)
+	}
+
+	// A failing tool that echoes its input, as a verbose one might.
+	writeScript(t, filepath.Join(dir, "iptables-legacy-restore"), "cat >&2; echo 'Error occurred at line: 3' >&2; exit 2\n")
+	c, err = NewChain(f, "", testParams, NewExecRestorer(filepath.Join(dir, "iptables-legacy")))
+	if err != nil {
+		t.Fatalf("NewChain: %v", err)
+	}
+	changed, err := c.Sync(targetsOf(vipA, vipB))
+	if err == nil || changed != 0 {
+		t.Fatalf("Sync with a failing iptables-restore = %d, %v; want 0 and an error", changed, err)
+	}
+	for _, want := range []string{"iptables-legacy-restore", "exit status 2", "Error occurred at line: 3", "-d 10.96.0.20/32", "<seed " + SeedFingerprint(testParams.Seed) + ">"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("Sync err = %q, want %q in it", err, want)
+		}
+	}
+	if strings.Contains(err.Error(), "c0ffee") {
+		t.Errorf("Sync err = %q shows the seed", err)
+	}
+
+	if err := NewExecRestorer(filepath.Join(dir, "iptables")).Restore("filter", []byte("*mangle\nCOMMIT\n")); err == nil {
+		t.Errorf("Restore of a mangle payload as table filter: want an error")
+	}
+}
+
+func TestNewExecRestorer(t *testing.T) {
+	for in, want := range map[string]string{
+		"":                       "iptables-restore",
+		"iptables":               "iptables-restore",
+		"iptables-legacy":        "iptables-legacy-restore",
+		"/usr/sbin/iptables-nft": "/usr/sbin/iptables-nft-restore",
+		"ip6tables":              "ip6tables-restore",
+	} {
+		if got := NewExecRestorer(in).Command; got != want {
+			t.Errorf("NewExecRestorer(%q).Command = %q, want %q", in, got, want)
+		}
+	}
+}
