@@ -35,44 +35,12 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 )
 
-// workKind is what a queue item asks a worker to do.
-type workKind uint8
-
-const (
-	syncPodWork workKind = iota // converge one local pod's namespace
-	desiredWork                 // recompute the desired state of every local pod
-	nodeWork                    // converge the node's own namespace
-	resyncWork                  // check every local pod and the node again
-)
-
-// queueKey is an item of the agent's queue.
-type queueKey struct {
-	kind workKind
-	// pod is the Pod's "namespace/name" (syncPodWork).
-	pod string
-}
-
+// Queue items that are not one pod.
 var (
-	desiredKey = queueKey{kind: desiredWork}
-	nodeKey    = queueKey{kind: nodeWork}
-	resyncKey  = queueKey{kind: resyncWork}
+	desiredKey = daemon.Job("desired") // recompute the desired state of every local pod
+	nodeKey    = daemon.Job("node")    // converge the node's own namespace
+	resyncKey  = daemon.Job("resync")  // check every local pod and the node again
 )
-
-// podKey is the queue item of the Pod "namespace/name".
-func podKey(key string) queueKey { return queueKey{pod: key} }
-
-// String names the item in logs.
-func (k queueKey) String() string {
-	switch k.kind {
-	case desiredWork:
-		return "desired"
-	case nodeWork:
-		return "node"
-	case resyncWork:
-		return "resync"
-	}
-	return k.pod
-}
 
 // PodSyncer converges one pod's namespace (*PodNetwork).
 type PodSyncer interface {
@@ -147,7 +115,7 @@ type Controller struct {
 	pods     corelisters.PodLister
 	nodes    corelisters.NodeLister
 	synced   []cache.InformerSynced
-	queue    workqueue.TypedRateLimitingInterface[queueKey]
+	queue    workqueue.TypedRateLimitingInterface[daemon.QueueKey]
 	liveness daemon.Liveness
 	locator  runtime.Locator
 	podNet   PodSyncer
@@ -190,8 +158,8 @@ func NewController(cfg Config, inf Informers, locator runtime.Locator, podNet Po
 		synced: []cache.InformerSynced{svcInformer.Informer().HasSynced, sliceInformer.Informer().HasSynced,
 			podInformer.Informer().HasSynced, nodeInformer.Informer().HasSynced},
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
-			workqueue.NewTypedItemExponentialFailureRateLimiter[queueKey](500*time.Millisecond, 2*time.Minute),
-			workqueue.TypedRateLimitingQueueConfig[queueKey]{Name: "tunnel-endpoint"}),
+			workqueue.NewTypedItemExponentialFailureRateLimiter[daemon.QueueKey](500*time.Millisecond, 2*time.Minute),
+			workqueue.TypedRateLimitingQueueConfig[daemon.QueueKey]{Name: "tunnel-endpoint"}),
 		locator:  locator,
 		podNet:   podNet,
 		nodeNet:  nodeNet,
@@ -308,7 +276,7 @@ func (c *Controller) enqueuePod(obj any) {
 		utilruntime.HandleError(err)
 		return
 	}
-	c.queue.Add(podKey(key))
+	c.queue.Add(daemon.ObjectKey(key))
 }
 
 // SetMetrics makes the controller record its metrics on m and hand the
@@ -396,17 +364,17 @@ func (c *Controller) processNext(ctx context.Context) bool {
 	var err error
 	var kind string
 	start := time.Now()
-	switch key.kind {
-	case resyncWork:
+	switch key {
+	case resyncKey:
 		kind, err = syncKindResync, c.resync()
-	case desiredWork:
+	case desiredKey:
 		kind, err = syncKindDesired, c.recompute()
-	case nodeWork:
+	case nodeKey:
 		kind, err = syncKindNode, c.syncNode()
 	default:
-		kind, err = syncKindPod, c.syncPod(ctx, key.pod)
+		kind, err = syncKindPod, c.syncPod(ctx, key.Object)
 		if err == nil {
-			c.podConverged(key.pod)
+			c.podConverged(key.Object)
 		}
 	}
 	if errors.Is(err, errDesiredStale) {
@@ -436,7 +404,7 @@ func (c *Controller) resync() error {
 	c.clean = map[string]string{}
 	c.mu.Unlock()
 	for _, pod := range pods {
-		c.queue.Add(podKey(pod.Namespace + "/" + pod.Name))
+		c.queue.Add(daemon.ObjectKey(pod.Namespace + "/" + pod.Name))
 	}
 	c.queue.Add(nodeKey)
 	return nil
@@ -491,7 +459,7 @@ func (c *Controller) recompute() error {
 	changed := false
 	for key := range keysOf(old, desired) {
 		if !old[key].Equal(desired[key]) {
-			c.queue.Add(podKey(key))
+			c.queue.Add(daemon.ObjectKey(key))
 			changed = true
 		}
 	}

@@ -45,46 +45,16 @@ const (
 	ReasonProgramFailed    = "TunnelProgramFailed"
 )
 
-// workKind is what a queue item asks the worker to do.
-type workKind uint8
-
-const (
-	// syncServiceWork converges the tunnel IPs of one Service.
-	syncServiceWork workKind = iota
-	// resyncWork hands the datapath the whole desired state.
-	resyncWork
-	// networksWork re-reads the Nodes' addresses and pod ranges, and
-	// re-evaluates every Service when they changed (the address pools).
-	networksWork
-	// generationsWork removes the routing generations no flow uses any more.
-	generationsWork
-)
-
-// queueKey is an item of the controller's queue.
-type queueKey struct {
-	kind workKind
-	// service is the Service's "namespace/name" (syncServiceWork).
-	service string
-}
-
+// Queue items that are not one Service.
 var (
-	resyncKey      = queueKey{kind: resyncWork}
-	networksKey    = queueKey{kind: networksWork}
-	generationsKey = queueKey{kind: generationsWork}
+	// resyncKey hands the datapath the whole desired state.
+	resyncKey = daemon.Job("resync")
+	// networksKey re-reads the Nodes' addresses and pod ranges, and
+	// re-evaluates every Service when they changed (the address pools).
+	networksKey = daemon.Job("networks")
+	// generationsKey removes the routing generations no flow uses any more.
+	generationsKey = daemon.Job("generations")
 )
-
-// String names the item in logs.
-func (k queueKey) String() string {
-	switch k.kind {
-	case resyncWork:
-		return "resync"
-	case networksWork:
-		return "networks"
-	case generationsWork:
-		return "generations"
-	}
-	return k.service
-}
 
 // Programmer is what the controller asks of the datapath (*Datapath).
 type Programmer interface {
@@ -116,7 +86,7 @@ type Controller struct {
 	nodes    corelisters.NodeLister
 	pods     corelisters.PodLister
 	synced   []cache.InformerSynced
-	queue    workqueue.TypedRateLimitingInterface[queueKey]
+	queue    workqueue.TypedRateLimitingInterface[daemon.QueueKey]
 	recorder record.EventRecorder
 	dp       Programmer
 	log      logrus.FieldLogger
@@ -204,8 +174,8 @@ func NewController(cfg Config, client kubernetes.Interface, factory informers.Sh
 		pods:     podInformer.Lister(),
 		synced: []cache.InformerSynced{svcInformer.Informer().HasSynced, sliceInformer.Informer().HasSynced,
 			nodeInformer.Informer().HasSynced, podInformer.Informer().HasSynced},
-		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[queueKey](),
-			workqueue.TypedRateLimitingQueueConfig[queueKey]{Name: "tunnel-router"}),
+		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[daemon.QueueKey](),
+			workqueue.TypedRateLimitingQueueConfig[daemon.QueueKey]{Name: "tunnel-router"}),
 		recorder: recorder,
 		dp:       dp,
 		log:      log,
@@ -284,7 +254,7 @@ func (c *Controller) enqueueObject(obj any) {
 		utilruntime.HandleError(err)
 		return
 	}
-	c.queue.Add(queueKey{service: key})
+	c.queue.Add(daemon.ObjectKey(key))
 }
 
 func (c *Controller) enqueueSliceService(obj any) {
@@ -296,7 +266,7 @@ func (c *Controller) enqueueSliceService(obj any) {
 		return
 	}
 	if svc := es.Labels[discoveryv1.LabelServiceName]; svc != "" {
-		c.queue.Add(queueKey{service: es.Namespace + "/" + svc})
+		c.queue.Add(daemon.ObjectKey(es.Namespace + "/" + svc))
 	}
 }
 
@@ -431,15 +401,15 @@ func (c *Controller) processNext() bool {
 	defer c.queue.Done(key)
 	defer c.liveness.Begin(key.String())()
 	var err error
-	switch key.kind {
-	case resyncWork:
+	switch key {
+	case resyncKey:
 		err = c.reconcile(metrics.ReconcileResync, c.resync)
-	case networksWork:
+	case networksKey:
 		err = c.reconcile(metrics.ReconcileNetworks, c.networksChanged)
-	case generationsWork:
+	case generationsKey:
 		err = c.collectGenerations()
 	default:
-		err = c.reconcile(metrics.ReconcileService, func() error { return c.syncService(key.service) })
+		err = c.reconcile(metrics.ReconcileService, func() error { return c.syncService(key.Object) })
 	}
 	if err != nil {
 		c.log.WithError(err).WithField("key", key.String()).Warn("sync failed, will retry")

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/router/metrics"
 	"github.com/cmdnu/kube-service-tunnel/test/support/promtest"
@@ -181,7 +182,7 @@ func TestControllerMetricsFollowClaimsAndEndpoints(t *testing.T) {
 func TestControllerMetricsCountReconcilesAndErrors(t *testing.T) {
 	tc, reg := newMeteredController(t, "192.0.2.0/24")
 	tc.add(t, tunnelSvc("web", "a", "192.0.2.10", time.Hour), oneEndpoint("web", "a", "10.244.1.5"))
-	process := func(key queueKey) {
+	process := func(key daemon.QueueKey) {
 		t.Helper()
 		tc.queue.Add(key)
 		if !tc.processNext() {
@@ -189,9 +190,9 @@ func TestControllerMetricsCountReconcilesAndErrors(t *testing.T) {
 		}
 	}
 	process(resyncKey)
-	process(queueKey{service: "web/a"})
+	process(daemon.ObjectKey("web/a"))
 	tc.dp.fail = errors.New("kernel says no")
-	process(queueKey{service: "web/a"})
+	process(daemon.ObjectKey("web/a"))
 	process(networksKey) // nothing changed: no resync, no error
 	tc.dp.fail = nil
 
