@@ -1,6 +1,6 @@
 // Command tunnel-endpoint runs on every node. It enters the network namespace
 // of each local endpoint pod of a tunnel Service and adds the tunnel IP there
-// with a GRE or MPLS decapsulation path. See README.md for every flag.
+// with a GRE or MPLS decapsulation path. See docs/flags.md for every flag.
 package main
 
 import (

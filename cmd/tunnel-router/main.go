@@ -1,6 +1,6 @@
 // Command tunnel-router runs on every node labelled node=tunnel. It marks each
 // packet for a tunnel IP with iptables HMARK and routes each bucket of flows
-// to one endpoint pod over GRE or MPLS. See README.md for every flag.
+// to one endpoint pod over GRE or MPLS. See docs/flags.md for every flag.
 package main
 
 import (

@@ -1,6 +1,6 @@
 // Package e2e is the end-to-end lab: the project's real daemons, a real
 // kube-apiserver and etcd, and a real Linux datapath (GRE, MPLS, HMARK) in
-// the lab VM, driven through the scenarios of test/e2e/README.md in both
+// the lab VM, driven through the scenarios of docs/testing.md ("The end-to-end lab") in both
 // encapsulation modes.
 //
 // TestE2E runs on the host: it starts the API server, builds this package's
