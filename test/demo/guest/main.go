@@ -368,12 +368,52 @@ func drain(ctx context.Context, l *topology.Lab, client netns.NsHandle, service 
 			break
 		}
 		if time.Since(start) > time.Minute {
+			showOldGenerationEntries(ctx, l, vip)
 			return fmt.Errorf("the routers still hold %d old generations of %v after a minute", old, vip)
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
 	say("no connection uses generation %d any more: both routers deleted its routes %v later", oldGen, time.Since(start).Round(100*time.Millisecond))
 	return nil
+}
+
+// showOldGenerationEntries prints, for each router that still holds an
+// older generation of vip, the conntrack entries whose mark belongs to one:
+// the entries the router counts as flows keep it.
+func showOldGenerationEntries(ctx context.Context, l *topology.Lab, vip netip.Addr) {
+	for _, r := range l.Routers {
+		gens, err := l.Generations(ctx, r, vip)
+		if err != nil {
+			say("%s: %v", r.Name, err)
+			continue
+		}
+		if len(gens) <= 1 {
+			continue
+		}
+		cur, err := l.CurrentGeneration(ctx, r, vip)
+		if err != nil {
+			say("%s: %v", r.Name, err)
+			continue
+		}
+		entries, err := l.OldGenerationEntries(ctx, r, vip, cur)
+		if err != nil {
+			say("%s: conntrack: %v", r.Name, err)
+			continue
+		}
+		say("%s holds generations %v of %v (%d is current); its conntrack entries with an older generation's mark:", r.Name, gens, vip, cur)
+		if len(entries) == 0 {
+			say("  none")
+		}
+		for _, e := range entries {
+			gen, _ := l.GenerationOfMark(e.Mark)
+			what := fmt.Sprintf("keeps generation %d: the router counts it as a flow", gen)
+			if !e.CountsAsFlow(hmark.DefaultTCPMinExpire) {
+				what = fmt.Sprintf("generation %d; closing (%d s or less left): not a flow", gen, hmark.DefaultTCPMinExpire)
+			}
+			say("  %v", e)
+			say("    %s", what)
+		}
+	}
 }
 
 // waitEcho waits until the stream has echoed n bytes intact.
