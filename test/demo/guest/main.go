@@ -27,6 +27,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/topology"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
 )
@@ -259,6 +260,17 @@ func run(ctx context.Context) (err error) {
 	return nil
 }
 
+// conntrackUnackTimeout is the lifetime of a router's TCP conntrack entry
+// after its last packet: nf_conntrack_tcp_timeout_unacknowledged, as the
+// router never sees a reply.
+const conntrackUnackTimeout = 300 * time.Second
+
+// oldGenerationBound is how long after the last packet of an old
+// generation's connections the routers may keep it: a TCP entry counts as a
+// flow while it has more than the closing states' 120 s to live, and the
+// routers look every 10 s; plus slack for a slow VM.
+const oldGenerationBound = conntrackUnackTimeout - hmark.DefaultTCPMinExpire*time.Second + datapath.DefaultGenerationCheckPeriod + 20*time.Second
+
 // drain shows a terminating pod keeping its open connection while new
 // connections avoid it, and the two generations of bucket tables that make
 // it possible on router-a.
@@ -347,6 +359,9 @@ func drain(ctx context.Context, l *topology.Lab, client netns.NsHandle, service 
 	}
 
 	stats, err := stream.Stop(ctx)
+	// No packet of generation oldGen's connections after this: the routers
+	// must drop it within oldGenerationBound.
+	ended := time.Now()
 	if err != nil {
 		say("KNOWN BUG (issue 7): the long connection ended with %v", err)
 	}
@@ -355,6 +370,7 @@ func drain(ctx context.Context, l *topology.Lab, client netns.NsHandle, service 
 	}
 	say("the long connection ends (%d bytes echoed, every one intact) and %s leaves the EndpointSlice", stats.Verified, pod.Name)
 	start = time.Now()
+	explained := false
 	for {
 		old := 0
 		for _, r := range l.Routers {
@@ -367,13 +383,75 @@ func drain(ctx context.Context, l *topology.Lab, client netns.NsHandle, service 
 		if old == 0 {
 			break
 		}
-		if time.Since(start) > time.Minute {
-			return fmt.Errorf("the routers still hold %d old generations of %v after a minute", old, vip)
+		if time.Since(ended) > oldGenerationBound {
+			showOldGenerationEntries(ctx, l, vip)
+			return fmt.Errorf("the routers still hold %d old generations of %v %v after the last connection of generation %d ended (at most %v: see above)",
+				old, vip, time.Since(ended).Round(time.Second), oldGen, oldGenerationBound)
+		}
+		if !explained && time.Since(start) > 2*datapath.DefaultGenerationCheckPeriod {
+			// Rare: a connection's last packets reached a router out of
+			// order (README, "Draining and routing generations").
+			explained = true
+			say("generation %d is still there %v later, although all its connections have ended:", oldGen, time.Since(start).Round(time.Second))
+			if lone := showOldGenerationEntries(ctx, l, vip); lone {
+				say("each of these entries saw one packet: one that reached the router after its connection's")
+				say("RST (packets of one connection can overtake each other, here between the VM's two CPUs), so")
+				say("conntrack picked the connection up again, ESTABLISHED for %v. The router cannot tell that", conntrackUnackTimeout)
+				say("from a live flow: the generation stays until such an entry has %d s or less left, at most", hmark.DefaultTCPMinExpire)
+				say("%v after the connection ended", oldGenerationBound)
+			}
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
 	say("no connection uses generation %d any more: both routers deleted its routes %v later", oldGen, time.Since(start).Round(100*time.Millisecond))
 	return nil
+}
+
+// showOldGenerationEntries prints, for each router that still holds an
+// older generation of vip, the conntrack entries whose mark belongs to one:
+// the entries the router counts as flows keep it. lone reports whether
+// there are such entries and each of them saw a single packet.
+func showOldGenerationEntries(ctx context.Context, l *topology.Lab, vip netip.Addr) (lone bool) {
+	counted, single := 0, 0
+	for _, r := range l.Routers {
+		gens, err := l.Generations(ctx, r, vip)
+		if err != nil {
+			say("%s: %v", r.Name, err)
+			continue
+		}
+		if len(gens) <= 1 {
+			continue
+		}
+		cur, err := l.CurrentGeneration(ctx, r, vip)
+		if err != nil {
+			say("%s: %v", r.Name, err)
+			continue
+		}
+		entries, err := l.OldGenerationEntries(ctx, r, vip, cur)
+		if err != nil {
+			say("%s: conntrack: %v", r.Name, err)
+			continue
+		}
+		say("%s holds generations %v of %v (%d is current); its conntrack entries with an older generation's mark:", r.Name, gens, vip, cur)
+		if len(entries) == 0 {
+			say("  none")
+		}
+		for _, e := range entries {
+			gen, _ := l.GenerationOfMark(e.Mark)
+			what := fmt.Sprintf("keeps generation %d: the router counts it as a flow", gen)
+			if e.CountsAsFlow(hmark.DefaultTCPMinExpire) {
+				counted++
+				if e.HasCounters && e.Packets == 1 {
+					single++
+				}
+			} else {
+				what = fmt.Sprintf("generation %d; closing (%d s or less left): not a flow", gen, hmark.DefaultTCPMinExpire)
+			}
+			say("  %v", e)
+			say("    %s", what)
+		}
+	}
+	return counted > 0 && single == counted
 }
 
 // waitEcho waits until the stream has echoed n bytes intact.

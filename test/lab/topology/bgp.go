@@ -16,7 +16,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"time"
 
@@ -358,37 +357,13 @@ func (l *Lab) RouterFlows(ctx context.Context, r *Node, vip netip.Addr) (map[uin
 	return parseConntrackFlows(out, ClientAddr, vip), nil
 }
 
-// parseConntrackFlows reads /proc/net/nf_conntrack ("ipv4 2 tcp 6 299
-// ESTABLISHED src=C dst=V sport=P dport=80 ...") and returns the source
-// ports of the TCP entries from client to vip (their original direction).
+// parseConntrackFlows returns the source ports of the TCP entries from
+// client to vip (their original direction) in /proc/net/nf_conntrack.
 func parseConntrackFlows(table string, client, vip netip.Addr) map[uint16]bool {
 	ports := map[uint16]bool{}
-	for _, line := range strings.Split(table, "\n") {
-		f := strings.Fields(line)
-		if len(f) < 3 || f[2] != "tcp" {
-			continue
-		}
-		var src, dst, sport string
-		for _, kv := range f {
-			k, v, ok := strings.Cut(kv, "=")
-			if !ok {
-				continue
-			}
-			// The first src, dst and sport are the original direction's.
-			switch {
-			case k == "src" && src == "":
-				src = v
-			case k == "dst" && dst == "":
-				dst = v
-			case k == "sport" && sport == "":
-				sport = v
-			}
-		}
-		if src != client.String() || dst != vip.String() {
-			continue
-		}
-		if p, err := strconv.ParseUint(sport, 10, 16); err == nil {
-			ports[uint16(p)] = true
+	for _, e := range parseConntrack(table) {
+		if e.Proto == "tcp" && e.Src == client && e.Dst == vip {
+			ports[e.SrcPort] = true
 		}
 	}
 	return ports

@@ -146,6 +146,13 @@ func (l *Lab) buildNetwork(ctx context.Context) error {
 			return err
 		}
 	}
+	// Conntrack counts each entry's packets on the routers, for failure
+	// reports: an entry one late packet created tells itself from a flow.
+	for _, r := range l.Routers {
+		if err := Sysctl(ctx, r.Name, "net.netfilter.nf_conntrack_acct", "1"); err != nil {
+			return err
+		}
+	}
 	if err := Sysctl(ctx, gw, "net.ipv4.conf.all.rp_filter", "2"); err != nil {
 		return err
 	}
