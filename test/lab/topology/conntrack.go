@@ -119,7 +119,7 @@ func parseConntrack(table string) []ConntrackEntry {
 }
 
 // CountsAsFlow tells whether a router counts the entry as a flow of the
-// generation its mark names, as router.CollectGenerations does: a TCP entry
+// generation its mark names, as datapath.Datapath.CollectGenerations does: a TCP entry
 // only while its remaining lifetime is above tcpMinExpire, the longest
 // closing-state timeout (hmark.DefaultTCPMinExpire), any other protocol's
 // always.
