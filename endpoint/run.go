@@ -1,13 +1,9 @@
 package endpoint
 
 import (
-	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"net/netip"
-	"os/signal"
-	"syscall"
 
 	"github.com/sirupsen/logrus"
 	"github.com/vishvananda/netns"
@@ -20,23 +16,12 @@ import (
 
 // Main runs the endpoint agent with command-line arguments args.
 func Main(args []string) error {
-	// First of all: a SIGTERM during the start (a rollout, a quick
-	// restart) must stop the daemon cleanly, not kill it mid-way.
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
-	defer stop()
-	fs := flag.NewFlagSet("tunnel-endpoint", flag.ContinueOnError)
 	var o Options
-	o.AddFlags(fs)
-	if err := o.Parse(fs, args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return nil
-		}
+	ctx, stop, entry, help, err := daemon.Start("tunnel-endpoint", &o, args)
+	if help || err != nil {
 		return err
 	}
-	entry, err := o.Logger("tunnel-endpoint")
-	if err != nil {
-		return err
-	}
+	defer stop()
 
 	nodeNS, err := netns.Get()
 	if err != nil {

@@ -523,7 +523,7 @@ func (c *Controller) resync() error {
 	tunnels := make([]datapath.Tunnel, 0, len(c.byVIP))
 	var notices []notice
 	for vip := range c.byVIP {
-		t, n := c.tunnelFor(vip)
+		t, _, n := c.tunnelFor(vip)
 		tunnels = append(tunnels, t)
 		notices = append(notices, n...)
 	}
@@ -631,7 +631,8 @@ func (c *Controller) publishStatus(key string) {
 
 // syncVIP programs or removes one tunnel IP.
 func (c *Controller) syncVIP(vip netip.Addr) error {
-	if winner, _ := c.decide(vip); winner == nil {
+	t, winner, notices := c.tunnelFor(vip)
+	if winner == nil {
 		c.announced(vip, false)
 		if err := c.dp.RemoveTunnel(vip); err != nil {
 			return fmt.Errorf("removing tunnel %v: %w", vip, err)
@@ -640,15 +641,12 @@ func (c *Controller) syncVIP(vip netip.Addr) error {
 		c.log.WithField("vip", vip).Info("tunnel removed")
 		return nil
 	}
-	t, notices := c.tunnelFor(vip)
 	if !t.HasReady() {
 		c.announced(vip, false)
 	}
 	if err := c.dp.SetTunnel(t); err != nil {
 		c.announced(vip, false) // not announced while its datapath may be wrong
-		if svc, _ := c.decide(vip); svc != nil {
-			c.report(svc, corev1.EventTypeWarning, ReasonProgramFailed, fmt.Sprintf("programming tunnel IP %v failed: %v", vip, err))
-		}
+		c.report(winner, corev1.EventTypeWarning, ReasonProgramFailed, fmt.Sprintf("programming tunnel IP %v failed: %v", vip, err))
 		return fmt.Errorf("programming tunnel %v: %w", vip, err)
 	}
 	// Reported once the kernel holds it: a failed write is never preceded
@@ -705,15 +703,15 @@ type notice struct {
 	eventType, reason, message string
 }
 
-// tunnelFor computes the desired bucket table of vip from its winning Service,
-// and what an operator should know of it on the Services involved: the
-// caller records those notices after the datapath write succeeded.
-func (c *Controller) tunnelFor(vip netip.Addr) (datapath.Tunnel, []notice) {
-	var notices []notice
+// tunnelFor computes the desired bucket table of vip from its winning Service
+// (nil when no Service claims vip), and what an operator should know of it
+// on the Services involved: the caller records those notices after the
+// datapath write succeeded.
+func (c *Controller) tunnelFor(vip netip.Addr) (t datapath.Tunnel, winner *corev1.Service, notices []notice) {
 	svc, losers := c.decide(vip)
-	t := datapath.Tunnel{VIP: vip}
+	t = datapath.Tunnel{VIP: vip}
 	if svc == nil {
-		return t, nil
+		return t, nil, nil
 	}
 	key := tunnelclaim.ServiceKey(svc)
 	for _, loser := range losers {
@@ -735,7 +733,7 @@ func (c *Controller) tunnelFor(vip netip.Addr) (datapath.Tunnel, []notice) {
 	if len(eps) == 0 {
 		notices = append(notices, notice{svc, corev1.EventTypeWarning, ReasonNoReadyEndpoints,
 			fmt.Sprintf("tunnel IP %v has no ready endpoint; its traffic is dropped", vip)})
-		return t, notices
+		return t, svc, notices
 	}
 	t.Present = eps
 	// New flows go to the ready endpoints; to the draining ones only when no
@@ -766,19 +764,19 @@ func (c *Controller) tunnelFor(vip netip.Addr) (datapath.Tunnel, []notice) {
 	if len(ready) == 0 {
 		notices = append(notices, notice{svc, corev1.EventTypeWarning, ReasonNoReadyEndpoints,
 			fmt.Sprintf("tunnel IP %v has no ready endpoint; new flows go to its %d draining endpoints", vip, len(draining))})
-		return t, notices
+		return t, svc, notices
 	}
 	if idle := bucket.Unassigned(table, addrs); len(idle) > 0 {
 		notices = append(notices, notice{svc, corev1.EventTypeWarning, ReasonIdleEndpoints,
 			fmt.Sprintf("tunnel IP %v: %d of its %d ready endpoints own none of the %d buckets and get no traffic (raise --buckets): %v", vip, len(idle), len(ready), c.cfg.Buckets, idle)})
-		return t, notices
+		return t, svc, notices
 	}
 	msg := fmt.Sprintf("tunnel IP %v programmed: %d endpoints over %d buckets (%s)", vip, len(ready), c.cfg.Buckets, c.cfg.Mode)
 	if len(draining) > 0 {
 		msg += fmt.Sprintf("; %d draining (no new flows)", len(draining))
 	}
 	notices = append(notices, notice{svc, corev1.EventTypeNormal, ReasonProgrammed, msg})
-	return t, notices
+	return t, svc, notices
 }
 
 // withNodeIPs fills in each endpoint's node address (mpls mode).

@@ -3,6 +3,7 @@ package daemon
 import (
 	"bytes"
 	"errors"
+	"flag"
 	"strings"
 	"testing"
 
@@ -26,5 +27,41 @@ func TestRouteKlog(t *testing.T) {
 		if !strings.Contains(got, want) {
 			t.Errorf("klog line %q lacks %s", got, want)
 		}
+	}
+}
+
+type startOptions struct {
+	Common
+	name string
+}
+
+func (o *startOptions) AddFlags(fs *flag.FlagSet) {
+	o.Common.AddFlags(fs)
+	fs.StringVar(&o.name, "name", "", "a name")
+}
+
+func (o *startOptions) Parse(fs *flag.FlagSet, args []string) error {
+	var node string
+	return o.Common.Parse(fs, args, &node)
+}
+
+func TestStart(t *testing.T) {
+	var o startOptions
+	ctx, stop, log, help, err := Start("test-daemon", &o, []string{"-name", "x", "-log-level", "debug"})
+	if err != nil || help {
+		t.Fatalf("Start = help %v, %v", help, err)
+	}
+	defer stop()
+	if o.name != "x" || log.Data["component"] != "test-daemon" || log.Logger.GetLevel() != logrus.DebugLevel || ctx.Err() != nil {
+		t.Fatalf("name %q, component %v, level %v, ctx %v", o.name, log.Data["component"], log.Logger.GetLevel(), ctx.Err())
+	}
+	if _, _, _, help, err := Start("test-daemon", &startOptions{}, []string{"-h"}); !help || err != nil {
+		t.Fatalf("-h: help %v, err %v; want help and no error", help, err)
+	}
+	if _, _, _, _, err := Start("test-daemon", &startOptions{}, []string{"-nope"}); err == nil {
+		t.Fatal("an unknown flag was accepted")
+	}
+	if _, _, _, _, err := Start("test-daemon", &startOptions{}, []string{"-log-level", "loud"}); err == nil || !strings.Contains(err.Error(), "--log-level") {
+		t.Fatalf("bad log level: %v", err)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 )
 
@@ -157,6 +158,20 @@ func (c Config) GenerationOffset(g int) uint32 { return c.Mark(c.Slot(g, 0)) }
 
 // Priority is slot k's policy rule priority.
 func (c Config) Priority(k int) int { return c.RulePriority + k }
+
+// HMARKParams are the HMARK parameters of the router's chain: one bucket
+// per --buckets, marks from MarkOffset, the shared seed.
+func (c Config) HMARKParams() hmark.Params {
+	return hmark.Params{Buckets: uint32(c.Buckets), Offset: c.MarkOffset, Seed: c.Seed}
+}
+
+// Sticky is the chain's sticky mode with several generations: conntrack
+// saves and restores the router's marks (MarkBlock), TCP marks only while
+// an entry has more than tcpMinExpire seconds to live.
+func (c Config) Sticky(tcpMinExpire uint32) *hmark.Sticky {
+	block, mask := c.MarkBlock()
+	return &hmark.Sticky{Block: block, Mask: mask, TCPMinExpire: tcpMinExpire}
+}
 
 // MarkBlock returns the value and mask that every mark of the router matches
 // (mark&mask == value), and only those: the marks conntrack saves and restores.

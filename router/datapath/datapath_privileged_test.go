@@ -7,7 +7,6 @@ import (
 	"testing"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
-	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 	"github.com/cmdnu/kube-service-tunnel/test/support/seamtest"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
@@ -26,14 +25,10 @@ func (k *kernelRouter) writes() int { return k.routes.Writes + k.rules.Writes + 
 
 func newKernelRouter(t *testing.T, ns *testnetns.NS, cfg Config) *kernelRouter {
 	t.Helper()
-	rc, err := rtnl.Open(ns.Handle)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rc.Close() })
+	rc := ns.Routes()
 	nl := ns.Netlink()
 	ipt := ns.IPTables("iptables")
-	chain, err := hmark.NewChain(ipt, cfg.Chain, hmark.Params{Buckets: uint32(cfg.Buckets), Offset: cfg.MarkOffset, Seed: cfg.Seed}, ipt)
+	chain, err := hmark.NewChain(ipt, cfg.Chain, cfg.HMARKParams(), ipt)
 	if err != nil {
 		t.Fatal(err)
 	}

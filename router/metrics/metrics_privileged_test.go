@@ -9,7 +9,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
-	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/test/support/promtest"
 	"github.com/cmdnu/kube-service-tunnel/test/support/seamtest"
@@ -29,21 +28,16 @@ type kernelRouter struct {
 // meteredKernelRouter builds a kernelRouter in ns.
 func meteredKernelRouter(t *testing.T, ns *testnetns.NS, cfg datapath.Config, m *Metrics) (*kernelRouter, *hmark.Chain) {
 	t.Helper()
-	rc, err := rtnl.Open(ns.Handle)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rc.Close() })
+	rc := ns.Routes()
 	nl := ns.Netlink()
 	ipt := ns.IPTables("iptables")
 	chain, err := hmark.NewChain(countedIPTables{ipt, m}, cfg.Chain,
-		hmark.Params{Buckets: uint32(cfg.Buckets), Offset: cfg.MarkOffset, Seed: cfg.Seed}, countedRestorer{ipt, m})
+		cfg.HMARKParams(), countedRestorer{ipt, m})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if cfg.Generations > 1 {
-		block, mask := cfg.MarkBlock()
-		if err := chain.SetSticky(&hmark.Sticky{Block: block, Mask: mask, TCPMinExpire: hmark.DefaultTCPMinExpire}); err != nil {
+		if err := chain.SetSticky(cfg.Sticky(hmark.DefaultTCPMinExpire)); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -2,15 +2,11 @@ package startup
 
 import (
 	"context"
-	"errors"
-	"flag"
 	"fmt"
 	"net/netip"
 	"os"
-	"os/signal"
 	"strconv"
 	"strings"
-	"syscall"
 
 	"github.com/coreos/go-iptables/iptables"
 	"github.com/sirupsen/logrus"
@@ -36,23 +32,12 @@ import (
 
 // Main runs the tunnel router with command-line arguments args.
 func Main(args []string) error {
-	// First of all: a SIGTERM during the start (a rollout, a quick
-	// restart) must stop the daemon cleanly, not kill it mid-way.
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
-	defer stop()
-	fs := flag.NewFlagSet("tunnel-router", flag.ContinueOnError)
 	var o Options
-	o.AddFlags(fs)
-	if err := o.Parse(fs, args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return nil
-		}
+	ctx, stop, entry, help, err := daemon.Start("tunnel-router", &o, args)
+	if help || err != nil {
 		return err
 	}
-	entry, err := o.Logger("tunnel-router")
-	if err != nil {
-		return err
-	}
+	defer stop()
 	var bgpCfg *bgp.Config
 	if o.BGPConfig != "" && !o.Cleanup {
 		if bgpCfg, err = bgp.Load(o.BGPConfig); err != nil {
@@ -194,7 +179,7 @@ func openDatapath(cfg datapath.Config, createDevice bool, meter *metrics.Metrics
 	// iptables.New() runs "iptables" (IPv4): its restorer is
 	// iptables-restore.
 	chain, err := hmark.NewChain(meter.IPTables(ipt), cfg.Chain,
-		hmark.Params{Buckets: uint32(cfg.Buckets), Offset: cfg.MarkOffset, Seed: cfg.Seed},
+		cfg.HMARKParams(),
 		meter.Restorer(hmark.NewExecRestorer("iptables")))
 	if err != nil {
 		closeAll()
@@ -203,8 +188,7 @@ func openDatapath(cfg datapath.Config, createDevice bool, meter *metrics.Metrics
 	var conntrack *netlink.Handle
 	tcpMinExpire := closingTimeout(log)
 	if cfg.Generations > 1 {
-		block, mask := cfg.MarkBlock()
-		if err := chain.SetSticky(&hmark.Sticky{Block: block, Mask: mask, TCPMinExpire: tcpMinExpire}); err != nil {
+		if err := chain.SetSticky(cfg.Sticky(tcpMinExpire)); err != nil {
 			closeAll()
 			return nil, nil, nil, err
 		}

@@ -28,7 +28,6 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/endpoint"
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
-	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
@@ -114,14 +113,10 @@ func newKernelRouter(t *testing.T, cfg router.Config) *kernelRouter {
 	t.Helper()
 	ns := testnetns.New(t)
 	ns.AddVeth("veth0", "veth1", netip.MustParsePrefix("192.168.50.1/24"))
-	rc, err := rtnl.Open(ns.Handle)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rc.Close() })
+	rc := ns.Routes()
 	nl := ns.Netlink()
 	ipt := ns.IPTables("iptables")
-	chain, err := hmark.NewChain(ipt, cfg.Chain, hmark.Params{Buckets: uint32(cfg.Buckets), Offset: cfg.MarkOffset, Seed: cfg.Seed}, ipt)
+	chain, err := hmark.NewChain(ipt, cfg.Chain, cfg.HMARKParams(), ipt)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -22,6 +22,7 @@ import (
 	"testing"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/nsexec"
+	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 	"github.com/coreos/go-iptables/iptables"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
@@ -94,6 +95,18 @@ func (n *NS) Netlink() *netlink.Handle {
 	}
 	n.tb.Cleanup(h.Close)
 	return h
+}
+
+// Routes returns an rtnetlink route client bound to the namespace, closed
+// when the test ends.
+func (n *NS) Routes() *rtnl.Client {
+	n.tb.Helper()
+	c, err := rtnl.Open(n.Handle)
+	if err != nil {
+		n.tb.Fatalf("rtnetlink client in test netns: %v", err)
+	}
+	n.tb.Cleanup(func() { c.Close() })
+	return c
 }
 
 // Do runs fn with its goroutine's thread inside the namespace.
