@@ -31,11 +31,13 @@ assets: ## build and cache a real kube-apiserver and etcd, and the VM lab's kern
 # The end-to-end lab runs alone, after the other packages: its qemu VM (TCG)
 # needs both cores, and timing-sensitive steps in it (TCP handshakes, BFD)
 # failed when the integration tests' churn ran beside it.
-test: deps assets lint build ## everything: unit, privileged (root) and integration tests, the end-to-end lab, and the demo
+test: deps assets lint build ## everything: unit, privileged (root) and integration tests, the end-to-end lab, the demo and a smoke run of the benchmark
 	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 40m $$($(GO) list $(PKGS) | grep -v '/test/e2e$$')
 	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 40m ./test/e2e
 	$(GO) run ./test/demo > /tmp/kst-demo.log 2>&1 || { cat /tmp/kst-demo.log; exit 1; }
 	@echo "demo: ok"
+	$(GO) run ./test/bench -tunnels 100 -process-tunnels 100 > /tmp/kst-bench.log 2>&1 || { cat /tmp/kst-bench.log; exit 1; }
+	@echo "bench (smoke run, 100 tunnel IPs): ok"
 
 unit: ## unit tests only (no root, no API server)
 	KST_SKIP_PRIVILEGED=1 $(GO) test -count=1 -short $(PKGS)

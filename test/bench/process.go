@@ -87,7 +87,8 @@ func routerProcess(n int) error {
 	}
 	defer logFile.Close()
 	cmd := exec.Command("ip", "netns", "exec", ns.name, bin, "--kubeconfig", kubeconfig,
-		"--gre-device", "veth0", "--gre-device-create=false", "--seed", "0x5eed", "--buckets", fmt.Sprint(*buckets))
+		"--gre-device", "veth0", "--gre-device-create=false", "--seed", "0x5eed", "--buckets", fmt.Sprint(*buckets),
+		"--pools", "198.18.0.0/16") // the tunnel IPs createServices annotates
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	start = time.Now()
 	if err := cmd.Start(); err != nil {
