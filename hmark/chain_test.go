@@ -23,7 +23,7 @@ func TestNewChainValidates(t *testing.T) {
 		{"no buckets", "", Params{Seed: 1}, "at least 1"},
 	}
 	for _, tt := range tests {
-		c, err := NewChain(f, tt.chain, tt.params, f)
+		c, err := NewChain(f, f, tt.chain, tt.params, f)
 		switch {
 		case tt.wantErr == "" && err != nil:
 			t.Errorf("%s: NewChain: %v", tt.name, err)
@@ -34,13 +34,13 @@ func TestNewChainValidates(t *testing.T) {
 		}
 	}
 	r := NewExecRestorer("iptables-legacy")
-	if c, err := NewChain(f, "", testParams, r); err != nil || c.restorer != Restorer(r) {
+	if c, err := NewChain(f, f, "", testParams, r); err != nil || c.restorer != Restorer(r) {
 		t.Errorf("NewChain: %v, %v; want a chain writing through the restorer given", c, err)
 	}
-	if _, err := NewChain(f, "", testParams, nil); err == nil {
+	if _, err := NewChain(f, f, "", testParams, nil); err == nil {
 		t.Errorf("NewChain(nil restorer): want an error")
 	}
-	if _, err := NewChain(nil, "", testParams, r); err == nil {
+	if _, err := NewChain(nil, f, "", testParams, r); err == nil {
 		t.Errorf("NewChain(nil iptables): want an error")
 	}
 }

@@ -594,7 +594,7 @@ func TestStickyNeedsRoomForSynChain(t *testing.T) {
 		name string
 		ok   bool
 	}{{strings.Repeat("K", 24), true}, {strings.Repeat("K", 25), false}} {
-		c, err := NewChain(f, tt.name, stickyParams, f)
+		c, err := NewChain(f, f, tt.name, stickyParams, f)
 		if err != nil {
 			t.Fatalf("NewChain(%q): %v", tt.name, err)
 		}

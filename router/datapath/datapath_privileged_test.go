@@ -28,7 +28,7 @@ func newKernelRouter(t *testing.T, ns *testnetns.NS, cfg Config) *kernelRouter {
 	rc := ns.Routes()
 	nl := ns.Netlink()
 	ipt := ns.IPTables("iptables")
-	chain, err := hmark.NewChain(ipt, cfg.Chain, cfg.HMARKParams(), ipt)
+	chain, err := hmark.NewChain(ipt, ns.IPSets(), cfg.Chain, cfg.HMARKParams(), ipt)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -37,8 +37,8 @@ func newKernelRouter(t *testing.T, ns *testnetns.NS, cfg Config) *kernelRouter {
 	return k
 }
 
-// kernelState is what an operator would look at: every route, rule and
-// mangle rule in the namespace.
+// kernelState is what an operator would look at: every route, rule,
+// mangle rule and ipset (with its members) in the namespace.
 // Comment lines of iptables-save (which carry a timestamp) are left out.
 func kernelState(ns *testnetns.NS) string {
 	var mangle []string
@@ -50,7 +50,8 @@ func kernelState(ns *testnetns.NS) string {
 	// IPv4 only: the router writes nothing else, and the veths' IPv6
 	// link-local routes appear whenever the kernel gets to them (a busy
 	// machine made this test fail when they came after the first look).
-	return ns.Run("ip", "-4", "route", "show", "table", "all") + ns.Run("ip", "-4", "rule", "show") + strings.Join(mangle, "\n")
+	return ns.Run("ip", "-4", "route", "show", "table", "all") + ns.Run("ip", "-4", "rule", "show") + strings.Join(mangle, "\n") +
+		"\n" + ns.IPSetState()
 }
 
 func TestDatapathInNetns(t *testing.T) {

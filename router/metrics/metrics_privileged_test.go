@@ -31,7 +31,7 @@ func meteredKernelRouter(t *testing.T, ns *testnetns.NS, cfg datapath.Config, m 
 	rc := ns.Routes()
 	nl := ns.Netlink()
 	ipt := ns.IPTables("iptables")
-	chain, err := hmark.NewChain(countedIPTables{ipt, m}, cfg.Chain,
+	chain, err := hmark.NewChain(countedIPTables{ipt, m}, countedIPSets{ns.IPSets(), m}, cfg.Chain,
 		cfg.HMARKParams(), countedRestorer{ipt, m})
 	if err != nil {
 		t.Fatal(err)
