@@ -186,7 +186,7 @@ func (c *Chain) destroySet(s *ipset) (changed int, err error) {
 		return 0, nil
 	}
 	if err := c.sets.IpsetDestroy(s.name); err != nil {
-		if errors.Is(err, syscall.EBUSY) || errors.Is(err, nl.IPSetError(nl.IPSET_ERR_REFERENCED)) {
+		if errors.Is(err, syscall.EBUSY) || errors.Is(err, nl.IPSetError(nl.IPSET_ERR_BUSY)) || errors.Is(err, nl.IPSetError(nl.IPSET_ERR_REFERENCED)) {
 			return 0, fmt.Errorf("destroy set %s: a rule that is not the router's still uses it: %w", s.name, err)
 		}
 		return 0, fmt.Errorf("destroy set %s: %w", s.name, err)
