@@ -5,6 +5,7 @@
 package ipsetstate
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -44,7 +45,7 @@ func Lines(h *netlink.Handle) ([]string, error) {
 func Members(h *netlink.Handle, name string) ([]netip.Addr, error) {
 	res, err := h.IpsetList(name)
 	if err != nil {
-		if err == unix.ENOENT {
+		if errors.Is(err, unix.ENOENT) {
 			return nil, nil
 		}
 		return nil, fmt.Errorf("list ipset %s: %w", name, err)
@@ -61,15 +62,34 @@ func Members(h *netlink.Handle, name string) ([]netip.Addr, error) {
 // InNamespace is Lines for the named network namespace (one made with
 // "ip netns add").
 func InNamespace(name string) ([]string, error) {
+	var lines []string
+	err := inNamespace(name, func(h *netlink.Handle) (err error) {
+		lines, err = Lines(h)
+		return err
+	})
+	return lines, err
+}
+
+// MembersInNamespace is Members for the named network namespace.
+func MembersInNamespace(name, set string) ([]netip.Addr, error) {
+	var members []netip.Addr
+	err := inNamespace(name, func(h *netlink.Handle) (err error) {
+		members, err = Members(h, set)
+		return err
+	})
+	return members, err
+}
+
+func inNamespace(name string, fn func(*netlink.Handle) error) error {
 	ns, err := netns.GetFromName(name)
 	if err != nil {
-		return nil, fmt.Errorf("netns %s: %w", name, err)
+		return fmt.Errorf("netns %s: %w", name, err)
 	}
 	defer ns.Close()
 	h, err := netlink.NewHandleAt(ns, unix.NETLINK_NETFILTER)
 	if err != nil {
-		return nil, fmt.Errorf("netfilter netlink in netns %s: %w", name, err)
+		return fmt.Errorf("netfilter netlink in netns %s: %w", name, err)
 	}
 	defer h.Close()
-	return Lines(h)
+	return fn(h)
 }
