@@ -53,18 +53,21 @@ const (
 	maxChainNameLen = 28
 )
 
-// Chain is the router's own chain in the mangle table: one HMARK rule per
-// tunnel IP, and a single jump to it from mangle PREROUTING. In sticky mode
-// (see SetSticky) the mangle chain also restores and saves each flow's
-// decision, and a chain of the same name in the raw table, jumped to once
-// from raw PREROUTING, sends every packet to a tunnel IP to a subchain
-// (the name and "-SYN") that keeps SYNs untracked. Chain owns everything
-// inside its chains (and removes what it did not write), but only its jump
-// rules in PREROUTING and nothing in any other chain. It
-// assumes it is the only writer of its chains: calls must not run
+// Chain is the router's own chain in the mangle table, a single jump to it
+// from mangle PREROUTING, and its ipsets: the set of every tunnel IP and one
+// set per generation, which the chain's few rules match (one HMARK rule per
+// generation, not per tunnel IP: see Sync). In sticky mode (see SetSticky)
+// the mangle chain also restores and saves each flow's decision, and a
+// chain of the same name in the raw table, jumped to once from raw
+// PREROUTING, sends every packet to a tunnel IP to a subchain (the name and
+// "-SYN") that keeps SYNs untracked. Chain owns everything inside its
+// chains and sets (and removes what it did not write), but only its jump
+// rules in PREROUTING and nothing in any other chain or set. It assumes it
+// is the only writer of its chains and sets: calls must not run
 // concurrently, nor two routers share a network namespace.
 type Chain struct {
 	ipt    IPTables
+	sets   IPSets
 	name   string
 	params Params
 	// restorer rewrites the content of a chain in one call.
@@ -78,14 +81,18 @@ type Chain struct {
 // created and jumped to through ipt; their rules are written through
 // restorer (see Sync), which must write where ipt reads: the same backend,
 // in the same network namespace (for go-iptables' iptables.New(), which
-// runs "iptables", NewExecRestorer("iptables")). Nothing is written until
-// Sync.
-func NewChain(ipt IPTables, name string, params Params, restorer Restorer) (*Chain, error) {
+// runs "iptables", NewExecRestorer("iptables")). The sets are read and
+// written through sets, in the same network namespace. Nothing is written
+// until Sync.
+func NewChain(ipt IPTables, sets IPSets, name string, params Params, restorer Restorer) (*Chain, error) {
 	if restorer == nil {
 		return nil, errors.New("hmark: new chain: nil restorer")
 	}
 	if ipt == nil {
 		return nil, errors.New("hmark: new chain: nil iptables")
+	}
+	if sets == nil {
+		return nil, errors.New("hmark: new chain: nil ipsets")
 	}
 	if name == "" {
 		name = DefaultChainName
@@ -96,7 +103,7 @@ func NewChain(ipt IPTables, name string, params Params, restorer Restorer) (*Cha
 	if err := params.Validate(); err != nil {
 		return nil, fmt.Errorf("hmark: new chain %s: %w", name, err)
 	}
-	return &Chain{ipt: ipt, name: name, params: params, restorer: restorer}, nil
+	return &Chain{ipt: ipt, sets: sets, name: name, params: params, restorer: restorer}, nil
 }
 
 // Name returns the name of the chain.
@@ -198,10 +205,11 @@ func (c *Chain) listRules(table, chain string, withCounters bool) ([]rule, error
 
 // Cleanup removes the jump rules to c from mangle PREROUTING, then c's
 // mangle chain with its rules, then the same in the raw table (where a
-// sticky Chain has its chain), then the raw SYN subchain. What is already
-// absent is not an error. It fails if a rule outside PREROUTING (and, for
-// the subchain, outside c's raw chain) still refers to a chain: Chain
-// never touches those.
+// sticky Chain has its chain), then the raw SYN subchain, then c's sets.
+// What is already absent is not an error. It fails if a rule outside
+// PREROUTING (and, for the subchain, outside c's raw chain) still refers
+// to a chain, or a rule that is not c's to one of its sets: Chain never
+// touches those.
 func (c *Chain) Cleanup() error {
 	err := c.cleanup(Table)
 	if err == nil {
@@ -210,7 +218,28 @@ func (c *Chain) Cleanup() error {
 	if err == nil {
 		err = c.cleanupSynChain()
 	}
+	if err == nil {
+		err = c.cleanupSets()
+	}
 	return c.redactSeed(err)
+}
+
+// cleanupSets destroys c's sets, once the chains that matched them are
+// gone.
+func (c *Chain) cleanupSets() error {
+	sets := []ipset{{name: c.allSetName()}}
+	for g := range MaxGenerations {
+		sets = append(sets, ipset{name: c.generationSetName(g)})
+	}
+	for _, s := range sets {
+		// Destroying a set that does not exist is no error; no need to
+		// read it first (nor to mind what it holds).
+		s.exists = true
+		if _, err := c.destroySet(&s); err != nil {
+			return fmt.Errorf("hmark: cleanup chain %s: %w", c.name, err)
+		}
+	}
+	return nil
 }
 
 func (c *Chain) cleanup(table string) error {

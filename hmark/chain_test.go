@@ -23,7 +23,7 @@ func TestNewChainValidates(t *testing.T) {
 		{"no buckets", "", Params{Seed: 1}, "at least 1"},
 	}
 	for _, tt := range tests {
-		c, err := NewChain(f, tt.chain, tt.params, f)
+		c, err := NewChain(f, f, tt.chain, tt.params, f)
 		switch {
 		case tt.wantErr == "" && err != nil:
 			t.Errorf("%s: NewChain: %v", tt.name, err)
@@ -34,13 +34,13 @@ func TestNewChainValidates(t *testing.T) {
 		}
 	}
 	r := NewExecRestorer("iptables-legacy")
-	if c, err := NewChain(f, "", testParams, r); err != nil || c.restorer != Restorer(r) {
+	if c, err := NewChain(f, f, "", testParams, r); err != nil || c.restorer != Restorer(r) {
 		t.Errorf("NewChain: %v, %v; want a chain writing through the restorer given", c, err)
 	}
-	if _, err := NewChain(f, "", testParams, nil); err == nil {
+	if _, err := NewChain(f, f, "", testParams, nil); err == nil {
 		t.Errorf("NewChain(nil restorer): want an error")
 	}
-	if _, err := NewChain(nil, "", testParams, r); err == nil {
+	if _, err := NewChain(nil, f, "", testParams, r); err == nil {
 		t.Errorf("NewChain(nil iptables): want an error")
 	}
 }
@@ -50,7 +50,8 @@ func TestCleanup(t *testing.T) {
 		name  string
 		lines []string
 	}{
-		{"synced", []string{printedChainN, printedJump, printedRuleA, printedRuleB}},
+		{"synced", syncedLines},
+		{"an older version's rules", []string{printedChainN, printedJump, printedRuleA, printedRuleB}},
 		{"extra jumps", []string{printedChainN, printedJump, printedRuleA, "-A PREROUTING -i eth0 -j KST-HMARK"}},
 		{"chain without jump", []string{printedChainN, printedRuleA}},
 		{"nothing there", nil},
@@ -61,12 +62,25 @@ func TestCleanup(t *testing.T) {
 			if err := newTestChain(t, f, testParams).Cleanup(); err != nil {
 				t.Fatalf("Cleanup: %v", err)
 			}
-			if got, want := f.dump(), newFakeIPTables(t, othersLines...).dump(); got != want {
-				t.Errorf("mangle after Cleanup:\n%s\nwant:\n%s", got, want)
+			if got, want := stateOf(f), stateOf(newFakeIPTables(t, othersLines...)); got != want {
+				t.Errorf("state after Cleanup:\n%s\nwant:\n%s", got, want)
 			}
 			if err := newTestChain(t, f, testParams).Cleanup(); err != nil {
 				t.Errorf("second Cleanup: %v", err)
 			}
 		})
+	}
+}
+
+// TestCleanupLeavesASetInUse: a set still matched by a rule that is not
+// the router's is not destroyed, and Cleanup says why.
+func TestCleanupLeavesASetInUse(t *testing.T) {
+	f := newFakeIPTables(t, slices.Concat(othersLines, syncedLines, []string{"-A OPERATOR -m set --match-set KST-HMARK-0 dst -j RETURN"})...)
+	err := newTestChain(t, f, testParams).Cleanup()
+	if err == nil || !strings.Contains(err.Error(), "a rule that is not the router's still uses it") {
+		t.Errorf("Cleanup = %v, want an error naming the set in use", err)
+	}
+	if f.sets["KST-HMARK-0"] == nil {
+		t.Errorf("Cleanup destroyed a set in use")
 	}
 }

@@ -10,7 +10,12 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netlink/nl"
+	"golang.org/x/sys/unix"
 )
 
 // fakeIPTables is an in-memory iptables, and iptables-restore, with the
@@ -31,6 +36,16 @@ type fakeIPTables struct {
 	// failWrite, when set, makes write calls whose record starts with it
 	// fail.
 	failWrite string
+	// sets are the fake's ipsets (it is the IPSets seam too).
+	sets map[string]*fakeSet
+}
+
+// fakeSet is one ipset of the fake.
+type fakeSet struct {
+	typ      string
+	family   uint8
+	counters bool
+	members  map[netip.Addr]Counter
 }
 
 type fakeRule struct {
@@ -50,6 +65,7 @@ var (
 var (
 	_ IPTables = (*fakeIPTables)(nil)
 	_ Restorer = (*fakeIPTables)(nil)
+	_ IPSets   = (*fakeIPTables)(nil)
 )
 
 // newFakeIPTables returns a fake with the built-in mangle and raw chains,
@@ -57,7 +73,7 @@ var (
 // a line starting with "-t raw" is for the raw table.
 func newFakeIPTables(t *testing.T, lines ...string) *fakeIPTables {
 	t.Helper()
-	f := &fakeIPTables{chains: make(map[string][]fakeRule)}
+	f := &fakeIPTables{chains: make(map[string][]fakeRule), sets: make(map[string]*fakeSet)}
 	for _, c := range builtinChains {
 		f.addChain("mangle/" + c)
 	}
@@ -77,6 +93,14 @@ func newFakeIPTables(t *testing.T, lines ...string) *fakeIPTables {
 		switch words[0] {
 		case "-N":
 			f.addChain(key)
+		case "-S":
+			// "-S NAME [ADDR...]": a set like the router's, with members.
+			set := &fakeSet{typ: SetType, family: unix.AF_INET, counters: true, members: map[netip.Addr]Counter{}}
+			for _, a := range words[2:] {
+				set.members[netip.MustParseAddr(a)] = Counter{}
+			}
+			f.sets[words[1]] = set
+			continue
 		case "-A":
 			if _, ok := f.chains[key]; !ok {
 				t.Fatalf("seed line %q: no chain %s", line, words[1])
@@ -286,6 +310,9 @@ func (f *fakeIPTables) Restore(table string, payload []byte) error {
 			if _, ok := chains[key]; !ok {
 				return fmt.Errorf("restore: line %d %q: no chain %s", i+2, line, words[1])
 			}
+			if i := slices.Index(words, "--match-set"); i >= 0 && i+1 < len(words) && f.sets[words[i+1]] == nil {
+				return fmt.Errorf("restore: line %d %q: Set %s doesn't exist", i+2, line, words[i+1])
+			}
 			chains[key] = append(chains[key], fakeRule{spec: normalizeFakeSpec(words[2:]), packets: counters.packets, bytes: counters.bytes})
 		default:
 			return fmt.Errorf("restore: line %d %q: unexpected", i+2, line)
@@ -311,6 +338,12 @@ func normalizeFakeSpec(spec []string) string {
 	if opts["--hmark-tuple"] == "src,dst,sport,dport,proto" {
 		out = append(out, "--hmark-src-prefix", "32", "--hmark-dst-prefix", "32",
 			"--hmark-sport-mask", "0xffff", "--hmark-dport-mask", "0xffff", "--hmark-proto-mask", "0xffff")
+	}
+	// Given in the printed form already: kept, in libxt_HMARK's order.
+	for _, o := range []string{"--hmark-src-prefix", "--hmark-dst-prefix", "--hmark-sport-mask", "--hmark-dport-mask", "--hmark-proto-mask"} {
+		if v, ok := opts[o]; ok && opts["--hmark-tuple"] == "" {
+			out = append(out, o, v)
+		}
 	}
 	num := func(s string) uint64 {
 		v, err := strconv.ParseUint(s, 0, 32)
@@ -396,7 +429,7 @@ func targetsOf(vips ...netip.Addr) []Target {
 // restorer too.
 func newTestChain(t *testing.T, f *fakeIPTables, params Params) *Chain {
 	t.Helper()
-	c, err := NewChain(f, "", params, f)
+	c, err := NewChain(f, f, "", params, f)
 	if err != nil {
 		t.Fatalf("NewChain: %v", err)
 	}
@@ -451,4 +484,108 @@ func checkWrites(t *testing.T, step string, f *fakeIPTables, want []string) {
 	if !ok {
 		t.Errorf("%s: writes:\n%s\nwant (prefixes):\n%s", step, strings.Join(f.writes, "\n"), strings.Join(want, "\n"))
 	}
+}
+
+func (f *fakeIPTables) IpsetCreate(setname, typename string, options netlink.IpsetCreateOptions) error {
+	if err := f.write("ipset create %s", setname); err != nil {
+		return err
+	}
+	if _, ok := f.sets[setname]; ok {
+		return nl.IPSetError(nl.IPSET_ERR_EXIST_SETNAME2)
+	}
+	f.sets[setname] = &fakeSet{typ: typename, family: options.Family, counters: options.Counters, members: map[netip.Addr]Counter{}}
+	return nil
+}
+
+func (f *fakeIPTables) IpsetDestroy(setname string) error {
+	if err := f.write("ipset destroy %s", setname); err != nil {
+		return err
+	}
+	if _, ok := f.sets[setname]; !ok {
+		return nil // like the kernel
+	}
+	for _, rules := range f.chains {
+		for _, r := range rules {
+			if strings.Contains(r.spec, "--match-set "+setname+" ") {
+				return nl.IPSetError(nl.IPSET_ERR_BUSY)
+			}
+		}
+	}
+	delete(f.sets, setname)
+	return nil
+}
+
+func (f *fakeIPTables) IpsetList(setname string) (*netlink.IPSetResult, error) {
+	s, ok := f.sets[setname]
+	if !ok {
+		return nil, syscall.ENOENT
+	}
+	res := &netlink.IPSetResult{SetName: setname, TypeName: s.typ, Family: s.family}
+	if s.counters {
+		res.CadtFlags |= nl.IPSET_FLAG_WITH_COUNTERS
+	}
+	for a, c := range s.members {
+		e := netlink.IPSetEntry{IP: a.AsSlice()}
+		if s.counters {
+			p, b := c.Packets, c.Bytes
+			e.Packets, e.Bytes = &p, &b
+		}
+		res.Entries = append(res.Entries, e)
+	}
+	return res, nil
+}
+
+func (f *fakeIPTables) IpsetAdd(setname string, entry *netlink.IPSetEntry) error {
+	a, _ := netip.AddrFromSlice(entry.IP)
+	if err := f.write("ipset add %s %s", setname, a); err != nil {
+		return err
+	}
+	s, ok := f.sets[setname]
+	if !ok {
+		return syscall.ENOENT
+	}
+	if _, dup := s.members[a]; dup {
+		return nl.IPSetError(nl.IPSET_ERR_EXIST)
+	}
+	s.members[a] = Counter{}
+	return nil
+}
+
+func (f *fakeIPTables) IpsetDel(setname string, entry *netlink.IPSetEntry) error {
+	a, _ := netip.AddrFromSlice(entry.IP)
+	if err := f.write("ipset del %s %s", setname, a); err != nil {
+		return err
+	}
+	s, ok := f.sets[setname]
+	if !ok {
+		return syscall.ENOENT
+	}
+	if _, ok := s.members[a]; !ok {
+		return nl.IPSetError(nl.IPSET_ERR_EXIST)
+	}
+	delete(s.members, a)
+	return nil
+}
+
+// dumpSets lists the fake's sets and members as ipsetstate does: "set
+// NAME" and "member NAME ADDR", sorted.
+func (f *fakeIPTables) dumpSets() string {
+	var lines []string
+	for name, s := range f.sets {
+		lines = append(lines, "set "+name)
+		for a := range s.members {
+			lines = append(lines, "member "+name+" "+a.String())
+		}
+	}
+	slices.Sort(lines)
+	return strings.Join(lines, "\n")
+}
+
+// count adds packets to vip's counters in the set name, as traffic would.
+func (f *fakeIPTables) count(name string, vip netip.Addr, packets, bytes uint64) {
+	s := f.sets[name]
+	c := s.members[vip]
+	c.Packets += packets
+	c.Bytes += bytes
+	s.members[vip] = c
 }

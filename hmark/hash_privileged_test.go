@@ -74,7 +74,7 @@ func TestKernelMarksMatchGo(t *testing.T) {
 
 	totalFlows := 0
 	for i, params := range kernelParamSets {
-		chain, err := NewChain(ipt, "", params, restorer)
+		chain, err := NewChain(ipt, ns.IPSets(), "", params, restorer)
 		if err != nil {
 			t.Fatalf("NewChain(%v): %v", params, err)
 		}
@@ -83,9 +83,10 @@ func TestKernelMarksMatchGo(t *testing.T) {
 		if err != nil {
 			t.Fatalf("Sync with %v: %v", params, err)
 		}
-		wantChanged, wantRestores := 2*len(kernelVIPs), 1 // each tunnel IP's rule replaced
+		wantChanged, wantRestores := 2, 1 // the HMARK rule replaced: the sets stay
 		if i == 0 {
-			wantChanged = 1 + 1 + len(kernelVIPs) // chain, jump, rules
+			// Two sets with every tunnel IP, chain, jump, exit and HMARK rules.
+			wantChanged = 2 + 2*len(kernelVIPs) + 1 + 1 + 2
 		} else if params == kernelParamSets[i-1] {
 			wantChanged, wantRestores = 0, 0
 		}

@@ -70,7 +70,8 @@ func (r rule) isCanonicalJump(chain string) bool {
 	return slices.Equal(r.spec, []string{"-m", "comment", "--comment", RuleComment, "-j", chain})
 }
 
-// vipRule recognizes r as a rule Chain writes: "-d VIP/32", our comment,
+// vipRule recognizes r as a rule older versions of Chain wrote, one per
+// tunnel IP (Offsets reads them on an upgrade): "-d VIP/32", our comment,
 // and an HMARK target hashing the full src,dst,sport,dport,proto tuple. It
 // compares meaning, not text: iptables prints such a rule as
 //

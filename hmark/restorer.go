@@ -17,9 +17,8 @@ type Restorer interface {
 	// ("*table", chain declarations, rules, "COMMIT"), as `iptables-restore
 	// --noflush --counters --wait` does: atomically, each chain the payload
 	// declares flushed and refilled, every other chain and rule left as it
-	// is, and a rule written "[PACKETS:BYTES] -A ..." starting from those
-	// counters (Chain carries a rewritten rule's counters over that way; a
-	// restorer that ignores them only makes the counters restart from 0).
+	// is. (The tunnel IPs' counters live in a set, not in the rules, so
+	// a restore does not reset them.)
 	// Errors may quote the payload; Chain scrubs its seed from them.
 	Restore(table string, payload []byte) error
 }
@@ -63,23 +62,19 @@ func (r *ExecRestorer) Restore(table string, payload []byte) error {
 }
 
 // restorePayloadOf is the iptables-restore input that replaces the content
-// of chain in table with desired, in order. With --noflush, declaring the
-// chain flushes it (and creates it if absent); no other chain is declared,
-// so no other chain changes. A rule with non-zero counters starts with
-// "[PACKETS:BYTES]", which iptables-restore --counters gives the new rule.
-// No word needs quoting: the chain name is validated, the comment is
-// RuleComment, the rest are numbers, addresses, chain and option names.
-func restorePayloadOf(table, chain string, desired []desiredRule) []byte {
+// of chain in table with the rules specs, in order. With --noflush,
+// declaring the chain flushes it (and creates it if absent); no other chain
+// is declared, so no other chain changes. No word needs quoting: the chain
+// and set names are validated, the comment is RuleComment, the rest are
+// numbers, chain and option names.
+func restorePayloadOf(table, chain string, specs [][]string) []byte {
 	var b bytes.Buffer
-	b.Grow(64 + len(desired)*(len(chain)+200))
+	b.Grow(64 + len(specs)*(len(chain)+200))
 	fmt.Fprintf(&b, "*%s\n:%s - [0:0]\n", table, chain)
-	for _, d := range desired {
-		if d.counters != (Counter{}) {
-			fmt.Fprintf(&b, "[%d:%d] ", d.counters.Packets, d.counters.Bytes)
-		}
+	for _, spec := range specs {
 		b.WriteString("-A ")
 		b.WriteString(chain)
-		for _, w := range d.spec {
+		for _, w := range spec {
 			b.WriteByte(' ')
 			b.WriteString(w)
 		}

@@ -26,33 +26,36 @@ func TestExecRestorer(t *testing.T) {
 	dir := t.TempDir()
 	writeScript(t, filepath.Join(dir, "iptables-restore"), `echo "$@" > "$(dirname "$0")/args"; cat > "$(dirname "$0")/stdin"`+"\n")
 	f := newFakeIPTables(t, slices.Concat(othersLines, []string{printedChainN, printedJump})...)
-	c, err := NewChain(f, "", testParams, NewExecRestorer(filepath.Join(dir, "iptables")))
+	c, err := NewChain(f, f, "", testParams, NewExecRestorer(filepath.Join(dir, "iptables")))
 	if err != nil {
 		t.Fatalf("NewChain: %v", err)
 	}
-	if changed, err := c.Sync(targetsOf(vipA)); err != nil || changed != 1 {
-		t.Fatalf("Sync = %d, %v; want 1, nil", changed, err)
+	// Two sets created, vipA added to both, two rules written.
+	if changed, err := c.Sync(targetsOf(vipA)); err != nil || changed != 6 {
+		t.Fatalf("Sync = %d, %v; want 6, nil", changed, err)
 	}
 	args, _ := os.ReadFile(filepath.Join(dir, "args"))
 	stdin, _ := os.ReadFile(filepath.Join(dir, "stdin"))
 	if string(args) != "--noflush --counters --wait\n" {
 		t.Errorf("iptables-restore ran with %q, want --noflush --counters --wait", args)
 	}
-	if want := string(c.restorePayload(Table, []desiredRule{{spec: c.ruleSpec(vipA, testParams.Offset)}})); string(stdin) != want || !strings.HasPrefix(want, "*mangle\n:KST-HMARK - [0:0]\n-A KST-HMARK -d 10.96.0.10/32 ") {
+	if want := string(restorePayloadOf(Table, c.name, c.mangleRules([]int{0}))); string(stdin) != want || !strings.HasPrefix(want, "*mangle\n:KST-HMARK - [0:0]\n-A KST-HMARK -m set ! --match-set KST-HMARK dst ") {
 		t.Errorf("iptables-restore read:\n%s\nwant:\n%s", stdin, want)
 	}
 
 	// A failing tool that echoes its input, as a verbose one might.
 	writeScript(t, filepath.Join(dir, "iptables-legacy-restore"), "cat >&2; echo 'Error occurred at line: 3' >&2; exit 2\n")
-	c, err = NewChain(f, "", testParams, NewExecRestorer(filepath.Join(dir, "iptables-legacy")))
+	c, err = NewChain(f, f, "", testParams, NewExecRestorer(filepath.Join(dir, "iptables-legacy")))
 	if err != nil {
 		t.Fatalf("NewChain: %v", err)
 	}
+	// vipB joins both sets, then the restore fails: changed counts the
+	// two set elements written before it.
 	changed, err := c.Sync(targetsOf(vipA, vipB))
-	if err == nil || changed != 0 {
-		t.Fatalf("Sync with a failing iptables-restore = %d, %v; want 0 and an error", changed, err)
+	if err == nil || changed != 2 {
+		t.Fatalf("Sync with a failing iptables-restore = %d, %v; want 2 and an error", changed, err)
 	}
-	for _, want := range []string{"iptables-legacy-restore", "exit status 2", "Error occurred at line: 3", "-d 10.96.0.20/32", "<seed " + SeedFingerprint(testParams.Seed) + ">"} {
+	for _, want := range []string{"iptables-legacy-restore", "exit status 2", "Error occurred at line: 3", "--match-set KST-HMARK-0 dst", "<seed " + SeedFingerprint(testParams.Seed) + ">"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("Sync err = %q, want %q in it", err, want)
 		}

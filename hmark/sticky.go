@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"math"
 	"math/bits"
-	"net/netip"
 	"slices"
 	"strconv"
 )
@@ -127,7 +126,7 @@ func (c *Chain) Sticky() *Sticky {
 }
 
 // SetSticky chooses the chain's mode for the following Syncs: nil is
-// stateless (one HMARK rule per tunnel IP, every packet hashed anew), a
+// stateless (every packet hashed anew), a
 // Sticky keeps each flow on the decision it started with (see Sticky for
 // why). Call it once, before the first Sync; nothing is written until
 // Sync. It fails, changing nothing, unless Mask and Block are not 0, Block
@@ -136,30 +135,32 @@ func (c *Chain) Sticky() *Sticky {
 // 4294967295. Sync checks the same of every Target's offset.
 //
 // In sticky mode the mangle chain holds, in this order (BLOCK/MASK the
-// block, N = TCPMinExpire+1):
+// block, N = TCPMinExpire+1, NAME the chain and its set of all tunnel IPs,
+// NAME-g the set of generation g's):
 //
+//	-m set ! --match-set NAME dst ! --update-counters -j RETURN
 //	-p tcp -m connmark --mark BLOCK/MASK -m conntrack --ctexpire N:4294967295 -j CONNMARK --restore-mark
 //	! -p tcp -m connmark --mark BLOCK/MASK -j CONNMARK --restore-mark
 //	-m mark --mark BLOCK/MASK -j RETURN
-//	-d VIP/32 -j HMARK ...   (one per tunnel IP, with its own offset)
+//	-m set --match-set NAME-g dst -j HMARK ...   (one per generation in use, with its offset)
 //	-m connmark --mark 0x0 -m mark --mark BLOCK/MASK -j CONNMARK --save-mark
 //
-// (each with the comment RuleComment): a tracked flow with a saved
-// decision gets it back and leaves the chain; any other packet to a tunnel
-// IP is hashed, and the decision saved if its flow has none yet. Untracked
-// packets (the SYNs) match no connmark, so they are hashed and nothing is
-// saved. The raw chain (NAME) holds, per tunnel IP, a rule that every
-// packet to it goes through, whose counters are the tunnel IP's traffic
-// (see Counters), and that sends it to the SYN subchain NAME-SYN, whose
-// one rule keeps SYNs untracked (CT is not a terminating target, so every
-// packet then goes on as if the two were one rule):
+// (each with the comment RuleComment): a packet not to a tunnel IP leaves
+// at once; a tracked flow with a saved decision gets it back and leaves
+// the chain; any other packet to a tunnel IP is hashed, and the decision
+// saved if its flow has none yet. Untracked packets (the SYNs) match no
+// connmark, so they are hashed and nothing is saved. The raw chain (NAME)
+// holds one rule that every packet to a tunnel IP goes through, whose set
+// match counts it (see Counters), and that sends it to the SYN subchain
+// NAME-SYN, whose one rule keeps SYNs untracked (CT is not a terminating
+// target, so every packet then goes on as if the two were one rule):
 //
-//	-A NAME -d VIP/32 -j NAME-SYN
+//	-A NAME -m set --match-set NAME dst -j NAME-SYN
 //	-A NAME-SYN -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -j CT --notrack
 //
-// An older version wrote the second rule with "-d VIP/32" in NAME, one per
-// tunnel IP; Sync replaces such rules. The subchain's name must be a valid
-// chain name, so a sticky chain's name is at most 24 characters.
+// Older versions wrote one rule per tunnel IP in NAME ("-d VIP/32");
+// Sync replaces them. The subchain's name must be a valid chain name, so a
+// sticky chain's name is at most 24 characters.
 //
 // Leaving sticky mode (SetSticky(nil), then Sync) turns the mangle chain
 // back into its stateless content and removes the raw chains and the jump.
@@ -206,129 +207,21 @@ func (c *Chain) syncSynChain() (changed int, err error) {
 	if missing == 0 && stale == 0 {
 		return changed, nil
 	}
-	if err := c.restorer.Restore(RawTable, restorePayloadOf(RawTable, syn, []desiredRule{{spec: want}})); err != nil {
+	if err := c.restorer.Restore(RawTable, restorePayloadOf(RawTable, syn, [][]string{want})); err != nil {
 		return changed, fmt.Errorf("hmark: sync chain %s: table %s: restore chain %s: %w", c.name, RawTable, syn, err)
 	}
 	return changed + missing + stale, nil
 }
 
-// rawPlan is the difference between c's raw chain and the desired one,
-// read before the mangle rules change, applied in two steps around them.
-type rawPlan struct {
-	// missing are the wanted tunnel IPs without their rule, sorted.
-	missing []netip.Addr
-	// stale is the number of every other rule.
-	stale int
-	// staleVIPs are the tunnel IPs no longer wanted that still have a
-	// rule, canonical or of an older version (once each, sorted).
-	staleVIPs []netip.Addr
-	// counters are, by tunnel IP, the counters of its canonical rules:
-	// what a restore writes its rule back with.
-	counters map[netip.Addr]Counter
-	// restoredAdds records that addRawRules restored the chain with the
-	// rules of staleVIPs kept, so that only those are left to remove.
-	restoredAdds bool
-}
-
-// planRaw compares c's raw chain with one rule per tunnel IP of want.
-func (c *Chain) planRaw(want []Target) (rawPlan, error) {
-	rules, err := c.listRules(RawTable, c.name, true)
-	if err != nil {
-		return rawPlan{}, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
-	}
-	wanted := make(map[netip.Addr]bool, len(want))
-	for _, t := range want {
-		wanted[t.VIP] = true
-	}
-	plan := rawPlan{counters: sumCounters(rules, c.rawVIPRule)}
-	kept := make(map[netip.Addr]bool, len(want))
-	seenStale := make(map[netip.Addr]bool)
-	for _, r := range rules {
-		vip, ok := c.rawVIPRule(r)
-		if ok && wanted[vip] && !kept[vip] {
-			kept[vip] = true
-			continue
-		}
-		plan.stale++
-		if !ok {
-			// An older version's rule for a tunnel IP no longer wanted
-			// stays until the mangle rules changed, like a canonical one.
-			vip, ok = r.legacyRawVIPRule()
-		}
-		if ok && !wanted[vip] && !seenStale[vip] {
-			seenStale[vip] = true
-			plan.staleVIPs = append(plan.staleVIPs, vip)
-		}
-	}
-	slices.SortFunc(plan.staleVIPs, netip.Addr.Compare)
-	for _, t := range want {
-		if !kept[t.VIP] {
-			plan.missing = append(plan.missing, t.VIP)
-		}
-	}
-	return plan, nil
-}
-
-// addRawRules is the first step of plan, before the mangle rules change:
-// the raw rules of new tunnel IPs are added, the rules of tunnel IPs gone
-// kept: the chain is restored with the rules of want and of
-// plan.staleVIPs (in address order), each with the counters it had, which
-// drops the rules that are neither (duplicates, rules of an older version,
-// rules Chain did not write): those count here.
-func (c *Chain) addRawRules(want []Target, plan *rawPlan) (changed int, err error) {
-	if len(plan.missing) == 0 {
-		return 0, nil
-	}
-	vips := make([]netip.Addr, 0, len(want)+len(plan.staleVIPs))
-	for _, t := range want {
-		vips = append(vips, t.VIP)
-	}
-	vips = append(vips, plan.staleVIPs...)
-	slices.SortFunc(vips, netip.Addr.Compare)
-	if err := c.restorer.Restore(RawTable, c.restorePayload(RawTable, c.rawDesired(vips, plan.counters))); err != nil {
-		return 0, fmt.Errorf("hmark: sync chain %s: table %s: restore %d rules (%d to add): %w",
-			c.name, RawTable, len(vips), len(plan.missing), err)
-	}
-	plan.restoredAdds = true
-	return len(plan.missing) + plan.stale - len(plan.staleVIPs), nil
-}
-
-// removeRawRules is the second step of plan, after the mangle rules
-// changed: the raw chain is left with exactly one rule per tunnel IP of
-// want. A restore writes them with the counters they have then: the chain
-// is listed again, since packets went on counting since planRaw (and a
-// first restore may have written the rules since).
-func (c *Chain) removeRawRules(want []Target, plan *rawPlan) (changed int, err error) {
-	left := plan.stale
-	if plan.restoredAdds {
-		left = len(plan.staleVIPs)
-	}
-	if left == 0 {
-		return 0, nil
-	}
-	rules, err := c.listRules(RawTable, c.name, true)
-	if err != nil {
-		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
-	}
-	vips := make([]netip.Addr, len(want))
-	for i, t := range want {
-		vips[i] = t.VIP
-	}
-	if err := c.restorer.Restore(RawTable, c.restorePayload(RawTable, c.rawDesired(vips, sumCounters(rules, c.rawVIPRule)))); err != nil {
-		return 0, fmt.Errorf("hmark: sync chain %s: table %s: restore %d rules (%d to remove): %w",
-			c.name, RawTable, len(vips), left, err)
-	}
-	return left, nil
-}
-
-// rawDesired is the raw chain's content for vips (in their order), each
-// rule with its tunnel IP's counters.
-func (c *Chain) rawDesired(vips []netip.Addr, counters map[netip.Addr]Counter) []desiredRule {
-	desired := make([]desiredRule, len(vips))
-	for i, vip := range vips {
-		desired[i] = desiredRule{spec: c.rawRuleSpec(vip), counters: counters[vip]}
-	}
-	return desired
+// rawRules is the content of c's raw chain in sticky mode: one rule that
+// every packet to a tunnel IP goes through, whose set match counts it (see
+// Counters), on its way to the SYN subchain.
+func (c *Chain) rawRules() [][]string {
+	return [][]string{slices.Concat(
+		[]string{"-m", "set", "--match-set", c.allSetName(), "dst"},
+		comment,
+		[]string{"-j", c.synChainName()},
+	)}
 }
 
 // removeRawChain, in stateless mode, removes what a sticky run left in the
@@ -405,7 +298,6 @@ func (c *Chain) fixedMangleRules() (head, tail [][]string) {
 	if s == nil {
 		return nil, nil
 	}
-	comment := []string{"-m", "comment", "--comment", RuleComment}
 	fullMasks := []string{"--nfmask", "0xffffffff", "--ctmask", "0xffffffff"}
 	restoreTCP := slices.Concat(
 		[]string{"-p", "tcp", "-m", "connmark", "--mark", s.markArg(), "-m", "conntrack", "--ctexpire", s.ctexpireArg()},
@@ -420,17 +312,6 @@ func (c *Chain) fixedMangleRules() (head, tail [][]string) {
 	return [][]string{restoreTCP, restoreOther, skipDecided}, [][]string{save}
 }
 
-// rawRuleSpec is the raw-table rule of vip, which every packet to it goes
-// through (its counters are the tunnel IP's traffic) on its way to the
-// SYN subchain, as it is written and as iptables prints it.
-func (c *Chain) rawRuleSpec(vip netip.Addr) []string {
-	return []string{
-		"-d", netip.PrefixFrom(vip, 32).String(),
-		"-m", "comment", "--comment", RuleComment,
-		"-j", c.synChainName(),
-	}
-}
-
 // synRuleSpec is the one rule of the SYN subchain, which keeps SYNs
 // untracked, as it is written and as iptables prints it.
 func synRuleSpec() []string {
@@ -439,37 +320,4 @@ func synRuleSpec() []string {
 		"-m", "comment", "--comment", RuleComment,
 		"-j", "CT", "--notrack",
 	}
-}
-
-// legacyRawRuleSpec is the raw-table rule an older version wrote per
-// tunnel IP, in c's raw chain itself: it untracked the SYNs to vip and
-// counted only those.
-func legacyRawRuleSpec(vip netip.Addr) []string {
-	return slices.Concat([]string{"-d", netip.PrefixFrom(vip, 32).String()}, synRuleSpec())
-}
-
-// rawVIPRule recognizes r as a raw-table rule Chain writes for a tunnel
-// IP: exactly c.rawRuleSpec(VIP).
-func (c *Chain) rawVIPRule(r rule) (vip netip.Addr, ok bool) {
-	vip, ok = r.dstVIP()
-	return vip, ok && slices.Equal(r.spec, c.rawRuleSpec(vip))
-}
-
-// legacyRawVIPRule recognizes r as a raw-table rule an older version wrote
-// for a tunnel IP: exactly legacyRawRuleSpec(VIP).
-func (r rule) legacyRawVIPRule() (vip netip.Addr, ok bool) {
-	vip, ok = r.dstVIP()
-	return vip, ok && slices.Equal(r.spec, legacyRawRuleSpec(vip))
-}
-
-// dstVIP returns the IPv4 address of a rule that starts with "-d ADDR/32".
-func (r rule) dstVIP() (netip.Addr, bool) {
-	if len(r.spec) < 2 || r.spec[0] != "-d" {
-		return netip.Addr{}, false
-	}
-	p, err := netip.ParsePrefix(r.spec[1])
-	if err != nil || p.Bits() != 32 || !p.Addr().Is4() {
-		return netip.Addr{}, false
-	}
-	return p.Addr(), true
 }

@@ -46,7 +46,7 @@ func testStickySyncInNetns(t *testing.T, binary string) {
 
 	newChain := func(sticky bool) *Chain {
 		t.Helper()
-		c, err := NewChain(ipt, "", stickyParams, restorer)
+		c, err := NewChain(ipt, ns.IPSets(), "", stickyParams, restorer)
 		if err != nil {
 			t.Fatalf("NewChain: %v", err)
 		}
@@ -57,19 +57,23 @@ func testStickySyncInNetns(t *testing.T, binary string) {
 		}
 		return c
 	}
+	// state is what Sync owns, as an operator lists it: both tables and
+	// the sets with their members.
+	state := func() string { return tableS("mangle") + "\n" + tableS("raw") + "\n" + ns.IPSetState() }
 	// syncExpect syncs and checks the changes Sync reports against the
-	// lines that changed in `iptables -S` of both tables, and the writes.
+	// lines that changed in `iptables -S` of both tables and in the sets,
+	// and the writes.
 	syncExpect := func(step string, c *Chain, targets []Target, want int) {
 		t.Helper()
 		ipt.Writes, restorer.Calls = 0, 0
-		m, r := tableS("mangle"), tableS("raw")
+		before := state()
 		changed, err := c.Sync(targets)
 		if err != nil {
 			t.Fatalf("%s: Sync: %v", step, err)
 		}
-		diff := lineChanges(m, tableS("mangle")) + lineChanges(r, tableS("raw"))
+		diff := lineChanges(before, state())
 		if changed != want || diff != want {
-			t.Errorf("%s: Sync changed = %d (%d lines of iptables -S changed), want %d", step, changed, diff, want)
+			t.Errorf("%s: Sync changed = %d (%d lines of iptables -S and the sets changed), want %d", step, changed, diff, want)
 		}
 		if want == 0 && ipt.Writes+restorer.Calls != 0 {
 			t.Errorf("%s: %d iptables writes and %d restores, want none", step, ipt.Writes, restorer.Calls)
@@ -77,9 +81,10 @@ func testStickySyncInNetns(t *testing.T, binary string) {
 	}
 
 	targets := []Target{{VIP: vipAbove, Offset: gen1}, {VIP: vipBelow}, {VIP: vipLoopback, Offset: gen0}}
-	// Both chains and jumps, the SYN subchain and its rule, 3 raw rules, 4
-	// fixed and 3 HMARK rules.
-	syncExpect("first sync", newChain(true), targets, 2+2+2+3+4+3)
+	// Three sets (all, generations 0 and 1) with 3+2+1 members, both
+	// chains and jumps, the SYN subchain and its rule, the raw rule, the
+	// exit, 4 fixed and 2 HMARK rules (one per generation).
+	syncExpect("first sync", newChain(true), targets, 3+6+2+2+2+1+1+4+2)
 	t.Logf("%s prints the sticky chains as:\n%s\n%s", binary,
 		ns.Run(binary, "-t", "mangle", "-S", DefaultChainName), ns.Run(binary, "-t", "raw", "-S", DefaultChainName))
 
@@ -91,13 +96,16 @@ func testStickySyncInNetns(t *testing.T, binary string) {
 	}
 	syncExpect("adoption by a new Chain", adopter, targets, 0)
 
-	// Every packet to a tunnel IP counts, in the raw rule it goes
-	// through; a rewrite of either chain keeps the count.
+	// Every packet to a tunnel IP counts once, in the set element the raw
+	// rule matches (the mangle exit does not count); a rewrite of either
+	// chain keeps the count.
 	sendDatagrams(t, ns, vipLoopback, 3)
 	sent := Counter{Packets: 3, Bytes: 3 * 36}
 	assertCounter(t, "3 datagrams sent", adopter, vipLoopback, sent)
 	targets[0].Offset = gen0
-	syncExpect("one tunnel IP to generation 0", adopter, targets, 2)
+	// Added to generation 0's set, generation 1's rule removed, then the
+	// element and its set.
+	syncExpect("one tunnel IP to generation 0", adopter, targets, 4)
 	ns.Run(binary, "-t", "mangle", "-D", DefaultChainName, "1")
 	syncExpect("fixed rule deleted by hand", adopter, targets, 1)
 	syncExpect("a tunnel IP removed", adopter, targets[1:], 2)
@@ -109,8 +117,8 @@ func testStickySyncInNetns(t *testing.T, binary string) {
 	assertCounter(t, "foreign raw rule removed", adopter, vipLoopback, sent)
 
 	// What an older version left: a notrack rule per tunnel IP in the raw
-	// chain, no SYN subchain. Each rule is replaced (2 changes), the
-	// subchain and its rule created; then a new Chain adopts it all.
+	// chain, no SYN subchain. The rules are replaced by the one set rule,
+	// the subchain and its rule created; then a new Chain adopts it all.
 	ns.Run(binary, "-t", "raw", "-F", DefaultChainName)
 	ns.Run(binary, "-t", "raw", "-F", DefaultChainName+"-SYN")
 	ns.Run(binary, "-t", "raw", "-X", DefaultChainName+"-SYN")
@@ -118,23 +126,26 @@ func testStickySyncInNetns(t *testing.T, binary string) {
 		ns.Run(binary, "-t", "raw", "-A", DefaultChainName, "-d", tg.VIP.String()+"/32", "-p", "tcp", "-m", "tcp",
 			"--tcp-flags", "FIN,SYN,RST,ACK", "SYN", "-m", "comment", "--comment", RuleComment, "-j", "CT", "--notrack")
 	}
-	syncExpect("upgrade from an older version's raw rules", adopter, targets, 2*len(targets)+2)
+	syncExpect("upgrade from an older version's raw rules", adopter, targets, len(targets)+1+2)
 	syncExpect("adoption after the upgrade", newChain(true), targets, 0)
 
 	stateless := newChain(false)
-	// Mangle: 4 fixed rules; raw: jump, 3 rules, chain, SYN rule and
-	// subchain.
-	syncExpect("sticky -> stateless", stateless, targets, 4+7)
+	// Mangle: 5 rules out (the exit that did not count, 4 fixed), the
+	// counting exit in; raw: jump, rule, chain, SYN rule and subchain.
+	syncExpect("sticky -> stateless", stateless, targets, 6+5)
 	if got := tableS("raw"); got != beforeRaw {
 		t.Errorf("raw after leaving sticky mode:\n%s\nwant:\n%s", got, beforeRaw)
 	}
-	syncExpect("stateless -> sticky", newChain(true), targets, 4+7)
+	syncExpect("stateless -> sticky", newChain(true), targets, 6+5)
 
 	if err := adopter.Cleanup(); err != nil {
 		t.Fatalf("Cleanup: %v", err)
 	}
 	if m, r := tableS("mangle"), tableS("raw"); m != beforeMangle || r != beforeRaw {
 		t.Errorf("after Cleanup:\n%s\n%s\nwant what was there before:\n%s\n%s", m, r, beforeMangle, beforeRaw)
+	}
+	if sets := ns.IPSetState(); sets != "" {
+		t.Errorf("after Cleanup, the sets are\n%s\nwant none", sets)
 	}
 }
 
@@ -190,7 +201,7 @@ func TestStickyDrainingInNetns(t *testing.T) {
 func testStickyDrainingInNetns(t *testing.T, binary string) {
 	c, r, s := newDrainingLab(t)
 	ipt := r.IPTables(binary)
-	chain, err := NewChain(ipt, "", Params{Buckets: 64, Offset: 0x1000, Seed: 0x5eed}, newNSRestorer(r, binary))
+	chain, err := NewChain(ipt, r.IPSets(), "", Params{Buckets: 64, Offset: 0x1000, Seed: 0x5eed}, newNSRestorer(r, binary))
 	if err != nil {
 		t.Fatalf("NewChain: %v", err)
 	}
@@ -229,8 +240,11 @@ func testStickyDrainingInNetns(t *testing.T, binary string) {
 	}
 
 	changed, err := chain.Sync([]Target{{VIP: labVIP, Offset: 0x1040}})
-	if err != nil || changed != 2 {
-		t.Fatalf("Sync generation 1 = %d, %v; want 2 (one HMARK rule replaced), nil", changed, err)
+	// Generation 1's set created with the tunnel IP, generation 0's HMARK
+	// rule replaced by generation 1's, then the tunnel IP deleted from
+	// generation 0's set and the set destroyed.
+	if err != nil || changed != 6 {
+		t.Fatalf("Sync generation 1 = %d, %v; want 6, nil", changed, err)
 	}
 
 	roundTrips(t, "A", connA, 3)

@@ -7,66 +7,68 @@ import (
 	"strconv"
 )
 
-// Target is one tunnel IP and the HMARK offset its rule marks with: the
-// mark of bucket 0 of the routing generation the tunnel IP is on. The
-// router keeps several generations of routing tables per tunnel IP (see
-// Sticky); moving a tunnel IP to a new generation is a Sync with another
-// Offset for it.
+// Target is one tunnel IP and the HMARK offset its packets are marked
+// with: the mark of bucket 0 of the routing generation the tunnel IP is on.
+// The router keeps several generations of routing tables per tunnel IP
+// (see Sticky); moving a tunnel IP to a new generation is a Sync with
+// another Offset for it.
 type Target struct {
 	// VIP is the tunnel IP (IPv4; 4-in-6 addresses are unmapped).
 	VIP netip.Addr
-	// Offset is the tunnel IP's --hmark-offset. 0 means the chain's
-	// Params.Offset, so a router without generations passes no offset.
+	// Offset is the tunnel IP's --hmark-offset: Params.Offset + g×Buckets
+	// for a generation g below MaxGenerations. 0 means the chain's
+	// Params.Offset (generation 0), so a router without generations passes
+	// no offset.
 	Offset uint32
 }
 
 // Sync makes the kernel match the desired state for targets,
-// level-triggered: the chain exists, mangle PREROUTING holds exactly one
-// jump to it, and the chain holds exactly one HMARK rule per tunnel IP,
-// with that target's offset (Offset 0: the chain's Params.Offset) and the
-// chain's other parameters, and nothing else (in sticky mode, also the
-// fixed rules around them and the raw chain: see SetSticky). Targets must
-// not repeat a tunnel IP. It reads what is there (one `iptables -S` of
-// each PREROUTING and of each chain), compares it semantically (iptables
-// prints HMARK rules in its own normalized form, the offset in hex) and
-// writes only when something differs. A state that is already right costs
-// no write at all, which is how a restarted router adopts what its
-// predecessor left (see Offsets for adopting each tunnel IP's generation).
+// level-triggered. The desired state does not grow with the number of
+// tunnel IPs in rules, only in set elements:
 //
-// The chains are created and the jumps fixed through go-iptables (inserted
-// before any stale jump is deleted). When a chain's rules differ from the
-// desired ones (a tunnel IP missing or gone, a rule with other parameters
-// or another offset, a duplicate, a rule Chain did not write, fixed rules
-// missing or out of order), Sync replaces the chain's whole content in one
-// iptables-restore --noflush call: the chain declared (which flushes it
-// and nothing else) and the desired rules, tunnel IPs in address order.
-// That is atomic, so packets see either the old rules or the new ones,
-// never a chain in between. The rules of the tunnel IPs that stay keep
-// their packet and byte counters (see Counters): Sync lists the chain with
-// its counters (`iptables -v -S`) and writes each tunnel IP's rule back
-// with the sum of the counters of its old rules ("[PACKETS:BYTES]", what
-// Counters reported for it), so that only the packets counted between
-// that listing and the restore are lost; a tunnel IP's mangle rule keeps
-// them when it moves to another generation too.
+//   - the set NAME (hash:ip, with counters) holds every tunnel IP, and the
+//     set NAME-g (hash:ip) the tunnel IPs of generation g, for each
+//     generation that has one (NAME is the chain's name);
+//   - mangle PREROUTING holds exactly one jump to the chain NAME, which
+//     holds a fixed rule list: first a RETURN for every packet whose
+//     destination is not in NAME (so other traffic leaves after one rule),
+//     then one HMARK rule per generation in use, matching NAME-g, with
+//     offset Params.Offset + g×Buckets (in sticky mode also the restore and
+//     save rules around them: see SetSticky);
+//   - in sticky mode, the raw chain NAME holds one rule sending every
+//     packet to a tunnel IP to the SYN subchain.
 //
-// The order is fixed: mangle chain and jump; in sticky mode, raw chain,
-// its SYN subchain and the subchain's rule, the raw jump, then raw rules
-// for new tunnel IPs (and rules of an older version replaced); the mangle
-// rules; then raw rules of tunnel IPs gone (in stateless mode, the raw
-// chains and the canonical jump left by a sticky run). So a tunnel IP's SYNs are
-// untracked before it is hashed and until it is no longer hashed. Either
-// order would be safe for packets: a hashed flow whose SYN was tracked
-// only stays on fresh hash decisions (stateless), and an untracked SYN
-// without a hash rule is not routed by mark.
+// A packet therefore walks at most 1 + MaxGenerations rules (sticky: 5
+// more), whatever the number of tunnel IPs. Targets must not repeat a
+// tunnel IP.
 //
-// changed is the number of differences Sync repaired, not the number of
-// rules written: 1 per chain created, 1 per jump inserted or deleted, and
-// for each chain's rules the number added plus the number removed (a rule
-// whose parameters or offset changed counts 2, a fixed rule out of place
-// too), although a restore rewrites every rule. Removing the raw chains of
-// an earlier sticky run counts its jump, their rules and the chains. When an
-// error stops Sync part way, changed counts what was applied before it; a
-// failed restore applies nothing.
+// Sync reads what is there (each set of NAME, one `iptables -S` of each
+// PREROUTING and of each chain), compares it (iptables prints HMARK rules
+// in its own normalized form, the offset in decimal or hex) and writes
+// only what differs: a state that is already right costs no write at all,
+// which is how a restarted router adopts what its predecessor left (see
+// Offsets for adopting each tunnel IP's generation). Set elements are
+// added and deleted one by one, one netlink call per changed tunnel IP; a
+// chain whose rules differ is replaced in one atomic iptables-restore
+// --noflush call.
+//
+// The order is fixed so that a tunnel IP is in NAME (its SYNs untracked,
+// its packets counted) before it is hashed, and hashed until it leaves
+// NAME: sets created, mangle chain and jump; in sticky mode the raw chain,
+// its SYN subchain, the raw jump and rule; new tunnel IPs added to NAME,
+// then to their generation's set; the mangle rules; tunnel IPs deleted from
+// the generation sets they left, then from NAME; the sets of generations
+// no longer used destroyed (in stateless mode, the raw chains left by a
+// sticky run removed). A tunnel IP that moves from generation a to b is
+// in both sets between its add and its delete: the later rule (the higher
+// generation) marks its packets then, and both generations' tables are
+// programmed while it moves.
+//
+// changed is the number of differences Sync repaired: 1 per set or chain
+// created or destroyed, per jump inserted or deleted, per set element
+// added or deleted, and for each chain's rules the number added plus the
+// number removed. When an error stops Sync part way, changed counts what
+// was applied before it; a failed restore applies nothing.
 //
 // Errors never show the seed: go-iptables puts the whole command line in
 // its errors, and iptables-restore may quote a line of its input, so Chain
@@ -76,25 +78,59 @@ func (c *Chain) Sync(targets []Target) (changed int, err error) {
 	return changed, c.redactSeed(err)
 }
 
+// wantedTarget is a normalized Target with its generation.
+type wantedTarget struct {
+	vip        netip.Addr
+	generation int
+}
+
 func (c *Chain) sync(targets []Target) (changed int, err error) {
 	want, err := c.normalizeTargets(targets)
 	if err != nil {
 		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
 	}
-	// count adds the changes of one step to changed and passes its error on.
+	// count adds the changes of one step to changed and wraps its error.
 	count := func(n int, err error) error {
 		changed += n
-		return err
+		if err != nil {
+			return fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
+		}
+		return nil
 	}
 
+	sets, err := c.readSets()
+	if err != nil {
+		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
+	}
+	all := make([]netip.Addr, len(want))
+	var byGeneration [MaxGenerations][]netip.Addr
+	generation := make(map[netip.Addr]int, len(want))
+	for i, t := range want {
+		all[i] = t.vip
+		byGeneration[t.generation] = append(byGeneration[t.generation], t.vip)
+		generation[t.vip] = t.generation
+	}
+	var inUse []int
+	for g, vips := range byGeneration {
+		if len(vips) > 0 {
+			inUse = append(inUse, g)
+		}
+	}
+
+	if err := count(c.createSet(&sets.all, true)); err != nil {
+		return changed, err
+	}
+	for _, g := range inUse {
+		if err := count(c.createSet(&sets.generations[g], false)); err != nil {
+			return changed, err
+		}
+	}
 	if err := count(c.ensureChain(Table)); err != nil {
 		return changed, err
 	}
 	if err := count(c.syncJump(Table)); err != nil {
 		return changed, err
 	}
-
-	var raw rawPlan
 	if c.sticky != nil {
 		if err := count(c.ensureChain(RawTable)); err != nil {
 			return changed, err
@@ -105,33 +141,53 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 		if err := count(c.syncJump(RawTable)); err != nil {
 			return changed, err
 		}
-		if raw, err = c.planRaw(want); err != nil {
-			return changed, err
-		}
-		if err := count(c.addRawRules(want, &raw)); err != nil {
+		if err := count(c.syncRules(RawTable, c.name, c.rawRules())); err != nil {
 			return changed, err
 		}
 	}
 
-	if err := count(c.syncMangleRules(want)); err != nil {
+	if err := count(c.addMembers(&sets.all, all)); err != nil {
+		return changed, err
+	}
+	for _, g := range inUse {
+		if err := count(c.addMembers(&sets.generations[g], byGeneration[g])); err != nil {
+			return changed, err
+		}
+	}
+
+	if err := count(c.syncRules(Table, c.name, c.mangleRules(inUse))); err != nil {
 		return changed, err
 	}
 
-	if c.sticky != nil {
-		err = count(c.removeRawRules(want, &raw))
-	} else {
+	for g := range sets.generations {
+		keep := func(a netip.Addr) bool { gen, ok := generation[a]; return ok && gen == g }
+		if err := count(c.removeMembers(&sets.generations[g], keep)); err != nil {
+			return changed, err
+		}
+	}
+	keep := func(a netip.Addr) bool { _, ok := generation[a]; return ok }
+	if err := count(c.removeMembers(&sets.all, keep)); err != nil {
+		return changed, err
+	}
+	for g := range sets.generations {
+		if len(byGeneration[g]) == 0 {
+			if err := count(c.destroySet(&sets.generations[g])); err != nil {
+				return changed, err
+			}
+		}
+	}
+	if c.sticky == nil {
 		err = count(c.removeRawChain())
 	}
 	return changed, err
 }
 
 // normalizeTargets checks every target and returns them with their tunnel
-// IP unmapped and their effective offset (0 replaced by Params.Offset),
-// sorted by tunnel IP. A tunnel IP that is not IPv4 or repeats, an offset
-// whose marks overflow 32 bits or (in sticky mode) leave the block, are
+// IP unmapped and their generation, sorted by tunnel IP. A tunnel IP that
+// is not IPv4 or repeats, an offset that is not a generation's, are
 // errors.
-func (c *Chain) normalizeTargets(targets []Target) ([]Target, error) {
-	out := make([]Target, 0, len(targets))
+func (c *Chain) normalizeTargets(targets []Target) ([]wantedTarget, error) {
+	out := make([]wantedTarget, 0, len(targets))
 	for _, t := range targets {
 		v := t.VIP.Unmap()
 		if !v.Is4() {
@@ -141,6 +197,10 @@ func (c *Chain) normalizeTargets(targets []Target) ([]Target, error) {
 		if offset == 0 {
 			offset = c.params.Offset
 		}
+		g, err := c.generationOf(offset)
+		if err != nil {
+			return nil, fmt.Errorf("vip %s: %w", v, err)
+		}
 		if err := c.paramsAt(offset).Validate(); err != nil {
 			return nil, fmt.Errorf("vip %s: %w", v, err)
 		}
@@ -149,12 +209,12 @@ func (c *Chain) normalizeTargets(targets []Target) ([]Target, error) {
 				return nil, fmt.Errorf("vip %s: %w", v, err)
 			}
 		}
-		out = append(out, Target{VIP: v, Offset: offset})
+		out = append(out, wantedTarget{vip: v, generation: g})
 	}
-	slices.SortFunc(out, func(a, b Target) int { return a.VIP.Compare(b.VIP) })
+	slices.SortFunc(out, func(a, b wantedTarget) int { return a.vip.Compare(b.vip) })
 	for i := 1; i < len(out); i++ {
-		if out[i].VIP == out[i-1].VIP {
-			return nil, fmt.Errorf("vip %s appears more than once in the targets", out[i].VIP)
+		if out[i].vip == out[i-1].vip {
+			return nil, fmt.Errorf("vip %s appears more than once in the targets", out[i].vip)
 		}
 	}
 	return out, nil
@@ -173,145 +233,131 @@ func (c *Chain) paramsAt(offset uint32) Params {
 	return p
 }
 
-// desiredRule is one rule of the desired content of a chain.
-type desiredRule struct {
-	spec []string
-	// missing is set when the chain lacks the rule where it belongs.
-	missing bool
-	// counters are the counters a restore writes the rule with: those of
-	// the rules it replaces, zero for a new one.
-	counters Counter
+// comment is the match every rule of Chain carries.
+var comment = []string{"-m", "comment", "--comment", RuleComment}
+
+// mangleRules is the content of c's mangle chain when the generations
+// inUse (ascending) have tunnel IPs: the exit for other traffic, in sticky
+// mode the restore rules and the RETURN, one HMARK rule per generation, in
+// sticky mode the save rule. They are written as iptables 1.8 (nft and
+// legacy) prints them, so that syncRules compares them word for word (the
+// HMARK options semantically).
+func (c *Chain) mangleRules(inUse []int) [][]string {
+	// The exit counts every packet to a tunnel IP in the set's counters in
+	// stateless mode; in sticky mode the raw rule does (it sees every
+	// packet once, before conntrack), and this one must not count again.
+	exit := []string{"-m", "set", "!", "--match-set", c.allSetName(), "dst"}
+	if c.sticky != nil {
+		exit = append(exit, "!", "--update-counters")
+	}
+	rules := [][]string{slices.Concat(exit, comment, []string{"-j", "RETURN"})}
+	head, tail := c.fixedMangleRules()
+	rules = append(rules, head...)
+	for _, g := range inUse {
+		rules = append(rules, c.generationRuleSpec(g))
+	}
+	return append(rules, tail...)
 }
 
-// syncMangleRules leaves exactly the desired content in c's mangle chain:
-// in sticky mode the fixed head rules, one canonical HMARK rule per target
-// (want is sorted and without duplicates), the save rule; in stateless
-// mode only the HMARK rules. It returns the number of rules added plus
-// removed.
-func (c *Chain) syncMangleRules(want []Target) (changed int, err error) {
-	// With the counters, to write them back should the chain be restored.
-	rules, err := c.listRules(Table, c.name, true)
+// generationRuleSpec is the HMARK rule of generation g, as iptables
+// prints it.
+func (c *Chain) generationRuleSpec(g int) []string {
+	return slices.Concat(
+		[]string{"-m", "set", "--match-set", c.generationSetName(g), "dst"},
+		comment,
+		[]string{
+			"-j", "HMARK",
+			"--hmark-src-prefix", "32", "--hmark-dst-prefix", "32",
+			"--hmark-sport-mask", "0xffff", "--hmark-dport-mask", "0xffff", "--hmark-proto-mask", "0xffff",
+			"--hmark-rnd", fmt.Sprintf("0x%08x", c.params.Seed),
+			"--hmark-mod", strconv.FormatUint(uint64(c.params.Buckets), 10),
+			"--hmark-offset", strconv.FormatUint(uint64(c.offsetOf(g)), 10),
+		})
+}
+
+// syncRules leaves exactly desired in chain of table (which exists), in
+// order, replacing its content in one restore when anything differs. It
+// returns the number of rules added plus removed (a rule out of place
+// counts as both).
+func (c *Chain) syncRules(table, chain string, desired [][]string) (changed int, err error) {
+	rules, err := c.listRules(table, chain, false)
 	if err != nil {
-		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
+		return 0, err
 	}
-	head, tail := c.fixedMangleRules()
-	n := len(rules)
-	kept := make([]bool, n)
-	structureOK := true
-	var desired []desiredRule
-	// The fixed rules are matched in order: the head from the top, the
-	// tail from the bottom; the HMARK rules count only between them. The
-	// chain has the right structure when the head is the top of the chain
-	// and the tail its bottom. (changed then counts a fixed rule out of
-	// place as removed and added; the matching is greedy, so in odd
-	// states it may count a few more.)
-	from := 0 // the HMARK rules start here
-	for k, spec := range head {
-		i := slices.IndexFunc(rules[from:], func(r rule) bool { return slices.Equal(r.spec, spec) })
-		if i >= 0 {
-			kept[from+i] = true
-			from += i + 1
-		}
-		structureOK = structureOK && i >= 0 && from == k+1
-		desired = append(desired, desiredRule{spec: spec, missing: i < 0})
-	}
-	to := n // and end here
-	tailRules := make([]desiredRule, len(tail))
-	for k := len(tail) - 1; k >= 0; k-- {
-		found := -1
-		for i := to - 1; i >= from; i-- {
-			if slices.Equal(rules[i].spec, tail[k]) {
-				found = i
-				break
-			}
-		}
-		if found >= 0 {
-			kept[found] = true
-			to = found
-		}
-		structureOK = structureOK && found >= 0 && found == n-len(tail)+k
-		tailRules[k] = desiredRule{spec: tail[k], missing: found < 0}
-	}
-
-	offsets := make(map[netip.Addr]uint32, len(want))
-	for _, t := range want {
-		offsets[t.VIP] = t.Offset
-	}
-	keptVIP := make(map[netip.Addr]bool, len(want))
-	stale := 0
-	for i, r := range rules {
-		if kept[i] {
-			continue
-		}
-		vip, params, ok := r.vipRule()
-		if offset, wanted := offsets[vip]; ok && wanted && i >= from && i < to && !keptVIP[vip] && params == c.paramsAt(offset) {
-			keptVIP[vip] = true
-			kept[i] = true
-			continue
-		}
-		stale++
-	}
-	carried := sumCounters(rules, c.mangleVIPRule)
-	for _, t := range want {
-		desired = append(desired, desiredRule{spec: c.ruleSpec(t.VIP, t.Offset), missing: !keptVIP[t.VIP], counters: carried[t.VIP]})
-	}
-	desired = append(desired, tailRules...)
-
-	missing := 0
-	for _, d := range desired {
-		if d.missing {
-			missing++
-		}
-	}
-	if missing == 0 && stale == 0 && structureOK {
+	if len(rules) == len(desired) && !slices.ContainsFunc(rules, func(r rule) bool { return !sameRule(r.spec, desired[r.pos-1]) }) {
 		return 0, nil
 	}
-	if err := c.restorer.Restore(Table, c.restorePayload(Table, desired)); err != nil {
-		return 0, fmt.Errorf("hmark: sync chain %s: table %s: restore %d rules (%d to add, %d to remove): %w",
-			c.name, Table, len(desired), missing, stale, err)
+	// The rules that stay are a longest common subsequence of both lists
+	// (a few rules each: quadratic is fine); every other one is added or
+	// removed.
+	lcs := make([]int, len(desired)+1)
+	for _, r := range rules {
+		prev := 0 // lcs[j-1] of the previous row
+		for j := 1; j <= len(desired); j++ {
+			cur := lcs[j]
+			if sameRule(r.spec, desired[j-1]) {
+				lcs[j] = prev + 1
+			} else {
+				lcs[j] = max(lcs[j], lcs[j-1])
+			}
+			prev = cur
+		}
 	}
-	return missing + stale, nil
-}
-
-// ruleSpec is the HMARK rule for vip with offset, as it is written.
-// iptables prints it back in another form (see vipRule).
-func (c *Chain) ruleSpec(vip netip.Addr, offset uint32) []string {
-	return []string{
-		"-d", netip.PrefixFrom(vip, 32).String(),
-		"-m", "comment", "--comment", RuleComment,
-		"-j", "HMARK",
-		"--hmark-tuple", "src,dst,sport,dport,proto",
-		"--hmark-mod", strconv.FormatUint(uint64(c.params.Buckets), 10),
-		"--hmark-offset", strconv.FormatUint(uint64(offset), 10),
-		"--hmark-rnd", fmt.Sprintf("0x%08x", c.params.Seed),
+	changed = len(rules) + len(desired) - 2*lcs[len(desired)]
+	if err := c.restorer.Restore(table, restorePayloadOf(table, chain, desired)); err != nil {
+		return 0, fmt.Errorf("table %s: restore chain %s with %d rules (%d differences): %w", table, chain, len(desired), changed, err)
 	}
+	return changed, nil
 }
 
-// restorePayload is the iptables-restore input that replaces the content
-// of c's chain in table with desired, in order.
-func (c *Chain) restorePayload(table string, desired []desiredRule) []byte {
-	return restorePayloadOf(table, c.name, desired)
+// sameRule compares a listed rule with a desired one: word for word,
+// except that HMARK options compare by value (iptables versions print
+// the offset in decimal or in hex).
+func sameRule(got, want []string) bool {
+	j := slices.Index(want, "HMARK")
+	if j < 1 || want[j-1] != "-j" {
+		return slices.Equal(got, want)
+	}
+	if len(got) <= j || !slices.Equal(got[:j+1], want[:j+1]) {
+		return false
+	}
+	g, okG := parseHMARKOptions(got[j+1:])
+	w, okW := parseHMARKOptions(want[j+1:])
+	return okG && okW && g == w
 }
 
-// Offsets returns, by tunnel IP, the offset of each HMARK rule in c's
-// mangle chain that Chain would write but for its offset: our comment,
-// /32, the full tuple masks, and the Buckets and Seed of c's Params. A
-// restarted router reads it to adopt the generation each tunnel IP is on,
-// then passes those offsets to Sync, which then writes nothing. Should a
-// tunnel IP have several such rules, the last one is reported: HMARK
-// continues, so the last one sets the mark. A missing chain gives an
-// empty map and no error.
+// Offsets returns, by tunnel IP, the offset it is hashed with: that of
+// the generation set it is in (the highest, should it be in several: the
+// later rule sets the mark). A restarted router reads it to adopt the
+// generation each tunnel IP is on, then passes those offsets to Sync,
+// which then writes nothing. When the router's set of all tunnel IPs does
+// not exist, it reads instead the per-tunnel-IP HMARK rules an older
+// version wrote in the mangle chain (our comment, /32, the full tuple,
+// c's Buckets and Seed), so that an upgrade keeps every tunnel IP on its
+// generation. Nothing at all gives an empty map and no error.
 func (c *Chain) Offsets() (map[netip.Addr]uint32, error) {
 	offsets, err := c.offsets()
 	return offsets, c.redactSeed(err)
 }
 
 func (c *Chain) offsets() (map[netip.Addr]uint32, error) {
+	sets, err := c.readSets()
+	if err != nil {
+		return nil, fmt.Errorf("hmark: offsets of chain %s: %w", c.name, err)
+	}
+	offsets := make(map[netip.Addr]uint32)
+	if sets.all.exists {
+		for g, s := range sets.generations {
+			for vip := range s.members {
+				offsets[vip] = c.offsetOf(g)
+			}
+		}
+		return offsets, nil
+	}
 	exists, err := c.ipt.ChainExists(Table, c.name)
 	if err != nil {
 		return nil, fmt.Errorf("hmark: offsets of chain %s: check chain: %w", c.name, err)
 	}
-	offsets := make(map[netip.Addr]uint32)
 	if !exists {
 		return offsets, nil
 	}

@@ -13,7 +13,9 @@ import (
 	"time"
 
 	"github.com/coreos/go-iptables/iptables"
+	"github.com/vishvananda/netlink"
 
+	"github.com/cmdnu/kube-service-tunnel/test/support/ipsetstate"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 	"golang.org/x/sys/unix"
 )
@@ -47,7 +49,8 @@ func (r *nsRestorer) Restore(table string, payload []byte) error {
 
 // lineChanges is the number of lines that differ between two outputs of
 // `iptables -S`, counted as a multiset: what was added plus what was
-// removed. It measures a Sync's changes independently of its count.
+// removed (empty lines aside). It measures a Sync's changes independently
+// of its count.
 func lineChanges(before, after string) int {
 	count := make(map[string]int)
 	for _, l := range strings.Split(before, "\n") {
@@ -56,6 +59,7 @@ func lineChanges(before, after string) int {
 	for _, l := range strings.Split(after, "\n") {
 		count[l]--
 	}
+	delete(count, "")
 	n := 0
 	for _, c := range count {
 		n += max(c, -c)
@@ -85,7 +89,7 @@ func testSyncInNetns(t *testing.T, binary string) {
 	mangleS := func() string { return ns.Run(binary, "-t", "mangle", "-S") }
 	newChain := func() *Chain {
 		t.Helper()
-		c, err := NewChain(ipt, "", params, restorer)
+		c, err := NewChain(ipt, ns.IPSets(), "", params, restorer)
 		if err != nil {
 			t.Fatalf("NewChain: %v", err)
 		}
@@ -106,49 +110,50 @@ func testSyncInNetns(t *testing.T, binary string) {
 	}
 
 	chain := newChain()
+	// state is what Sync owns, as an operator lists it: mangle's rules and
+	// the namespace's ipsets with their members.
+	state := func() string { return mangleS() + "\n" + ns.IPSetState() }
 	// syncExpect syncs and checks the changes Sync reports against the
-	// lines that changed in `iptables -S`, and the writes iptables and
-	// iptables-restore saw: wantIPT of the changes go through go-iptables
-	// (chain and jump) and the rest through at most one restore.
-	syncExpect := func(step string, c *Chain, want, wantIPT int) {
+	// lines that changed in `iptables -S` and the set listing, and the
+	// writes iptables and iptables-restore saw: wantIPT of the changes go
+	// through go-iptables (chain and jump), the set elements through
+	// netlink, and the rules through wantRestores restores.
+	syncExpect := func(step string, c *Chain, want, wantIPT, wantRestores int) {
 		t.Helper()
 		ipt.Writes, restorer.Calls = 0, 0
-		before := mangleS()
+		before := state()
 		changed, err := c.Sync(targetsOf(vips...))
 		if err != nil {
 			t.Fatalf("%s: Sync: %v", step, err)
 		}
-		wantRestores := 0
-		if want > wantIPT {
-			wantRestores = 1
-		}
-		if diff := lineChanges(before, mangleS()); changed != want || diff != want {
-			t.Errorf("%s: Sync changed = %d (%d lines of iptables -S changed), want %d", step, changed, diff, want)
+		if diff := lineChanges(before, state()); changed != want || diff != want {
+			t.Errorf("%s: Sync changed = %d (%d lines of iptables -S and the sets changed), want %d", step, changed, diff, want)
 		}
 		if ipt.Writes != wantIPT || restorer.Calls != wantRestores {
 			t.Errorf("%s: iptables saw %d writes and iptables-restore %d calls, want %d and %d",
 				step, ipt.Writes, restorer.Calls, wantIPT, wantRestores)
 		}
-		assertKernelChain(t, step, ipt, params, vips)
+		assertKernelChain(t, step, ns, c, vips)
 		othersUntouched(step)
 	}
 
-	syncExpect("first sync", chain, 1+1+len(vips), 2)
+	// Two sets, every tunnel IP in both, chain, jump, exit and HMARK rule.
+	syncExpect("first sync", chain, 2+2*len(vips)+1+1+2, 2, 1)
 	t.Logf("%s prints the router's rules as:\n%s", binary, ns.Run(binary, "-t", "mangle", "-S", DefaultChainName))
 
 	adopter := newChain()
-	syncExpect("adoption by a new Chain", adopter, 0, 0)
+	syncExpect("adoption by a new Chain", adopter, 0, 0, 0)
 
 	ns.Run(binary, "-t", "mangle", "-D", DefaultChainName, "2")
-	syncExpect("rule deleted by hand", adopter, 1, 0)
+	syncExpect("HMARK rule deleted by hand", adopter, 1, 0, 1)
 
 	ns.Run(binary, "-t", "mangle", "-I", DefaultChainName, "2", "-j", "MARK", "--set-mark", "3")
 	ns.Run(binary, "-t", "mangle", "-A", DefaultChainName, "-d", vips[0].String()+"/32",
 		"-j", "HMARK", "--hmark-tuple", "src,dst", "--hmark-mod", "16", "--hmark-offset", "256", "--hmark-rnd", "0xc0ffee")
-	syncExpect("foreign rules added by hand to the chain", adopter, 2, 0)
+	syncExpect("foreign rules added by hand to the chain", adopter, 2, 0, 1)
 
 	ns.Run(binary, "-t", "mangle", "-A", "PREROUTING", "-i", "lo", "-j", DefaultChainName)
-	syncExpect("second jump added by hand", adopter, 1, 1)
+	syncExpect("second jump added by hand", adopter, 1, 1, 0)
 
 	// One datagram to a tunnel IP shows up in the counters.
 	sendDatagrams(t, ns, vipAbove, 1)
@@ -166,24 +171,35 @@ func testSyncInNetns(t *testing.T, binary string) {
 		t.Errorf("Counters[%s] = %+v, want no packet", vipBelow, c)
 	}
 
-	// Another tunnel IP removed, then added back, then the chain repaired
-	// (each a restore): the tunnel IP's counters stay.
+	// Another tunnel IP removed (from both sets), then added back, then
+	// the chain repaired (a restore): the tunnel IP's counters stay.
 	all := vips
 	vips = []netip.Addr{vipLoopback, vipAbove}
-	syncExpect("a tunnel IP removed", adopter, 1, 0)
+	syncExpect("a tunnel IP removed", adopter, 2, 0, 0)
 	assertCounter(t, "a tunnel IP removed", adopter, vipAbove, Counter{Packets: 1, Bytes: 36})
 	vips = all
-	syncExpect("the tunnel IP added back", adopter, 1, 0)
+	syncExpect("the tunnel IP added back", adopter, 2, 0, 0)
 	assertCounter(t, "the tunnel IP added back", adopter, vipAbove, Counter{Packets: 1, Bytes: 36})
 	ns.Run(binary, "-t", "mangle", "-I", DefaultChainName, "1", "-j", "MARK", "--set-mark", "3")
-	syncExpect("foreign rule removed", adopter, 1, 0)
+	syncExpect("foreign rule removed", adopter, 1, 0, 1)
 	assertCounter(t, "foreign rule removed", adopter, vipAbove, Counter{Packets: 1, Bytes: 36})
+
+	// A tunnel IP deleted from its generation's set behind the router's
+	// back is put back.
+	if err := ns.IPSets().IpsetDel(DefaultChainName+"-0", &netlink.IPSetEntry{IP: vipAbove.AsSlice()}); err != nil {
+		t.Fatal(err)
+	}
+	syncExpect("set element deleted by hand", adopter, 1, 0, 0)
+	assertCounter(t, "set element deleted by hand", adopter, vipAbove, Counter{Packets: 1, Bytes: 36})
 
 	if err := adopter.Cleanup(); err != nil {
 		t.Fatalf("Cleanup: %v", err)
 	}
 	if got := mangleS(); got != before {
 		t.Errorf("after Cleanup, mangle is\n%s\nwant what it was before the router:\n%s", got, before)
+	}
+	if got := ns.IPSetState(); got != "" {
+		t.Errorf("after Cleanup, the sets are\n%s\nwant none", got)
 	}
 	if err := chain.Cleanup(); err != nil {
 		t.Errorf("second Cleanup (nothing left): %v", err)
@@ -237,9 +253,12 @@ func assertCounter(t *testing.T, step string, c *Chain, vip netip.Addr, want Cou
 	}
 }
 
-// TestSyncManyVIPsInNetns syncs 10,000 tunnel IPs into a fresh namespace
-// with each backend: one iptables-restore writes them all, a restarted
-// Chain writes nothing, and swapping one tunnel IP for another changes 2.
+// TestSyncManyVIPsInNetns syncs 10 tunnel IPs into a fresh namespace
+// with each backend, then 10,000: the chains hold the same rules (the
+// number of rules a packet walks does not grow with the tunnel IPs), one
+// set element per tunnel IP and set is written, a restarted Chain writes
+// nothing, and swapping one tunnel IP for another changes 4 set elements
+// and no rule.
 func TestSyncManyVIPsInNetns(t *testing.T) {
 	for _, binary := range iptablesBinaries {
 		t.Run(binary, func(t *testing.T) { testSyncManyVIPsInNetns(t, binary) })
@@ -252,10 +271,12 @@ func testSyncManyVIPsInNetns(t *testing.T, binary string) {
 	ipt := ns.IPTables(binary)
 	restorer := newNSRestorer(ns, binary)
 	params := Params{Buckets: 64, Offset: 0x100, Seed: 0xc0ffee}
-	vips := manyVIPs(n)
+	rulesOf := func() string {
+		return ns.Run(binary, "-t", "mangle", "-S", DefaultChainName) + ns.Run(binary, "-t", "mangle", "-S", ParentChain)
+	}
 	sync := func(step string, vips []netip.Addr, want, wantIPT, wantRestores int) {
 		t.Helper()
-		chain, err := NewChain(ipt, "", params, restorer)
+		chain, err := NewChain(ipt, ns.IPSets(), "", params, restorer)
 		if err != nil {
 			t.Fatalf("NewChain: %v", err)
 		}
@@ -271,57 +292,63 @@ func testSyncManyVIPsInNetns(t *testing.T, binary string) {
 			t.Errorf("%s: Sync changed = %d with %d iptables writes and %d restores, want %d with %d and %d",
 				step, changed, ipt.Writes, restorer.Calls, want, wantIPT, wantRestores)
 		}
-		out := ns.Run(binary, "-t", "mangle", "-S", DefaultChainName)
-		if got := strings.Count(out, " -j HMARK "); got != len(vips) {
-			t.Errorf("%s: %s -t mangle -S %s has %d HMARK rules, want %d", step, binary, DefaultChainName, got, len(vips))
-		}
-		assertKernelChain(t, step, ipt, params, vips)
+		assertKernelChain(t, step, ns, chain, vips)
 	}
 
-	sync("first sync", vips, 1+1+n, 2, 1)
+	few := manyVIPs(10)
+	sync("first sync of 10", few, 2+2*len(few)+1+1+2, 2, 1)
+	rulesWithFew := rulesOf()
+	vips := manyVIPs(n)
+	sync("10,000", vips, 2*(n-len(few)), 0, 0)
+	if got := rulesOf(); got != rulesWithFew {
+		t.Errorf("the rules changed between 10 and %d tunnel IPs:\n%s\nwant, as with 10:\n%s", n, got, rulesWithFew)
+	}
+	t.Logf("rules with 10 and with %d tunnel IPs:\n%s", n, rulesWithFew)
 	sync("adoption by a new Chain", vips, 0, 0, 0)
 	swapped := slices.Concat(vips[1:], []netip.Addr{netip.MustParseAddr("10.200.0.1")})
-	sync("one tunnel IP removed, one added", swapped, 2, 0, 1)
+	sync("one tunnel IP removed, one added", swapped, 4, 0, 0)
 }
 
-// assertKernelChain checks the chain in the kernel: one parsed rule per
-// tunnel IP with params, nothing else, and one jump from PREROUTING.
-func assertKernelChain(t *testing.T, step string, ipt IPTables, params Params, vips []netip.Addr) {
+// assertKernelChain checks what c owns in the kernel, stateless with every
+// tunnel IP in generation 0: its chain holds exactly the exit rule and the
+// generation's HMARK rule, both sets hold exactly vips, and PREROUTING
+// one jump to the chain.
+func assertKernelChain(t *testing.T, step string, ns *testnetns.NS, c *Chain, vips []netip.Addr) {
 	t.Helper()
-	lines, err := ipt.List(Table, DefaultChainName)
+	want := c.mangleRules([]int{0})
+	rules, err := c.listRules(Table, c.name, false)
 	if err != nil {
 		t.Fatalf("%s: list chain: %v", step, err)
 	}
-	var got []netip.Addr
-	for _, line := range lines {
-		r, ok, err := parseRule(line, DefaultChainName, false)
-		if err != nil || !ok {
-			continue
-		}
-		vip, p, ok := r.vipRule()
-		if !ok || p != params {
-			t.Errorf("%s: unexpected rule in chain: %s", step, line)
-			continue
-		}
-		got = append(got, vip)
+	same := len(rules) == len(want)
+	for i := 0; same && i < len(rules); i++ {
+		same = sameRule(rules[i].spec, want[i])
 	}
-	slices.SortFunc(got, netip.Addr.Compare)
-	want := slices.SortedFunc(slices.Values(vips), netip.Addr.Compare)
-	if !slices.Equal(got, want) {
-		t.Errorf("%s: chain has rules for %v, want %v", step, got, want)
+	if !same {
+		t.Errorf("%s: chain %s holds %v, want %v", step, c.name, rules, want)
 	}
-	pre, err := ipt.List(Table, ParentChain)
+	wantVIPs := slices.SortedFunc(slices.Values(vips), netip.Addr.Compare)
+	for _, set := range []string{c.allSetName(), c.generationSetName(0)} {
+		got, err := ipsetstate.Members(ns.IPSets(), set)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Equal(got, wantVIPs) {
+			t.Errorf("%s: set %s holds %d tunnel IPs, want %d", step, set, len(got), len(wantVIPs))
+		}
+	}
+	pre, err := c.ipt.List(Table, ParentChain)
 	if err != nil {
 		t.Fatalf("%s: list %s: %v", step, ParentChain, err)
 	}
 	jumps := 0
 	for _, line := range pre {
-		if strings.Contains(line, "-j "+DefaultChainName) {
+		if strings.Contains(line, "-j "+c.name) {
 			jumps++
 		}
 	}
 	if jumps != 1 {
-		t.Errorf("%s: %d jumps to %s in %s, want 1:\n%s", step, jumps, DefaultChainName, ParentChain, strings.Join(pre, "\n"))
+		t.Errorf("%s: %d jumps to %s in %s, want 1:\n%s", step, jumps, c.name, ParentChain, strings.Join(pre, "\n"))
 	}
 }
 

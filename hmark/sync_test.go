@@ -2,6 +2,8 @@ package hmark
 
 import (
 	"errors"
+	"maps"
+	"math"
 	"math/rand/v2"
 	"net/netip"
 	"slices"
@@ -9,197 +11,242 @@ import (
 	"testing"
 )
 
+// Lines as iptables v1.8.9 (nft and legacy alike, Linux 6.18) printed the
+// set rules for testParams (offset 256, 16 buckets) and stickyParams.
+const (
+	printedExit       = "-A KST-HMARK -m set ! --match-set KST-HMARK dst -m comment --comment kube-service-tunnel -j RETURN"
+	printedStickyExit = "-A KST-HMARK -m set ! --match-set KST-HMARK dst ! --update-counters -m comment --comment kube-service-tunnel -j RETURN"
+	printedGen0       = "-A KST-HMARK -m set --match-set KST-HMARK-0 dst -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 256"
+	printedGen1       = "-A KST-HMARK -m set --match-set KST-HMARK-1 dst -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 272"
+	printedRawRule    = "-t raw -A KST-HMARK -m set --match-set KST-HMARK dst -m comment --comment kube-service-tunnel -j KST-HMARK-SYN"
+)
+
+// syncedLines is the fake's content once a stateless Chain with
+// testParams synced vipA and vipB in generation 0: what the first Sync
+// writes on top of othersLines.
+var syncedLines = []string{printedChainN, printedJump, printedExit, printedGen0,
+	"-S KST-HMARK 10.96.0.10 10.96.0.20", "-S KST-HMARK-0 10.96.0.10 10.96.0.20"}
+
+// stateOf is the fake's mangle and raw tables and its sets.
+func stateOf(f *fakeIPTables) string {
+	return f.dump() + "\n" + f.dumpTable("raw") + "\n" + f.dumpSets()
+}
+
+// canonical is the state Sync leaves for lines (sets and rules) on top
+// of othersLines, the jump first in PREROUTING as Sync inserts it.
+func canonical(t *testing.T, lines ...string) string {
+	t.Helper()
+	var rest []string
+	jump := false
+	for _, l := range lines {
+		if l == printedJump {
+			jump = true
+			continue
+		}
+		rest = append(rest, l)
+	}
+	f := newFakeIPTables(t, slices.Concat(othersLines, rest)...)
+	if jump {
+		f.chains["mangle/PREROUTING"] = slices.Insert(f.chains["mangle/PREROUTING"], 0,
+			fakeRule{spec: strings.TrimPrefix(printedJump, "-A PREROUTING ")})
+	}
+	return stateOf(f)
+}
+
 func TestSyncFromScratch(t *testing.T) {
 	f := newFakeIPTables(t, othersLines...)
-	c := newTestChain(t, f, testParams)
-	changed, err := c.Sync(targetsOf(vipC, vipA, vipB))
+	changed, err := newTestChain(t, f, testParams).Sync(targetsOf(vipB, vipA))
 	if err != nil {
 		t.Fatalf("Sync: %v", err)
 	}
-	if changed != 5 {
-		t.Errorf("Sync changed = %d; want 5 (chain, jump, three rules)", changed)
-	}
-	if got, want := f.dump(), canonicalState(t, printedRuleA, printedRuleB, printedRuleC); got != want {
-		t.Errorf("mangle after Sync:\n%s\nwant:\n%s", got, want)
-	}
-	wantWrites := []string{
-		"new mangle/KST-HMARK",
-		"insert mangle/PREROUTING 1 -m comment --comment kube-service-tunnel -j KST-HMARK",
+	// Sets, chain, jump, members (all first, in address order), rules.
+	checkWrites(t, "first sync", f, []string{
+		"ipset create KST-HMARK", "ipset create KST-HMARK-0",
+		"new mangle/KST-HMARK", "insert mangle/PREROUTING 1",
+		"ipset add KST-HMARK 10.96.0.10", "ipset add KST-HMARK 10.96.0.20",
+		"ipset add KST-HMARK-0 10.96.0.10", "ipset add KST-HMARK-0 10.96.0.20",
 		"restore mangle",
+	})
+	if want := 2 + 1 + 1 + 4 + 2; changed != want {
+		t.Errorf("Sync changed = %d, want %d", changed, want)
 	}
-	if !slices.Equal(f.writes, wantWrites) {
-		t.Errorf("writes:\n%s\nwant:\n%s", strings.Join(f.writes, "\n"), strings.Join(wantWrites, "\n"))
+	if got, want := stateOf(f), canonical(t, syncedLines...); got != want {
+		t.Errorf("state:\n%s\nwant:\n%s", got, want)
 	}
-	wantPayload := `*mangle
-:KST-HMARK - [0:0]
--A KST-HMARK -d 10.96.0.10/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-tuple src,dst,sport,dport,proto --hmark-mod 16 --hmark-offset 256 --hmark-rnd 0x00c0ffee
--A KST-HMARK -d 10.96.0.20/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-tuple src,dst,sport,dport,proto --hmark-mod 16 --hmark-offset 256 --hmark-rnd 0x00c0ffee
--A KST-HMARK -d 10.96.0.30/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-tuple src,dst,sport,dport,proto --hmark-mod 16 --hmark-offset 256 --hmark-rnd 0x00c0ffee
-COMMIT
-`
-	if len(f.restores) != 1 || f.restores[0] != wantPayload {
-		t.Errorf("restore payloads %q, want one:\n%s", f.restores, wantPayload)
+	if s := f.sets["KST-HMARK"]; !s.counters || s.typ != SetType || f.sets["KST-HMARK-0"].counters {
+		t.Errorf("sets %+v, %+v: want hash:ip, counters only in the set of all tunnel IPs", s, f.sets["KST-HMARK-0"])
 	}
 }
 
-// TestSyncAdoptsWithoutWrites gives a new Chain a kernel state that is
-// already right, in the several forms iptables may print it, and expects
-// no write at all.
+// TestSyncAdoptsWithoutWrites: what Sync wrote, or an equivalent state
+// printed otherwise (offset in hex), is adopted with no write.
 func TestSyncAdoptsWithoutWrites(t *testing.T) {
-	protoMask00ff := strings.Replace(printedRuleA, "--hmark-proto-mask 0xffff", "--hmark-proto-mask 0xff", 1)
-	tests := []struct {
-		name   string
-		params Params
-		lines  []string
-	}{
-		{"as Chain wrote it", testParams, []string{printedChainN, printedJump, printedRuleA, printedRuleB}},
-		{"jump not first in PREROUTING", testParams, []string{printedChainN, "-A PREROUTING -j ACCEPT", printedJump, printedRuleB, printedRuleA}},
-		{"protocol mask 0xff", testParams, []string{printedChainN, printedJump, protoMask00ff, printedRuleB}},
-		{"offset 0 omitted by iptables", Params{Buckets: 16, Offset: 0, Seed: 0xc0ffee}, []string{printedChainN, printedJump,
-			strings.TrimSuffix(printedRuleA, " --hmark-offset 256"), strings.Replace(printedRuleB, "--hmark-offset 256", "--hmark-offset 0", 1)}},
-		{"decimal seed, hex modulus", testParams, []string{printedChainN, printedJump, printedRuleA,
-			strings.Replace(strings.Replace(printedRuleB, "0x00c0ffee", "12648430", 1), "--hmark-mod 16", "--hmark-mod 0x10", 1)}},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			f := newFakeIPTables(t, slices.Concat(othersLines, tt.lines)...)
-			before := f.dump()
-			changed, err := newTestChain(t, f, tt.params).Sync(targetsOf(vipA, vipB))
-			if err != nil {
-				t.Fatalf("Sync: %v", err)
-			}
-			if changed != 0 || len(f.writes) != 0 {
-				t.Errorf("Sync changed = %d, writes %q; want none", changed, f.writes)
-			}
-			if f.dump() != before {
-				t.Errorf("state changed:\n%s\nwant:\n%s", f.dump(), before)
+	hexGen0 := strings.Replace(printedGen0, "--hmark-offset 256", "--hmark-offset 0x100", 1)
+	for name, lines := range map[string][]string{
+		"as Sync wrote it": syncedLines,
+		"hex offset":       slices.Concat(syncedLines[:3], []string{hexGen0}, syncedLines[4:]),
+	} {
+		t.Run(name, func(t *testing.T) {
+			f := newFakeIPTables(t, slices.Concat(othersLines, lines)...)
+			changed, err := newTestChain(t, f, testParams).Sync(targetsOf(vipA, vipB))
+			if err != nil || changed != 0 || len(f.writes) != 0 {
+				t.Errorf("Sync = %d, %v with writes %q; want 0, nil, none", changed, err, f.writes)
 			}
 		})
 	}
 }
 
-// TestSyncRepairs starts from drifted states and expects the canonical
-// state for vipA and vipB, with exactly the writes needed, and the rules of
-// others untouched.
+// TestSyncRepairs starts from a damaged state and expects the canonical
+// one, with the number of repairs.
 func TestSyncRepairs(t *testing.T) {
-	hmarkA := func(mod string) string { return strings.Replace(printedRuleA, "--hmark-mod 16", mod, 1) }
 	tests := []struct {
-		name  string
-		lines []string
-		// changed is the number of differences: rules added plus removed,
-		// chains created, jumps inserted or deleted.
+		name    string
+		lines   []string
 		changed int
-		// writes are prefixes of the expected write calls, in order.
-		writes []string
 	}{
-		{"chain missing", []string{printedJump}, 3, []string{"new", "restore mangle"}},
-		{"jump missing", []string{printedChainN, printedRuleA, printedRuleB}, 1, []string{"insert mangle/PREROUTING 1"}},
-		{"rule missing", []string{printedChainN, printedJump, printedRuleB}, 1, []string{"restore mangle"}},
-		{"stale tunnel IP", []string{printedChainN, printedJump, printedRuleA, printedRuleC, printedRuleB}, 1, []string{"restore mangle"}},
-		{"duplicate rule", []string{printedChainN, printedJump, printedRuleA, printedRuleB, printedRuleA}, 1, []string{"restore mangle"}},
-		{"foreign rules in own chain", []string{printedChainN, printedJump,
-			"-A KST-HMARK -j MARK --set-xmark 0x1/0xffffffff",
-			printedRuleA,
-			`-A KST-HMARK -d 10.96.0.20/32 -m comment --comment "not ours" -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 256`,
-			"-A KST-HMARK -d 10.96.0.20/32 -p tcp -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 256",
-			"-A KST-HMARK ! -d 10.96.0.20/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 256",
-			"-A KST-HMARK -d 10.96.0.0/24 -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 256",
-			"-A KST-HMARK -d 10.96.0.20/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 256",
-			"-A KST-HMARK -d 10.96.0.20/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 256 --hmark-tuple ct",
-			"-A KST-HMARK -d 10.96.0.20/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 24 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 256",
-			"-A KST-HMARK -d 10.96.0.20/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-sport 0x0050 --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 256",
-			"-A KST-HMARK -d 10.96.0.20/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xfff0 --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 256",
-			"-A KST-HMARK -d 10.96.0.20/32 -m comment --comment kube-service-tunnel -j MARK --set-xmark 0x100/0xffffffff",
-		}, 12, []string{"restore mangle"}},
-		{"other parameters after a config change", []string{printedChainN, printedJump, hmarkA("--hmark-mod 8"),
-			strings.Replace(printedRuleB, "0x00c0ffee", "0x00c0fffe", 1)}, 4, []string{"restore mangle"}},
-		{"duplicate jump", []string{printedChainN, printedJump, printedRuleA, printedRuleB, printedJump}, 1,
-			[]string{"delete mangle/PREROUTING -m comment --comment kube-service-tunnel -j KST-HMARK"}},
-		{"jump of another shape", []string{printedChainN, "-A PREROUTING -i eth0 -g KST-HMARK", printedRuleA, printedRuleB}, 2,
-			[]string{"insert mangle/PREROUTING 1", "delete mangle/PREROUTING -i eth0 -g KST-HMARK"}},
+		{"jump missing", slices.Delete(slices.Clone(syncedLines), 1, 2), 1},
+		{"HMARK rule missing", slices.Delete(slices.Clone(syncedLines), 3, 4), 1},
+		{"rules swapped", slices.Concat(syncedLines[:2], []string{printedGen0, printedExit}, syncedLines[4:]), 2},
+		{"foreign rule in the chain", slices.Concat(syncedLines, []string{"-A KST-HMARK -j MARK --set-xmark 0x1/0xffffffff"}), 1},
+		{"rule of an older version", slices.Concat(syncedLines, []string{printedRuleC}), 1},
+		{"member missing", slices.Concat(syncedLines[:4], []string{"-S KST-HMARK 10.96.0.10", syncedLines[5]}), 1},
+		{"member of a tunnel IP gone", slices.Concat(syncedLines[:4], []string{"-S KST-HMARK 10.96.0.10 10.96.0.20 10.96.0.30", syncedLines[5]}), 1},
+		{"tunnel IP in another generation too", slices.Concat(syncedLines, []string{"-S KST-HMARK-1 10.96.0.10"}), 2},
+		{"generation set missing", syncedLines[:5], 1 + 2},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			f := newFakeIPTables(t, slices.Concat(othersLines, tt.lines)...)
-			changed, err := newTestChain(t, f, testParams).Sync(targetsOf(vipB, vipA))
+			changed, err := newTestChain(t, f, testParams).Sync(targetsOf(vipA, vipB))
 			if err != nil {
 				t.Fatalf("Sync: %v", err)
 			}
 			if changed != tt.changed {
-				t.Errorf("Sync changed = %d, want %d differences", changed, tt.changed)
+				t.Errorf("Sync changed = %d, want %d (writes %q)", changed, tt.changed, f.writes)
 			}
-			checkWrites(t, "Sync", f, tt.writes)
-			if got, want := f.dump(), canonicalState(t, printedRuleA, printedRuleB); !sameState(got, want) {
-				t.Errorf("mangle after Sync:\n%s\nwant:\n%s", got, want)
-			}
-			// A second Sync has nothing left to do.
-			f.writes = nil
-			if changed, err := newTestChain(t, f, testParams).Sync(targetsOf(vipA, vipB)); err != nil || changed != 0 || len(f.writes) != 0 {
-				t.Errorf("second Sync: changed %d, err %v, writes %q; want 0, nil, none", changed, err, f.writes)
+			if got, want := stateOf(f), canonical(t, syncedLines...); got != want && !sameState(got, want) {
+				t.Errorf("state:\n%s\nwant:\n%s", got, want)
 			}
 		})
 	}
 }
 
-func TestSyncEmptyVIPsEmptiesChain(t *testing.T) {
-	f := newFakeIPTables(t, slices.Concat(othersLines, []string{printedChainN, printedJump, printedRuleA, printedRuleB})...)
-	changed, err := newTestChain(t, f, testParams).Sync(nil)
-	if err != nil || changed != 2 {
-		t.Fatalf("Sync(nil) = %d, %v; want 2 deletes", changed, err)
+// TestSyncOrder: a tunnel IP joins the set of all tunnel IPs before its
+// generation's set, and leaves it after; moving to another generation adds
+// it to the new set before the rules change and deletes it from the old
+// one after, and the old generation's set is destroyed once its rule is
+// gone.
+func TestSyncOrder(t *testing.T) {
+	f := newFakeIPTables(t, slices.Concat(othersLines, syncedLines)...)
+	c := newTestChain(t, f, testParams)
+	gen1 := testParams.Offset + testParams.Buckets
+	if _, err := c.Sync([]Target{{VIP: vipA, Offset: gen1}, {VIP: vipC, Offset: gen1}}); err != nil {
+		t.Fatalf("Sync: %v", err)
 	}
-	if got, want := f.dump(), canonicalState(t); !sameState(got, want) {
-		t.Errorf("mangle after Sync(nil):\n%s\nwant:\n%s", got, want)
+	checkWrites(t, "move", f, []string{
+		"ipset create KST-HMARK-1",
+		"ipset add KST-HMARK 10.96.0.30",
+		"ipset add KST-HMARK-1 10.96.0.10", "ipset add KST-HMARK-1 10.96.0.30",
+		"restore mangle",
+		"ipset del KST-HMARK-0 10.96.0.10", "ipset del KST-HMARK-0 10.96.0.20",
+		"ipset del KST-HMARK 10.96.0.20",
+		"ipset destroy KST-HMARK-0",
+	})
+	want := canonical(t, printedChainN, printedJump, printedExit, printedGen1,
+		"-S KST-HMARK 10.96.0.10 10.96.0.30", "-S KST-HMARK-1 10.96.0.10 10.96.0.30")
+	if got := stateOf(f); !sameState(got, want) {
+		t.Errorf("state:\n%s\nwant:\n%s", got, want)
 	}
-	if want := "*mangle\n:KST-HMARK - [0:0]\nCOMMIT\n"; len(f.restores) != 1 || f.restores[0] != want {
-		t.Errorf("restore payloads %q, want one: %q", f.restores, want)
+	offsets, err := c.Offsets()
+	if wantOffsets := map[netip.Addr]uint32{vipA: gen1, vipC: gen1}; err != nil || !maps.Equal(offsets, wantOffsets) {
+		t.Errorf("Offsets = %v, %v; want %v", offsets, err, wantOffsets)
 	}
 }
 
-func TestSyncRejectsNonIPv4(t *testing.T) {
-	f := newFakeIPTables(t)
-	_, err := newTestChain(t, f, testParams).Sync(targetsOf(vipA, netip.MustParseAddr("2001:db8::1")))
-	if err == nil || !strings.Contains(err.Error(), "not an IPv4") {
-		t.Errorf("Sync with an IPv6 tunnel IP: err = %v, want not an IPv4 address", err)
+// TestOffsetsOfAnOlderVersion: without the set of all tunnel IPs, Offsets
+// reads the per-tunnel-IP rules an older version wrote, so that an upgrade
+// keeps each tunnel IP on its generation; Sync then replaces them.
+func TestOffsetsOfAnOlderVersion(t *testing.T) {
+	ruleB272 := strings.Replace(printedRuleB, "--hmark-offset 256", "--hmark-offset 0x110", 1)
+	f := newFakeIPTables(t, slices.Concat(othersLines, []string{printedChainN, printedJump, printedRuleA, ruleB272,
+		strings.Replace(printedRuleC, "--hmark-mod 16", "--hmark-mod 8", 1)})...)
+	c := newTestChain(t, f, testParams)
+	offsets, err := c.Offsets()
+	if want := map[netip.Addr]uint32{vipA: 256, vipB: 272}; err != nil || !maps.Equal(offsets, want) {
+		t.Fatalf("Offsets = %v, %v; want %v", offsets, err, want)
 	}
-	if len(f.writes) != 0 {
-		t.Errorf("writes %q, want none", f.writes)
+	if _, err := c.Sync([]Target{{VIP: vipA, Offset: 256}, {VIP: vipB, Offset: 272}}); err != nil {
+		t.Fatalf("Sync: %v", err)
 	}
-	mapped := netip.AddrFrom16(vipA.As16())
-	if _, err := newTestChain(t, f, testParams).Sync(targetsOf(mapped)); err != nil {
-		t.Errorf("Sync with 4-in-6 %s: %v", mapped, err)
+	want := canonical(t, printedChainN, printedJump, printedExit, printedGen0, printedGen1,
+		"-S KST-HMARK 10.96.0.10 10.96.0.20", "-S KST-HMARK-0 10.96.0.10", "-S KST-HMARK-1 10.96.0.20")
+	if got := stateOf(f); !sameState(got, want) {
+		t.Errorf("state after the upgrade:\n%s\nwant:\n%s", got, want)
 	}
 }
 
-// TestSyncWriteFailures makes one write fail: Sync returns an error that
-// wraps it, names the chain and what failed (the restore's error quotes
-// the failed rule, its seed replaced by its fingerprint) without the seed, counts only what was applied before
-// it, writes nothing after it, and leaves the chain's rules as they were (a
-// restore is all or nothing).
+func TestSyncRejectsTargets(t *testing.T) {
+	tests := []struct {
+		name    string
+		sticky  bool
+		targets []Target
+		wantErr string
+	}{
+		{"not IPv4", false, []Target{{VIP: netip.MustParseAddr("2001:db8::1")}}, "not an IPv4 address"},
+		{"duplicate vip", false, []Target{{VIP: vipA}, {VIP: vipB}, {VIP: vipA, Offset: gen1}}, "10.96.0.10 appears more than once"},
+		{"duplicate vip, 4-in-6", true, []Target{{VIP: vipA}, {VIP: netip.AddrFrom16(vipA.As16())}}, "more than once"},
+		{"offset between generations", false, []Target{{VIP: vipB, Offset: gen0 + 3}}, "is not 4096 + g×16"},
+		{"offset below the first generation", false, []Target{{VIP: vipB, Offset: 0x10}}, "is not 4096 + g×16"},
+		{"generation too high", false, []Target{{VIP: vipB, Offset: gen0 + MaxGenerations*16}}, "below 8"},
+		{"offset outside block", true, []Target{{VIP: vipB, Offset: gen0 + 16*7}}, "not all in the sticky block"},
+		{"offset overflowing", false, []Target{{VIP: vipB, Offset: math.MaxUint32 - 8}}, "is not"},
+	}
+	for _, tt := range tests {
+		f := newFakeIPTables(t)
+		c := newTestChain(t, f, stickyParams)
+		if tt.sticky {
+			// A block of 0x80 marks: generations 0-7 of 16 buckets, but
+			// the test's narrower block only holds 0-6.
+			if err := c.SetSticky(&Sticky{Block: 0x1000, Mask: 0xffffff80, TCPMinExpire: 120}); err != nil {
+				t.Fatal(err)
+			}
+			if tt.name == "offset outside block" {
+				if err := c.SetSticky(&Sticky{Block: 0x1000, Mask: 0xffffffc0, TCPMinExpire: 120}); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		changed, err := c.Sync(tt.targets)
+		if err == nil || !strings.Contains(err.Error(), tt.wantErr) || changed != 0 {
+			t.Errorf("%s: Sync = %d, %v; want 0 and an error containing %q", tt.name, changed, err, tt.wantErr)
+		}
+		if len(f.writes) != 0 {
+			t.Errorf("%s: writes %q, want none", tt.name, f.writes)
+		}
+	}
+}
+
+// TestSyncWriteFailures: a failing write stops Sync with an error that
+// wraps it, names the chain or set, never shows the seed, and counts what
+// was applied before it.
 func TestSyncWriteFailures(t *testing.T) {
-	jump := "insert mangle/PREROUTING 1 -m comment --comment kube-service-tunnel -j KST-HMARK"
 	tests := []struct {
 		name, failWrite string
-		// rules are the chain's rules, before and after.
-		rules []string
-		// inErr must all be in the error.
-		inErr   []string
-		changed int
-		writes  []string
+		inErr           []string
+		changed         int
 	}{
-		{"restore after the jump", "restore mangle", []string{printedRuleC}, []string{"table mangle", "10.96.0.10/32", "<seed " + SeedFingerprint(testParams.Seed) + ">"}, 1, []string{jump, "restore mangle"}},
-		{"jump after the chain", "insert mangle/PREROUTING", nil, []string{"table mangle", "insert jump in PREROUTING"}, 1, []string{"new mangle/KST-HMARK", jump}},
+		{"set creation", "ipset create KST-HMARK-0", []string{"create set KST-HMARK-0"}, 1},
+		{"jump", "insert mangle/PREROUTING", []string{"table mangle", "insert jump in PREROUTING"}, 3},
+		{"set member", "ipset add KST-HMARK-0 10.96.0.20", []string{"add 10.96.0.20 to set KST-HMARK-0"}, 7},
+		{"restore", "restore mangle", []string{"table mangle", "--match-set KST-HMARK dst"}, 8},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			lines := othersLines
-			if tt.rules != nil {
-				lines = slices.Concat(othersLines, []string{printedChainN}, tt.rules)
-			}
-			f := newFakeIPTables(t, lines...)
+			f := newFakeIPTables(t, othersLines...)
 			f.failWrite = tt.failWrite
 			changed, err := newTestChain(t, f, testParams).Sync(targetsOf(vipA, vipB))
 			if !errors.Is(err, errFake) {
-				t.Fatalf("Sync err = %v, want it to wrap the iptables error", err)
+				t.Fatalf("Sync err = %v, want it to wrap the failure", err)
 			}
 			for _, want := range append(tt.inErr, "KST-HMARK") {
 				if !strings.Contains(err.Error(), want) {
@@ -212,17 +259,64 @@ func TestSyncWriteFailures(t *testing.T) {
 			if changed != tt.changed {
 				t.Errorf("Sync changed = %d, want %d (what was applied before the failure)", changed, tt.changed)
 			}
-			if !slices.Equal(f.writes, tt.writes) {
-				t.Errorf("writes %q, want %q", f.writes, tt.writes)
-			}
-			var got []string
-			for _, r := range f.chains["mangle/KST-HMARK"] {
-				got = append(got, "-A KST-HMARK "+r.spec)
-			}
-			if !slices.Equal(got, tt.rules) {
-				t.Errorf("chain after the failure: %q, want %q", got, tt.rules)
-			}
 		})
+	}
+}
+
+// TestSyncRefusesForeignSets: a set of the router's name that the router
+// would not have created is an error, and nothing is written into it.
+func TestSyncRefusesForeignSets(t *testing.T) {
+	f := newFakeIPTables(t, othersLines...)
+	f.sets["KST-HMARK"] = &fakeSet{typ: "hash:net", family: 2, members: map[netip.Addr]Counter{}}
+	_, err := newTestChain(t, f, testParams).Sync(targetsOf(vipA))
+	if err == nil || !strings.Contains(err.Error(), "set KST-HMARK is hash:net") {
+		t.Errorf("Sync err = %v, want one naming the set and its type", err)
+	}
+	if len(f.writes) != 0 {
+		t.Errorf("writes %q, want none", f.writes)
+	}
+}
+
+// TestStickySync: the sticky chains around the same sets, and leaving
+// sticky mode removes the raw chains and turns the exit back into the
+// counting one.
+func TestStickySync(t *testing.T) {
+	f := newFakeIPTables(t, othersLines...)
+	c := newTestChain(t, f, stickyParams)
+	if err := c.SetSticky(&testSticky); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Sync([]Target{{VIP: vipA}, {VIP: vipB, Offset: gen1}}); err != nil {
+		t.Fatalf("Sync: %v", err)
+	}
+	gen := func(g int) string {
+		return strings.NewReplacer("--hmark-offset 256", "--hmark-offset "+[]string{"4096", "4112"}[g], "KST-HMARK-0", "KST-HMARK-"+[]string{"0", "1"}[g]).Replace(printedGen0)
+	}
+	want := canonical(t, printedChainN, printedJump, printedStickyExit, printedRestoreTCP, printedRestoreOther, printedReturn,
+		gen(0), gen(1), printedSave,
+		printedRawChainN, printedSynChainN, printedSynRule, printedRawRule,
+		"-S KST-HMARK 10.96.0.10 10.96.0.20", "-S KST-HMARK-0 10.96.0.10", "-S KST-HMARK-1 10.96.0.20")
+	got := stateOf(f)
+	// The raw jump is inserted first in raw PREROUTING: compare without order.
+	if !sameIgnoringOrder(got, want, "-A PREROUTING ") && !strings.Contains(got, strings.TrimPrefix(printedRawJump, "-t raw ")) {
+		t.Errorf("sticky state:\n%s\nwant:\n%s", got, want)
+	}
+	if changed, err := c.Sync([]Target{{VIP: vipA}, {VIP: vipB, Offset: gen1}}); err != nil || changed != 0 {
+		t.Errorf("second Sync = %d, %v; want 0, nil", changed, err)
+	}
+
+	if err := c.SetSticky(nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Sync([]Target{{VIP: vipA}, {VIP: vipB, Offset: gen1}}); err != nil {
+		t.Fatalf("stateless Sync: %v", err)
+	}
+	if got := f.dumpTable("raw"); got != newFakeIPTables(t, othersLines...).dumpTable("raw") {
+		t.Errorf("raw after leaving sticky mode:\n%s", got)
+	}
+	rules := f.chains["mangle/KST-HMARK"]
+	if len(rules) != 3 || "-A KST-HMARK "+rules[0].spec != printedExit {
+		t.Errorf("stateless chain %v, want the counting exit and two HMARK rules", rules)
 	}
 }
 
@@ -235,67 +329,4 @@ func manyVIPs(n int) []netip.Addr {
 	}
 	rand.New(rand.NewPCG(1, 2)).Shuffle(n, func(i, j int) { vips[i], vips[j] = vips[j], vips[i] })
 	return vips
-}
-
-// TestSyncLargeDiffOneRestore syncs 10,000 tunnel IPs: the chain is
-// written in one restore call, a restarted Chain writes nothing, and
-// swapping one tunnel IP for another is one restore that changes 2.
-func TestSyncLargeDiffOneRestore(t *testing.T) {
-	const n = 10000
-	vips := manyVIPs(n)
-	f := newFakeIPTables(t, othersLines...)
-	changed, err := newTestChain(t, f, testParams).Sync(targetsOf(vips...))
-	if err != nil {
-		t.Fatalf("Sync: %v", err)
-	}
-	if changed != 2+n {
-		t.Errorf("Sync changed = %d, want %d (chain, jump, %d rules)", changed, 2+n, n)
-	}
-	if want := []string{"new mangle/KST-HMARK", "insert mangle/PREROUTING 1 -m comment --comment kube-service-tunnel -j KST-HMARK", "restore mangle"}; !slices.Equal(f.writes, want) {
-		t.Errorf("writes %q, want %q", f.writes, want)
-	}
-	checkChain := func(step string, want []netip.Addr) {
-		t.Helper()
-		rules := f.chains["mangle/KST-HMARK"]
-		got := make([]netip.Addr, 0, len(rules))
-		for _, r := range rules {
-			vip, params, ok := rule{spec: strings.Fields(r.spec)}.vipRule()
-			if !ok || params != testParams {
-				t.Fatalf("%s: unexpected rule %q", step, r.spec)
-			}
-			got = append(got, vip)
-		}
-		want = slices.SortedFunc(slices.Values(want), netip.Addr.Compare)
-		if !slices.Equal(got, want) {
-			t.Errorf("%s: chain has %d rules, want %d, in address order", step, len(got), len(want))
-		}
-	}
-	checkChain("first sync", vips)
-
-	f.writes = nil
-	if changed, err := newTestChain(t, f, testParams).Sync(targetsOf(vips...)); err != nil || changed != 0 || len(f.writes) != 0 {
-		t.Errorf("adoption: changed %d, err %v, writes %q; want 0, nil, none", changed, err, f.writes)
-	}
-
-	swapped := slices.Concat(vips[1:], []netip.Addr{netip.MustParseAddr("10.200.0.1")})
-	f.writes, f.restores = nil, nil
-	changed, err = newTestChain(t, f, testParams).Sync(targetsOf(swapped...))
-	if err != nil || changed != 2 {
-		t.Errorf("swap one tunnel IP: changed %d, err %v; want 2, nil", changed, err)
-	}
-	if !slices.Equal(f.writes, []string{"restore mangle"}) {
-		t.Errorf("swap one tunnel IP: writes %q, want one restore", f.writes)
-	}
-	if len(f.restores) == 1 {
-		if got := strings.Count(f.restores[0], "\n-A KST-HMARK "); got != n {
-			t.Errorf("swap one tunnel IP: restore payload has %d rules, want %d", got, n)
-		}
-	}
-	checkChain("swap one tunnel IP", swapped)
-
-	f.writes = nil
-	other := Params{Buckets: 32, Offset: testParams.Offset, Seed: testParams.Seed}
-	if changed, err := newTestChain(t, f, other).Sync(targetsOf(swapped...)); err != nil || changed != 2*n || !slices.Equal(f.writes, []string{"restore mangle"}) {
-		t.Errorf("config change: changed %d, err %v, writes %q; want %d, nil, one restore", changed, err, f.writes, 2*n)
-	}
 }

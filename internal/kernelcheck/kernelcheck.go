@@ -73,6 +73,10 @@ var (
 	Connmark           = Feature{Name: "the iptables connmark match and CONNMARK target", Option: "CONFIG_NETFILTER_XT_CONNMARK", Module: "xt_connmark"}
 	MarkMatch          = Feature{Name: "the iptables mark match", Option: "CONFIG_NETFILTER_XT_MARK", Module: "xt_mark"}
 	CTTarget           = Feature{Name: "the iptables CT target", Option: "CONFIG_NETFILTER_XT_TARGET_CT", Module: "xt_CT"}
+	// IPSets is probed by creating a hash:ip set through netlink: no
+	// ipset command is needed.
+	IPSets   = Feature{Name: "hash:ip ipsets", Option: "CONFIG_IP_SET_HASH_IP", Module: "ip_set_hash_ip"}
+	SetMatch = Feature{Name: "the iptables set match", Option: "CONFIG_NETFILTER_XT_SET", Module: "xt_set"}
 )
 
 // Kernel runs the probes. Each returns nil when the kernel did what was
@@ -99,6 +103,11 @@ type Kernel interface {
 	// IPTablesRule appends rule to a temporary chain of table and deletes
 	// the chain.
 	IPTablesRule(table string, rule ...string) error
+	// IPSet creates and destroys a hash:ip set.
+	IPSet() error
+	// IPSetRule creates a hash:ip set, appends a rule matching it to a
+	// temporary chain of table, and deletes both.
+	IPSetRule(table string) error
 	// LoadModule loads a kernel module with modprobe.
 	LoadModule(name string) error
 }
@@ -203,7 +212,7 @@ func ruleCheck(f Feature, table Feature, tableName string, rule []string) Check 
 }
 
 // Router returns the checks of the tunnel router with the given options:
-// policy routing, encap routes and the HMARK chain always; conntrack's
+// policy routing, encap routes, the HMARK chain and its ipsets always; conntrack's
 // extensions with more than one generation; GRE when it creates its GRE
 // device (gre mode); MPLS routing and encap mpls in mpls mode.
 func Router(p RouterParams) []Check {
@@ -225,7 +234,9 @@ func Router(p RouterParams) []Check {
 		Check{Feature: IPTablesCommand, Probe: Kernel.IPTables},
 		Check{Feature: MangleTable, Requires: []Feature{IPTablesCommand}, Probe: func(k Kernel) error { return k.IPTablesChain("mangle") }},
 		ruleCheck(HMARK, MangleTable, "mangle", hmarkRule),
-		ruleCheck(CommentMatch, MangleTable, "mangle", commentRule))
+		ruleCheck(CommentMatch, MangleTable, "mangle", commentRule),
+		Check{Feature: IPSets, Probe: Kernel.IPSet},
+		Check{Feature: SetMatch, Requires: []Feature{IPTablesCommand, MangleTable, IPSets}, Probe: func(k Kernel) error { return k.IPSetRule("mangle") }})
 	if p.Generations > 1 {
 		checks = append(checks,
 			ruleCheck(ConntrackMatch, MangleTable, "mangle", conntrackRule),

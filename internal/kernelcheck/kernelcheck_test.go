@@ -31,6 +31,8 @@ func (f *fakeKernel) MPLSRouting() error               { return f.probe("mpls") 
 func (f *fakeKernel) EncapMPLSRoute() error            { return f.probe("encap-mpls") }
 func (f *fakeKernel) IPTables() error                  { return f.probe("iptables") }
 func (f *fakeKernel) IPTablesChain(table string) error { return f.probe("chain:" + table) }
+func (f *fakeKernel) IPSet() error                     { return f.probe("ipset") }
+func (f *fakeKernel) IPSetRule(table string) error     { return f.probe("rule:" + table + ":set") }
 func (f *fakeKernel) IPTablesRule(table string, rule ...string) error {
 	return f.probe("rule:" + table + ":" + target(rule))
 }
@@ -65,7 +67,7 @@ func features(checks []Check) []string {
 }
 
 func TestRouterChecksFollowModeAndFlags(t *testing.T) {
-	base := []string{"", "", "iptables", "iptable_mangle", "xt_HMARK", "xt_comment"}
+	base := []string{"", "", "iptables", "iptable_mangle", "xt_HMARK", "xt_comment", "ip_set_hash_ip", "xt_set"}
 	sticky := []string{"xt_conntrack", "xt_connmark", "xt_mark", "iptable_raw", "xt_CT"}
 	for _, tc := range []struct {
 		name string
@@ -121,6 +123,7 @@ func TestEveryCheckProbesWhatItNames(t *testing.T) {
 		MangleTable: "chain:mangle", RawTable: "chain:raw", HMARK: "rule:mangle:HMARK",
 		CommentMatch: "rule:mangle:comment", ConntrackMatch: "rule:mangle:conntrack",
 		Connmark: "rule:mangle:connmark", MarkMatch: "rule:mangle:mark", CTTarget: "rule:raw:CT",
+		IPSets: "ipset", SetMatch: "rule:mangle:set",
 	}
 	for _, c := range checks {
 		probe, ok := probes[c.Feature]

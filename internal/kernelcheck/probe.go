@@ -360,6 +360,37 @@ func (p *Probes) IPTablesRule(table string, rule ...string) error {
 	})
 }
 
+func (p *Probes) setName() string { return "KST-PROBE-" + p.suffix }
+
+// IPSet implements Kernel.
+func (p *Probes) IPSet() error {
+	return p.in(func() error {
+		if err := p.createSet(); err != nil {
+			return err
+		}
+		p.leftover("ipset "+p.setName(), netlink.IpsetDestroy(p.setName()))
+		return nil
+	})
+}
+
+func (p *Probes) createSet() error {
+	if err := netlink.IpsetCreate(p.setName(), "hash:ip", netlink.IpsetCreateOptions{Family: unix.AF_INET, Counters: true}); err != nil {
+		return fmt.Errorf("creating hash:ip set %s: %w", p.setName(), err)
+	}
+	return nil
+}
+
+// IPSetRule implements Kernel.
+func (p *Probes) IPSetRule(table string) error {
+	var err error
+	if cerr := p.in(p.createSet); cerr != nil {
+		return cerr
+	}
+	err = p.IPTablesRule(table, "-m", "set", "--match-set", p.setName(), "dst", "-j", "RETURN")
+	p.leftover("ipset "+p.setName(), p.in(func() error { return netlink.IpsetDestroy(p.setName()) }))
+	return err
+}
+
 // LoadModule implements Kernel.
 func (p *Probes) LoadModule(name string) error {
 	path, err := exec.LookPath("modprobe")

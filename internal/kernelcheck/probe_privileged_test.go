@@ -11,6 +11,7 @@ import (
 
 	"github.com/sirupsen/logrus"
 	"github.com/sirupsen/logrus/hooks/test"
+	"github.com/vishvananda/netlink"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
@@ -100,6 +101,14 @@ func groundTruth(t *testing.T, f Feature) error {
 		return iptables("mangle", "-m", "mark", "--mark", "0x2")
 	case CTTarget:
 		return iptables("raw", "-p", "udp", "-j", "CT", "--notrack")
+	case IPSets:
+		// No ipset command here: the set is created through netlink.
+		return ns.IPSets().IpsetCreate("GROUND-TRUTH", "hash:ip", netlink.IpsetCreateOptions{})
+	case SetMatch:
+		if err := ns.IPSets().IpsetCreate("GROUND-TRUTH", "hash:ip", netlink.IpsetCreateOptions{}); err != nil {
+			return err
+		}
+		return iptables("mangle", "-m", "set", "--match-set", "GROUND-TRUTH", "src")
 	}
 	t.Fatalf("no ground truth for %v", f)
 	return nil
@@ -149,6 +158,7 @@ func snapshot(t *testing.T, ns *testnetns.NS) string {
 			}
 		}
 	}
+	b.WriteString(ns.IPSetState())
 	return b.String()
 }
 

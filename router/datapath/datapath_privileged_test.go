@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
+	"github.com/cmdnu/kube-service-tunnel/test/support/ipsetstate"
 	"github.com/cmdnu/kube-service-tunnel/test/support/seamtest"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
@@ -28,7 +29,7 @@ func newKernelRouter(t *testing.T, ns *testnetns.NS, cfg Config) *kernelRouter {
 	rc := ns.Routes()
 	nl := ns.Netlink()
 	ipt := ns.IPTables("iptables")
-	chain, err := hmark.NewChain(ipt, cfg.Chain, cfg.HMARKParams(), ipt)
+	chain, err := hmark.NewChain(ipt, ns.IPSets(), cfg.Chain, cfg.HMARKParams(), ipt)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -37,8 +38,8 @@ func newKernelRouter(t *testing.T, ns *testnetns.NS, cfg Config) *kernelRouter {
 	return k
 }
 
-// kernelState is what an operator would look at: every route, rule and
-// mangle rule in the namespace.
+// kernelState is what an operator would look at: every route, rule,
+// mangle rule and ipset (with its members) in the namespace.
 // Comment lines of iptables-save (which carry a timestamp) are left out.
 func kernelState(ns *testnetns.NS) string {
 	var mangle []string
@@ -50,7 +51,8 @@ func kernelState(ns *testnetns.NS) string {
 	// IPv4 only: the router writes nothing else, and the veths' IPv6
 	// link-local routes appear whenever the kernel gets to them (a busy
 	// machine made this test fail when they came after the first look).
-	return ns.Run("ip", "-4", "route", "show", "table", "all") + ns.Run("ip", "-4", "rule", "show") + strings.Join(mangle, "\n")
+	return ns.Run("ip", "-4", "route", "show", "table", "all") + ns.Run("ip", "-4", "rule", "show") + strings.Join(mangle, "\n") +
+		"\n" + ns.IPSetState()
 }
 
 func TestDatapathInNetns(t *testing.T) {
@@ -92,8 +94,15 @@ func TestDatapathInNetns(t *testing.T) {
 				t.Errorf("bucket %d: tunnel IP without endpoints is routed: %q, %v", b, out, err)
 			}
 		}
-		if hm := ns.Run("iptables", "-t", "mangle", "-S", cfg.Chain); strings.Count(hm, "-j HMARK") != 2 {
-			t.Errorf("want 2 HMARK rules, got:\n%s", hm)
+		// Both tunnel IPs are hashed: in the set of all and in generation
+		// 0's, which the one HMARK rule matches.
+		if hm := ns.Run("iptables", "-t", "mangle", "-S", cfg.Chain); strings.Count(hm, "-j HMARK") != 1 || !strings.Contains(hm, "--match-set "+cfg.Chain+"-0 dst") {
+			t.Errorf("want 1 HMARK rule for generation 0, got:\n%s", hm)
+		}
+		for _, set := range []string{cfg.Chain, cfg.Chain + "-0"} {
+			if got, err := ipsetstate.Members(ns.IPSets(), set); err != nil || len(got) != 2 {
+				t.Errorf("set %s holds %v (%v), want both tunnel IPs", set, got, err)
+			}
 		}
 	})
 
@@ -131,8 +140,8 @@ func TestDatapathInNetns(t *testing.T) {
 		if got := ns.Run("ip", "route", "show", "table", "all"); strings.Contains(got, "192.0.2.2") {
 			t.Errorf("routes of the removed tunnel remain:\n%s", got)
 		}
-		if hm := ns.Run("iptables", "-t", "mangle", "-S", cfg.Chain); strings.Contains(hm, "192.0.2.2") {
-			t.Errorf("HMARK rule of the removed tunnel remains:\n%s", hm)
+		if sets := ns.IPSetState(); strings.Contains(sets, "192.0.2.2") {
+			t.Errorf("the removed tunnel remains in a set:\n%s", sets)
 		}
 	})
 

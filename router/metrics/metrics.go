@@ -39,6 +39,8 @@ const (
 	objectRule          = "rule"
 	objectIPTablesRule  = "iptables_rule"
 	objectIPTablesChain = "iptables_chain"
+	objectIPSet         = "ipset"
+	objectIPSetMember   = "ipset_member"
 )
 
 // Metrics are the router's Prometheus metrics. A nil *Metrics records
@@ -92,7 +94,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, []string{"kind"}),
 		kernelOps: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kube_service_tunnel_router_kernel_operations_total",
-			Help: "Kernel writes that succeeded, by object and operation: route replace/delete, rule add/delete, iptables_rule insert/delete/restore (rules written by iptables-restore), iptables_chain create/flush/delete/restore.",
+			Help: "Kernel writes that succeeded, by object and operation: route replace/delete, rule add/delete, iptables_rule insert/delete/restore (rules written by iptables-restore), iptables_chain create/flush/delete/restore, ipset create/destroy, ipset_member add/delete.",
 		}, []string{"object", "operation"}),
 		counterErrors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kube_service_tunnel_router_vip_counter_read_errors_total",
@@ -408,6 +410,38 @@ func (c countedRestorer) Restore(table string, payload []byte) error {
 	c.m.wrote(objectIPTablesRule, "restore", rules)
 	return nil
 }
+
+// countedIPSets counts the ipset writes (hmark.IPSets) that succeeded.
+type countedIPSets struct {
+	hmark.IPSets
+	m *Metrics
+}
+
+func (c countedIPSets) count(object, op string, err error) error {
+	if err == nil {
+		c.m.wrote(object, op, 1)
+	}
+	return err
+}
+
+func (c countedIPSets) IpsetCreate(setname, typename string, options netlink.IpsetCreateOptions) error {
+	return c.count(objectIPSet, "create", c.IPSets.IpsetCreate(setname, typename, options))
+}
+
+func (c countedIPSets) IpsetDestroy(setname string) error {
+	return c.count(objectIPSet, "destroy", c.IPSets.IpsetDestroy(setname))
+}
+
+func (c countedIPSets) IpsetAdd(setname string, entry *netlink.IPSetEntry) error {
+	return c.count(objectIPSetMember, "add", c.IPSets.IpsetAdd(setname, entry))
+}
+
+func (c countedIPSets) IpsetDel(setname string, entry *netlink.IPSetEntry) error {
+	return c.count(objectIPSetMember, "delete", c.IPSets.IpsetDel(setname, entry))
+}
+
+// IPSets wraps the ipset seam so that its successful writes are counted.
+func (m *Metrics) IPSets(s hmark.IPSets) hmark.IPSets { return countedIPSets{s, m} }
 
 // Routes wraps the route seam so that its successful writes are counted.
 func (m *Metrics) Routes(r datapath.RouteOps) datapath.RouteOps { return countedRoutes{r, m} }

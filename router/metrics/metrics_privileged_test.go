@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
@@ -23,6 +24,31 @@ type kernelRouter struct {
 	routes *seamtest.CountingRoutes
 	rules  *seamtest.CountingRules
 	ipt    *testnetns.IPTables
+	sets   *countingSets
+}
+
+// countingSets counts the ipset writes that succeeded.
+type countingSets struct {
+	hmark.IPSets
+	writes int
+}
+
+func (c *countingSets) count(err error) error {
+	if err == nil {
+		c.writes++
+	}
+	return err
+}
+
+func (c *countingSets) IpsetCreate(name, typ string, o netlink.IpsetCreateOptions) error {
+	return c.count(c.IPSets.IpsetCreate(name, typ, o))
+}
+func (c *countingSets) IpsetDestroy(name string) error { return c.count(c.IPSets.IpsetDestroy(name)) }
+func (c *countingSets) IpsetAdd(name string, e *netlink.IPSetEntry) error {
+	return c.count(c.IPSets.IpsetAdd(name, e))
+}
+func (c *countingSets) IpsetDel(name string, e *netlink.IPSetEntry) error {
+	return c.count(c.IPSets.IpsetDel(name, e))
 }
 
 // meteredKernelRouter builds a kernelRouter in ns.
@@ -31,7 +57,8 @@ func meteredKernelRouter(t *testing.T, ns *testnetns.NS, cfg datapath.Config, m 
 	rc := ns.Routes()
 	nl := ns.Netlink()
 	ipt := ns.IPTables("iptables")
-	chain, err := hmark.NewChain(countedIPTables{ipt, m}, cfg.Chain,
+	sets := &countingSets{IPSets: ns.IPSets()}
+	chain, err := hmark.NewChain(countedIPTables{ipt, m}, countedIPSets{sets, m}, cfg.Chain,
 		cfg.HMARKParams(), countedRestorer{ipt, m})
 	if err != nil {
 		t.Fatal(err)
@@ -41,7 +68,7 @@ func meteredKernelRouter(t *testing.T, ns *testnetns.NS, cfg datapath.Config, m 
 			t.Fatal(err)
 		}
 	}
-	k := &kernelRouter{routes: &seamtest.CountingRoutes{Client: rc}, rules: &seamtest.CountingRules{Handle: nl}, ipt: ipt}
+	k := &kernelRouter{routes: &seamtest.CountingRoutes{Client: rc}, rules: &seamtest.CountingRules{Handle: nl}, ipt: ipt, sets: sets}
 	k.dp = datapath.NewDatapath(cfg, countedRoutes{k.routes, m}, countedRules{k.rules, m}, chain, &datapath.ExistingDevice{Name: "veth0", Links: nl}, nil, seamtest.QuietLog())
 	return k, chain
 }
@@ -108,7 +135,7 @@ func testMetricsInNetns(t *testing.T, generations int) {
 
 	t.Run("kernel operations are the writes the kernel seams saw", func(t *testing.T) {
 		ops := kernelOps(t, reg)
-		var routes, rules, ipt float64
+		var routes, rules, ipt, sets float64
 		for key, n := range ops {
 			switch {
 			case key == "iptables_rule/restore":
@@ -118,15 +145,17 @@ func testMetricsInNetns(t *testing.T, generations int) {
 				routes += n
 			case strings.HasPrefix(key, "rule/"):
 				rules += n
+			case strings.HasPrefix(key, "ipset"):
+				sets += n
 			default:
 				ipt += n
 			}
 		}
-		if routes != float64(k.routes.Writes) || rules != float64(k.rules.Writes) || ipt != float64(k.ipt.Writes) {
-			t.Errorf("metrics count %v routes, %v rules, %v iptables writes; the seams saw %d, %d, %d (%v)",
-				routes, rules, ipt, k.routes.Writes, k.rules.Writes, k.ipt.Writes, ops)
+		if routes != float64(k.routes.Writes) || rules != float64(k.rules.Writes) || ipt != float64(k.ipt.Writes) || sets != float64(k.sets.writes) {
+			t.Errorf("metrics count %v routes, %v rules, %v iptables writes, %v ipset writes; the seams saw %d, %d, %d, %d (%v)",
+				routes, rules, ipt, sets, k.routes.Writes, k.rules.Writes, k.ipt.Writes, k.sets.writes, ops)
 		}
-		if routes == 0 || rules == 0 || ipt == 0 || ops["iptables_rule/restore"] == 0 {
+		if routes == 0 || rules == 0 || ipt == 0 || sets == 0 || ops["iptables_rule/restore"] == 0 {
 			t.Errorf("some kind of write is missing, the comparison proves little: %v", ops)
 		}
 	})
@@ -162,9 +191,9 @@ func testMetricsInNetns(t *testing.T, generations int) {
 	t.Logf("generations %d: %v datagrams sent in %d flows, packets %v, bytes %v", generations, sent, len(ports), p1, b1)
 
 	// A tunnel IP removed is gone from the counters at the next scrape;
-	// the chains are rewritten without it (ipt-restore, see the kernel
-	// operations), and the tunnel IP that stays keeps its counters.
-	restoresBefore := kernelOps(t, reg)["iptables_chain/restore"]
+	// it leaves the sets (see the kernel operations), and the tunnel IP
+	// that stays keeps its counters.
+	deletesBefore := kernelOps(t, reg)["ipset_member/delete"]
 	if err := k.dp.RemoveTunnel(quiet); err != nil {
 		t.Fatal(err)
 	}
@@ -172,20 +201,27 @@ func testMetricsInNetns(t *testing.T, generations int) {
 	if _, ok := p2["vip="+quiet.String()]; ok {
 		t.Errorf("removed %s still has counters: %v", quiet, p2)
 	}
-	if restores := kernelOps(t, reg)["iptables_chain/restore"] - restoresBefore; restores == 0 {
-		t.Errorf("removing %s restored no chain: the counters' survival proves nothing", quiet)
+	if deletes := kernelOps(t, reg)["ipset_member/delete"] - deletesBefore; deletes != 2 {
+		t.Errorf("removing %s deleted %v set members, want 2 (its generation's set and the set of all)", quiet, deletes)
 	}
 	if p2[key] != p1[key] || b2[key] != b1[key] {
 		t.Errorf("%s after removing %s: %v packets, %v bytes; want them kept: %v, %v", vip, quiet, p2[key], b2[key], p1[key], b1[key])
 	}
 
-	// Counters unreadable (the chains are gone): the scrape goes on, the
-	// error is counted.
+	// Counters gone with the chain and its sets: no series, no error.
+	// Unreadable (a set of the router's name that is not the router's):
+	// the scrape goes on, the error is counted.
 	if err := chain.Cleanup(); err != nil {
 		t.Fatal(err)
 	}
 	if got := packets(); len(got) != 0 {
-		t.Errorf("counters of a missing chain: %v", got)
+		t.Errorf("counters of a missing set: %v", got)
+	}
+	if err := ns.IPSets().IpsetCreate(cfg.Chain, "hash:net", netlink.IpsetCreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if got := packets(); len(got) != 0 {
+		t.Errorf("counters of a foreign set: %v", got)
 	}
 	// Each scrape reads once: the one above and this one.
 	if got := promtest.Series(t, reg, "kube_service_tunnel_router_vip_counter_read_errors_total")[""]; got != 2 {

@@ -170,7 +170,13 @@ func openDatapath(cfg datapath.Config, createDevice bool, meter *metrics.Metrics
 		handle.Close()
 		return nil, nil, nil, fmt.Errorf("rtnetlink client: %w", err)
 	}
-	closeAll := func() { routes.Close(); handle.Close() }
+	sets, err := netlink.NewHandle(unix.NETLINK_NETFILTER)
+	if err != nil {
+		routes.Close()
+		handle.Close()
+		return nil, nil, nil, fmt.Errorf("netfilter netlink handle (ipsets): %w", err)
+	}
+	closeAll := func() { routes.Close(); handle.Close(); sets.Close() }
 	ipt, err := iptables.New()
 	if err != nil {
 		closeAll()
@@ -178,7 +184,7 @@ func openDatapath(cfg datapath.Config, createDevice bool, meter *metrics.Metrics
 	}
 	// iptables.New() runs "iptables" (IPv4): its restorer is
 	// iptables-restore.
-	chain, err := hmark.NewChain(meter.IPTables(ipt), cfg.Chain,
+	chain, err := hmark.NewChain(meter.IPTables(ipt), meter.IPSets(sets), cfg.Chain,
 		cfg.HMARKParams(),
 		meter.Restorer(hmark.NewExecRestorer("iptables")))
 	if err != nil {

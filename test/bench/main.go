@@ -170,14 +170,20 @@ func newDatapath(ns *namespace) (*datapath.Datapath, func(), error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	chain, err := hmark.NewChain(ipt, cfg.Chain, cfg.HMARKParams(), ipt)
+	sets, err := netlink.NewHandleAt(ns.handle, unix.NETLINK_NETFILTER)
+	if err != nil {
+		rc.Close()
+		nl.Close()
+		return nil, nil, err
+	}
+	chain, err := hmark.NewChain(ipt, sets, cfg.Chain, cfg.HMARKParams(), ipt)
 	if err != nil {
 		return nil, nil, err
 	}
 	log := logrus.New()
 	log.Out = io.Discard
 	dp := datapath.NewDatapath(cfg, rc, nl, chain, &datapath.ExistingDevice{Name: "veth0", Links: nl}, nil, log)
-	return dp, func() { rc.Close(); nl.Close() }, nil
+	return dp, func() { rc.Close(); nl.Close(); sets.Close() }, nil
 }
 
 func run() error {

@@ -32,6 +32,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/router"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
+	"github.com/cmdnu/kube-service-tunnel/test/support/ipsetstate"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
@@ -116,7 +117,7 @@ func newKernelRouter(t *testing.T, cfg router.Config) *kernelRouter {
 	rc := ns.Routes()
 	nl := ns.Netlink()
 	ipt := ns.IPTables("iptables")
-	chain, err := hmark.NewChain(ipt, cfg.Chain, cfg.HMARKParams(), ipt)
+	chain, err := hmark.NewChain(ipt, ns.IPSets(), cfg.Chain, cfg.HMARKParams(), ipt)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -124,8 +125,8 @@ func newKernelRouter(t *testing.T, cfg router.Config) *kernelRouter {
 	return &kernelRouter{ns: ns, dp: dp}
 }
 
-// state is what an operator would look at: every IPv4 route and rule and
-// every mangle rule in the namespace (as kernelState in router's privileged
+// state is what an operator would look at: every IPv4 route and rule,
+// every mangle rule and every ipset with its members in the namespace (as kernelState in router's privileged
 // tests). Comment lines of iptables-save (which carry a timestamp) are left
 // out, and so is IPv6, which the router never touches: the veths'
 // link-local addresses come from their random MAC addresses.
@@ -136,7 +137,8 @@ func (k *kernelRouter) state() string {
 			mangle = append(mangle, l)
 		}
 	}
-	return k.ns.Run("ip", "-4", "route", "show", "table", "all") + k.ns.Run("ip", "-4", "rule", "show") + strings.Join(mangle, "\n")
+	return k.ns.Run("ip", "-4", "route", "show", "table", "all") + k.ns.Run("ip", "-4", "rule", "show") + strings.Join(mangle, "\n") +
+		"\n" + k.ns.IPSetState()
 }
 
 // programmed is the router's part of the kernel state, read back: per
@@ -145,7 +147,7 @@ func (k *kernelRouter) state() string {
 type programmed struct {
 	routes map[netip.Addr][]string
 	rules  int
-	hmark  map[netip.Addr]bool
+	hmark  map[netip.Addr]bool // tunnel IPs the HMARK rules hash
 	// routeCount is the number of routes in the router's tables.
 	routeCount int
 }
@@ -195,16 +197,31 @@ func (k *kernelRouter) read(t *testing.T, cfg router.Config) programmed {
 			p.rules++
 		}
 	}
-	for _, line := range strings.Split(k.ns.Run("iptables", "-t", "mangle", "-S", cfg.Chain), "\n") {
-		f := strings.Fields(line)
-		if len(f) < 4 || f[0] != "-A" || f[2] != "-d" || !strings.Contains(line, "-j HMARK") {
+	// The tunnel IPs that are hashed: those in the set of all tunnel IPs
+	// and in a generation's set that the mangle chain matches.
+	mangle := k.ns.Run("iptables", "-t", "mangle", "-S", cfg.Chain)
+	all, err := ipsetstate.Members(k.ns.IPSets(), cfg.Chain)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inAll := map[netip.Addr]bool{}
+	for _, vip := range all {
+		inAll[vip] = true
+	}
+	for g := range hmark.MaxGenerations {
+		set := fmt.Sprintf("%s-%d", cfg.Chain, g)
+		if !strings.Contains(mangle, "--match-set "+set+" dst") {
 			continue
 		}
-		pfx, err := netip.ParsePrefix(f[3])
+		members, err := ipsetstate.Members(k.ns.IPSets(), set)
 		if err != nil {
-			t.Fatalf("HMARK rule %q: %v", line, err)
+			t.Fatal(err)
 		}
-		p.hmark[pfx.Addr()] = true
+		for _, vip := range members {
+			if inAll[vip] {
+				p.hmark[vip] = true
+			}
+		}
 	}
 	return p
 }

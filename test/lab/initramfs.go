@@ -20,11 +20,13 @@ import (
 
 // DefaultModules are the kernel modules /init loads when
 // InitramfsOptions.Modules is nil: the tunnels, MPLS, iptables (legacy and
-// nft) with HMARK, veth and bridge, and the virtio NIC used for guestfwd.
+// nft) with HMARK and ipset matches, veth and bridge, and the virtio NIC used
+// for guestfwd.
 var DefaultModules = []string{
 	"veth", "bridge", "ip_gre", "ipip", "mpls_router", "mpls_iptunnel",
 	"x_tables", "xt_HMARK", "xt_mark", "xt_tcpudp", "xt_comment", "ip_tables", "iptable_mangle",
 	"nf_conntrack", "nf_conntrack_netlink", "xt_conntrack", "xt_connmark", "xt_CT", "iptable_raw",
+	"ip_set", "ip_set_hash_ip", "xt_set",
 	"nf_tables", "nft_compat", "virtio_pci", "virtio_net",
 }
 

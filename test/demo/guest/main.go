@@ -30,6 +30,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/topology"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
+	"github.com/cmdnu/kube-service-tunnel/test/support/ipsetstate"
 )
 
 // ExampleFile is examples/echo.yaml, placed in the VM by test/demo.
@@ -342,12 +343,20 @@ func drain(ctx context.Context, l *topology.Lab, client netns.NsHandle, service 
 	if err != nil {
 		return err
 	}
+	// The tunnel IP is in generation newGen's set, which its HMARK rule
+	// matches.
+	set := fmt.Sprintf("KST-HMARK-%d", newGen)
 	rules, err := topology.InNS(ctx, ra.Name, "iptables", "-t", "mangle", "-S", "KST-HMARK")
 	var hmarkRule []string
 	for _, line := range strings.Split(rules, "\n") {
-		if strings.Contains(line, " -d "+vip.String()+"/32 ") {
+		if strings.Contains(line, " --match-set "+set+" dst ") {
 			hmarkRule = append(hmarkRule, line)
 		}
+	}
+	if members, merr := ipsetstate.MembersInNamespace(ra.Name, set); merr != nil {
+		err = merr
+	} else {
+		hmarkRule = append([]string{fmt.Sprintf("(set %s holds %v)", set, members)}, hmarkRule...)
 	}
 	printOutput(fmt.Sprintf("iptables -t mangle -S KST-HMARK, on router-a: new flows get generation %d's marks", newGen), strings.Join(hmarkRule, "\n"), err, 0)
 	for _, g := range []struct {

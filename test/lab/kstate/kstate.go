@@ -1,6 +1,7 @@
 // Package kstate snapshots the kernel networking state of a named network
 // namespace (links, IPv4 addresses, policy rules and routes of every table,
-// MPLS routes, iptables of every table) as normalised text, so the lab can
+// MPLS routes, iptables of every table, ipsets and their members) as
+// normalised text, so the lab can
 // check that an add-on leaves a namespace exactly as it found it.
 //
 // Normalised means that two snapshots of a namespace where nothing happens
@@ -23,11 +24,13 @@ import (
 	"os/exec"
 	"slices"
 	"strings"
+
+	"github.com/cmdnu/kube-service-tunnel/test/support/ipsetstate"
 )
 
 // State is a snapshot of one namespace: normalised lines per section
 // ("link", "addr", "rule", "route", "mpls", "iptables/TABLE",
-// "iptables-legacy/TABLE"). A section with no lines may be absent.
+// "iptables-legacy/TABLE", "ipset"). A section with no lines may be absent.
 type State struct {
 	// Namespace is the name the snapshot was taken from.
 	Namespace string
@@ -94,6 +97,12 @@ func Snapshot(ctx context.Context, ns string) (State, error) {
 			st.add(tool.section+"/"+table, lines)
 		}
 	}
+	// ipsets through netlink: the VM has no ipset binary.
+	sets, err := ipsetstate.InNamespace(ns)
+	if err != nil {
+		return State{}, fmt.Errorf("snapshot of netns %s: %w", ns, err)
+	}
+	st.add("ipset", sets)
 	return st, nil
 }
 

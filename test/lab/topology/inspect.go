@@ -12,6 +12,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
+	"github.com/cmdnu/kube-service-tunnel/test/support/ipsetstate"
 )
 
 // HMARK returns the routers' HMARK parameters, to compute a flow's bucket.
@@ -268,45 +269,68 @@ func (l *Lab) WaitNoTunnel(ctx context.Context, vip netip.Addr) error {
 	})
 }
 
-// marks reports whether the router has an HMARK rule for vip.
+// marks reports whether the router hashes vip's packets.
 func (l *Lab) marks(ctx context.Context, r *Node, vip netip.Addr) (bool, error) {
 	_, ok, err := l.hmarkOffset(ctx, r, vip)
 	return ok, err
 }
 
-// hmarkOffset reads the --hmark-offset of the router's HMARK rule for vip
-// (iptables-save -t mangle); ok is false when there is no such rule.
+// hmarkOffset reads the --hmark-offset with which the router hashes vip's
+// new flows: that of the HMARK rule matching the generation set vip is in
+// (iptables-save -t mangle, the sets through netlink); ok is false when
+// vip is in no such set, or not in the set of all tunnel IPs.
 func (l *Lab) hmarkOffset(ctx context.Context, r *Node, vip netip.Addr) (offset uint32, ok bool, err error) {
 	rules, err := InNS(ctx, r.Name, "iptables-save", "-t", "mangle")
 	if err != nil {
 		return 0, false, err
 	}
-	return parseHMARKOffset(rules, vip)
+	inSet := func(set string) (bool, error) {
+		members, err := ipsetstate.MembersInNamespace(r.Name, set)
+		return slices.Contains(members, vip), err
+	}
+	return parseHMARKOffset(rules, inSet)
 }
 
-// parseHMARKOffset finds vip's HMARK rule in iptables-save or iptables -S
-// output ("-A CHAIN -d VIP/32 ... -j HMARK ... --hmark-offset 0x1040", the
-// offset in hex or decimal) and returns its offset.
-func parseHMARKOffset(rules string, vip netip.Addr) (uint32, bool, error) {
+// parseHMARKOffset finds, in iptables-save or iptables -S output, the
+// HMARK rules that match a set ("-A CHAIN -m set --match-set SET dst ...
+// -j HMARK ... --hmark-offset 0x1040", the offset in hex or decimal) and
+// returns the offset of the last one whose set holds the tunnel IP (a
+// later HMARK rule overrides an earlier mark), provided the chain's exit
+// rule lets it through (its set of all tunnel IPs holds it too).
+func parseHMARKOffset(rules string, inSet func(set string) (bool, error)) (uint32, bool, error) {
+	var offset uint32
+	found := false
 	for _, line := range strings.Split(rules, "\n") {
-		if !strings.Contains(line, " -d "+vip.String()+"/32 ") || !strings.Contains(line, "-j HMARK") {
+		f := strings.Fields(line)
+		i := slices.Index(f, "--match-set")
+		if i < 1 || i+1 >= len(f) {
 			continue
 		}
-		f := strings.Fields(line)
-		i := slices.Index(f, "--hmark-offset")
-		if i < 0 {
-			return 0, true, nil // the kernel omits an offset of 0
+		in, err := inSet(f[i+1])
+		if err != nil {
+			return 0, false, err
 		}
-		if i+1 >= len(f) {
+		switch {
+		case f[i-1] == "!" && !in && slices.Contains(f, "RETURN"):
+			return 0, false, nil // the chain's exit: not a tunnel IP
+		case f[i-1] == "!" || !in || !slices.Contains(f, "HMARK"):
+			continue
+		}
+		j := slices.Index(f, "--hmark-offset")
+		if j < 0 {
+			offset, found = 0, true // the kernel omits an offset of 0
+			continue
+		}
+		if j+1 >= len(f) {
 			return 0, false, fmt.Errorf("HMARK rule without an offset value: %q", line)
 		}
-		v, err := strconv.ParseUint(f[i+1], 0, 32)
+		v, err := strconv.ParseUint(f[j+1], 0, 32)
 		if err != nil {
 			return 0, false, fmt.Errorf("HMARK rule %q: offset: %w", line, err)
 		}
-		return uint32(v), true, nil
+		offset, found = uint32(v), true
 	}
-	return 0, false, nil
+	return offset, found, nil
 }
 
 // distinct returns the sorted valid addresses of t, each once.

@@ -1,33 +1,41 @@
 package topology
 
 import (
-	"net/netip"
+	"fmt"
+	"slices"
 	"testing"
 )
 
 func TestParseHMARKOffset(t *testing.T) {
-	vip := netip.MustParseAddr("192.0.2.9")
-	const rule = "-A KST-HMARK -d 192.0.2.9/32 -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x5eed1e55 --hmark-mod 64 --hmark-offset "
+	const (
+		exit = "-A KST-HMARK -m set ! --match-set KST-HMARK dst -m comment --comment kube-service-tunnel -j RETURN\n"
+		gen  = "-A KST-HMARK -m set --match-set KST-HMARK-%d dst -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x5eed1e55 --hmark-mod 64 --hmark-offset %s\n"
+	)
+	rules := exit + fmt.Sprintf(gen, 0, "4096") + fmt.Sprintf(gen, 1, "0x1040")
 	for _, tc := range []struct {
 		name   string
+		sets   []string // the sets holding the tunnel IP
 		rules  string
 		want   uint32
 		wantOK bool
 	}{
-		{"hex", rule + "0x1040\n", 0x1040, true},
-		{"decimal", rule + "4096\n", 4096, true},
-		{"another tunnel IP only", "-A KST-HMARK -d 192.0.2.90/32 -j HMARK --hmark-offset 0x1000\n", 0, false},
-		{"not an HMARK rule", "-A KST-HMARK -d 192.0.2.9/32 -j CONNMARK --restore-mark\n", 0, false},
-		{"among other rules", "*mangle\n-A KST-HMARK -j CONNMARK --restore-mark\n" + rule + "0x1080\nCOMMIT\n", 0x1080, true},
+		{"generation 0, decimal", []string{"KST-HMARK", "KST-HMARK-0"}, rules, 0x1000, true},
+		{"generation 1, hex", []string{"KST-HMARK", "KST-HMARK-1"}, rules, 0x1040, true},
+		{"in both: the later rule wins", []string{"KST-HMARK", "KST-HMARK-0", "KST-HMARK-1"}, rules, 0x1040, true},
+		{"not in the set of all", []string{"KST-HMARK-0"}, rules, 0, false},
+		{"in no generation", []string{"KST-HMARK"}, rules, 0, false},
+		{"among other rules", []string{"KST-HMARK", "KST-HMARK-1"}, "*mangle\n-A KST-HMARK -j CONNMARK --restore-mark\n" + rules + "COMMIT\n", 0x1040, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			got, ok, err := parseHMARKOffset(tc.rules, vip)
+			inSet := func(set string) (bool, error) { return slices.Contains(tc.sets, set), nil }
+			got, ok, err := parseHMARKOffset(tc.rules, inSet)
 			if err != nil || got != tc.want || ok != tc.wantOK {
 				t.Errorf("got %#x, %v, %v; want %#x, %v", got, ok, err, tc.want, tc.wantOK)
 			}
 		})
 	}
-	if _, _, err := parseHMARKOffset(rule+"0xzz\n", vip); err == nil {
+	all := func(string) (bool, error) { return true, nil }
+	if _, _, err := parseHMARKOffset(fmt.Sprintf(gen, 0, "0xzz"), all); err == nil {
 		t.Error("a garbled offset was accepted")
 	}
 }

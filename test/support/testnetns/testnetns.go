@@ -23,6 +23,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/internal/nsexec"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
+	"github.com/cmdnu/kube-service-tunnel/test/support/ipsetstate"
 	"github.com/coreos/go-iptables/iptables"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
@@ -95,6 +96,29 @@ func (n *NS) Netlink() *netlink.Handle {
 	}
 	n.tb.Cleanup(h.Close)
 	return h
+}
+
+// IPSets returns a netfilter netlink handle bound to the namespace, for its
+// ipsets, closed when the test ends.
+func (n *NS) IPSets() *netlink.Handle {
+	n.tb.Helper()
+	h, err := netlink.NewHandleAt(n.Handle, unix.NETLINK_NETFILTER)
+	if err != nil {
+		n.tb.Fatalf("netfilter netlink handle in test netns: %v", err)
+	}
+	n.tb.Cleanup(h.Close)
+	return h
+}
+
+// IPSetState lists the namespace's ipsets and their members, one line each
+// (see ipsetstate.Lines).
+func (n *NS) IPSetState() string {
+	n.tb.Helper()
+	lines, err := ipsetstate.Lines(n.IPSets())
+	if err != nil {
+		n.tb.Fatal(err)
+	}
+	return strings.Join(lines, "\n")
 }
 
 // Routes returns an rtnetlink route client bound to the namespace, closed

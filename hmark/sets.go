@@ -1,0 +1,197 @@
+package hmark
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+	"syscall"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netlink/nl"
+	"golang.org/x/sys/unix"
+)
+
+// IPSets is the ipset seam: the calls of github.com/vishvananda/netlink's
+// *netlink.Handle (opened with NETLINK_NETFILTER, in the router's network
+// namespace) that Chain uses. Which tunnel IPs a packet may be for, and
+// which generation's offset it is hashed with, are decided by looking its
+// destination up in Chain's sets, so that the rules a packet walks do not
+// grow with the number of tunnel IPs. Unit tests give Chain a fake.
+type IPSets interface {
+	IpsetCreate(setname, typename string, options netlink.IpsetCreateOptions) error
+	IpsetDestroy(setname string) error
+	IpsetList(setname string) (*netlink.IPSetResult, error)
+	IpsetAdd(setname string, entry *netlink.IPSetEntry) error
+	IpsetDel(setname string, entry *netlink.IPSetEntry) error
+}
+
+const (
+	// MaxGenerations is the number of offsets a Chain can hash with at
+	// once: Params.Offset + g×Buckets for g below it (see Target), each
+	// with its own set.
+	MaxGenerations = 8
+	// SetType is the type of every set Chain creates: one IPv4 address
+	// per element, looked up in constant time.
+	SetType = "hash:ip"
+	// SetMaxElements is the capacity of each set, fixed when the set is
+	// created: the most tunnel IPs a router serves.
+	SetMaxElements = 1 << 18
+)
+
+// allSetName is the set of every synced tunnel IP: the packets whose
+// destination is not in it leave Chain's chains at their first rule. Its
+// elements carry the tunnel IPs' packet and byte counters (see Counters).
+func (c *Chain) allSetName() string { return c.name }
+
+// generationSetName is the set of the tunnel IPs hashed with generation
+// g's offset (Params.Offset + g×Buckets).
+func (c *Chain) generationSetName(g int) string { return fmt.Sprintf("%s-%d", c.name, g) }
+
+// generationOf is the generation of offset: g such that offset is
+// Params.Offset + g×Buckets.
+func (c *Chain) generationOf(offset uint32) (int, error) {
+	base, step := uint64(c.params.Offset), uint64(c.params.Buckets)
+	o := uint64(offset)
+	if o < base || (o-base)%step != 0 || (o-base)/step >= MaxGenerations {
+		return 0, fmt.Errorf("offset %d is not %d + g×%d for a generation g below %d", offset, base, step, MaxGenerations)
+	}
+	return int((o - base) / step), nil
+}
+
+// offsetOf is generation g's offset.
+func (c *Chain) offsetOf(g int) uint32 { return c.params.Offset + uint32(g)*c.params.Buckets }
+
+// ipset is what Chain read of one of its sets.
+type ipset struct {
+	name   string
+	exists bool
+	// members are the set's addresses, with their counters (zero in a set
+	// without counters).
+	members map[netip.Addr]Counter
+}
+
+// readSet lists the set name; a missing set is not an error. A set of
+// that name that Chain would not have created (another type or family,
+// or without counters where withCounters) is an error: Chain never
+// writes into it.
+func (c *Chain) readSet(name string, withCounters bool) (ipset, error) {
+	s := ipset{name: name, members: map[netip.Addr]Counter{}}
+	res, err := c.sets.IpsetList(name)
+	if errors.Is(err, syscall.ENOENT) {
+		return s, nil
+	}
+	if err != nil {
+		return s, fmt.Errorf("list set %s: %w", name, err)
+	}
+	s.exists = true
+	counters := res.CadtFlags&nl.IPSET_FLAG_WITH_COUNTERS != 0
+	if res.TypeName != SetType || res.Family != unix.AF_INET || (withCounters && !counters) {
+		return s, fmt.Errorf("set %s is %s (family %d, counters %t), not the %s set (inet, counters %t) the router creates: "+
+			"it is not the router's, or an older one; remove the rules that use it, then the set (or run --cleanup)",
+			name, res.TypeName, res.Family, counters, SetType, withCounters)
+	}
+	for _, e := range res.Entries {
+		a, ok := netip.AddrFromSlice(e.IP)
+		if !ok {
+			continue
+		}
+		var n Counter
+		if e.Packets != nil {
+			n.Packets = *e.Packets
+		}
+		if e.Bytes != nil {
+			n.Bytes = *e.Bytes
+		}
+		s.members[a.Unmap()] = n
+	}
+	return s, nil
+}
+
+// chainSets are Chain's sets as read: the set of all tunnel IPs and one
+// per generation.
+type chainSets struct {
+	all         ipset
+	generations [MaxGenerations]ipset
+}
+
+// readSets reads every set of c.
+func (c *Chain) readSets() (chainSets, error) {
+	var s chainSets
+	var err error
+	if s.all, err = c.readSet(c.allSetName(), true); err != nil {
+		return s, err
+	}
+	for g := range s.generations {
+		if s.generations[g], err = c.readSet(c.generationSetName(g), false); err != nil {
+			return s, err
+		}
+	}
+	return s, nil
+}
+
+// createSet creates s unless it exists.
+func (c *Chain) createSet(s *ipset, withCounters bool) (changed int, err error) {
+	if s.exists {
+		return 0, nil
+	}
+	opts := netlink.IpsetCreateOptions{Family: unix.AF_INET, Counters: withCounters, MaxElements: SetMaxElements}
+	if err := c.sets.IpsetCreate(s.name, SetType, opts); err != nil {
+		return 0, fmt.Errorf("create set %s: %w", s.name, err)
+	}
+	s.exists = true
+	return 1, nil
+}
+
+// addMembers adds to s the addresses of want it lacks, in address order.
+func (c *Chain) addMembers(s *ipset, want []netip.Addr) (changed int, err error) {
+	for _, a := range want {
+		if _, ok := s.members[a]; ok {
+			continue
+		}
+		if err := c.sets.IpsetAdd(s.name, &netlink.IPSetEntry{IP: a.AsSlice()}); err != nil {
+			return changed, fmt.Errorf("add %s to set %s: %w", a, s.name, err)
+		}
+		s.members[a] = Counter{}
+		changed++
+	}
+	return changed, nil
+}
+
+// removeMembers deletes from s the addresses that keep does not hold, in
+// address order.
+func (c *Chain) removeMembers(s *ipset, keep func(netip.Addr) bool) (changed int, err error) {
+	var gone []netip.Addr
+	for a := range s.members {
+		if !keep(a) {
+			gone = append(gone, a)
+		}
+	}
+	slices.SortFunc(gone, netip.Addr.Compare)
+	for _, a := range gone {
+		if err := c.sets.IpsetDel(s.name, &netlink.IPSetEntry{IP: a.AsSlice()}); err != nil {
+			return changed, fmt.Errorf("delete %s from set %s: %w", a, s.name, err)
+		}
+		delete(s.members, a)
+		changed++
+	}
+	return changed, nil
+}
+
+// destroySet destroys s if it exists. The kernel refuses while a rule
+// still uses it: Chain removes its own rules first, and never a rule of
+// anyone else.
+func (c *Chain) destroySet(s *ipset) (changed int, err error) {
+	if !s.exists {
+		return 0, nil
+	}
+	if err := c.sets.IpsetDestroy(s.name); err != nil {
+		if errors.Is(err, syscall.EBUSY) || errors.Is(err, nl.IPSetError(nl.IPSET_ERR_BUSY)) || errors.Is(err, nl.IPSetError(nl.IPSET_ERR_REFERENCED)) {
+			return 0, fmt.Errorf("destroy set %s: a rule that is not the router's still uses it: %w", s.name, err)
+		}
+		return 0, fmt.Errorf("destroy set %s: %w", s.name, err)
+	}
+	s.exists = false
+	s.members = map[netip.Addr]Counter{}
+	return 1, nil
+}
