@@ -167,10 +167,10 @@ func createOne(ctx context.Context, cs kubernetes.Interface, ns string, i int) e
 		AddressType: discoveryv1.AddressTypeIPv4,
 	}
 	for e := range *endpointsPer {
-		p := (i*7 + e*13) % *podPool
+		p := endpointPods(i, *podPool)[e]
 		node := fmt.Sprintf("node-%d", p%8)
 		es.Endpoints = append(es.Endpoints, discoveryv1.Endpoint{
-			Addresses: []string{netip.AddrFrom4([4]byte{10, 244, byte(p >> 8), byte(p)}).String()}, NodeName: &node})
+			Addresses: []string{podIP(p).String()}, NodeName: &node})
 	}
 	if _, err := cs.DiscoveryV1().EndpointSlices(ns).Create(ctx, es, metav1.CreateOptions{}); err != nil {
 		return fmt.Errorf("endpointslice %s: %w", name, err)
