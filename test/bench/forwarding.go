@@ -12,7 +12,6 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/net/ipv4"
 	"golang.org/x/sys/unix"
-
 )
 
 // The forwarding topology: client netns -veth- router netns -veth- sink
