@@ -47,6 +47,7 @@ var (
 	manyPods     = flag.Int("many-pods", 5000, "distinct pods of the programming-with-many-pods figure")
 	processSize  = flag.Int("process-tunnels", 10000, "tunnel IPs for the real router process measurements (0 skips them)")
 	updates      = flag.Int("updates", 200, "EndpointSlice updates of the event-to-datapath figure")
+	latencies    = flag.String("latencies", "", "file to write each update's latencies to (update, service, call ms, to kernel ms)")
 )
 
 func main() {
