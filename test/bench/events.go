@@ -5,7 +5,10 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -18,9 +21,10 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/router/bucket"
 )
 
-// updateGap is the pause between two updates, so that each is measured on
-// an idle router (its worker has finished the previous one, HMARK included).
-const updateGap = 200 * time.Millisecond
+// updateGap is the pause between two updates, after the router process
+// has gone idle: each update is measured on an idle router (its worker has
+// finished the previous one, HMARK included).
+const updateGap = 20 * time.Millisecond
 
 // eventToDatapath updates EndpointSlices in the real API server, one at a
 // time, while the real router process runs in ns with n tunnel IPs, and
@@ -29,7 +33,7 @@ const updateGap = 200 * time.Millisecond
 // through rtnetlink notifications). Each update replaces one endpoint of a
 // different Service by a new pod, so that no generation can hold the new
 // table already.
-func eventToDatapath(ctx context.Context, cs kubernetes.Interface, ns *namespace, n int) error {
+func eventToDatapath(ctx context.Context, cs kubernetes.Interface, ns *namespace, n, pid int) error {
 	cfg := config("veth0")
 	count := *updates
 	step := max(1, n/count)
@@ -91,7 +95,7 @@ func eventToDatapath(ctx context.Context, cs kubernetes.Interface, ns *namespace
 		}
 		defer latencyLog.Close()
 	}
-	var toKernel, written, toWatch []time.Duration
+	var toKernel, written, toWatch, busy []time.Duration
 	timeouts := 0
 	for k := range count {
 		name := fmt.Sprintf("svc-%d", service(k))
@@ -121,6 +125,7 @@ func eventToDatapath(ctx context.Context, cs kubernetes.Interface, ns *namespace
 		case <-time.After(10 * time.Second):
 			timeouts++
 		}
+		busy = append(busy, waitIdle(pid).Sub(start))
 		time.Sleep(updateGap)
 		mu.Lock()
 		if at, ok := heard[name+"@"+up.ResourceVersion]; ok {
@@ -136,9 +141,11 @@ func eventToDatapath(ctx context.Context, cs kubernetes.Interface, ns *namespace
 	}
 	fmt.Printf("event to datapath %d tunnel IPs: p50 %s ms, p99 %s ms over %d updates\n", n, ms(pct(toKernel, 50)), ms(pct(toKernel, 99)), len(toKernel))
 	fmt.Printf("  (from just before the EndpointSlice update is sent to the last changed bucket route of the new table in the\n")
-	fmt.Printf("  router netns' kernel, rtnetlink notifications; one endpoint replaced by a new pod per update, %v apart)\n", updateGap)
+	fmt.Printf("  router netns' kernel, rtnetlink notifications; one endpoint replaced by a new pod per update, each sent once\n")
+	fmt.Printf("  the router process had been idle, no CPU time and no child process, for %v)\n", idleWindow)
 	fmt.Printf("  split: update call returned p50 %s p99 %s ms; another client's watch hears it p50 %s p99 %s ms; p90 to the kernel %s ms",
 		ms(pct(written, 50)), ms(pct(written, 99)), ms(pct(toWatch, 50)), ms(pct(toWatch, 99)), ms(pct(toKernel, 90)))
+	fmt.Printf("; router busy (HMARK included) p50 %s p99 %s ms", ms(pct(busy, 50)), ms(pct(busy, 99)))
 	if timeouts > 0 {
 		fmt.Printf("; %d updates not in the kernel within 10 s", timeouts)
 	}
@@ -158,3 +165,51 @@ func pct(ds []time.Duration, q int) time.Duration {
 }
 
 func ms(d time.Duration) string { return fmt.Sprintf("%.1f", float64(d.Microseconds())/1000) }
+
+// idleWindow is how long the router process must use no CPU time and have
+// no child process (iptables, iptables-restore, ...) to count as idle.
+const idleWindow = 60 * time.Millisecond
+
+// waitIdle waits until process pid has been idle for idleWindow and returns
+// when it last did something (at most 60 s).
+func waitIdle(pid int) time.Time {
+	last, lastTicks := time.Now(), uint64(0)
+	for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		ticks, children := procActivity(pid)
+		now := time.Now()
+		if ticks != lastTicks || children {
+			last, lastTicks = now, ticks
+			continue
+		}
+		if now.Sub(last) >= idleWindow {
+			break
+		}
+	}
+	return last
+}
+
+// procActivity returns the CPU ticks process pid used (utime+stime) and
+// whether it has a child process.
+func procActivity(pid int) (ticks uint64, children bool) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, false
+	}
+	// The fields after the command's closing parenthesis: state is field 3,
+	// utime and stime are fields 14 and 15.
+	if i := strings.LastIndexByte(string(b), ')'); i >= 0 {
+		f := strings.Fields(string(b[i+1:]))
+		if len(f) > 12 {
+			u, _ := strconv.ParseUint(f[11], 10, 64)
+			s, _ := strconv.ParseUint(f[12], 10, 64)
+			ticks = u + s
+		}
+	}
+	tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/children", pid))
+	for _, t := range tasks {
+		if c, _ := os.ReadFile(t); len(strings.TrimSpace(string(c))) > 0 {
+			return ticks, true
+		}
+	}
+	return ticks, false
+}

@@ -119,7 +119,8 @@ func routerProcess(n int) error {
 	fmt.Printf("  (%d generations, %d endpoints each, informer caches of %d Services and EndpointSlices included; peak RSS during start-up %.0f MB)\n",
 		*generations, *endpointsPer, n, float64(procStatusKB(cmd.Process.Pid, "VmHWM"))/1000)
 	if *updates > 0 {
-		if err := eventToDatapath(ctx, admin, ns, n); err != nil {
+		// ip netns exec execs the router: cmd's PID is the router's.
+		if err := eventToDatapath(ctx, admin, ns, n, cmd.Process.Pid); err != nil {
 			return fmt.Errorf("event to datapath: %w", err)
 		}
 		fmt.Printf("  router process RSS after the updates %.0f MB\n", float64(procStatusKB(cmd.Process.Pid, "VmRSS"))/1000)
