@@ -145,7 +145,7 @@ func run() error {
 		return err
 	}
 	cfg := config("veth0")
-	fmt.Printf("kube-service-tunnel router benchmark (%d CPUs, kernel %s)\n", runtime.NumCPU(), hostKernel())
+	fmt.Printf("kube-service-tunnel router benchmark (%d CPUs, kernel %s, load average %s at start)\n", runtime.NumCPU(), hostKernel(), loadAverage())
 	fmt.Printf("router configuration: %d buckets, %d generations (the router's defaults but the seed); gre-mode routes\n", cfg.Buckets, cfg.Generations)
 	fmt.Printf("(encap ip ... dst POD) on a veth standing in for the GRE device, which this host lacks.\n")
 	if len(progCounts) > 0 {
@@ -172,3 +172,15 @@ func run() error {
 func lockThread() { runtime.LockOSThread() }
 
 func numCPU() int { return runtime.NumCPU() }
+
+// loadAverage is the 1-minute load average: on a shared machine, other
+// work (and the kernel's global route lock, RTNL, which every netns
+// shares) changes the timings.
+func loadAverage() string {
+	b, _ := os.ReadFile("/proc/loadavg")
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return "?"
+	}
+	return f[0]
+}

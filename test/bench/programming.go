@@ -167,7 +167,11 @@ func removal(dp *routerDatapath, ts []datapath.Tunnel) error {
 	took := time.Since(start)
 	fmt.Printf("  removing 1 endpoint of %d from one tunnel IP (%d others programmed): %d kernel operations in %v\n",
 		len(eps), len(ts)-1, dp.Ops()-before, took.Round(time.Microsecond))
-	fmt.Printf("    (%d buckets of the removed endpoint + %d balance moves; one route replace each, no rule or HMARK change)\n", own, moved)
+	if moved == 0 {
+		fmt.Printf("    (%d buckets of the removed endpoint, re-pointed in every generation in use; no rule or HMARK change)\n", own)
+	} else {
+		fmt.Printf("    (%d buckets of the removed endpoint + %d balance moves of live endpoints: a new generation, its HMARK offset)\n", own, moved)
+	}
 	return nil
 }
 
