@@ -36,7 +36,7 @@ test: deps assets lint build ## everything: unit, privileged (root) and integrat
 	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 40m ./test/e2e
 	$(GO) run ./test/demo > /tmp/kst-demo.log 2>&1 || { cat /tmp/kst-demo.log; exit 1; }
 	@echo "demo: ok"
-	$(GO) run ./test/bench -tunnels 100 -process-tunnels 100 > /tmp/kst-bench.log 2>&1 || { cat /tmp/kst-bench.log; exit 1; }
+	$(GO) run ./test/bench $(BENCH_SMOKE) > /tmp/kst-bench.log 2>&1 || { cat /tmp/kst-bench.log; exit 1; }
 	@echo "bench (smoke run, 100 tunnel IPs): ok"
 
 unit: ## unit tests only (no root, no API server)
@@ -45,7 +45,11 @@ unit: ## unit tests only (no root, no API server)
 e2e: deps assets ## the end-to-end lab: 10 scenarios x gre, mpls in the VM (KST_E2E_RUN=gre/4_ for one)
 	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 40m -run TestE2E -v ./test/e2e
 
-bench: deps assets build ## route programming vs ip -batch, disruption and RSS figures (root)
+# A smoke run of every part of the benchmark, counts scaled down (about 40 s).
+BENCH_SMOKE = -tunnels 100 -forward-tunnels 1,100 -forward-duration 500ms -forward-warmup 200ms \
+	-many-pods-tunnels 100 -many-pods 50 -process-tunnels 100 -updates 20
+
+bench: deps assets build ## route programming and forwarding vs baselines, programming with many pods, event to datapath, router RSS (root)
 	$(GO) run ./test/bench
 
 lint: ## go vet and gofmt

@@ -4,10 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -88,6 +88,7 @@ func routerProcess(n int) error {
 	defer logFile.Close()
 	cmd := exec.Command("ip", "netns", "exec", ns.name, bin, "--kubeconfig", kubeconfig,
 		"--gre-device", "veth0", "--gre-device-create=false", "--seed", "0x5eed", "--buckets", fmt.Sprint(*buckets),
+		"--generations", fmt.Sprint(*generations),
 		"--pools", "198.18.0.0/16") // the tunnel IPs createServices annotates
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	start = time.Now()
@@ -113,12 +114,36 @@ func routerProcess(n int) error {
 	took := time.Since(start)
 	time.Sleep(2 * time.Second) // let the worker settle after the informers' initial events
 	fmt.Printf("  tunnel-router start to all %d tunnel IPs x %d buckets programmed (informer sync, assignment, kernel): %v\n", n, *buckets, took.Round(time.Millisecond))
-	fmt.Printf("  tunnel-router process RSS with %d tunnel IPs: %s (informer caches of %d Services and EndpointSlices included)\n", n, procRSS(cmd.Process.Pid), n)
+	rss := procStatusKB(cmd.Process.Pid, "VmRSS")
+	fmt.Printf("memory %d tunnel IPs: router process RSS %.0f MB\n", n, float64(rss)/1000)
+	fmt.Printf("  (%d generations, %d endpoints each, informer caches of %d Services and EndpointSlices included; peak RSS during start-up %.0f MB)\n",
+		*generations, *endpointsPer, n, float64(procStatusKB(cmd.Process.Pid, "VmHWM"))/1000)
+	if *updates > 0 {
+		// ip netns exec execs the router: cmd's PID is the router's.
+		// The updates' writer has no client-side rate limit: client-go's
+		// token bucket (QPS) would hold each Update back for up to 1/QPS
+		// (20 ms at QPS 50) before sending it, and that wait would be
+		// counted as the router's.
+		wcfg := env.AdminConfig()
+		wcfg.QPS = -1
+		writer, err := kubernetes.NewForConfig(wcfg)
+		if err != nil {
+			return err
+		}
+		if err := eventToDatapath(ctx, writer, ns, n, cmd.Process.Pid); err != nil {
+			return fmt.Errorf("event to datapath: %w", err)
+		}
+		fmt.Printf("  router process RSS after the updates %.0f MB\n", float64(procStatusKB(cmd.Process.Pid, "VmRSS"))/1000)
+	}
+	if err := cmd.Process.Signal(syscall.Signal(0)); err != nil {
+		b, _ := os.ReadFile(logPath)
+		return fmt.Errorf("router exited: %v; log:\n%s", err, b)
+	}
 	return nil
 }
 
 func createServices(ctx context.Context, cs kubernetes.Interface, n int) error {
-	const ns = "bench"
+	const ns = benchNamespace
 	if _, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
 		return err
 	}
@@ -154,7 +179,7 @@ func createServices(ctx context.Context, cs kubernetes.Interface, n int) error {
 
 func createOne(ctx context.Context, cs kubernetes.Interface, ns string, i int) error {
 	name := fmt.Sprintf("svc-%d", i)
-	vip := netip.AddrFrom4([4]byte{198, 18, byte(i >> 8), byte(i)})
+	vip := tunnelVIP(i)
 	svc := &corev1.Service{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Annotations: map[string]string{tunnelclaim.Annotation: vip.String()}},
 		Spec:       corev1.ServiceSpec{ClusterIP: corev1.ClusterIPNone, Ports: []corev1.ServicePort{{Port: 80, TargetPort: intstr.FromInt32(8080)}}},
@@ -167,15 +192,30 @@ func createOne(ctx context.Context, cs kubernetes.Interface, ns string, i int) e
 		AddressType: discoveryv1.AddressTypeIPv4,
 	}
 	for e := range *endpointsPer {
-		p := (i*7 + e*13) % *podPool
+		p := endpointPods(i, *podPool)[e]
 		node := fmt.Sprintf("node-%d", p%8)
 		es.Endpoints = append(es.Endpoints, discoveryv1.Endpoint{
-			Addresses: []string{netip.AddrFrom4([4]byte{10, 244, byte(p >> 8), byte(p)}).String()}, NodeName: &node})
+			Addresses: []string{podIP(p).String()}, NodeName: &node})
 	}
 	if _, err := cs.DiscoveryV1().EndpointSlices(ns).Create(ctx, es, metav1.CreateOptions{}); err != nil {
 		return fmt.Errorf("endpointslice %s: %w", name, err)
 	}
 	return nil
+}
+
+// procStatusKB reads a kB field of /proc/PID/status (0 if unknown).
+func procStatusKB(pid int, field string) int {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(l); len(f) >= 2 && f[0] == field+":" {
+			v, _ := strconv.Atoi(f[1])
+			return v
+		}
+	}
+	return 0
 }
 
 func procRSS(pid int) string {
@@ -190,3 +230,6 @@ func procRSS(pid int) string {
 	}
 	return "?"
 }
+
+// benchNamespace holds the benchmark's Services and EndpointSlices.
+const benchNamespace = "bench"
