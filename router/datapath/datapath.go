@@ -78,7 +78,7 @@ type Datapath struct {
 	greLink  int
 	observed map[netip.Addr][]nextHop // per tunnel IP, one entry per slot
 	desired  map[netip.Addr][]nextHop
-	nexthops *nexthopTable // the nexthop objects the observed routes use
+	nexthops *nexthopTable           // the nexthop objects the observed routes use
 	current  map[netip.Addr]int      // per tunnel IP, the generation of new flows
 	age      map[netip.Addr][]uint64 // per tunnel IP and generation, when it became current
 	clock    uint64                  // advances at every generation switch

@@ -189,6 +189,7 @@ func (c Config) hopOf(r *rtnl.Route, objs *nexthopTable) (vip netip.Addr, slot i
 	}
 	return vip, slot, h, true
 }
+
 // hopFor is the next hop that sends a bucket to endpoint ep.
 func (c Config) hopFor(ep Endpoint, greLink int, nodeLink func(netip.Addr) (int, error)) (nextHop, error) {
 	switch c.Mode {

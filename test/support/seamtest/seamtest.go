@@ -26,10 +26,10 @@ type Kernel struct {
 	Routes   map[rtnl.RouteKey]rtnl.Route
 	NextHops map[uint32]rtnl.NextHop
 	Rules    []netlink.Rule
-	Marked  map[netip.Addr]uint32 // HMARK offset per tunnel IP
-	Writes  int
-	Journal []string
-	DevUp   bool
+	Marked   map[netip.Addr]uint32 // HMARK offset per tunnel IP
+	Writes   int
+	Journal  []string
+	DevUp    bool
 }
 
 // NewKernel returns an empty Kernel.
