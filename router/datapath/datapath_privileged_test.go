@@ -2,6 +2,7 @@ package datapath
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"net/netip"
 	"regexp"
 	"slices"
@@ -304,4 +305,74 @@ func TestDatapathEverySlotIsAdopted(t *testing.T) {
 	if got := kernelState(ns); got != pristine {
 		t.Errorf("after cleanup:\n%s\nwant the state before the router ran:\n%s", got, pristine)
 	}
+}
+
+// TestDatapathRandomChangesNeverFail makes random changes (endpoints added,
+// removed, drained; tunnels removed and added back) on the real kernel,
+// with several generations: no write may fail (a route naming a missing
+// nexthop object, an object created twice, one deleted under a route), and
+// the end state is a fresh router's, without a stray nexthop object.
+func TestDatapathRandomChangesNeverFail(t *testing.T) {
+	ns := testnetns.New(t)
+	ns.AddVeth("veth0", "veth1", netip.MustParsePrefix("192.168.50.1/24"))
+	cfg := testConfig()
+	cfg.Generations = 3
+	k := newKernelRouter(t, ns, cfg)
+	if err := k.dp.Resync(nil); err != nil {
+		t.Fatal(err)
+	}
+	rnd := rand.New(rand.NewPCG(1, 2))
+	pods := make([]string, 12)
+	for i := range pods {
+		pods[i] = fmt.Sprintf("10.244.%d.%d", i%3, 10+i)
+	}
+	vips := []string{"192.0.2.1", "192.0.2.2", "192.0.2.3", "192.0.2.4"}
+	state := map[string]Tunnel{}
+	for step := range 150 {
+		vip := vips[rnd.IntN(len(vips))]
+		if rnd.IntN(8) == 0 {
+			if err := k.dp.RemoveTunnel(netip.MustParseAddr(vip)); err != nil {
+				t.Fatalf("step %d: remove %s: %v", step, vip, err)
+			}
+			delete(state, vip)
+			continue
+		}
+		var ready, draining []string
+		for _, p := range pods {
+			switch rnd.IntN(4) {
+			case 0:
+				ready = append(ready, p)
+			case 1:
+				draining = append(draining, p)
+			}
+		}
+		tun := drainTunnel(cfg, vip, append(ready, draining...), draining...)
+		if err := k.dp.SetTunnel(tun); err != nil {
+			t.Fatalf("step %d: set %s: %v", step, vip, err)
+		}
+		state[vip] = tun
+	}
+	var final []Tunnel
+	for _, tun := range state {
+		final = append(final, tun)
+	}
+	if err := k.dp.Resync(final); err != nil {
+		t.Fatal(err)
+	}
+	if w := newKernelRouter(t, ns, cfg); w.dp.Resync(final) != nil || w.writes() != 0 {
+		t.Errorf("a restart after the random changes made %d writes, want 0", w.writes())
+	}
+	// Every nexthop object of the router's is used by a route.
+	used := map[string]bool{}
+	for _, l := range strings.Split(ns.Run("ip", "route", "show", "table", "all", "proto", fmt.Sprint(cfg.RouteProtocol)), "\n") {
+		if f := strings.Fields(l); len(f) > 2 && f[1] == "nhid" {
+			used[f[2]] = true
+		}
+	}
+	for _, id := range routerNextHopIDs(ns, cfg) {
+		if !used[fmt.Sprint(id)] {
+			t.Errorf("nexthop object %d is used by no route", id)
+		}
+	}
+	t.Logf("%d nexthop objects, %d writes", len(routerNextHopIDs(ns, cfg)), k.dp.Ops())
 }
