@@ -5,8 +5,8 @@
 // on the first Service.
 //
 // Every feature is probed for real: the probes create what the daemon would
-// create (a flow-based GRE device, an encap route, an MPLS route, an iptables
-// rule in a temporary chain) and remove it again, preferably in a throwaway
+// create (a flow-based GRE device, an encap route, a nexthop object and a
+// route through it, an MPLS route, an iptables rule in a temporary chain) and remove it again, preferably in a throwaway
 // network namespace so that the daemon's own namespace is never touched. The
 // kernel loads most modules by itself on first use; when a probe fails, the
 // module is also tried with modprobe once.
