@@ -5,8 +5,8 @@
 // on the first Service.
 //
 // Every feature is probed for real: the probes create what the daemon would
-// create (a flow-based GRE device, an encap route, an MPLS route, an iptables
-// rule in a temporary chain) and remove it again, preferably in a throwaway
+// create (a flow-based GRE device, an encap route, a nexthop object and a
+// route through it, an MPLS route, an iptables rule in a temporary chain) and remove it again, preferably in a throwaway
 // network namespace so that the daemon's own namespace is never touched. The
 // kernel loads most modules by itself on first use; when a probe fails, the
 // module is also tried with modprobe once.
@@ -38,6 +38,9 @@ type Feature struct {
 	// Package is the distribution package providing a userspace
 	// prerequisite (Option empty).
 	Package string
+	// Since is the first Linux release with a feature that no option
+	// selects (Option and Package empty), e.g. "Linux 5.3".
+	Since string
 }
 
 // String names the feature with its option and module, or its package.
@@ -45,6 +48,8 @@ func (f Feature) String() string {
 	switch {
 	case f.Option == "" && f.Package != "":
 		return fmt.Sprintf("%s (package %s)", f.Name, f.Package)
+	case f.Option == "" && f.Since != "":
+		return fmt.Sprintf("%s (%s or later, no kernel option)", f.Name, f.Since)
 	case f.Option == "":
 		return f.Name
 	case f.Module == "":
@@ -77,6 +82,10 @@ var (
 	// ipset command is needed.
 	IPSets   = Feature{Name: "hash:ip ipsets", Option: "CONFIG_IP_SET_HASH_IP", Module: "ip_set_hash_ip"}
 	SetMatch = Feature{Name: "the iptables set match", Option: "CONFIG_NETFILTER_XT_SET", Module: "xt_set"}
+	// NextHopObjects ("ip nexthop") carry the routers' encapsulations: one
+	// per endpoint, named by every bucket route to it. They are part of
+	// IPv4 since Linux 5.3, lightweight-tunnel encapsulations included.
+	NextHopObjects = Feature{Name: "nexthop objects", Since: "Linux 5.3"}
 )
 
 // Kernel runs the probes. Each returns nil when the kernel did what was
@@ -96,6 +105,11 @@ type Kernel interface {
 	MPLSRouting() error
 	// EncapMPLSRoute adds and deletes an IPv4 route with "encap mpls".
 	EncapMPLSRoute() error
+	// EncapIPNextHop adds a nexthop object with "encap ip" and a route
+	// through it, and deletes both.
+	EncapIPNextHop() error
+	// EncapMPLSNextHop is EncapIPNextHop with "encap mpls".
+	EncapMPLSNextHop() error
 	// IPTables reports whether the iptables command can be used.
 	IPTables() error
 	// IPTablesChain creates and deletes a chain in table.
@@ -128,7 +142,7 @@ type MissingError struct {
 }
 
 func (e *MissingError) Error() string {
-	if e.Feature.Option == "" {
+	if e.Feature.Option == "" && e.Feature.Since == "" {
 		return fmt.Sprintf("%s is missing: %v", e.Feature, e.Err)
 	}
 	return fmt.Sprintf("kernel lacks %s: %v", e.Feature, e.Err)
@@ -212,9 +226,10 @@ func ruleCheck(f Feature, table Feature, tableName string, rule []string) Check 
 }
 
 // Router returns the checks of the tunnel router with the given options:
-// policy routing, encap routes, the HMARK chain and its ipsets always; conntrack's
-// extensions with more than one generation; GRE when it creates its GRE
-// device (gre mode); MPLS routing and encap mpls in mpls mode.
+// policy routing, encap routes, nexthop objects with the mode's encap,
+// the HMARK chain and its ipsets always; conntrack's extensions with more
+// than one generation; GRE when it creates its GRE device (gre mode); MPLS
+// routing and encap mpls in mpls mode.
 func Router(p RouterParams) []Check {
 	checks := []Check{
 		{Feature: PolicyRouting, Probe: Kernel.PolicyRouting},
@@ -222,13 +237,15 @@ func Router(p RouterParams) []Check {
 	}
 	switch p.Mode {
 	case encap.GRE:
+		checks = append(checks, Check{Feature: NextHopObjects, Requires: []Feature{LightweightTunnels}, Probe: Kernel.EncapIPNextHop})
 		if p.CreateGREDevice {
 			checks = append(checks, Check{Feature: FlowBasedGRE, Probe: Kernel.FlowBasedGRE})
 		}
 	case encap.MPLS:
 		checks = append(checks,
 			Check{Feature: MPLSRouting, Probe: Kernel.MPLSRouting},
-			Check{Feature: MPLSEncap, Probe: Kernel.EncapMPLSRoute})
+			Check{Feature: MPLSEncap, Probe: Kernel.EncapMPLSRoute},
+			Check{Feature: NextHopObjects, Requires: []Feature{MPLSEncap}, Probe: Kernel.EncapMPLSNextHop})
 	}
 	checks = append(checks,
 		Check{Feature: IPTablesCommand, Probe: Kernel.IPTables},

@@ -29,6 +29,8 @@ func (f *fakeKernel) PolicyRouting() error             { return f.probe("rules")
 func (f *fakeKernel) EncapIPRoute() error              { return f.probe("encap-ip") }
 func (f *fakeKernel) MPLSRouting() error               { return f.probe("mpls") }
 func (f *fakeKernel) EncapMPLSRoute() error            { return f.probe("encap-mpls") }
+func (f *fakeKernel) EncapIPNextHop() error            { return f.probe("nexthop-ip") }
+func (f *fakeKernel) EncapMPLSNextHop() error          { return f.probe("nexthop-mpls") }
 func (f *fakeKernel) IPTables() error                  { return f.probe("iptables") }
 func (f *fakeKernel) IPTablesChain(table string) error { return f.probe("chain:" + table) }
 func (f *fakeKernel) IPSet() error                     { return f.probe("ipset") }
@@ -69,19 +71,22 @@ func features(checks []Check) []string {
 func TestRouterChecksFollowModeAndFlags(t *testing.T) {
 	base := []string{"", "", "iptables", "iptable_mangle", "xt_HMARK", "xt_comment", "ip_set_hash_ip", "xt_set"}
 	sticky := []string{"xt_conntrack", "xt_connmark", "xt_mark", "iptable_raw", "xt_CT"}
+	// Nexthop objects have neither module nor package: "".
+	greBase := slices.Concat(base[:2], []string{""}, base[2:])
+	mpls := []string{"mpls_router", "mpls_iptunnel", ""}
 	for _, tc := range []struct {
 		name string
 		p    RouterParams
 		want []string
 	}{
 		{"gre creating its device", RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 1},
-			slices.Concat(base[:2], []string{"ip_gre"}, base[2:])},
-		{"gre over an existing device", RouterParams{Mode: encap.GRE, Generations: 1}, base},
+			slices.Concat(greBase[:3], []string{"ip_gre"}, greBase[3:])},
+		{"gre over an existing device", RouterParams{Mode: encap.GRE, Generations: 1}, greBase},
 		{"mpls ignores --gre-device-create", RouterParams{Mode: encap.MPLS, CreateGREDevice: true, Generations: 1},
-			slices.Concat(base[:2], []string{"mpls_router", "mpls_iptunnel"}, base[2:])},
-		{"generations use conntrack", RouterParams{Mode: encap.GRE, Generations: 4}, slices.Concat(base, sticky)},
+			slices.Concat(base[:2], mpls, base[2:])},
+		{"generations use conntrack", RouterParams{Mode: encap.GRE, Generations: 4}, slices.Concat(greBase, sticky)},
 		{"mpls with generations", RouterParams{Mode: encap.MPLS, Generations: 2},
-			slices.Concat(base[:2], []string{"mpls_router", "mpls_iptunnel"}, base[2:], sticky)},
+			slices.Concat(base[:2], mpls, base[2:], sticky)},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if got := features(Router(tc.p)); !slices.Equal(got, tc.want) {
@@ -117,24 +122,29 @@ func TestEveryCheckProbesWhatItNames(t *testing.T) {
 	// alone, and only its own feature is reported.
 	checks := slices.Concat(Router(RouterParams{Mode: encap.MPLS, Generations: 2}),
 		Router(RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 1}), Endpoint(encap.GRE))
-	probes := map[Feature]string{
-		PolicyRouting: "rules", LightweightTunnels: "encap-ip", FlowBasedGRE: "flow-gre", GRE: "gre",
-		MPLSRouting: "mpls", MPLSEncap: "encap-mpls", IPTablesCommand: "iptables",
-		MangleTable: "chain:mangle", RawTable: "chain:raw", HMARK: "rule:mangle:HMARK",
-		CommentMatch: "rule:mangle:comment", ConntrackMatch: "rule:mangle:conntrack",
-		Connmark: "rule:mangle:connmark", MarkMatch: "rule:mangle:mark", CTTarget: "rule:raw:CT",
-		IPSets: "ipset", SetMatch: "rule:mangle:set",
+	probes := map[Feature][]string{
+		PolicyRouting: {"rules"}, LightweightTunnels: {"encap-ip"}, FlowBasedGRE: {"flow-gre"}, GRE: {"gre"},
+		MPLSRouting: {"mpls"}, MPLSEncap: {"encap-mpls"}, IPTablesCommand: {"iptables"},
+		MangleTable: {"chain:mangle"}, RawTable: {"chain:raw"}, HMARK: {"rule:mangle:HMARK"},
+		CommentMatch: {"rule:mangle:comment"}, ConntrackMatch: {"rule:mangle:conntrack"},
+		Connmark: {"rule:mangle:connmark"}, MarkMatch: {"rule:mangle:mark"}, CTTarget: {"rule:raw:CT"},
+		IPSets: {"ipset"}, SetMatch: {"rule:mangle:set"},
+		// One feature, probed with each mode's encapsulation.
+		NextHopObjects: {"nexthop-ip", "nexthop-mpls"},
 	}
 	for _, c := range checks {
-		probe, ok := probes[c.Feature]
+		names, ok := probes[c.Feature]
 		if !ok {
 			t.Fatalf("no probe known for %v", c.Feature)
 		}
-		k := &fakeKernel{fail: map[string]error{probe: errors.New("boom")}}
+		k := &fakeKernel{fail: map[string]error{}}
+		for _, probe := range names {
+			k.fail[probe] = errors.New("boom")
+		}
 		err := Run(k, []Check{c})
 		m := Missing(err)
 		if len(m) != 1 || m[0].Feature != c.Feature {
-			t.Errorf("%v with probe %s failing: %v", c.Feature, probe, err)
+			t.Errorf("%v with probes %s failing: %v", c.Feature, names, err)
 		}
 		if err := Run(&fakeKernel{}, []Check{c}); err != nil {
 			t.Errorf("%v with nothing failing: %v", c.Feature, err)
@@ -212,6 +222,22 @@ func TestRunSkipsChecksWhosePrerequisiteIsMissing(t *testing.T) {
 	}
 	if !slices.Contains(k.calls, "rule:mangle:conntrack") {
 		t.Errorf("mangle rules skipped although only raw is missing: %v", k.calls)
+	}
+}
+
+func TestNoNextHopObjects(t *testing.T) {
+	k := &fakeKernel{fail: map[string]error{"nexthop-ip": errors.New("creating a nexthop object: operation not supported")}}
+	err := Run(k, Router(RouterParams{Mode: encap.GRE, Generations: 1}))
+	if want := "kernel lacks nexthop objects (Linux 5.3 or later, no kernel option): creating a nexthop object: operation not supported"; err == nil || err.Error() != want {
+		t.Errorf("error %v, want %q", err, want)
+	}
+	if slices.Contains(k.calls, "modprobe:") {
+		t.Errorf("modprobe without a module: %v", k.calls)
+	}
+	// Without encap mpls, a nexthop object with it says nothing.
+	k = &fakeKernel{fail: map[string]error{"encap-mpls": errors.New("operation not supported")}}
+	if m := Missing(Run(k, Router(RouterParams{Mode: encap.MPLS, Generations: 1}))); len(m) != 1 || m[0].Feature != MPLSEncap || slices.Contains(k.calls, "nexthop-mpls") {
+		t.Errorf("missing %v after calls %v, want only MPLS encapsulation, and no nexthop probe", m, k.calls)
 	}
 }
 

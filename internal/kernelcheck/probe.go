@@ -275,6 +275,55 @@ func (p *Probes) EncapIPRoute() error {
 	return nil
 }
 
+// probeNextHopID is the id of the probe nexthop object, from the top of the
+// id space (the routers' ranges end below 0xff000000 for their default
+// protocol), with the probes' random suffix in the low bits.
+func (p *Probes) probeNextHopID() uint32 {
+	id, _ := strconv.ParseUint(p.suffix[:4], 16, 32)
+	return 0xfffe0000 | uint32(id)
+}
+
+// addNextHop creates a nexthop object on lo with the given encapsulation
+// and a route through it in probeTable, then deletes the object (and with
+// it the route). A taken id means the kernel has nexthop objects.
+func (p *Probes) addNextHop(n rtnl.NextHop) error {
+	lo, err := p.nl.LinkByName("lo")
+	if err != nil {
+		return fmt.Errorf("finding lo: %w", err)
+	}
+	c, err := rtnl.Open(p.ns)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	n.ID, n.LinkIndex = p.probeNextHopID(), lo.Attrs().Index
+	dst, _ := netip.AddrFromSlice(probeRoute.IP.To4())
+	route := rtnl.Route{Table: probeTable, Dst: netip.PrefixFrom(dst, 32), Type: rtnl.Unicast, NextHopID: n.ID}
+	err = c.Apply([]rtnl.Op{{Kind: rtnl.AddNextHop, NextHop: n}})
+	if errors.Is(err, unix.EEXIST) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("creating a nexthop object: %w", err)
+	}
+	err = c.Apply([]rtnl.Op{{Kind: rtnl.Replace, Route: route}})
+	if err != nil {
+		err = fmt.Errorf("adding a route through a nexthop object: %w", err)
+	}
+	p.leftover("probe nexthop object", c.Apply([]rtnl.Op{{Kind: rtnl.DeleteNextHop, NextHop: n}}))
+	return err
+}
+
+// EncapIPNextHop implements Kernel.
+func (p *Probes) EncapIPNextHop() error {
+	return p.addNextHop(rtnl.NextHop{IPEncap: &rtnl.IPEncap{Dst: probeTunnel}})
+}
+
+// EncapMPLSNextHop implements Kernel.
+func (p *Probes) EncapMPLSNextHop() error {
+	return p.addNextHop(rtnl.NextHop{MPLSLabels: []uint32{probeLabel}})
+}
+
 // EncapMPLSRoute implements Kernel.
 func (p *Probes) EncapMPLSRoute() error {
 	if err := p.addEncapRoute(&netlink.MPLSEncap{Labels: []int{probeLabel}}); err != nil {
@@ -419,7 +468,7 @@ func Verify(checks []Check, log logrus.FieldLogger) error {
 	}
 	for _, m := range Missing(err) {
 		fields := logrus.Fields{"feature": m.Feature.Name}
-		for k, v := range map[string]string{"option": m.Feature.Option, "module": m.Feature.Module, "package": m.Feature.Package} {
+		for k, v := range map[string]string{"option": m.Feature.Option, "module": m.Feature.Module, "package": m.Feature.Package, "since": m.Feature.Since} {
 			if v != "" {
 				fields[k] = v
 			}

@@ -76,6 +76,12 @@ func groundTruth(t *testing.T, f Feature) error {
 		return run([]string{"ip", "route", "add", "198.51.100.1/32", "encap", "ip", "id", "5", "dst", "198.51.100.2", "dev", "lo", "table", "10"})
 	case MPLSEncap:
 		return run([]string{"ip", "route", "add", "198.51.100.1/32", "encap", "mpls", "200", "dev", "lo", "table", "10"})
+	case NextHopObjects:
+		// everyCheck keeps mpls mode's probe, skipped where encap mpls is
+		// missing (as on the development host): the feature itself is
+		// what the commands check.
+		return run([]string{"ip", "nexthop", "add", "id", "5", "encap", "ip", "id", "5", "dst", "198.51.100.2", "dev", "lo"},
+			[]string{"ip", "route", "add", "198.51.100.1/32", "nhid", "5", "table", "10"})
 	case MPLSRouting:
 		err := ns.Do(func() error { return os.WriteFile("/proc/sys/net/mpls/platform_labels", []byte("300\n"), 0o644) })
 		if err != nil {
@@ -149,7 +155,7 @@ func snapshot(t *testing.T, ns *testnetns.NS) string {
 	var b strings.Builder
 	for _, c := range [][]string{
 		{"ip", "-d", "-o", "link", "show"}, {"ip", "-o", "addr", "show"}, {"ip", "rule", "show"},
-		{"ip", "route", "show", "table", "all"}, {"iptables-save"},
+		{"ip", "route", "show", "table", "all"}, {"ip", "nexthop", "show"}, {"iptables-save"},
 	} {
 		out, _ := ns.Output(c[0], c[1:]...)
 		for _, l := range strings.Split(out, "\n") {
@@ -326,6 +332,29 @@ func TestHelperProbesWithoutSysAdmin(t *testing.T) {
 	fmt.Printf("in place: %v\n", !p.Scratch())
 	for _, m := range Missing(Run(p, everyCheck())) {
 		fmt.Printf("missing: %v\n", m.Feature)
+	}
+	if err := p.Close(); err != nil {
+		t.Errorf("left behind: %v", err)
+	}
+}
+
+// TestNextHopProbeInPlace runs gre mode's nexthop probe (everyCheck keeps
+// mpls mode's) in place: this host has nexthop objects and encap ip, and
+// the probe leaves the namespace as it found it.
+func TestNextHopProbeInPlace(t *testing.T) {
+	requirePrivileged(t)
+	ns := testnetns.New(t)
+	p, err := OpenIn(ns.Handle)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	before := snapshot(t, ns)
+	if err := p.EncapIPNextHop(); err != nil {
+		t.Errorf("EncapIPNextHop: %v (the kernel has had nexthop objects since 5.3)", err)
+	}
+	if after := snapshot(t, ns); after != before {
+		t.Errorf("the probe changed the namespace:\nbefore:\n%s\nafter:\n%s", before, after)
 	}
 	if err := p.Close(); err != nil {
 		t.Errorf("left behind: %v", err)

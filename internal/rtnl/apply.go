@@ -44,9 +44,14 @@ const (
 	// DeleteNextHop removes the nexthop object with NextHop.ID, and with it
 	// every route that uses it. An absent nexthop is not an error.
 	DeleteNextHop
+	// AddNextHop creates the nexthop object NextHop; it fails (EEXIST) if
+	// its ID is taken, so that it never replaces someone else's nexthop
+	// (RTM_NEWNEXTHOP with NLM_F_CREATE|NLM_F_EXCL).
+	AddNextHop
 )
 
-// String returns "replace", "delete", "replace nexthop" or "delete nexthop".
+// String returns "replace", "delete", "replace nexthop", "delete nexthop"
+// or "add nexthop".
 func (k OpKind) String() string {
 	switch k {
 	case Replace:
@@ -57,6 +62,8 @@ func (k OpKind) String() string {
 		return "replace nexthop"
 	case DeleteNextHop:
 		return "delete nexthop"
+	case AddNextHop:
+		return "add nexthop"
 	}
 	return fmt.Sprintf("op%d", uint8(k))
 }
@@ -66,8 +73,8 @@ type Op struct {
 	Kind OpKind
 	// Route is the subject of Replace and Delete.
 	Route Route
-	// NextHop is the subject of ReplaceNextHop and DeleteNextHop (which
-	// only needs the ID).
+	// NextHop is the subject of AddNextHop, ReplaceNextHop and
+	// DeleteNextHop (which only needs the ID).
 	NextHop NextHop
 }
 
@@ -78,7 +85,7 @@ func (op *Op) validate() error {
 		return op.Route.validate()
 	case Delete:
 		return op.Route.validateKey()
-	case ReplaceNextHop:
+	case ReplaceNextHop, AddNextHop:
 		return op.NextHop.validate()
 	case DeleteNextHop:
 		if op.NextHop.ID == 0 {
@@ -92,7 +99,7 @@ func (op *Op) validate() error {
 // String names the operation and its subject.
 func (op *Op) String() string {
 	switch op.Kind {
-	case ReplaceNextHop, DeleteNextHop:
+	case ReplaceNextHop, DeleteNextHop, AddNextHop:
 		return fmt.Sprintf("%s %s", op.Kind, &op.NextHop)
 	}
 	return fmt.Sprintf("%s route %s", op.Kind, &op.Route)
@@ -249,7 +256,9 @@ func appendRequest(b []byte, op *Op, seq uint32) []byte {
 	case Delete:
 		return appendDelRoute(b, &op.Route, seq)
 	case ReplaceNextHop:
-		return appendNewNextHop(b, &op.NextHop, seq)
+		return appendNewNextHop(b, &op.NextHop, unix.NLM_F_REPLACE, seq)
+	case AddNextHop:
+		return appendNewNextHop(b, &op.NextHop, unix.NLM_F_EXCL, seq)
 	case DeleteNextHop:
 		return appendDelNextHop(b, op.NextHop.ID, seq)
 	}

@@ -10,7 +10,9 @@
 //     streamed dump, decoding both IP and MPLS encapsulations;
 //   - Client.Apply, which pipelines many acknowledged requests per sendmsg
 //     and maps every kernel error back to the route that caused it;
-//   - nexthop objects (NextHop, Route.NextHopID).
+//   - nexthop objects (NextHop, Route.NextHopID): created without ever
+//     replacing another owner's (AddNextHop), replaced, deleted, and listed
+//     by protocol (ListNextHops).
 //
 // A kernel cost to know about: before inserting a route with an inline next
 // hop, the kernel compares it with every distinct next hop already in use on

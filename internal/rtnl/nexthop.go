@@ -102,11 +102,12 @@ func appendNhmsg(b []byte, family, protocol uint8) []byte {
 	return binary.NativeEndian.AppendUint32(b, 0)
 }
 
-// appendNewNextHop appends an RTM_NEWNEXTHOP request that creates or
-// replaces n. n must have passed validate.
-func appendNewNextHop(b []byte, n *NextHop, seq uint32) []byte {
+// appendNewNextHop appends an RTM_NEWNEXTHOP request that creates n and,
+// with mode NLM_F_REPLACE, replaces the nexthop with its ID, or, with
+// NLM_F_EXCL, fails if that ID is taken. n must have passed validate.
+func appendNewNextHop(b []byte, n *NextHop, mode uint16, seq uint32) []byte {
 	off := len(b)
-	flags := uint16(unix.NLM_F_REQUEST | unix.NLM_F_ACK | unix.NLM_F_CREATE | unix.NLM_F_REPLACE)
+	flags := unix.NLM_F_REQUEST | unix.NLM_F_ACK | unix.NLM_F_CREATE | mode
 	b = appendNlmsghdr(b, unix.RTM_NEWNEXTHOP, flags, seq)
 	b = appendNhmsg(b, unix.AF_INET, n.Protocol)
 	b = appendAttrU32(b, unix.NHA_ID, n.ID)

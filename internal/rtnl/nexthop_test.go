@@ -94,9 +94,12 @@ func TestNextHopMessageRoundTrip(t *testing.T) {
 		if err := n.validate(); err != nil {
 			t.Fatalf("validate(%v): %v", &n, err)
 		}
-		s := newMsgScanner(appendNewNextHop(nil, &n, 4))
+		s := newMsgScanner(appendNewNextHop(nil, &n, unix.NLM_F_REPLACE, 4))
 		if !s.next() || s.hdr.typ != unix.RTM_NEWNEXTHOP || s.hdr.seq != 4 {
 			t.Fatalf("%v: bad message (%v) %+v", &n, s.err, s.hdr)
+		}
+		if want := uint16(unix.NLM_F_REQUEST | unix.NLM_F_ACK | unix.NLM_F_CREATE | unix.NLM_F_REPLACE); s.hdr.flags != want {
+			t.Errorf("%v: flags %#x, want %#x", &n, s.hdr.flags, want)
 		}
 		got, err := decodeNextHop(s.payload)
 		if err != nil {
@@ -128,6 +131,7 @@ func TestNextHopValidate(t *testing.T) {
 		{"two encaps", Op{Kind: ReplaceNextHop, NextHop: NextHop{ID: 1, LinkIndex: 1, IPEncap: encap, MPLSLabels: []uint32{1}}}},
 		{"group", Op{Kind: ReplaceNextHop, NextHop: NextHop{ID: 1, LinkIndex: 1, group: true}}},
 		{"delete id 0", Op{Kind: DeleteNextHop}},
+		{"add without link", Op{Kind: AddNextHop, NextHop: NextHop{ID: 1, IPEncap: encap}}},
 		{"route with nhid and encap", Op{Kind: Replace, Route: Route{Table: 1, Dst: netip.MustParsePrefix("10.0.0.1/32"),
 			Type: Unicast, NextHopID: 1, IPEncap: encap}}},
 		{"blackhole route with nhid", Op{Kind: Replace, Route: Route{Table: 1, Dst: netip.MustParsePrefix("10.0.0.1/32"),
@@ -165,7 +169,7 @@ func FuzzDecodeNextHop(f *testing.F) {
 		if err != nil || n.validate() != nil {
 			return
 		}
-		again, err := decodeNextHop(appendNewNextHop(nil, &n, 1)[nlmsgHeaderLen:])
+		again, err := decodeNextHop(appendNewNextHop(nil, &n, unix.NLM_F_REPLACE, 1)[nlmsgHeaderLen:])
 		if err != nil || !again.Equal(&n) {
 			t.Fatalf("round trip of %v gave %v, %v", &n, &again, err)
 		}
@@ -224,6 +228,40 @@ func TestNextHopObjects(t *testing.T) {
 	routes = slices.DeleteFunc(routes, func(r Route) bool { return r.NextHopID == 2 })
 	assertRoutes(t, listTunnelRoutes(t, c), routes)
 	assertNextHops(t, c, slices.Delete(nexthops, 1, 2))
+}
+
+// TestAddNextHopNeverReplaces shows what AddNextHop is for: a taken ID
+// fails the add, whoever owns the nexthop, while ReplaceNextHop would take
+// it over. Listing by protocol leaves other owners' nexthops out.
+func TestAddNextHopNeverReplaces(t *testing.T) {
+	ns := newTestNS(t)
+	c := ns.open(t)
+	// Someone else's nexthop, with another protocol.
+	runIP(t, "-n", ns.name, "nexthop", "add", "id", "9", "encap", "ip", "id", "0", "dst", "10.244.9.9", "dev", "veth0", "proto", "static")
+	ours := NextHop{ID: 10, Protocol: testProtocol, LinkIndex: ns.veth, IPEncap: &IPEncap{Dst: netip.MustParseAddr("10.244.0.10"), TTL: 64}}
+	taken := ours
+	taken.ID = 9
+	err := c.Apply([]Op{{Kind: AddNextHop, NextHop: ours}, {Kind: AddNextHop, NextHop: taken}})
+	var applyErr *ApplyError
+	if !errors.As(err, &applyErr) || len(applyErr.Failed) != 1 || applyErr.Failed[0].Index != 1 ||
+		!errors.Is(err, unix.EEXIST) || !strings.Contains(err.Error(), "add nexthop id 9") {
+		t.Fatalf("Apply = %v, want the add of the taken id 9 to fail with EEXIST", err)
+	}
+	// Adding our own again fails too: AddNextHop is not idempotent.
+	if err := c.Apply([]Op{{Kind: AddNextHop, NextHop: ours}}); !errors.Is(err, unix.EEXIST) {
+		t.Errorf("adding id 10 twice: %v, want EEXIST", err)
+	}
+	assertNextHops(t, c, []NextHop{ours})
+	all, err := c.ListNextHops(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(all) != 2 {
+		t.Errorf("ListNextHops(0) = %v, want the static one and ours", all)
+	}
+	if shown := runIP(t, "-n", ns.name, "nexthop", "show", "id", "9"); !strings.Contains(shown, "10.244.9.9") {
+		t.Errorf("the other owner's nexthop changed: %s", shown)
+	}
 }
 
 func assertNextHops(t *testing.T, c *Client, want []NextHop) {

@@ -16,9 +16,11 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 )
 
-// RouteOps is the route seam: a netns-bound rtnetlink client (*rtnl.Client).
+// RouteOps is the route seam: a netns-bound rtnetlink client (*rtnl.Client),
+// for routes and nexthop objects.
 type RouteOps interface {
 	List(rtnl.ListFilter) ([]rtnl.Route, error)
+	ListNextHops(protocol uint8) ([]rtnl.NextHop, error)
 	Apply([]rtnl.Op) error
 }
 
@@ -51,8 +53,9 @@ type TunnelDevice interface {
 }
 
 // Datapath owns the router's kernel state: one policy rule per slot
-// (generation x bucket), one route per tunnel IP per slot table in use, the
-// HMARK rules, and the tunnel device.
+// (generation x bucket), one route per tunnel IP per slot table in use, one
+// nexthop object per endpoint those routes lead to, the HMARK rules, and the
+// tunnel device.
 // It keeps what it believes the kernel holds, diffs the desired state against
 // it and applies only the difference. Resync re-reads the kernel, which adopts
 // existing state after a restart and repairs drift.
@@ -75,6 +78,7 @@ type Datapath struct {
 	greLink  int
 	observed map[netip.Addr][]nextHop // per tunnel IP, one entry per slot
 	desired  map[netip.Addr][]nextHop
+	nexthops *nexthopTable           // the nexthop objects the observed routes use
 	current  map[netip.Addr]int      // per tunnel IP, the generation of new flows
 	age      map[netip.Addr][]uint64 // per tunnel IP and generation, when it became current
 	clock    uint64                  // advances at every generation switch
@@ -90,6 +94,7 @@ func NewDatapath(cfg Config, routes RouteOps, rules RuleOps, chain markChain, de
 		cfg: cfg, routes: routes, rules: rules, chain: chain, device: device, nodeLink: nodeLink, log: log,
 		observed: map[netip.Addr][]nextHop{},
 		desired:  map[netip.Addr][]nextHop{},
+		nexthops: newNexthopTable(cfg),
 		current:  map[netip.Addr]int{},
 		age:      map[netip.Addr][]uint64{},
 	}
@@ -105,7 +110,8 @@ func (d *Datapath) EnableGenerationCollection(flows flowLister, tcpMinExpire uin
 }
 
 // Ops returns the number of kernel write operations done so far: routes
-// replaced or deleted, rules added or deleted, iptables rules written.
+// replaced or deleted, nexthop objects added or deleted, rules added or
+// deleted, iptables rules written.
 func (d *Datapath) Ops() uint64 {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -157,6 +163,7 @@ func (d *Datapath) plan(t Tunnel, have []nextHop, cur int) error {
 	if err != nil {
 		return err
 	}
+	have = contents(have)
 	next, newCur, switched := planGenerations(d.cfg, have, cur, d.age[t.VIP], want, d.presentHops(t))
 	d.desired[t.VIP] = next
 	d.current[t.VIP] = newCur
@@ -175,7 +182,9 @@ func (d *Datapath) plan(t Tunnel, have []nextHop, cur int) error {
 }
 
 // SetTunnel programs one tunnel IP. Routes go in before the HMARK rule, so a
-// marked packet always finds a route in its bucket table (never the main table).
+// marked packet always finds a route in its bucket table (never the main
+// table); nexthop objects go in before the routes that use them, and those
+// no route uses any more go last.
 func (d *Datapath) SetTunnel(t Tunnel) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -199,7 +208,11 @@ func (d *Datapath) SetTunnel(t Tunnel) error {
 	if err := d.plan(t, have, cur); err != nil {
 		return err
 	}
-	if err := d.applyRoutes(d.diffVIP(t.VIP, nil)); err != nil {
+	ops, err := d.diffVIP(t.VIP, nil)
+	if err == nil {
+		err = d.applyRoutes(ops)
+	}
+	if err != nil {
 		// A new tunnel IP must not get its HMARK rule without its routes.
 		if existed {
 			d.desired[t.VIP] = previous
@@ -213,7 +226,7 @@ func (d *Datapath) SetTunnel(t Tunnel) error {
 		}
 		return err
 	}
-	return d.syncMarks(false)
+	return errors.Join(d.syncMarks(false), d.collectNextHops())
 }
 
 // refreshIfStale re-reads the kernel's routes after a failed write.
@@ -245,7 +258,14 @@ func (d *Datapath) RemoveTunnel(vip netip.Addr) error {
 	if err := d.syncMarks(false); err != nil {
 		return err
 	}
-	return d.applyRoutes(d.diffVIP(vip, nil))
+	ops, err := d.diffVIP(vip, nil)
+	if err == nil {
+		err = d.applyRoutes(ops)
+	}
+	if err != nil {
+		return err
+	}
+	return d.collectNextHops()
 }
 
 // Resync makes the kernel match the desired tunnels exactly: it ensures the
@@ -327,6 +347,9 @@ func (d *Datapath) Resync(tunnels []Tunnel) error {
 	if err := d.applyChunked(unwanted); err != nil {
 		errs = append(errs, err)
 	}
+	if err := d.collectNextHops(); err != nil {
+		errs = append(errs, err)
+	}
 	return errors.Join(errs...)
 }
 
@@ -336,9 +359,12 @@ const applyChunk = 8192
 
 // applyChunked converges the routes of vips, a chunk of operations at a time.
 func (d *Datapath) applyChunked(vips []netip.Addr) error {
-	ops := make([]rtnl.Op, 0, applyChunk+ownedSlots)
+	ops := make([]rtnl.Op, 0, applyChunk+2*ownedSlots)
 	for _, vip := range vips {
-		ops = d.diffVIP(vip, ops)
+		var err error
+		if ops, err = d.diffVIP(vip, ops); err != nil {
+			return errors.Join(err, d.applyRoutes(ops))
+		}
 		if len(ops) >= applyChunk {
 			if err := d.applyRoutes(ops); err != nil {
 				return err
@@ -349,9 +375,13 @@ func (d *Datapath) applyChunked(vips []netip.Addr) error {
 	return d.applyRoutes(ops)
 }
 
-// diffVIP returns the route operations that turn the observed routes of vip
-// into the desired ones, updating the observed state as if they succeeded.
-func (d *Datapath) diffVIP(vip netip.Addr, ops []rtnl.Op) []rtnl.Op {
+// diffVIP appends the operations that turn the observed routes of vip into
+// the desired ones, updating the observed state (and the nexthop objects'
+// references) as if they succeeded. A route to an endpoint whose nexthop
+// object does not exist yet comes after the operation that creates it. If
+// no id is left for a new object, the operations so far are returned with
+// the error, and the kernel is re-read before the next change.
+func (d *Datapath) diffVIP(vip netip.Addr, ops []rtnl.Op) ([]rtnl.Op, error) {
 	want, have := d.desired[vip], d.observed[vip]
 	for b := 0; b < max(len(want), len(have)); b++ {
 		var w, h nextHop
@@ -361,20 +391,61 @@ func (d *Datapath) diffVIP(vip netip.Addr, ops []rtnl.Op) []rtnl.Op {
 		if b < len(have) {
 			h = have[b]
 		}
-		switch {
-		case w == h:
-		case w.kind == hopNone:
-			ops = append(ops, rtnl.Op{Kind: rtnl.Delete, Route: d.cfg.route(vip, b, nextHop{kind: hopDrop})})
-		default:
-			ops = append(ops, rtnl.Op{Kind: rtnl.Replace, Route: d.cfg.route(vip, b, w)})
+		if w == h {
+			continue
 		}
+		var id uint32
+		switch {
+		case w.kind == hopNone:
+			ops = append(ops, rtnl.Op{Kind: rtnl.Delete, Route: d.cfg.route(vip, b, nextHop{kind: hopDrop}, 0)})
+		case w.endpoint():
+			var ok bool
+			if id, ok = d.nexthops.ids[w]; !ok {
+				var err error
+				if id, err = d.nexthops.allocate(w); err != nil {
+					d.stale = true
+					return ops, fmt.Errorf("tunnel %v, slot %d: %w", vip, b, err)
+				}
+				ops = append(ops, rtnl.Op{Kind: rtnl.AddNextHop, NextHop: d.cfg.nextHopObject(w, id)})
+			}
+			fallthrough
+		default:
+			ops = append(ops, rtnl.Op{Kind: rtnl.Replace, Route: d.cfg.route(vip, b, w, id)})
+		}
+		d.nexthops.unref(d.nexthops.idOf(h))
+		d.nexthops.ref(id)
 	}
 	if want == nil {
 		delete(d.observed, vip)
 	} else {
 		d.observed[vip] = slices.Clone(want)
 	}
-	return ops
+	return ops, nil
+}
+
+// collectNextHops deletes the router's nexthop objects that no route in its
+// tables uses any more, once the route changes that left them unused are in
+// the kernel (never after a failed write: deleting an object deletes the
+// routes that still use it).
+func (d *Datapath) collectNextHops() error {
+	if d.stale {
+		return nil
+	}
+	ids := d.nexthops.collectable()
+	if len(ids) == 0 {
+		return nil
+	}
+	ops := make([]rtnl.Op, len(ids))
+	for i, id := range ids {
+		ops[i] = rtnl.Op{Kind: rtnl.DeleteNextHop, NextHop: rtnl.NextHop{ID: id}}
+	}
+	if err := d.applyRoutes(ops); err != nil {
+		return fmt.Errorf("deleting unused nexthop objects: %w", err)
+	}
+	for _, id := range ids {
+		d.nexthops.forget(id)
+	}
+	return nil
 }
 
 // applyRoutes sends route operations. On failure the observed state is
@@ -391,15 +462,27 @@ func (d *Datapath) applyRoutes(ops []rtnl.Op) error {
 			d.ops -= uint64(len(ae.Failed))
 		}
 		d.stale = true
-		return fmt.Errorf("programming %d routes: %w", len(ops), err)
+		return fmt.Errorf("programming %d routes and nexthop objects: %w", len(ops), err)
 	}
 	return nil
 }
 
-// readRoutes replaces the observed state with what the kernel holds in the
-// router's tables (every table it could have used, up to ownedSlots, so that
-// a smaller bucket or generation count still finds the old tables' routes).
+// readRoutes replaces the observed state with what the kernel holds: the
+// router's nexthop objects, and the routes in the router's tables (every
+// table it could have used, up to ownedSlots, so that a smaller bucket or
+// generation count still finds the old tables' routes).
 func (d *Datapath) readRoutes() error {
+	nexthops, err := d.routes.ListNextHops(0) // every owner's: their ids are taken
+	if errors.Is(err, unix.EOPNOTSUPP) {
+		// A kernel without nexthop objects (before Linux 5.3) holds none;
+		// the kernel check keeps the router from starting on one, but
+		// --cleanup may run there.
+		nexthops, err = nil, nil
+	}
+	if err != nil {
+		return fmt.Errorf("listing nexthop objects: %w", err)
+	}
+	d.nexthops.load(d.cfg, nexthops)
 	last := d.cfg.TableBase + ownedSlots - 1
 	routes, err := d.routes.List(rtnl.ListFilter{
 		Tables:   rtnl.TableRange{First: uint32(d.cfg.TableBase), Last: uint32(last)},
@@ -410,17 +493,19 @@ func (d *Datapath) readRoutes() error {
 	}
 	observed := make(map[netip.Addr][]nextHop, len(d.desired))
 	for i := range routes {
-		vip, bucket, hop, ok := d.cfg.hopOf(&routes[i])
+		vip, slot, hop, ok := d.cfg.hopOf(&routes[i], d.nexthops)
 		if !ok {
 			continue
 		}
 		hops := observed[vip]
-		if len(hops) <= bucket {
-			hops = append(hops, make([]nextHop, max(d.cfg.Slots(), bucket+1)-len(hops))...)
+		if len(hops) <= slot {
+			hops = append(hops, make([]nextHop, max(d.cfg.Slots(), slot+1)-len(hops))...)
 			observed[vip] = hops
 		}
-		hops[bucket] = hop
+		hops[slot] = hop
+		d.nexthops.ref(d.nexthops.idOf(hop))
 	}
+	d.nexthops.markUnreferenced()
 	d.observed = observed
 	d.stale = false
 	return nil
@@ -521,7 +606,7 @@ func (d *Datapath) syncRules() error {
 
 // Cleanup removes everything the router owns and nothing else: the HMARK
 // chain, the rules in its priority range with its protocol, the routes in its
-// tables with its protocol, and the device it created.
+// tables with its protocol, its nexthop objects, and the device it created.
 func (d *Datapath) Cleanup() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -551,10 +636,24 @@ func (d *Datapath) Cleanup() error {
 		}
 		if err := d.applyChunked(vips); err != nil {
 			errs = append(errs, err)
+		} else if err := d.collectNextHops(); err != nil {
+			errs = append(errs, err)
 		}
 	}
 	if err := d.device.Remove(); err != nil {
 		errs = append(errs, fmt.Errorf("tunnel device: %w", err))
 	}
 	return errors.Join(errs...)
+}
+
+// contents returns hops without their inline marks (a copy, if any is set).
+func contents(hops []nextHop) []nextHop {
+	if !slices.ContainsFunc(hops, func(h nextHop) bool { return h.inline }) {
+		return hops
+	}
+	out := make([]nextHop, len(hops))
+	for i, h := range hops {
+		out[i] = h.content()
+	}
+	return out
 }

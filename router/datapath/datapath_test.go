@@ -47,14 +47,23 @@ func TestResyncProgramsEverythingAndAdoptsOnRestart(t *testing.T) {
 	if len(k.Routes) != 2*cfg.Buckets || len(k.Rules) != cfg.Slots() || len(k.Marked) != 2 || !k.DevUp {
 		t.Fatalf("routes=%d rules=%d marked=%v dev=%v", len(k.Routes), len(k.Rules), k.Marked, k.DevUp)
 	}
+	if len(k.NextHops) != 2 {
+		t.Fatalf("%d nexthop objects, want one per endpoint (2): %v", len(k.NextHops), k.NextHops)
+	}
+	first, last := cfg.NextHopIDs()
 	for b := 0; b < cfg.Buckets; b++ {
 		r := k.Routes[rtnl.RouteKey{Table: uint32(cfg.Table(b)), Dst: netip.MustParsePrefix("192.0.2.2/32")}]
-		if r.Type != rtnl.Blackhole {
+		if r.Type != rtnl.Blackhole || r.NextHopID != 0 {
 			t.Errorf("bucket %d of a tunnel without endpoints: %v, want blackhole", b, r.String())
 		}
 		r = k.Routes[rtnl.RouteKey{Table: uint32(cfg.Table(b)), Dst: netip.MustParsePrefix("192.0.2.1/32")}]
-		if r.IPEncap == nil || r.IPEncap.Dst != tunnels[0].Table[b].Addr || r.LinkIndex != 42 || r.IPEncap.TTL != greTTL {
-			t.Errorf("bucket %d: %v, want encap to %v via link 42", b, r.String(), tunnels[0].Table[b].Addr)
+		n, ok := k.NextHops[r.NextHopID]
+		if r.Type != rtnl.Unicast || r.IPEncap != nil || r.LinkIndex != 0 || !ok {
+			t.Fatalf("bucket %d: %v, want a route through a nexthop object", b, r.String())
+		}
+		if n.ID < first || n.ID > last || n.Protocol != cfg.RouteProtocol || n.IPEncap == nil ||
+			n.IPEncap.Dst != tunnels[0].Table[b].Addr || n.LinkIndex != 42 || n.IPEncap.TTL != greTTL {
+			t.Errorf("bucket %d: nexthop %v, want ours (id %#x-%#x, proto %d) with encap to %v via link 42", b, n.String(), first, last, cfg.RouteProtocol, tunnels[0].Table[b].Addr)
 		}
 	}
 
@@ -86,9 +95,10 @@ func TestResyncRepairsDriftAndLeavesForeignStateAlone(t *testing.T) {
 	// Drift: a route deleted by hand, one changed by hand, a stale tunnel IP, a rule deleted.
 	delete(k.Routes, rtnl.RouteKey{Table: uint32(cfg.Table(3)), Dst: netip.MustParsePrefix("192.0.2.1/32")})
 	changed := k.Routes[rtnl.RouteKey{Table: uint32(cfg.Table(4)), Dst: netip.MustParsePrefix("192.0.2.1/32")}]
+	changed.NextHopID, changed.LinkIndex = 0, 42
 	changed.IPEncap = &rtnl.IPEncap{Dst: netip.MustParseAddr("10.9.9.9"), TTL: greTTL}
 	k.Routes[changed.Key()] = changed
-	stale := cfg.route(netip.MustParseAddr("192.0.2.99"), 5, nextHop{kind: hopDrop})
+	stale := cfg.route(netip.MustParseAddr("192.0.2.99"), 5, nextHop{kind: hopDrop}, 0)
 	k.Routes[stale.Key()] = stale
 	k.Rules = slices.DeleteFunc(k.Rules, func(r netlink.Rule) bool { return r.Priority == cfg.Priority(2) && r.Protocol == cfg.RouteProtocol })
 
@@ -115,8 +125,8 @@ func TestResyncRepairsDriftAndLeavesForeignStateAlone(t *testing.T) {
 	if err := d.Cleanup(); err != nil {
 		t.Fatal(err)
 	}
-	if len(k.Routes) != 2 || len(k.Rules) != 1 || k.Marked != nil || k.DevUp {
-		t.Fatalf("after cleanup: routes=%v rules=%v marked=%v dev=%v; want only the foreign route, rule and nothing else", k.Routes, k.Rules, k.Marked, k.DevUp)
+	if len(k.Routes) != 2 || len(k.Rules) != 1 || k.Marked != nil || k.DevUp || len(k.NextHops) != 0 {
+		t.Fatalf("after cleanup: routes=%v rules=%v marked=%v dev=%v nexthops=%v; want only the foreign route, rule and nothing else", k.Routes, k.Rules, k.Marked, k.DevUp, k.NextHops)
 	}
 }
 
@@ -179,8 +189,12 @@ func TestRemovingOneEndpointTouchesOnlyMovedBuckets(t *testing.T) {
 			movedBuckets++
 		}
 	}
-	if got := k.Writes - writes; got != movedBuckets {
-		t.Fatalf("%d kernel writes, want one per moved bucket (%d)", got, movedBuckets)
+	// The removed pod's nexthop object goes once no route uses it.
+	if got := k.Writes - writes; got != movedBuckets+1 {
+		t.Fatalf("%d kernel writes, want one per moved bucket (%d) and the nexthop object's deletion", got, movedBuckets)
+	}
+	if len(k.NextHops) != len(pods)-1 {
+		t.Errorf("%d nexthop objects, want one per remaining pod (%d)", len(k.NextHops), len(pods)-1)
 	}
 }
 
@@ -194,8 +208,9 @@ func TestMPLSRoutes(t *testing.T) {
 		t.Fatal(err)
 	}
 	r := k.Routes[rtnl.RouteKey{Table: uint32(cfg.Table(0)), Dst: netip.MustParsePrefix("192.0.2.1/32")}]
-	if !slices.Equal(r.MPLSLabels, []uint32{1024 + 1*256 + 5}) || r.Gateway != netip.MustParseAddr("192.168.0.1") || r.LinkIndex != 7 {
-		t.Fatalf("mpls route %v", r.String())
+	n := k.NextHops[r.NextHopID]
+	if r.NextHopID == 0 || !slices.Equal(n.MPLSLabels, []uint32{1024 + 1*256 + 5}) || n.Gateway != netip.MustParseAddr("192.168.0.1") || n.LinkIndex != 7 {
+		t.Fatalf("mpls route %v through nexthop %v", r.String(), n.String())
 	}
 	tun.Table[0].NodeIP = netip.Addr{}
 	if err := d.SetTunnel(tun); err == nil {

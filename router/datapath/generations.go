@@ -1,6 +1,7 @@
 package datapath
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -207,10 +208,13 @@ func (d *Datapath) CollectGenerations() (removed int, err error) {
 			removed++
 			d.log.WithFields(logrus.Fields{"vip": vip, "generation": g, "current_generation": cur}).Info("older generation unused by any flow; removed")
 		}
-		ops = d.diffVIP(vip, ops)
+		var err error
+		if ops, err = d.diffVIP(vip, ops); err != nil {
+			return removed, errors.Join(err, d.applyRoutes(ops))
+		}
 	}
 	if err := d.applyRoutes(ops); err != nil {
 		return removed, err
 	}
-	return removed, nil
+	return removed, d.collectNextHops()
 }

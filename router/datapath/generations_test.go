@@ -46,15 +46,17 @@ func drainTunnel(cfg Config, vip string, pods []string, draining ...string) Tunn
 }
 
 // kernelTable reads generation g's bucket table of vip from the fake kernel:
-// the GRE destination of each bucket's route, or an invalid address.
+// the GRE destination of the nexthop object of each bucket's route, or an
+// invalid address.
 func kernelTable(cfg Config, k *seamtest.Kernel, vip netip.Addr, g int) []netip.Addr {
 	out := make([]netip.Addr, cfg.Buckets)
 	for _, r := range k.Routes {
 		slot := int(r.Table) - cfg.TableBase
-		if r.Dst.Addr() != vip || slot/cfg.Buckets != g || r.IPEncap == nil {
+		n, ok := k.NextHops[r.NextHopID]
+		if r.Dst.Addr() != vip || slot/cfg.Buckets != g || !ok || n.IPEncap == nil {
 			continue
 		}
-		out[slot%cfg.Buckets] = r.IPEncap.Dst
+		out[slot%cfg.Buckets] = n.IPEncap.Dst
 	}
 	return out
 }
@@ -149,8 +151,10 @@ func TestDrainingKeepsOldGenerationUntilItsFlowsEnd(t *testing.T) {
 	if n, err := restarted.CollectGenerations(); err != nil || n != 1 {
 		t.Fatalf("collected %d generations (%v), want generation 0", n, err)
 	}
-	if k.Writes-writes != cfg.Buckets {
-		t.Errorf("%d writes to remove a generation, want %d route deletions", k.Writes-writes, cfg.Buckets)
+	// The drained pod's nexthop object goes with its last route.
+	if k.Writes-writes != cfg.Buckets+1 || len(k.NextHops) != len(pods)-1 {
+		t.Errorf("%d writes to remove a generation, %d nexthop objects left; want %d route deletions and the drained pod's nexthop object's",
+			k.Writes-writes, len(k.NextHops), cfg.Buckets)
 	}
 	for _, a := range kernelTable(cfg, k, vip, 0) {
 		if a.IsValid() {

@@ -24,39 +24,79 @@ const (
 const greTTL = 64
 
 // nextHop is the compact form, 16 bytes, in which the router keeps each bucket
-// of each tunnel IP: 10,000 tunnel IPs x 64 buckets fit in about 10 MB.
+// of each tunnel IP: 10,000 tunnel IPs x 64 buckets fit in about 10 MB. A
+// next hop towards an endpoint (hopGRE, hopMPLS) is also the content of the
+// endpoint's nexthop object, which every bucket route to it names by id.
 type nextHop struct {
-	kind  hopKind
-	addr  [4]byte // gre: the pod IP; mpls: the node IP
-	label uint32  // mpls only
-	link  int32   // output device
+	kind hopKind
+	addr [4]byte // gre: the pod IP; mpls: the node IP
+	// inline marks a listed route that reaches this next hop with a next
+	// hop of its own (as routers before nexthop objects wrote them) instead
+	// of through the nexthop object: it is rewritten, but planning counts
+	// it as this next hop, so that an upgrade keeps every generation's
+	// endpoints. It fits in padding: the struct stays 16 bytes.
+	inline bool
+	// label is the MPLS label (hopMPLS), or, for hopUnknown, the id of the
+	// router's nexthop object that the route uses (0 if none), so that the
+	// object is not deleted while the route still needs it.
+	label uint32
+	link  int32 // output device
 }
 
 func (h nextHop) String() string {
+	var s string
 	switch h.kind {
 	case hopDrop:
 		return "drop"
 	case hopGRE:
-		return fmt.Sprintf("gre to %v", netip.AddrFrom4(h.addr))
+		s = fmt.Sprintf("gre to %v", netip.AddrFrom4(h.addr))
 	case hopMPLS:
-		return fmt.Sprintf("mpls %d via %v", h.label, netip.AddrFrom4(h.addr))
+		s = fmt.Sprintf("mpls %d via %v", h.label, netip.AddrFrom4(h.addr))
 	case hopUnknown:
 		return "foreign route"
+	default:
+		return "none"
 	}
-	return "none"
+	if h.inline {
+		s += " (inline)"
+	}
+	return s
 }
 
-// route builds the kernel route for bucket b of vip.
-func (c Config) route(vip netip.Addr, b int, h nextHop) rtnl.Route {
+// endpoint reports whether h leads to an endpoint, through a nexthop object.
+func (h nextHop) endpoint() bool { return h.kind == hopGRE || h.kind == hopMPLS }
+
+// content is h without the inline mark: the next hop itself, as planning
+// and the nexthop objects see it.
+func (h nextHop) content() nextHop {
+	h.inline = false
+	return h
+}
+
+// route builds the kernel route for slot k of vip: a blackhole, or a
+// unicast route through nexthop object id (the endpoint's, see
+// nextHopObject).
+func (c Config) route(vip netip.Addr, k int, h nextHop, id uint32) rtnl.Route {
 	r := rtnl.Route{
-		Table:    uint32(c.Table(b)),
+		Table:    uint32(c.Table(k)),
 		Dst:      netip.PrefixFrom(vip, 32),
 		Type:     rtnl.Unicast,
 		Protocol: c.RouteProtocol,
 	}
-	switch h.kind {
-	case hopDrop:
+	if h.kind == hopDrop {
 		r.Type = rtnl.Blackhole
+	} else {
+		r.NextHopID = id
+	}
+	return r
+}
+
+// inlineRoute is the route of slot k of vip with next hop h as routers
+// before nexthop objects wrote it: the encapsulation in the route itself.
+// It is only read, never written.
+func (c Config) inlineRoute(vip netip.Addr, k int, h nextHop) rtnl.Route {
+	r := c.route(vip, k, h, 0)
+	switch h.kind {
 	case hopGRE:
 		r.LinkIndex = int(h.link)
 		r.IPEncap = &rtnl.IPEncap{Dst: netip.AddrFrom4(h.addr), TTL: greTTL}
@@ -68,32 +108,86 @@ func (c Config) route(vip netip.Addr, b int, h nextHop) rtnl.Route {
 	return r
 }
 
-// hopOf reads a listed kernel route back into (tunnel IP, bucket, next hop).
-// ok is false for routes outside the router's tables. A route the router would
-// not have built exactly so comes back as hopUnknown, so that it gets replaced.
-func (c Config) hopOf(r *rtnl.Route) (vip netip.Addr, bucket int, h nextHop, ok bool) {
-	bucket = int(r.Table) - c.TableBase
-	if bucket < 0 || bucket >= MaxBuckets || r.Protocol != c.RouteProtocol {
+// nextHopObject is the nexthop object id for endpoint next hop h (gre: the
+// IP encapsulation to the pod over the GRE device; mpls: the label push via
+// the node on the node's link), marked as the router's by its protocol.
+func (c Config) nextHopObject(h nextHop, id uint32) rtnl.NextHop {
+	n := rtnl.NextHop{ID: id, Protocol: c.RouteProtocol, LinkIndex: int(h.link)}
+	switch h.kind {
+	case hopGRE:
+		n.IPEncap = &rtnl.IPEncap{Dst: netip.AddrFrom4(h.addr), TTL: greTTL}
+	case hopMPLS:
+		n.Gateway = netip.AddrFrom4(h.addr)
+		n.MPLSLabels = []uint32{h.label}
+	}
+	return n
+}
+
+// hopOfNextHop reads one of the router's listed nexthop objects back into
+// the next hop it leads to, or hopUnknown if the router would not have
+// built it exactly so.
+func (c Config) hopOfNextHop(n *rtnl.NextHop) nextHop {
+	var h nextHop
+	switch {
+	case n.IPEncap != nil && n.IPEncap.Dst.Is4():
+		h = nextHop{kind: hopGRE, addr: n.IPEncap.Dst.As4(), link: int32(n.LinkIndex)}
+	case len(n.MPLSLabels) == 1 && n.Gateway.Is4():
+		h = nextHop{kind: hopMPLS, addr: n.Gateway.As4(), label: n.MPLSLabels[0], link: int32(n.LinkIndex)}
+	default:
+		return nextHop{kind: hopUnknown}
+	}
+	if want := c.nextHopObject(h, n.ID); !want.Equal(n) {
+		return nextHop{kind: hopUnknown}
+	}
+	return h
+}
+
+// hopOf reads a listed kernel route back into (tunnel IP, slot, next hop),
+// given the router's nexthop objects. ok is false for routes outside the
+// router's tables (all ownedSlots of them, whatever the configured slot
+// count, so that routes in tables the configuration no longer uses are
+// found and removed). A route the router would not have written exactly
+// so comes back as hopUnknown, so that it gets replaced; one that names a
+// nexthop object of the router's other than the endpoint's (a duplicate)
+// too. A route with an inline next hop comes back marked inline.
+func (c Config) hopOf(r *rtnl.Route, objs *nexthopTable) (vip netip.Addr, slot int, h nextHop, ok bool) {
+	slot = int(r.Table) - c.TableBase
+	if slot < 0 || slot >= ownedSlots || r.Protocol != c.RouteProtocol {
 		return netip.Addr{}, 0, nextHop{}, false
 	}
 	vip = r.Dst.Addr()
 	if r.Dst.Bits() != 32 || !vip.Is4() {
-		return vip, bucket, nextHop{kind: hopUnknown}, true
+		return vip, slot, nextHop{kind: hopUnknown}, true
+	}
+	if id := r.NextHopID; id != 0 {
+		unknown := nextHop{kind: hopUnknown}
+		h, ours := objs.hops[id]
+		if !ours {
+			return vip, slot, unknown, true
+		}
+		unknown.label = id
+		if !h.endpoint() || objs.ids[h] != id {
+			return vip, slot, unknown, true
+		}
+		if want := c.route(vip, slot, h, id); !want.Equal(r) {
+			return vip, slot, unknown, true
+		}
+		return vip, slot, h, true
 	}
 	switch {
 	case r.Type == rtnl.Blackhole:
 		h = nextHop{kind: hopDrop}
 	case r.IPEncap != nil && r.IPEncap.Dst.Is4():
-		h = nextHop{kind: hopGRE, addr: r.IPEncap.Dst.As4(), link: int32(r.LinkIndex)}
+		h = nextHop{kind: hopGRE, addr: r.IPEncap.Dst.As4(), link: int32(r.LinkIndex), inline: true}
 	case len(r.MPLSLabels) == 1 && r.Gateway.Is4():
-		h = nextHop{kind: hopMPLS, addr: r.Gateway.As4(), label: r.MPLSLabels[0], link: int32(r.LinkIndex)}
+		h = nextHop{kind: hopMPLS, addr: r.Gateway.As4(), label: r.MPLSLabels[0], link: int32(r.LinkIndex), inline: true}
 	default:
-		return vip, bucket, nextHop{kind: hopUnknown}, true
+		return vip, slot, nextHop{kind: hopUnknown}, true
 	}
-	if want := c.route(vip, bucket, h); !want.Equal(r) {
+	if want := c.inlineRoute(vip, slot, h); !want.Equal(r) {
 		h = nextHop{kind: hopUnknown}
 	}
-	return vip, bucket, h, true
+	return vip, slot, h, true
 }
 
 // hopFor is the next hop that sends a bucket to endpoint ep.

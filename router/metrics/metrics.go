@@ -36,6 +36,7 @@ const (
 // kube_service_tunnel_router_kernel_operations_total).
 const (
 	objectRoute         = "route"
+	objectNextHop       = "nexthop"
 	objectRule          = "rule"
 	objectIPTablesRule  = "iptables_rule"
 	objectIPTablesChain = "iptables_chain"
@@ -94,7 +95,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, []string{"kind"}),
 		kernelOps: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kube_service_tunnel_router_kernel_operations_total",
-			Help: "Kernel writes that succeeded, by object and operation: route replace/delete, rule add/delete, iptables_rule insert/delete/restore (rules written by iptables-restore), iptables_chain create/flush/delete/restore, ipset create/destroy, ipset_member add/delete.",
+			Help: "Kernel writes that succeeded, by object and operation: route replace/delete, nexthop add/replace/delete (nexthop objects), rule add/delete, iptables_rule insert/delete/restore (rules written by iptables-restore), iptables_chain create/flush/delete/restore, ipset create/destroy, ipset_member add/delete.",
 		}, []string{"object", "operation"}),
 		counterErrors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kube_service_tunnel_router_vip_counter_read_errors_total",
@@ -291,7 +292,8 @@ func (c *vipTrafficCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 }
 
-// countedRoutes counts the route writes that the kernel accepted.
+// countedRoutes counts the route and nexthop object writes that the kernel
+// accepted.
 type countedRoutes struct {
 	datapath.RouteOps
 	m *Metrics
@@ -312,16 +314,37 @@ func (c countedRoutes) Apply(ops []rtnl.Op) error {
 			failed[f.Index] = true
 		}
 	}
-	byKind := map[string]int{}
+	byKind := map[kernelOp]int{}
 	for i, op := range ops {
 		if !failed[i] {
-			byKind[op.Kind.String()]++
+			byKind[opLabel(op.Kind)]++
 		}
 	}
-	for kind, n := range byKind {
-		c.m.wrote(objectRoute, kind, n)
+	for l, n := range byKind {
+		c.m.wrote(l.object, l.operation, n)
 	}
 	return err
+}
+
+// kernelOp is the object and operation labels of a kernel write.
+type kernelOp struct{ object, operation string }
+
+// opLabel labels a route seam operation: route replace/delete, nexthop
+// add/replace/delete.
+func opLabel(k rtnl.OpKind) kernelOp {
+	switch k {
+	case rtnl.Replace:
+		return kernelOp{objectRoute, "replace"}
+	case rtnl.Delete:
+		return kernelOp{objectRoute, "delete"}
+	case rtnl.AddNextHop:
+		return kernelOp{objectNextHop, "add"}
+	case rtnl.ReplaceNextHop:
+		return kernelOp{objectNextHop, "replace"}
+	case rtnl.DeleteNextHop:
+		return kernelOp{objectNextHop, "delete"}
+	}
+	return kernelOp{objectRoute, k.String()}
 }
 
 // countedRules counts the policy-rule writes that succeeded.

@@ -49,9 +49,16 @@ type writeCountingKernel struct {
 	saw kernelWrites
 }
 
+// seamNames names the fake kernel's operations independently of the
+// metrics' opLabel.
+var seamNames = map[rtnl.OpKind]string{
+	rtnl.Replace: "route/replace", rtnl.Delete: "route/delete",
+	rtnl.AddNextHop: "nexthop/add", rtnl.ReplaceNextHop: "nexthop/replace", rtnl.DeleteNextHop: "nexthop/delete",
+}
+
 func (k *writeCountingKernel) Apply(ops []rtnl.Op) error {
 	for _, op := range ops {
-		k.saw["route/"+op.Kind.String()]++
+		k.saw[seamNames[op.Kind]]++
 	}
 	return k.Kernel.Apply(ops)
 }
@@ -121,7 +128,7 @@ func TestDatapathKernelOperationsCountedAtTheSeam(t *testing.T) {
 			t.Errorf("after %s: kernel operations %v, want what the kernel saw: %v", s.name, got, k.saw)
 		}
 	}
-	for _, want := range []string{"route/replace", "route/delete", "rule/add", "rule/delete"} {
+	for _, want := range []string{"route/replace", "route/delete", "nexthop/add", "nexthop/delete", "rule/add", "rule/delete"} {
 		if k.saw[want] == 0 {
 			t.Errorf("the steps made no %s: the test proves nothing about it (saw %v)", want, k.saw)
 		}
@@ -146,12 +153,14 @@ func (p partlyFailingRoutes) Apply(ops []rtnl.Op) error {
 func TestCountedRoutesLeaveOutFailedOperations(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	m := NewMetrics(reg)
-	ops := []rtnl.Op{{Kind: rtnl.Replace}, {Kind: rtnl.Replace}, {Kind: rtnl.Delete}, {Kind: rtnl.Delete}, {Kind: rtnl.Replace}}
-	err := countedRoutes{partlyFailingRoutes{seamtest.NewKernel(), []int{1, 2}}, m}.Apply(ops)
+	ops := []rtnl.Op{{Kind: rtnl.Replace}, {Kind: rtnl.Replace}, {Kind: rtnl.Delete}, {Kind: rtnl.Delete}, {Kind: rtnl.Replace},
+		{Kind: rtnl.AddNextHop}, {Kind: rtnl.AddNextHop}, {Kind: rtnl.ReplaceNextHop}, {Kind: rtnl.DeleteNextHop}}
+	err := countedRoutes{partlyFailingRoutes{seamtest.NewKernel(), []int{1, 2, 6}}, m}.Apply(ops)
 	if err == nil {
 		t.Fatal("the failure was swallowed")
 	}
-	if got, want := kernelOps(t, reg), (kernelWrites{"route/replace": 2, "route/delete": 1}); !maps.Equal(got, want) {
+	want := kernelWrites{"route/replace": 2, "route/delete": 1, "nexthop/add": 1, "nexthop/replace": 1, "nexthop/delete": 1}
+	if got := kernelOps(t, reg); !maps.Equal(got, want) {
 		t.Errorf("kernel operations %v, want %v", got, want)
 	}
 	// An error that does not say what failed counts nothing.
@@ -159,7 +168,7 @@ func TestCountedRoutesLeaveOutFailedOperations(t *testing.T) {
 	if err := other.Apply(ops); err == nil {
 		t.Fatal("the failure was swallowed")
 	}
-	if got, want := kernelOps(t, reg), (kernelWrites{"route/replace": 2, "route/delete": 1}); !maps.Equal(got, want) {
+	if got := kernelOps(t, reg); !maps.Equal(got, want) {
 		t.Errorf("after an unknown failure: kernel operations %v, want %v", got, want)
 	}
 }

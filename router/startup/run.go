@@ -69,12 +69,14 @@ func Main(args []string) error {
 		entry.Info("removed everything the router owned")
 		return nil
 	}
+	first, last := o.NextHopIDs()
 	entry.WithFields(logrus.Fields{
 		"mode": o.Mode, "buckets": o.Buckets, "seed_fingerprint": hmark.SeedFingerprint(o.Seed),
 		"generations": o.Generations, "mark_offset": fmt.Sprintf("%#x", o.MarkOffset),
 		"rule_priorities": fmt.Sprintf("%d-%d", o.Priority(0), o.Priority(o.Slots()-1)),
 		"tables":          fmt.Sprintf("%d-%d", o.Table(0), o.Table(o.Slots()-1)), "route_protocol": o.RouteProtocol, "chain": o.Chain,
-	}).Info("starting tunnel router")
+		"nexthop_ids": fmt.Sprintf("%#x-%#x", first, last),
+	}).Info("starting tunnel router: bucket routes name one nexthop object per endpoint")
 	daemon.LogPolicy(entry, o.Policy)
 	warnIfNotForwarding(entry)
 	if o.Generations > 1 {

@@ -14,6 +14,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/router"
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/kstate"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/topology"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
@@ -157,6 +158,40 @@ func reachPod(t *testing.T, e *env) {
 			t.Errorf("no reply packet from %s counted on %s, whose pod answered (the counter is broken)", vip, n.Name)
 		}
 		t.Logf("packets from %s seen by %s: %d", vip, n.Name, packets)
+	}
+	nextHopObjects(t, e, vip)
+}
+
+// nextHopObjects checks the shape of every router's bucket routes for vip,
+// served by every pod: each names a nexthop object, and the router holds
+// one object per pod. It logs router-a's objects and bucket 0's route, as
+// ip shows them.
+func nextHopObjects(t *testing.T, e *env, vip netip.Addr) {
+	ctx := context.Background()
+	for _, r := range e.Routers {
+		objects, err := topology.IP(ctx, "-n", r.Name, "nexthop", "show", "proto", "245")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n := strings.Count(objects, "\n"); n != len(e.Pods) {
+			t.Errorf("%s holds %d nexthop objects, want one per pod (%d):\n%s", r.Name, n, len(e.Pods), objects)
+		}
+		routes, err := topology.IP(ctx, "-n", r.Name, "route", "show", "table", "all", "proto", "245")
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, l := range strings.Split(routes, "\n") {
+			if f := strings.Fields(l); len(f) > 1 && f[0] == vip.String() && f[1] != "nhid" {
+				t.Errorf("%s: route without a nexthop object: %s", r.Name, l)
+			}
+		}
+		if r == e.Routers[0] {
+			bucket0, err := topology.IP(ctx, "-n", r.Name, "route", "show", "table", strconv.Itoa(datapath.DefaultTableBase), vip.String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Logf("%s: ip nexthop show proto 245:\n%sip route show table %d %s:\n%s", r.Name, objects, datapath.DefaultTableBase, vip, bucket0)
+		}
 	}
 }
 

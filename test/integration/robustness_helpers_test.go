@@ -12,6 +12,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"regexp"
 	"sort"
 	"strconv"
 	"strings"
@@ -125,9 +126,10 @@ func newKernelRouter(t *testing.T, cfg router.Config) *kernelRouter {
 	return &kernelRouter{ns: ns, dp: dp}
 }
 
-// state is what an operator would look at: every IPv4 route and rule,
-// every mangle rule and every ipset with its members in the namespace (as kernelState in router's privileged
-// tests). Comment lines of iptables-save (which carry a timestamp) are left
+// state is what an operator would look at: every IPv4 route, nexthop
+// object and rule, every mangle rule and every ipset with its members in
+// the namespace (as kernelState in router's privileged tests). Comment lines
+// of iptables-save (which carry a timestamp) are left
 // out, and so is IPv6, which the router never touches: the veths'
 // link-local addresses come from their random MAC addresses.
 func (k *kernelRouter) state() string {
@@ -137,9 +139,22 @@ func (k *kernelRouter) state() string {
 			mangle = append(mangle, l)
 		}
 	}
-	return k.ns.Run("ip", "-4", "route", "show", "table", "all") + k.ns.Run("ip", "-4", "rule", "show") + strings.Join(mangle, "\n") +
-		"\n" + k.ns.IPSetState()
+	return k.ns.Run("ip", "-4", "route", "show", "table", "all") + k.ns.Run("ip", "nexthop", "show") +
+		k.ns.Run("ip", "-4", "rule", "show") + strings.Join(mangle, "\n") + "\n" + k.ns.IPSetState()
 }
+
+// withoutNextHopIDs is a state with every nexthop id replaced by "N" and
+// the lines sorted: two routers that programmed the same state by
+// different paths allocated their nexthop objects' ids in another order,
+// while what each route leads to (the object's content, which ip shows
+// beside "nhid") must be the same.
+func withoutNextHopIDs(state string) string {
+	lines := strings.Split(nextHopIDPattern.ReplaceAllString(state, "${1} N"), "\n")
+	sort.Strings(lines)
+	return strings.Join(lines, "\n")
+}
+
+var nextHopIDPattern = regexp.MustCompile(`\b(nhid|id) \d{5,}`)
 
 // programmed is the router's part of the kernel state, read back: per
 // tunnel IP the next hop of each bucket ("drop" or the GRE destination), the

@@ -1,7 +1,7 @@
 // Package kstate snapshots the kernel networking state of a named network
 // namespace (links, IPv4 addresses, policy rules and routes of every table,
-// MPLS routes, iptables of every table, ipsets and their members) as
-// normalised text, so the lab can
+// nexthop objects, MPLS routes, iptables of every table, ipsets and their
+// members) as normalised text, so the lab can
 // check that an add-on leaves a namespace exactly as it found it.
 //
 // Normalised means that two snapshots of a namespace where nothing happens
@@ -29,7 +29,7 @@ import (
 )
 
 // State is a snapshot of one namespace: normalised lines per section
-// ("link", "addr", "rule", "route", "mpls", "iptables/TABLE",
+// ("link", "addr", "rule", "route", "nexthop", "mpls", "iptables/TABLE",
 // "iptables-legacy/TABLE", "ipset"). A section with no lines may be absent.
 type State struct {
 	// Namespace is the name the snapshot was taken from.
@@ -62,6 +62,8 @@ func Snapshot(ctx context.Context, ns string) (State, error) {
 		{"addr", []string{"-n", ns, "-4", "-j", "addr", "show"}, addrLines},
 		{"rule", []string{"-n", ns, "-4", "-o", "rule", "show"}, textLines},
 		{"route", []string{"-n", ns, "-4", "-o", "route", "show", "table", "all"}, routeLines},
+		// Ids included: a daemon that adopts its objects keeps them.
+		{"nexthop", []string{"-n", ns, "-o", "nexthop", "show"}, textLines},
 	}
 	// Without the mpls_router module the kernel has no MPLS in any
 	// namespace, and ip fails; that is not a difference worth reporting.

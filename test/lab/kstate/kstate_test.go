@@ -114,6 +114,8 @@ func TestSnapshotSeesWhatChangedAndNothingElse(t *testing.T) {
 	ipRun(t, "-n", ns, "addr", "add", "10.77.0.1/24", "dev", "kst-a")
 	ipRun(t, "-n", ns, "rule", "add", "fwmark", "0x77", "lookup", "100", "pref", "1000")
 	ipRun(t, "-n", ns, "route", "add", "10.88.0.0/16", "via", "10.77.0.2", "dev", "kst-a", "table", "100", "onlink")
+	ipRun(t, "-n", ns, "nexthop", "add", "id", "4711", "encap", "ip", "id", "0", "dst", "10.77.0.9", "dev", "lo")
+	ipRun(t, "-n", ns, "route", "add", "10.89.0.1/32", "nhid", "4711", "table", "100")
 	iptables("-A")
 
 	changed := snapshot(t, ns)
@@ -129,6 +131,9 @@ func TestSnapshotSeesWhatChangedAndNothingElse(t *testing.T) {
 		"+ 1000: from all fwmark 0x77 lookup 100\n",
 		"[route]\n",
 		"+ 10.88.0.0/16 via 10.77.0.2 dev kst-a table 100 onlink\n",
+		"+ 10.89.0.1 nhid 4711 encap ip id 0 src 0.0.0.0 dst 10.77.0.9 ttl 0 tos 0 dev lo table 100\n",
+		"[nexthop]\n",
+		"+ id 4711 encap ip id 0 src 0.0.0.0 dst 10.77.0.9 ttl 0 tos 0 dev lo scope host\n",
 		"[iptables/mangle]\n",
 		"+ -A PREROUTING -d 10.88.0.0/16 -j MARK --set-xmark 0x77/0xffffffff\n",
 	} {
@@ -144,6 +149,7 @@ func TestSnapshotSeesWhatChangedAndNothingElse(t *testing.T) {
 	}
 
 	iptables("-D")
+	ipRun(t, "-n", ns, "nexthop", "del", "id", "4711")
 	ipRun(t, "-n", ns, "route", "del", "10.88.0.0/16", "table", "100")
 	ipRun(t, "-n", ns, "rule", "del", "pref", "1000")
 	ipRun(t, "-n", ns, "link", "del", "kst-a")

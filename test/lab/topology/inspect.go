@@ -21,9 +21,10 @@ func (l *Lab) HMARK() hmark.Params {
 }
 
 // A router's bucket route for a tunnel IP in `ip route show table all`
-// output: GRE "VIP encap ip id 0 src 0.0.0.0 dst POD ... table T", MPLS "VIP
-// encap mpls LABEL via NODE dev eth0 table T"; a node's swap route "LABEL as
-// to 100 via inet POD dev cni0".
+// output, which repeats its nexthop object's encapsulation: GRE "VIP nhid ID
+// encap ip id 0 src 0.0.0.0 dst POD ... table T", MPLS "VIP nhid ID encap
+// mpls LABEL via NODE dev eth0 table T"; a node's swap route "LABEL as to 100
+// via inet POD dev cni0".
 var (
 	greDstRE   = regexp.MustCompile(`encap ip .*\bdst (\S+)`)
 	mplsEncRE  = regexp.MustCompile(`encap mpls\s+(\d+)\S*\s+via (?:inet )?(\S+)`)

@@ -10,6 +10,7 @@ import (
 	"maps"
 	"net/netip"
 	"slices"
+	"syscall"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
@@ -18,18 +19,23 @@ import (
 )
 
 // Kernel stands in for rtnetlink, the rule table, the HMARK chain and the
-// device. It records the order of route and mark changes per tunnel IP.
+// device. It records the order of route, nexthop and mark changes per
+// tunnel IP. Like the kernel, it refuses a route that names a missing
+// nexthop object, and deleting a nexthop object deletes its routes.
 type Kernel struct {
-	Routes  map[rtnl.RouteKey]rtnl.Route
-	Rules   []netlink.Rule
-	Marked  map[netip.Addr]uint32 // HMARK offset per tunnel IP
-	Writes  int
-	Journal []string
-	DevUp   bool
+	Routes   map[rtnl.RouteKey]rtnl.Route
+	NextHops map[uint32]rtnl.NextHop
+	Rules    []netlink.Rule
+	Marked   map[netip.Addr]uint32 // HMARK offset per tunnel IP
+	Writes   int
+	Journal  []string
+	DevUp    bool
 }
 
 // NewKernel returns an empty Kernel.
-func NewKernel() *Kernel { return &Kernel{Routes: map[rtnl.RouteKey]rtnl.Route{}} }
+func NewKernel() *Kernel {
+	return &Kernel{Routes: map[rtnl.RouteKey]rtnl.Route{}, NextHops: map[uint32]rtnl.NextHop{}}
+}
 
 func (k *Kernel) List(f rtnl.ListFilter) ([]rtnl.Route, error) {
 	var out []rtnl.Route
@@ -41,21 +47,73 @@ func (k *Kernel) List(f rtnl.ListFilter) ([]rtnl.Route, error) {
 	return out, nil
 }
 
-func (k *Kernel) Apply(ops []rtnl.Op) error {
-	for _, op := range ops {
-		k.Writes++
-		switch op.Kind {
-		case rtnl.Replace:
-			k.Routes[op.Route.Key()] = op.Route
-			k.Journal = append(k.Journal, "route+ "+op.Route.Dst.Addr().String())
-		case rtnl.Delete:
-			if r, ok := k.Routes[op.Route.Key()]; ok && r.Protocol == op.Route.Protocol {
-				delete(k.Routes, op.Route.Key())
-			}
-			k.Journal = append(k.Journal, "route- "+op.Route.Dst.Addr().String())
+func (k *Kernel) ListNextHops(protocol uint8) ([]rtnl.NextHop, error) {
+	var out []rtnl.NextHop
+	for _, n := range k.NextHops {
+		if protocol == 0 || n.Protocol == protocol {
+			out = append(out, n)
 		}
 	}
+	return out, nil
+}
+
+// Apply applies ops in order; like rtnl.Client, a failing op does not stop
+// the others, and the failures come back as an *rtnl.ApplyError. Writes
+// counts every op sent.
+func (k *Kernel) Apply(ops []rtnl.Op) error {
+	ae := &rtnl.ApplyError{}
+	for i, op := range ops {
+		k.Writes++
+		if err := k.apply(op); err != nil {
+			ae.Failed = append(ae.Failed, &rtnl.OpError{Index: i, Op: op, Err: err})
+		}
+	}
+	if len(ae.Failed) > 0 {
+		return ae
+	}
 	return nil
+}
+
+func (k *Kernel) apply(op rtnl.Op) error {
+	switch op.Kind {
+	case rtnl.Replace:
+		if id := op.Route.NextHopID; id != 0 {
+			if _, ok := k.NextHops[id]; !ok {
+				return fmt.Errorf("nexthop id %d does not exist: %w", id, syscall.EINVAL)
+			}
+		}
+		k.Routes[op.Route.Key()] = op.Route
+		k.Journal = append(k.Journal, "route+ "+op.Route.Dst.Addr().String())
+	case rtnl.Delete:
+		if r, ok := k.Routes[op.Route.Key()]; ok && r.Protocol == op.Route.Protocol {
+			delete(k.Routes, op.Route.Key())
+		}
+		k.Journal = append(k.Journal, "route- "+op.Route.Dst.Addr().String())
+	case rtnl.AddNextHop:
+		if _, ok := k.NextHops[op.NextHop.ID]; ok {
+			return syscall.EEXIST
+		}
+		k.NextHops[op.NextHop.ID] = op.NextHop
+		k.Journal = append(k.Journal, fmt.Sprintf("nexthop+ %d", op.NextHop.ID))
+	case rtnl.ReplaceNextHop:
+		k.NextHops[op.NextHop.ID] = op.NextHop
+		k.Journal = append(k.Journal, fmt.Sprintf("nexthop~ %d", op.NextHop.ID))
+	case rtnl.DeleteNextHop:
+		k.DeleteNextHop(op.NextHop.ID)
+		k.Journal = append(k.Journal, fmt.Sprintf("nexthop- %d", op.NextHop.ID))
+	}
+	return nil
+}
+
+// DeleteNextHop deletes nexthop object id and, as the kernel does, every
+// route that uses it. It is not counted as a write (drift is made with it).
+func (k *Kernel) DeleteNextHop(id uint32) {
+	delete(k.NextHops, id)
+	for key, r := range k.Routes {
+		if r.NextHopID == id {
+			delete(k.Routes, key)
+		}
+	}
 }
 
 func (k *Kernel) RuleListFiltered(int, *netlink.Rule, uint64) ([]netlink.Rule, error) {
