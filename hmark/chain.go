@@ -74,6 +74,9 @@ type Chain struct {
 	restorer Restorer
 	// sticky is nil in stateless mode.
 	sticky *Sticky
+	// last is what the last successful Sync or Update wrote (see Update);
+	// nil when unknown.
+	last *lastSync
 }
 
 // NewChain returns the router's chain named name (DefaultChainName when
@@ -211,6 +214,7 @@ func (c *Chain) listRules(table, chain string, withCounters bool) ([]rule, error
 // to a chain, or a rule that is not c's to one of its sets: Chain never
 // touches those.
 func (c *Chain) Cleanup() error {
+	c.last = nil
 	err := c.cleanup(Table)
 	if err == nil {
 		err = c.cleanup(RawTable)

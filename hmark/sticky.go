@@ -165,6 +165,7 @@ func (c *Chain) Sticky() *Sticky {
 // Leaving sticky mode (SetSticky(nil), then Sync) turns the mangle chain
 // back into its stateless content and removes the raw chains and the jump.
 func (c *Chain) SetSticky(s *Sticky) error {
+	c.last = nil
 	if s == nil {
 		c.sticky = nil
 		return nil

@@ -5,6 +5,8 @@ import (
 	"net/netip"
 	"slices"
 	"strconv"
+
+	"github.com/vishvananda/netlink"
 )
 
 // Target is one tunnel IP and the HMARK offset its packets are marked
@@ -85,6 +87,7 @@ type wantedTarget struct {
 }
 
 func (c *Chain) sync(targets []Target) (changed int, err error) {
+	c.last = nil
 	want, err := c.normalizeTargets(targets)
 	if err != nil {
 		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
@@ -177,9 +180,112 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 		}
 	}
 	if c.sticky == nil {
-		err = count(c.removeRawChain())
+		if err = count(c.removeRawChain()); err != nil {
+			return changed, err
+		}
 	}
-	return changed, err
+	c.last = &lastSync{generation: generation, inUse: inUse}
+	return changed, nil
+}
+
+// lastSync is what the last successful Sync or Update left in the kernel,
+// as far as Update needs to know: each tunnel IP's generation, and the
+// generations in use (which decide the rules).
+type lastSync struct {
+	generation map[netip.Addr]int
+	inUse      []int
+}
+
+// Update is Sync for a router that is the only writer of its chains and
+// sets: it trusts that the kernel still holds what the last successful
+// Sync or Update left, reads nothing, and writes only the set elements of
+// the tunnel IPs that were added, removed or moved since, in Sync's order
+// (new tunnel IPs join the set of all, then their generation's set; moved
+// ones join their new set, then leave the old one; removed ones leave
+// their generation's set, then the set of all). A change that brings a
+// generation into use or ends one (its rule and set come or go), the first
+// call, a call after a failure or after SetSticky, are a full Sync. Repairing
+// drift needs Sync: call it periodically.
+func (c *Chain) Update(targets []Target) (changed int, err error) {
+	changed, err = c.update(targets)
+	return changed, c.redactSeed(err)
+}
+
+func (c *Chain) update(targets []Target) (changed int, err error) {
+	last := c.last
+	if last == nil {
+		return c.sync(targets)
+	}
+	want, err := c.normalizeTargets(targets)
+	if err != nil {
+		return 0, fmt.Errorf("hmark: update chain %s: %w", c.name, err)
+	}
+	generation := make(map[netip.Addr]int, len(want))
+	var used [MaxGenerations]bool
+	for _, t := range want {
+		generation[t.vip] = t.generation
+		used[t.generation] = true
+	}
+	var inUse []int
+	for g, u := range used {
+		if u {
+			inUse = append(inUse, g)
+		}
+	}
+	if !slices.Equal(inUse, last.inUse) {
+		return c.sync(targets)
+	}
+	c.last = nil // until every write below succeeded
+	var added, moved, removed []netip.Addr
+	for _, t := range want {
+		switch g, ok := last.generation[t.vip]; {
+		case !ok:
+			added = append(added, t.vip)
+		case g != t.generation:
+			moved = append(moved, t.vip)
+		}
+	}
+	for vip := range last.generation {
+		if _, ok := generation[vip]; !ok {
+			removed = append(removed, vip)
+		}
+	}
+	slices.SortFunc(removed, netip.Addr.Compare)
+	write := func(add bool, set string, vips []netip.Addr) error {
+		for _, vip := range vips {
+			entry := &netlink.IPSetEntry{IP: vip.AsSlice()}
+			var err error
+			if add {
+				err = c.sets.IpsetAdd(set, entry)
+			} else {
+				err = c.sets.IpsetDel(set, entry)
+			}
+			if err != nil {
+				verb := map[bool]string{true: "add %s to", false: "delete %s from"}[add]
+				return fmt.Errorf("hmark: update chain %s: "+verb+" set %s: %w", c.name, vip, set, err)
+			}
+			changed++
+		}
+		return nil
+	}
+	if err := write(true, c.allSetName(), added); err != nil {
+		return changed, err
+	}
+	for _, vip := range slices.Concat(added, moved) {
+		if err := write(true, c.generationSetName(generation[vip]), []netip.Addr{vip}); err != nil {
+			return changed, err
+		}
+	}
+	for _, vip := range slices.Concat(moved, removed) {
+		if err := write(false, c.generationSetName(last.generation[vip]), []netip.Addr{vip}); err != nil {
+			return changed, err
+		}
+	}
+	if err := write(false, c.allSetName(), removed); err != nil {
+		return changed, err
+	}
+	c.last = &lastSync{generation: generation, inUse: inUse}
+	return changed, nil
 }
 
 // normalizeTargets checks every target and returns them with their tunnel

@@ -330,3 +330,60 @@ func manyVIPs(n int) []netip.Addr {
 	rand.New(rand.NewPCG(1, 2)).Shuffle(n, func(i, j int) { vips[i], vips[j] = vips[j], vips[i] })
 	return vips
 }
+
+// TestUpdate: after a Sync, Update writes only the changed tunnel IPs' set
+// elements, in Sync's order, and reads nothing; a generation coming into
+// use, and a failure, make the next call a full Sync.
+func TestUpdate(t *testing.T) {
+	f := newFakeIPTables(t, othersLines...)
+	c := newTestChain(t, f, testParams)
+	gen1 := testParams.Offset + testParams.Buckets
+	if _, err := c.Update([]Target{{VIP: vipA}, {VIP: vipB}, {VIP: vipC, Offset: gen1}}); err != nil {
+		t.Fatalf("first Update (a Sync): %v", err)
+	}
+	f.writes = nil
+	// vipB leaves, vipC moves to generation 0, vipD joins generation 1
+	// (which stays in use: no rule changes).
+	vipD := netip.MustParseAddr("10.96.0.40")
+	changed, err := c.Update([]Target{{VIP: vipA}, {VIP: vipC}, {VIP: vipD, Offset: gen1}})
+	if err != nil {
+		t.Fatalf("Update: %v", err)
+	}
+	checkWrites(t, "update", f, []string{
+		"ipset add KST-HMARK 10.96.0.40",
+		"ipset add KST-HMARK-1 10.96.0.40", "ipset add KST-HMARK-0 10.96.0.30",
+		"ipset del KST-HMARK-1 10.96.0.30", "ipset del KST-HMARK-0 10.96.0.20",
+		"ipset del KST-HMARK 10.96.0.20",
+	})
+	if changed != 6 {
+		t.Errorf("Update changed = %d, want 6", changed)
+	}
+	// The state is what a full Sync leaves: a Sync now changes nothing.
+	if n, err := c.Sync([]Target{{VIP: vipA}, {VIP: vipC}, {VIP: vipD, Offset: gen1}}); err != nil || n != 0 {
+		t.Errorf("Sync after Update = %d, %v; want 0, nil", n, err)
+	}
+
+	// Generation 1 goes out of use: its rule and set go, a full Sync.
+	f.writes = nil
+	if _, err := c.Update([]Target{{VIP: vipA}, {VIP: vipC}}); err != nil {
+		t.Fatalf("Update: %v", err)
+	}
+	if !slices.Contains(f.writes, "ipset destroy KST-HMARK-1") || !slices.Contains(f.writes, "restore mangle") {
+		t.Errorf("writes %q: want generation 1's rule and set removed", f.writes)
+	}
+
+	// A failed write: the next Update reads and repairs (here, the element
+	// deleted behind its back).
+	f.failWrite = "ipset add KST-HMARK 10.96.0.20"
+	if _, err := c.Update([]Target{{VIP: vipA}, {VIP: vipB}, {VIP: vipC}}); !errors.Is(err, errFake) {
+		t.Fatalf("Update with a failing write: %v", err)
+	}
+	f.failWrite = ""
+	delete(f.sets["KST-HMARK-0"].members, vipA)
+	if _, err := c.Update([]Target{{VIP: vipA}, {VIP: vipB}, {VIP: vipC}}); err != nil {
+		t.Fatalf("Update after the failure: %v", err)
+	}
+	if _, ok := f.sets["KST-HMARK-0"].members[vipA]; !ok {
+		t.Errorf("Update after a failure did not repair: %v", f.dumpSets())
+	}
+}

@@ -34,6 +34,7 @@ type RuleOps interface {
 // markChain is the HMARK seam (*hmark.Chain).
 type markChain interface {
 	Sync(targets []hmark.Target) (changed int, err error)
+	Update(targets []hmark.Target) (changed int, err error)
 	Offsets() (map[netip.Addr]uint32, error)
 	Cleanup() error
 }
@@ -513,7 +514,9 @@ func (d *Datapath) readRoutes() error {
 
 // syncMarks gives the HMARK chain exactly the desired tunnel IPs, each with
 // the offset of its current generation. Unless force is set, it is skipped
-// when nothing changed since the last sync.
+// when nothing changed since the last sync, and otherwise writes only the
+// changed tunnel IPs' set elements (hmark's Update, which reads nothing);
+// force (Resync) reads and repairs everything (Sync).
 func (d *Datapath) syncMarks(force bool) error {
 	if !force && d.marked != nil && maps.Equal(d.marked, d.current) && len(d.current) == len(d.desired) {
 		return nil
@@ -523,7 +526,11 @@ func (d *Datapath) syncMarks(force bool) error {
 		targets = append(targets, hmark.Target{VIP: vip, Offset: d.cfg.GenerationOffset(d.current[vip])})
 	}
 	slices.SortFunc(targets, func(a, b hmark.Target) int { return a.VIP.Compare(b.VIP) })
-	n, err := d.chain.Sync(targets)
+	sync := d.chain.Update
+	if force {
+		sync = d.chain.Sync
+	}
+	n, err := sync(targets)
 	d.ops += uint64(n)
 	if err != nil {
 		d.marked = nil

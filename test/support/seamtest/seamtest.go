@@ -168,6 +168,9 @@ func (c Chain) Sync(targets []hmark.Target) (int, error) {
 	return 1, nil
 }
 
+// Update is Sync: the fake reads nothing either way.
+func (c Chain) Update(targets []hmark.Target) (int, error) { return c.Sync(targets) }
+
 func (c Chain) Offsets() (map[netip.Addr]uint32, error) { return maps.Clone(c.k.Marked), nil }
 
 func (c Chain) Cleanup() error { c.k.Marked = nil; return nil }
