@@ -166,7 +166,7 @@ func (d *Datapath) plan(t Tunnel, have []nextHop, cur int) error {
 	}
 	have = contents(have)
 	next, newCur, switched := planGenerations(d.cfg, have, cur, d.age[t.VIP], want, d.presentHops(t))
-	d.desired[t.VIP] = next
+	d.desired[t.VIP] = trimSlots(next)
 	d.current[t.VIP] = newCur
 	if switched {
 		d.clock++
@@ -500,7 +500,10 @@ func (d *Datapath) readRoutes() error {
 		}
 		hops := observed[vip]
 		if len(hops) <= slot {
-			hops = append(hops, make([]nextHop, max(d.cfg.Slots(), slot+1)-len(hops))...)
+			// Up to the end of the slot's generation: most tunnel IPs
+			// only use generation 0 (see trimSlots).
+			end := (slot/d.cfg.Buckets + 1) * d.cfg.Buckets
+			hops = append(hops, make([]nextHop, end-len(hops))...)
 			observed[vip] = hops
 		}
 		hops[slot] = hop
@@ -651,6 +654,23 @@ func (d *Datapath) Cleanup() error {
 		errs = append(errs, fmt.Errorf("tunnel device: %w", err))
 	}
 	return errors.Join(errs...)
+}
+
+// trimSlots drops the trailing slots without a route (the generations
+// after the last one in use), in a copy when it drops any, so that a tunnel
+// IP on one generation keeps Buckets slots, not Buckets × Generations: at
+// 10,000 tunnel IPs × 64 buckets × 4 generations that is 20 MB instead of
+// 80 MB for the desired and observed states. Every reader treats a missing
+// slot as hopNone.
+func trimSlots(hops []nextHop) []nextHop {
+	n := len(hops)
+	for n > 0 && hops[n-1].kind == hopNone {
+		n--
+	}
+	if n == len(hops) {
+		return hops
+	}
+	return slices.Clone(hops[:n])
 }
 
 // contents returns hops without their inline marks (a copy, if any is set).

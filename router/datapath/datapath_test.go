@@ -292,3 +292,36 @@ func isMarked(marked map[netip.Addr]uint32, vip netip.Addr) bool {
 	_, ok := marked[vip]
 	return ok
 }
+
+// TestStateKeepsOnlyGenerationsInUse: a tunnel IP on generation 0 keeps
+// Buckets slots in the datapath's state, not Buckets × Generations, after
+// Resync (read from the kernel and planned) and after SetTunnel; a
+// generation switch extends it to the generations in use.
+func TestStateKeepsOnlyGenerationsInUse(t *testing.T) {
+	cfg := testConfig()
+	k := seamtest.NewKernel()
+	vip := netip.MustParseAddr("192.0.2.1")
+	d := newTestDatapath(cfg, k)
+	if err := d.Resync([]Tunnel{tunnel(cfg, vip.String(), "10.244.1.5", "10.244.2.6")}); err != nil {
+		t.Fatal(err)
+	}
+	restarted := newTestDatapath(cfg, k)
+	if err := restarted.Resync([]Tunnel{tunnel(cfg, vip.String(), "10.244.1.5", "10.244.2.6")}); err != nil {
+		t.Fatal(err)
+	}
+	for name, dp := range map[string]*Datapath{"first": d, "restarted": restarted} {
+		if got := len(dp.desired[vip]); got != cfg.Buckets {
+			t.Errorf("%s: desired holds %d slots, want %d (one generation)", name, got, cfg.Buckets)
+		}
+		if got := len(dp.observed[vip]); got != cfg.Buckets {
+			t.Errorf("%s: observed holds %d slots, want %d", name, got, cfg.Buckets)
+		}
+	}
+	// 10.244.1.5 drains: new flows go to generation 1, the old one stays.
+	if err := d.SetTunnel(drainTunnel(cfg, vip.String(), []string{"10.244.1.5", "10.244.2.6"}, "10.244.1.5")); err != nil {
+		t.Fatal(err)
+	}
+	if got := len(d.desired[vip]); got != 2*cfg.Buckets || d.current[vip] != 1 {
+		t.Errorf("after a switch: %d slots, generation %d; want %d and 1", got, d.current[vip], 2*cfg.Buckets)
+	}
+}

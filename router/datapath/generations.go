@@ -30,7 +30,7 @@ import (
 // every generation, to the current owner.
 
 // planGenerations computes the desired slots of one tunnel IP (len
-// cfg.Slots(), hopNone for a slot without a route) and its current
+// cfg.Slots(), hopNone for a slot without a route; the caller trims them) and its current
 // generation, from what it has now (have, any length; cur its current
 // generation) and the new table for new flows (want, one hop per bucket).
 // present reports whether a hop still leads to an endpoint that exists (ready
@@ -202,12 +202,13 @@ func (d *Datapath) CollectGenerations() (removed int, err error) {
 			if g == cur || inUse[flowKey{vip, g}] > 0 {
 				continue
 			}
-			for k := g * d.cfg.Buckets; k < (g+1)*d.cfg.Buckets; k++ {
+			for k := g * d.cfg.Buckets; k < min((g+1)*d.cfg.Buckets, len(slots)); k++ {
 				slots[k] = nextHop{}
 			}
 			removed++
 			d.log.WithFields(logrus.Fields{"vip": vip, "generation": g, "current_generation": cur}).Info("older generation unused by any flow; removed")
 		}
+		d.desired[vip] = trimSlots(slots)
 		var err error
 		if ops, err = d.diffVIP(vip, ops); err != nil {
 			return removed, errors.Join(err, d.applyRoutes(ops))
