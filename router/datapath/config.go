@@ -114,9 +114,11 @@ func (c Config) Validate() error {
 		if c.TableBase < 1 || lastTable >= 1<<31 || (c.TableBase <= 255 && lastTable >= 253) {
 			errs = append(errs, fmt.Errorf("tables %d-%d: must avoid 0 and the kernel's tables 253-255", c.TableBase, lastTable))
 		}
-		lastPrio := c.RulePriority + slots - 1
-		if c.RulePriority < 1 || lastPrio >= 32766 {
-			errs = append(errs, fmt.Errorf("rule priorities %d-%d: must be between 1 and 32765 (0, 32766 and 32767 hold the kernel's default rules)", c.RulePriority, lastPrio))
+		// The guard rule sits just before slot 0, its target just after
+		// the last slot (see GuardRules).
+		firstPrio, lastPrio := c.RulePriority-1, c.RulePriority+slots
+		if firstPrio < 1 || lastPrio >= 32766 {
+			errs = append(errs, fmt.Errorf("rule priorities %d-%d (rule priority %d, its guard before and its target after %d slots): must be between 1 and 32765 (0, 32766 and 32767 hold the kernel's default rules)", firstPrio, lastPrio, c.RulePriority, slots))
 		}
 	}
 	if c.Generations > 1 && c.GenerationCheckPeriod <= 0 {

@@ -556,10 +556,44 @@ func (c Config) SlotRule(b int) netlink.Rule {
 	return r
 }
 
+// GuardRules are the two rules that let packets without a router mark skip
+// the slot rules, so that the router's policy rules cost the rest of a
+// node's traffic two rules, not one per slot: at RulePriority-1 "not fwmark
+// BLOCK/MASK goto P", and at P = RulePriority+Slots() a rule that does
+// nothing (FR_ACT_NOP), the goto's target. A packet the router marked
+// (its mark in the block, see MarkBlock) goes on to its slot's rule. Should
+// the target be missing, the kernel skips the goto (every packet then
+// walks the slot rules, as without the guard).
+func (c Config) GuardRules() (guard, target netlink.Rule) {
+	value, mask := c.MarkBlock()
+	target = *netlink.NewRule()
+	target.Family = unix.AF_INET
+	target.Priority = c.Priority(c.Slots())
+	target.Type = ruleActionNop
+	target.Protocol = c.RouteProtocol
+	guard = *netlink.NewRule()
+	guard.Family = unix.AF_INET
+	guard.Priority = c.RulePriority - 1
+	guard.Invert = true
+	guard.Mark = value
+	guard.Mask = &mask
+	guard.Goto = target.Priority
+	guard.Protocol = c.RouteProtocol
+	return guard, target
+}
+
+// Policy-rule actions (FR_ACT_*, the rule message's type).
+const (
+	ruleActionToTable = 1
+	ruleActionGoto    = 2
+	ruleActionNop     = 3
+)
+
 // ownsRule reports whether r is one of the router's rules: in its priority
-// range (up to ownedSlots) and carrying its protocol.
+// range (the guard at RulePriority-1, then up to ownedSlots slots and the
+// guard's target after them) and carrying its protocol.
 func (c Config) ownsRule(r *netlink.Rule) bool {
-	return r.Priority >= c.RulePriority && r.Priority < c.RulePriority+ownedSlots && r.Protocol == c.RouteProtocol
+	return r.Priority >= c.RulePriority-1 && r.Priority <= c.RulePriority+ownedSlots && r.Protocol == c.RouteProtocol
 }
 
 func sameRule(a, b *netlink.Rule) bool {
@@ -569,11 +603,27 @@ func sameRule(a, b *netlink.Rule) bool {
 		}
 		return *r.Mask
 	}
+	// netlink's rule listing leaves Type out: a rule without a goto and
+	// without a table does nothing (a "to table" rule needs its table).
+	action := func(r *netlink.Rule) uint8 {
+		switch {
+		case r.Type != 0:
+			return r.Type
+		case r.Goto >= 0:
+			return ruleActionGoto
+		case r.Table == 0:
+			return ruleActionNop
+		}
+		return ruleActionToTable
+	}
+	goTo := func(r *netlink.Rule) int { return max(r.Goto, -1) }
 	return a.Priority == b.Priority && a.Mark == b.Mark && mask(a) == mask(b) && a.Table == b.Table &&
-		a.Src == nil && a.Dst == nil && a.IifName == "" && a.OifName == "" && !a.Invert && a.Goto <= 0
+		a.Invert == b.Invert && goTo(a) == goTo(b) && action(a) == action(b) &&
+		a.Src == nil && a.Dst == nil && a.IifName == "" && a.OifName == ""
 }
 
-// syncRules makes the router's policy rules exactly one per slot.
+// syncRules makes the router's policy rules exactly one per slot, and the
+// guard with its target (see GuardRules).
 func (d *Datapath) syncRules() error {
 	all, err := d.rules.RuleListFiltered(unix.AF_INET, nil, 0)
 	if err != nil {
@@ -585,21 +635,27 @@ func (d *Datapath) syncRules() error {
 			have[r.Priority] = append(have[r.Priority], r)
 		}
 	}
-	var errs []error
+	guard, target := d.cfg.GuardRules()
+	want := make([]netlink.Rule, 0, d.cfg.Slots()+2)
 	for b := 0; b < d.cfg.Slots(); b++ {
-		want := d.cfg.SlotRule(b)
+		want = append(want, d.cfg.SlotRule(b))
+	}
+	// The target before the guard, so that the goto resolves at once.
+	want = append(want, target, guard)
+	var errs []error
+	for _, w := range want {
 		found := false
-		for i, r := range have[want.Priority] {
-			if !found && sameRule(&r, &want) {
+		for i, r := range have[w.Priority] {
+			if sameRule(&r, &w) {
 				found = true
-				have[want.Priority] = slices.Delete(have[want.Priority], i, i+1)
+				have[w.Priority] = slices.Delete(have[w.Priority], i, i+1)
 				break
 			}
 		}
 		if !found {
 			d.ops++
-			if err := d.rules.RuleAdd(&want); err != nil {
-				errs = append(errs, fmt.Errorf("adding rule for slot %d (pref %d fwmark %#x table %d): %w", b, want.Priority, want.Mark, want.Table, err))
+			if err := d.rules.RuleAdd(&w); err != nil {
+				errs = append(errs, fmt.Errorf("adding rule pref %d (fwmark %#x table %d goto %d): %w", w.Priority, w.Mark, w.Table, w.Goto, err))
 			}
 		}
 	}

@@ -125,6 +125,23 @@ func TestDatapathInNetns(t *testing.T) {
 		}
 	})
 
+	t.Run("unmarked packets skip the slot rules", func(t *testing.T) {
+		guard, target := cfg.GuardRules()
+		rules := ns.Run("ip", "rule", "show")
+		want := fmt.Sprintf("%d:\tnot from all fwmark %#x/%#x goto %d proto %d", guard.Priority, guard.Mark, *guard.Mask, target.Priority, cfg.RouteProtocol)
+		if !strings.Contains(rules, want) || strings.Contains(rules, "unresolved") || !strings.Contains(rules, fmt.Sprintf("%d:\tfrom all nop", target.Priority)) {
+			t.Errorf("want the guard %q, resolved, and its nop target:\n%s", want, rules)
+		}
+		// A packet marked by someone else (kube-proxy's 0x4000) or not at
+		// all is routed by the main table, which has no route to the
+		// tunnel IP here.
+		for _, mark := range []string{"0", "0x4000"} {
+			if out, err := ns.Output("ip", "route", "get", "192.0.2.1", "mark", mark); err == nil && strings.Contains(out, "table 76") {
+				t.Errorf("mark %s: routed by a bucket table: %s", mark, out)
+			}
+		}
+	})
+
 	t.Run("a restarted router changes nothing", func(t *testing.T) {
 		again := newKernelRouter(t, ns, cfg)
 		if err := again.dp.Resync(tunnels); err != nil {
@@ -244,8 +261,10 @@ func TestDatapathShrinkingBucketsRemovesOldTables(t *testing.T) {
 	if n := strings.Count(routes, "192.0.2.1"); n != 4 {
 		t.Errorf("%d routes after shrinking to 4 buckets, want 4:\n%s", n, routes)
 	}
-	if rules := ns.Run("ip", "rule", "show"); strings.Count(rules, "proto 245") != 4 {
-		t.Errorf("want 4 rules after shrinking:\n%s", rules)
+	// 4 slots, the guard (now to the target after 4 slots) and its target.
+	rules := ns.Run("ip", "rule", "show")
+	if strings.Count(rules, "proto 245") != 4+2 || !strings.Contains(rules, "goto 7604") || !strings.Contains(rules, "7604:\tfrom all nop") {
+		t.Errorf("want 4 slot rules, the guard and its target after shrinking:\n%s", rules)
 	}
 }
 

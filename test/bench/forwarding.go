@@ -307,8 +307,32 @@ func forwarding(counts []int) error {
 		}
 		fmt.Printf("forwarding %d tunnel IPs: %.0f pps, %s of 1 tunnel IP, %.2fx of plain forwarding\n", n, pps, oneRatio, pps/plain)
 		fmt.Printf("  iptables rules with %d tunnel IPs: %s\n", n, rules)
+		// Traffic that is not for a tunnel IP crosses the same netns: what
+		// the router's rules (chains, fwmark rules) cost everything else
+		// on a router node.
+		other, err := topo.measureOther()
+		if err != nil {
+			return err
+		}
+		fmt.Printf("  other traffic (not to a tunnel IP) with %d tunnel IPs programmed: %.0f pps, %.2fx of plain forwarding\n", n, other, other/plain)
 	}
 	return nil
+}
+
+// otherAddr is a destination beyond the sink that is no tunnel IP.
+var otherAddr = netip.MustParseAddr("198.19.255.1")
+
+// measureOther measures forwarding to otherAddr, through the main table.
+func (t *fwdTopology) measureOther() (float64, error) {
+	if err := t.target(otherAddr); err != nil {
+		return 0, err
+	}
+	g, err := newGenerator(t.client, otherAddr)
+	if err != nil {
+		return 0, err
+	}
+	defer g.close()
+	return t.measure(g, *fwdWarmup, *fwdDuration)
 }
 
 // ruleCounts counts the lines of `iptables -S` in the raw and mangle tables

@@ -207,8 +207,10 @@ func (k *kernelRouter) read(t *testing.T, cfg router.Config) programmed {
 		p.routes[vip][b] = hop
 		p.routeCount++
 	}
+	// Bucket rules: those with a table (not the guard, its goto, nor the
+	// guard's nop target).
 	for _, line := range strings.Split(k.ns.Run("ip", "rule", "show"), "\n") {
-		if strings.Contains(line, "proto "+proto) {
+		if strings.Contains(line, "proto "+proto) && strings.Contains(line, " lookup ") {
 			p.rules++
 		}
 	}
