@@ -3,6 +3,7 @@ package metrics
 import (
 	"errors"
 	"net/netip"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -51,17 +52,32 @@ type Metrics struct {
 
 	servedVIPs      prometheus.Gauge
 	refusedClaims   *prometheus.GaugeVec
-	endpoints       *prometheus.GaugeVec
-	endpointBuckets *prometheus.GaugeVec
+	endpoints       *prometheus.Desc
+	endpointBuckets *prometheus.Desc
 	reconcileTime   *prometheus.HistogramVec
 	reconcileErrors *prometheus.CounterVec
 	kernelOps       *prometheus.CounterVec
 	counterErrors   prometheus.Counter
 
 	mu sync.Mutex
-	// labelled is, per tunnel IP with endpoint metrics, the endpoints it
-	// has a bucket gauge for: what to delete when it or they go away.
-	labelled map[netip.Addr]map[netip.Addr]bool
+	// shares are, per programmed tunnel IP, its endpoints and their
+	// buckets, exported at scrape time (see Collect): with 10,000 tunnel
+	// IPs of 10 endpoints, 120,000 series that a GaugeVec would keep as
+	// objects (tens of MB) are kept as about 200 bytes per tunnel IP.
+	shares map[netip.Addr]tunnelShares
+}
+
+// tunnelShares are a tunnel IP's endpoint metrics.
+type tunnelShares struct {
+	ready, draining int
+	endpoints       []endpointShare
+}
+
+// endpointShare is an endpoint and the buckets of its tunnel IP's table
+// that send new flows to it.
+type endpointShare struct {
+	addr    netip.Addr
+	buckets int
 }
 
 // NewMetrics registers the router's metrics on reg (nil: not exported).
@@ -76,14 +92,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "kube_service_tunnel_router_refused_claims",
 			Help: "Services whose tunnel IP annotation this router does not serve for them, by reason: invalid (not an IPv4 address), refused (address pools, node or service networks), conflict (an older Service serves the tunnel IP).",
 		}, []string{"reason"}),
-		endpoints: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "kube_service_tunnel_router_tunnel_endpoints",
-			Help: "Endpoints of each programmed tunnel IP, by state: ready (takes new flows) or draining (keeps its established flows).",
-		}, []string{"vip", "state"}),
-		endpointBuckets: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "kube_service_tunnel_router_endpoint_buckets",
-			Help: "Buckets of the tunnel IP's table that send new flows to the endpoint (0: it gets no new flow, e.g. draining or more endpoints than buckets).",
-		}, []string{"vip", "endpoint"}),
+		endpoints: prometheus.NewDesc("kube_service_tunnel_router_tunnel_endpoints",
+			"Endpoints of each programmed tunnel IP, by state: ready (takes new flows) or draining (keeps its established flows).",
+			[]string{"vip", "state"}, nil),
+		endpointBuckets: prometheus.NewDesc("kube_service_tunnel_router_endpoint_buckets",
+			"Buckets of the tunnel IP's table that send new flows to the endpoint (0: it gets no new flow, e.g. draining or more endpoints than buckets).",
+			[]string{"vip", "endpoint"}, nil),
 		reconcileTime: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "kube_service_tunnel_router_reconcile_duration_seconds",
 			Help:    "Time taken by one reconcile, by kind: service (one Service's tunnel IPs), resync (every tunnel IP), networks (Nodes' addresses and pod ranges).",
@@ -99,12 +113,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, []string{"object", "operation"}),
 		counterErrors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kube_service_tunnel_router_vip_counter_read_errors_total",
-			Help: "Scrapes at which the tunnel IPs' packet and byte counters could not be read from iptables.",
+			Help: "Scrapes at which the tunnel IPs' packet and byte counters could not be read from the router's ipset.",
 		}),
-		labelled: map[netip.Addr]map[netip.Addr]bool{},
+		shares: map[netip.Addr]tunnelShares{},
 	}
 	if reg != nil {
-		reg.MustRegister(m.servedVIPs, m.refusedClaims, m.endpoints, m.endpointBuckets,
+		reg.MustRegister(m.servedVIPs, m.refusedClaims, endpointCollector{m},
 			m.reconcileTime, m.reconcileErrors, m.kernelOps)
 	}
 	// Every reason and kind is exported from the start, at 0.
@@ -140,8 +154,8 @@ func (m *Metrics) SetClaims(served int, refused map[string]int) {
 	}
 }
 
-// setTunnel records the endpoints and bucket shares of a programmed tunnel
-// IP, deleting the bucket gauges of endpoints it no longer has.
+// SetTunnel records the endpoints and bucket shares of a programmed tunnel
+// IP (the endpoints it no longer has are no longer exported).
 func (m *Metrics) SetTunnel(t datapath.Tunnel) {
 	if m == nil {
 		return
@@ -152,52 +166,43 @@ func (m *Metrics) SetTunnel(t datapath.Tunnel) {
 }
 
 func (m *Metrics) setTunnelLocked(t datapath.Tunnel) {
-	vip := t.VIP.String()
-	var ready, draining int
-	buckets := map[netip.Addr]int{}
+	var s tunnelShares
+	index := map[netip.Addr]int{}
+	share := func(ep netip.Addr) *endpointShare {
+		i, ok := index[ep]
+		if !ok {
+			i = len(s.endpoints)
+			index[ep] = i
+			s.endpoints = append(s.endpoints, endpointShare{addr: ep})
+		}
+		return &s.endpoints[i]
+	}
 	for _, ep := range t.Present {
-		buckets[ep.Addr] = 0 // exported even without a bucket
+		share(ep.Addr) // exported even without a bucket
 		if ep.Draining {
-			draining++
+			s.draining++
 		} else {
-			ready++
+			s.ready++
 		}
 	}
 	for _, ep := range t.Table {
-		buckets[ep.Addr]++
+		share(ep.Addr).buckets++
 	}
-	m.endpoints.WithLabelValues(vip, "ready").Set(float64(ready))
-	m.endpoints.WithLabelValues(vip, "draining").Set(float64(draining))
-	for ep := range m.labelled[t.VIP] {
-		if _, ok := buckets[ep]; !ok {
-			m.endpointBuckets.DeleteLabelValues(vip, ep.String())
-		}
-	}
-	eps := make(map[netip.Addr]bool, len(buckets))
-	for ep, n := range buckets {
-		m.endpointBuckets.WithLabelValues(vip, ep.String()).Set(float64(n))
-		eps[ep] = true
-	}
-	m.labelled[t.VIP] = eps
+	s.endpoints = slices.Clip(s.endpoints)
+	m.shares[t.VIP] = s
 }
 
-// removeTunnel deletes every label value of a tunnel IP no longer served.
+// RemoveTunnel stops exporting the metrics of a tunnel IP no longer served.
 func (m *Metrics) RemoveTunnel(vip netip.Addr) {
 	if m == nil {
 		return
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	m.removeTunnelLocked(vip)
+	delete(m.shares, vip)
 }
 
-func (m *Metrics) removeTunnelLocked(vip netip.Addr) {
-	m.endpoints.DeletePartialMatch(prometheus.Labels{"vip": vip.String()})
-	m.endpointBuckets.DeletePartialMatch(prometheus.Labels{"vip": vip.String()})
-	delete(m.labelled, vip)
-}
-
-// setTunnels replaces the endpoint metrics with those of tunnels, the whole
+// SetTunnels replaces the endpoint metrics with those of tunnels, the whole
 // programmed state.
 func (m *Metrics) SetTunnels(tunnels []datapath.Tunnel) {
 	if m == nil {
@@ -205,14 +210,33 @@ func (m *Metrics) SetTunnels(tunnels []datapath.Tunnel) {
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	keep := make(map[netip.Addr]bool, len(tunnels))
+	m.shares = make(map[netip.Addr]tunnelShares, len(tunnels))
 	for _, t := range tunnels {
-		keep[t.VIP] = true
 		m.setTunnelLocked(t)
 	}
-	for vip := range m.labelled {
-		if !keep[vip] {
-			m.removeTunnelLocked(vip)
+}
+
+// endpointCollector exports the endpoint metrics of every programmed
+// tunnel IP at scrape time, from Metrics.shares.
+type endpointCollector struct{ m *Metrics }
+
+// Describe implements prometheus.Collector.
+func (c endpointCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.m.endpoints
+	ch <- c.m.endpointBuckets
+}
+
+// Collect implements prometheus.Collector.
+func (c endpointCollector) Collect(ch chan<- prometheus.Metric) {
+	m := c.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for vip, s := range m.shares {
+		v := vip.String()
+		ch <- prometheus.MustNewConstMetric(m.endpoints, prometheus.GaugeValue, float64(s.ready), v, "ready")
+		ch <- prometheus.MustNewConstMetric(m.endpoints, prometheus.GaugeValue, float64(s.draining), v, "draining")
+		for _, ep := range s.endpoints {
+			ch <- prometheus.MustNewConstMetric(m.endpointBuckets, prometheus.GaugeValue, float64(ep.buckets), v, ep.addr.String())
 		}
 	}
 }
@@ -232,12 +256,11 @@ type vipCounterReader interface {
 }
 
 // vipTrafficCollector exports the tunnel IPs' packet and byte counters,
-// read from iptables at each scrape (one listing of one chain, see
-// hmark.Chain.Counters): every packet to the tunnel IP that reached this
-// router, in either mode (the HMARK rule's counters with --generations=1,
-// the raw-table rule's with sticky generations). Chain rewrites carry them
-// over; they restart from 0 when the tunnel IP is programmed anew or the
-// router's chains are removed.
+// read at each scrape (one netlink dump of the router's set of tunnel IPs,
+// see hmark.Chain.Counters): every packet to the tunnel IP that reached
+// this router, in either mode. They survive rewrites of the chains and
+// generation moves; they restart from 0 when the tunnel IP is programmed
+// anew or the router's sets are removed.
 type vipTrafficCollector struct {
 	chain   vipCounterReader
 	errors  prometheus.Counter
@@ -258,7 +281,7 @@ func (m *Metrics) CollectVIPTraffic(chain vipCounterReader, log logrus.FieldLogg
 		errors: m.counterErrors,
 		log:    log,
 		packets: prometheus.NewDesc("kube_service_tunnel_router_vip_packets_total",
-			"Packets to the tunnel IP that reached this router, every one of them with or without sticky generations (the counter of the tunnel IP's iptables rule, read at scrape time).",
+			"Packets to the tunnel IP that reached this router, every one of them with or without sticky generations (the counter of the tunnel IP's element in the router's ipset of tunnel IPs, read at scrape time).",
 			[]string{"vip"}, nil),
 		bytes: prometheus.NewDesc("kube_service_tunnel_router_vip_bytes_total",
 			"Bytes (IP header included) of the packets counted by kube_service_tunnel_router_vip_packets_total.",
@@ -273,8 +296,7 @@ func (c *vipTrafficCollector) Describe(ch chan<- *prometheus.Desc) {
 	c.errors.Describe(ch)
 }
 
-// Collect implements prometheus.Collector: one read of the chain's
-// counters. The error count is exported here, after the read, so that a
+// Collect implements prometheus.Collector: one read of the counters. The error count is exported here, after the read, so that a
 // scrape whose read failed shows it.
 func (c *vipTrafficCollector) Collect(ch chan<- prometheus.Metric) {
 	counters, err := c.chain.Counters()
