@@ -108,8 +108,6 @@ type Kernel interface {
 	// EncapIPNextHop adds a nexthop object with "encap ip" and a route
 	// through it, and deletes both.
 	EncapIPNextHop() error
-	// EncapMPLSNextHop is EncapIPNextHop with "encap mpls".
-	EncapMPLSNextHop() error
 	// IPTables reports whether the iptables command can be used.
 	IPTables() error
 	// IPTablesChain creates and deletes a chain in table.
@@ -244,8 +242,7 @@ func Router(p RouterParams) []Check {
 	case encap.MPLS:
 		checks = append(checks,
 			Check{Feature: MPLSRouting, Probe: Kernel.MPLSRouting},
-			Check{Feature: MPLSEncap, Probe: Kernel.EncapMPLSRoute},
-			Check{Feature: NextHopObjects, Requires: []Feature{MPLSEncap}, Probe: Kernel.EncapMPLSNextHop})
+			Check{Feature: MPLSEncap, Probe: Kernel.EncapMPLSRoute})
 	}
 	checks = append(checks,
 		Check{Feature: IPTablesCommand, Probe: Kernel.IPTables},

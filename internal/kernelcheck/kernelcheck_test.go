@@ -30,7 +30,6 @@ func (f *fakeKernel) EncapIPRoute() error              { return f.probe("encap-i
 func (f *fakeKernel) MPLSRouting() error               { return f.probe("mpls") }
 func (f *fakeKernel) EncapMPLSRoute() error            { return f.probe("encap-mpls") }
 func (f *fakeKernel) EncapIPNextHop() error            { return f.probe("nexthop-ip") }
-func (f *fakeKernel) EncapMPLSNextHop() error          { return f.probe("nexthop-mpls") }
 func (f *fakeKernel) IPTables() error                  { return f.probe("iptables") }
 func (f *fakeKernel) IPTablesChain(table string) error { return f.probe("chain:" + table) }
 func (f *fakeKernel) IPSet() error                     { return f.probe("ipset") }
@@ -73,7 +72,7 @@ func TestRouterChecksFollowModeAndFlags(t *testing.T) {
 	sticky := []string{"xt_conntrack", "xt_connmark", "xt_mark", "iptable_raw", "xt_CT"}
 	// Nexthop objects have neither module nor package: "".
 	greBase := slices.Concat(base[:2], []string{""}, base[2:])
-	mpls := []string{"mpls_router", "mpls_iptunnel", ""}
+	mpls := []string{"mpls_router", "mpls_iptunnel"} // and no nexthop objects
 	for _, tc := range []struct {
 		name string
 		p    RouterParams
@@ -130,7 +129,7 @@ func TestEveryCheckProbesWhatItNames(t *testing.T) {
 		Connmark: {"rule:mangle:connmark"}, MarkMatch: {"rule:mangle:mark"}, CTTarget: {"rule:raw:CT"},
 		IPSets: {"ipset"}, SetMatch: {"rule:mangle:set"},
 		// One feature, probed with each mode's encapsulation.
-		NextHopObjects: {"nexthop-ip", "nexthop-mpls"},
+		NextHopObjects: {"nexthop-ip"},
 	}
 	for _, c := range checks {
 		names, ok := probes[c.Feature]
@@ -234,10 +233,10 @@ func TestNoNextHopObjects(t *testing.T) {
 	if slices.Contains(k.calls, "modprobe:") {
 		t.Errorf("modprobe without a module: %v", k.calls)
 	}
-	// Without encap mpls, a nexthop object with it says nothing.
-	k = &fakeKernel{fail: map[string]error{"encap-mpls": errors.New("operation not supported")}}
-	if m := Missing(Run(k, Router(RouterParams{Mode: encap.MPLS, Generations: 1}))); len(m) != 1 || m[0].Feature != MPLSEncap || slices.Contains(k.calls, "nexthop-mpls") {
-		t.Errorf("missing %v after calls %v, want only MPLS encapsulation, and no nexthop probe", m, k.calls)
+	// mpls mode uses no nexthop objects (see router/datapath): not probed.
+	k = &fakeKernel{}
+	if err := Run(k, Router(RouterParams{Mode: encap.MPLS, Generations: 1})); err != nil || slices.Contains(k.calls, "nexthop-ip") {
+		t.Errorf("mpls: %v after calls %v, want no nexthop probe", err, k.calls)
 	}
 }
 

@@ -319,11 +319,6 @@ func (p *Probes) EncapIPNextHop() error {
 	return p.addNextHop(rtnl.NextHop{IPEncap: &rtnl.IPEncap{Dst: probeTunnel}})
 }
 
-// EncapMPLSNextHop implements Kernel.
-func (p *Probes) EncapMPLSNextHop() error {
-	return p.addNextHop(rtnl.NextHop{MPLSLabels: []uint32{probeLabel}})
-}
-
 // EncapMPLSRoute implements Kernel.
 func (p *Probes) EncapMPLSRoute() error {
 	if err := p.addEncapRoute(&netlink.MPLSEncap{Labels: []int{probeLabel}}); err != nil {

@@ -166,7 +166,14 @@ func (d *Datapath) plan(t Tunnel, have []nextHop, cur int) error {
 	}
 	have = contents(have)
 	next, newCur, switched := planGenerations(d.cfg, have, cur, d.age[t.VIP], want, d.presentHops(t))
-	d.desired[t.VIP] = trimSlots(next)
+	next = trimSlots(next)
+	if !d.cfg.nextHopObjects() {
+		// The routes carry their next hops inline (see nextHopObjects).
+		for i := range next {
+			next[i].inline = next[i].endpoint()
+		}
+	}
+	d.desired[t.VIP] = next
 	d.current[t.VIP] = newCur
 	if switched {
 		d.clock++
@@ -399,6 +406,8 @@ func (d *Datapath) diffVIP(vip netip.Addr, ops []rtnl.Op) ([]rtnl.Op, error) {
 		switch {
 		case w.kind == hopNone:
 			ops = append(ops, rtnl.Op{Kind: rtnl.Delete, Route: d.cfg.route(vip, b, nextHop{kind: hopDrop}, 0)})
+		case w.inline:
+			ops = append(ops, rtnl.Op{Kind: rtnl.Replace, Route: d.cfg.inlineRoute(vip, b, w)})
 		case w.endpoint():
 			var ok bool
 			if id, ok = d.nexthops.ids[w]; !ok {

@@ -208,10 +208,14 @@ func TestMPLSRoutes(t *testing.T) {
 	if err := d.Resync([]Tunnel{tun}); err != nil {
 		t.Fatal(err)
 	}
+	// The next hop inline, no nexthop object (see Config.nextHopObjects).
 	r := k.Routes[rtnl.RouteKey{Table: uint32(cfg.Table(0)), Dst: netip.MustParsePrefix("192.0.2.1/32")}]
-	n := k.NextHops[r.NextHopID]
-	if r.NextHopID == 0 || !slices.Equal(n.MPLSLabels, []uint32{1024 + 1*256 + 5}) || n.Gateway != netip.MustParseAddr("192.168.0.1") || n.LinkIndex != 7 {
-		t.Fatalf("mpls route %v through nexthop %v", r.String(), n.String())
+	if r.NextHopID != 0 || !slices.Equal(r.MPLSLabels, []uint32{1024 + 1*256 + 5}) || r.Gateway != netip.MustParseAddr("192.168.0.1") || r.LinkIndex != 7 || len(k.NextHops) != 0 {
+		t.Fatalf("mpls route %v, nexthop objects %v; want the label push via the node inline", r.String(), k.NextHops)
+	}
+	writes := k.Writes
+	if err := NewDatapath(cfg, k, k, k.Chain(), NoDevice{}, func(ip netip.Addr) (int, error) { return 7, nil }, seamtest.QuietLog()).Resync([]Tunnel{tun}); err != nil || k.Writes != writes {
+		t.Fatalf("restart: %v, %d writes; want none", err, k.Writes-writes)
 	}
 	tun.Table[0].NodeIP = netip.Addr{}
 	if err := d.SetTunnel(tun); err == nil {

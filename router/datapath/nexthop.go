@@ -63,7 +63,19 @@ func (h nextHop) String() string {
 	return s
 }
 
-// endpoint reports whether h leads to an endpoint, through a nexthop object.
+// nextHopObjects reports whether the bucket routes name nexthop objects:
+// in gre mode. In mpls mode they carry their next hop inline, as before:
+// a nexthop object's device is the node link, and the kernel deletes every
+// nexthop object on a device (and the routes that name it) when the device
+// loses its carrier, and refuses to create one while it has none, whereas
+// an inline route only goes "linkdown" and works again when the carrier
+// returns. A flapping uplink would take the router's routes away, older
+// generations' too. gre mode's device is the router's own flow-based GRE
+// device, which has no carrier to lose.
+func (c Config) nextHopObjects() bool { return c.Mode != encap.MPLS }
+
+// endpoint reports whether h leads to an endpoint (in gre mode through a
+// nexthop object).
 func (h nextHop) endpoint() bool { return h.kind == hopGRE || h.kind == hopMPLS }
 
 // content is h without the inline mark: the next hop itself, as planning
@@ -91,9 +103,10 @@ func (c Config) route(vip netip.Addr, k int, h nextHop, id uint32) rtnl.Route {
 	return r
 }
 
-// inlineRoute is the route of slot k of vip with next hop h as routers
-// before nexthop objects wrote it: the encapsulation in the route itself.
-// It is only read, never written.
+// inlineRoute is the route of slot k of vip with next hop h in the route
+// itself, as routers before nexthop objects wrote it: in gre mode only
+// read (and rewritten to name the endpoint's object), in mpls mode written
+// (see nextHopObjects).
 func (c Config) inlineRoute(vip netip.Addr, k int, h nextHop) rtnl.Route {
 	r := c.route(vip, k, h, 0)
 	switch h.kind {

@@ -13,6 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/router"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/kstate"
@@ -163,26 +164,31 @@ func reachPod(t *testing.T, e *env) {
 }
 
 // nextHopObjects checks the shape of every router's bucket routes for vip,
-// served by every pod: each names a nexthop object, and the router holds
-// one object per pod. It logs router-a's objects and bucket 0's route, as
-// ip shows them.
+// served by every pod: in gre mode each names a nexthop object, and the
+// router holds one object per pod; in mpls mode each carries its next hop
+// inline and the router holds no object. It logs router-a's objects and
+// bucket 0's route, as ip shows them.
 func nextHopObjects(t *testing.T, e *env, vip netip.Addr) {
 	ctx := context.Background()
+	objectsWanted, shape := len(e.Pods), "nhid"
+	if encap.Mode(e.Opts.Mode) == encap.MPLS {
+		objectsWanted, shape = 0, "encap"
+	}
 	for _, r := range e.Routers {
 		objects, err := topology.IP(ctx, "-n", r.Name, "nexthop", "show", "proto", "245")
 		if err != nil {
 			t.Fatal(err)
 		}
-		if n := strings.Count(objects, "\n"); n != len(e.Pods) {
-			t.Errorf("%s holds %d nexthop objects, want one per pod (%d):\n%s", r.Name, n, len(e.Pods), objects)
+		if n := strings.Count(objects, "\n"); n != objectsWanted {
+			t.Errorf("%s holds %d nexthop objects, want %d:\n%s", r.Name, n, objectsWanted, objects)
 		}
 		routes, err := topology.IP(ctx, "-n", r.Name, "route", "show", "table", "all", "proto", "245")
 		if err != nil {
 			t.Fatal(err)
 		}
 		for _, l := range strings.Split(routes, "\n") {
-			if f := strings.Fields(l); len(f) > 1 && f[0] == vip.String() && f[1] != "nhid" {
-				t.Errorf("%s: route without a nexthop object: %s", r.Name, l)
+			if f := strings.Fields(l); len(f) > 1 && f[0] == vip.String() && f[1] != shape {
+				t.Errorf("%s: route %q, want %q after the tunnel IP", r.Name, l, shape)
 			}
 		}
 		if r == e.Routers[0] {
