@@ -7,6 +7,7 @@ package integration
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -46,6 +47,11 @@ type connTracker struct {
 	mu     sync.Mutex
 	conns  []net.Conn
 	dialer net.Dialer
+	// closed is set by closeAll: a client that still dials afterwards (an
+	// Event sent late by a stopped recorder's broadcaster, a reconnect)
+	// gets an error, not a connection whose reader goroutine would outlive
+	// the leak check.
+	closed bool
 }
 
 func (c *connTracker) dial(ctx context.Context, network, addr string) (net.Conn, error) {
@@ -54,15 +60,21 @@ func (c *connTracker) dial(ctx context.Context, network, addr string) (net.Conn,
 		return nil, err
 	}
 	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		_ = conn.Close()
+		return nil, errors.New("connTracker: the test closed its API connections")
+	}
 	c.conns = append(c.conns, conn)
-	c.mu.Unlock()
 	return conn, nil
 }
 
-// closeAll closes every connection dialled so far and returns their number.
+// closeAll closes every connection dialled so far, refuses any later dial,
+// and returns the number closed.
 func (c *connTracker) closeAll() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.closed = true
 	for _, conn := range c.conns {
 		_ = conn.Close()
 	}
