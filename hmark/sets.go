@@ -149,8 +149,8 @@ func (c *Chain) addMembers(s *ipset, want []netip.Addr) (changed int, err error)
 		if _, ok := s.members[a]; ok {
 			continue
 		}
-		if err := c.sets.IpsetAdd(s.name, &netlink.IPSetEntry{IP: a.AsSlice()}); err != nil {
-			return changed, fmt.Errorf("add %s to set %s: %w", a, s.name, err)
+		if err := c.addMember(s.name, a); err != nil {
+			return changed, err
 		}
 		s.members[a] = Counter{}
 		changed++
@@ -169,13 +169,29 @@ func (c *Chain) removeMembers(s *ipset, keep func(netip.Addr) bool) (changed int
 	}
 	slices.SortFunc(gone, netip.Addr.Compare)
 	for _, a := range gone {
-		if err := c.sets.IpsetDel(s.name, &netlink.IPSetEntry{IP: a.AsSlice()}); err != nil {
-			return changed, fmt.Errorf("delete %s from set %s: %w", a, s.name, err)
+		if err := c.delMember(s.name, a); err != nil {
+			return changed, err
 		}
 		delete(s.members, a)
 		changed++
 	}
 	return changed, nil
+}
+
+// addMember adds a to the set named set: one netlink call.
+func (c *Chain) addMember(set string, a netip.Addr) error {
+	if err := c.sets.IpsetAdd(set, &netlink.IPSetEntry{IP: a.AsSlice()}); err != nil {
+		return fmt.Errorf("add %s to set %s: %w", a, set, err)
+	}
+	return nil
+}
+
+// delMember deletes a from the set named set: one netlink call.
+func (c *Chain) delMember(set string, a netip.Addr) error {
+	if err := c.sets.IpsetDel(set, &netlink.IPSetEntry{IP: a.AsSlice()}); err != nil {
+		return fmt.Errorf("delete %s from set %s: %w", a, set, err)
+	}
+	return nil
 }
 
 // destroySet destroys s if it exists. The kernel refuses while a rule

@@ -5,8 +5,6 @@ import (
 	"net/netip"
 	"slices"
 	"strconv"
-
-	"github.com/vishvananda/netlink"
 )
 
 // Target is one tunnel IP and the HMARK offset its packets are marked
@@ -251,38 +249,35 @@ func (c *Chain) update(targets []Target) (changed int, err error) {
 		}
 	}
 	slices.SortFunc(removed, netip.Addr.Compare)
-	write := func(add bool, set string, vips []netip.Addr) error {
-		for _, vip := range vips {
-			entry := &netlink.IPSetEntry{IP: vip.AsSlice()}
-			var err error
-			if add {
-				err = c.sets.IpsetAdd(set, entry)
-			} else {
-				err = c.sets.IpsetDel(set, entry)
-			}
-			if err != nil {
-				verb := map[bool]string{true: "add %s to", false: "delete %s from"}[add]
-				return fmt.Errorf("hmark: update chain %s: "+verb+" set %s: %w", c.name, vip, set, err)
-			}
-			changed++
-		}
-		return nil
+	// One set element per step, each the (set, tunnel IP, add or delete)
+	// of a tunnel IP that changed, in Sync's order.
+	type step struct {
+		add bool
+		set string
+		vip netip.Addr
 	}
-	if err := write(true, c.allSetName(), added); err != nil {
-		return changed, err
+	var steps []step
+	for _, vip := range added {
+		steps = append(steps, step{true, c.allSetName(), vip})
 	}
 	for _, vip := range slices.Concat(added, moved) {
-		if err := write(true, c.generationSetName(generation[vip]), []netip.Addr{vip}); err != nil {
-			return changed, err
-		}
+		steps = append(steps, step{true, c.generationSetName(generation[vip]), vip})
 	}
 	for _, vip := range slices.Concat(moved, removed) {
-		if err := write(false, c.generationSetName(last.generation[vip]), []netip.Addr{vip}); err != nil {
-			return changed, err
-		}
+		steps = append(steps, step{false, c.generationSetName(last.generation[vip]), vip})
 	}
-	if err := write(false, c.allSetName(), removed); err != nil {
-		return changed, err
+	for _, vip := range removed {
+		steps = append(steps, step{false, c.allSetName(), vip})
+	}
+	for _, st := range steps {
+		write := c.delMember
+		if st.add {
+			write = c.addMember
+		}
+		if err := write(st.set, st.vip); err != nil {
+			return changed, fmt.Errorf("hmark: update chain %s: %w", c.name, err)
+		}
+		changed++
 	}
 	c.last = &lastSync{generation: generation, inUse: inUse}
 	return changed, nil
