@@ -251,15 +251,7 @@ func forwarding(counts []int) error {
 	vipOf := func(n int) netip.Addr { return tunnelVIP(n - 1) }
 	// Plain forwarding: the same netns, before any of the router's state.
 	plainVIP := vipOf(counts[len(counts)-1])
-	if err := topo.target(plainVIP); err != nil {
-		return err
-	}
-	g, err := newGenerator(topo.client, plainVIP)
-	if err != nil {
-		return err
-	}
-	plain, err := topo.measure(g, *fwdWarmup, *fwdDuration)
-	g.close()
+	plain, err := topo.measureTo(plainVIP)
 	if err != nil {
 		return err
 	}
@@ -282,15 +274,7 @@ func forwarding(counts []int) error {
 			return fmt.Errorf("programming %d tunnel IPs: %w", n, err)
 		}
 		vip := vipOf(n)
-		if err := topo.target(vip); err != nil {
-			return err
-		}
-		g, err := newGenerator(topo.client, vip)
-		if err != nil {
-			return err
-		}
-		pps, err := topo.measure(g, *fwdWarmup, *fwdDuration)
-		g.close()
+		pps, err := topo.measureTo(vip)
 		if err != nil {
 			return err
 		}
@@ -310,7 +294,7 @@ func forwarding(counts []int) error {
 		// Traffic that is not for a tunnel IP crosses the same netns: what
 		// the router's rules (chains, fwmark rules) cost everything else
 		// on a router node.
-		other, err := topo.measureOther()
+		other, err := topo.measureTo(otherAddr)
 		if err != nil {
 			return err
 		}
@@ -322,12 +306,13 @@ func forwarding(counts []int) error {
 // otherAddr is a destination beyond the sink that is no tunnel IP.
 var otherAddr = netip.MustParseAddr("198.19.255.1")
 
-// measureOther measures forwarding to otherAddr, through the main table.
-func (t *fwdTopology) measureOther() (float64, error) {
-	if err := t.target(otherAddr); err != nil {
+// measureTo makes dst reachable (see target) and measures forwarding to it:
+// packets per second the sink received.
+func (t *fwdTopology) measureTo(dst netip.Addr) (float64, error) {
+	if err := t.target(dst); err != nil {
 		return 0, err
 	}
-	g, err := newGenerator(t.client, otherAddr)
+	g, err := newGenerator(t.client, dst)
 	if err != nil {
 		return 0, err
 	}
