@@ -90,21 +90,23 @@ func New(tb testing.TB, loAddrs ...netip.Prefix) *NS {
 // test ends.
 func (n *NS) Netlink() *netlink.Handle {
 	n.tb.Helper()
-	h, err := netlink.NewHandleAt(n.Handle, unix.NETLINK_ROUTE)
-	if err != nil {
-		n.tb.Fatalf("netlink handle in test netns: %v", err)
-	}
-	n.tb.Cleanup(h.Close)
-	return h
+	return n.handle(unix.NETLINK_ROUTE, "netlink")
 }
 
 // IPSets returns a netfilter netlink handle bound to the namespace, for its
 // ipsets, closed when the test ends.
 func (n *NS) IPSets() *netlink.Handle {
 	n.tb.Helper()
-	h, err := netlink.NewHandleAt(n.Handle, unix.NETLINK_NETFILTER)
+	return n.handle(unix.NETLINK_NETFILTER, "netfilter netlink")
+}
+
+// handle opens a netlink handle of family bound to the namespace, closed
+// when the test ends.
+func (n *NS) handle(family int, what string) *netlink.Handle {
+	n.tb.Helper()
+	h, err := netlink.NewHandleAt(n.Handle, family)
 	if err != nil {
-		n.tb.Fatalf("netfilter netlink handle in test netns: %v", err)
+		n.tb.Fatalf("%s handle in test netns: %v", what, err)
 	}
 	n.tb.Cleanup(h.Close)
 	return h
