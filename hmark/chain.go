@@ -24,8 +24,6 @@ type IPTables interface {
 	DeleteChain(table, chain string) error
 	// List returns chain's rules as `iptables -S` prints them.
 	List(table, chain string) ([]string, error)
-	// ListWithCounters is List with "-c PACKETS BYTES" in every rule.
-	ListWithCounters(table, chain string) ([]string, error)
 	// Insert adds a rule at position pos (1-based) of chain.
 	Insert(table, chain string, pos int, rulespec ...string) error
 	// Delete removes the first rule of chain that matches rulespec.
@@ -139,7 +137,7 @@ func (c *Chain) ensureNamedChain(table, chain string) (changed int, err error) {
 // syncJump leaves exactly one jump rule to c in table's PREROUTING, in its
 // canonical form; other rules that jump or go to c there are deleted.
 func (c *Chain) syncJump(table string) (changed int, err error) {
-	rules, err := c.listRules(table, ParentChain, false)
+	rules, err := c.listRules(table, ParentChain)
 	if err != nil {
 		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
 	}
@@ -180,20 +178,14 @@ func (c *Chain) jumpSpec() []string {
 
 // listRules lists and parses the rules of chain in table (not its -N/-P
 // lines).
-func (c *Chain) listRules(table, chain string, withCounters bool) ([]rule, error) {
-	var lines []string
-	var err error
-	if withCounters {
-		lines, err = c.ipt.ListWithCounters(table, chain)
-	} else {
-		lines, err = c.ipt.List(table, chain)
-	}
+func (c *Chain) listRules(table, chain string) ([]rule, error) {
+	lines, err := c.ipt.List(table, chain)
 	if err != nil {
 		return nil, fmt.Errorf("list %s %s: %w", table, chain, err)
 	}
 	var rules []rule
 	for _, line := range lines {
-		r, ok, err := parseRule(line, chain, withCounters)
+		r, ok, err := parseRule(line, chain, false)
 		if err != nil {
 			return nil, fmt.Errorf("list %s %s: %w", table, chain, err)
 		}
@@ -258,7 +250,7 @@ func (c *Chain) cleanup(table string) error {
 			return nil
 		}
 	}
-	rules, err := c.listRules(table, ParentChain, false)
+	rules, err := c.listRules(table, ParentChain)
 	if err != nil {
 		return fmt.Errorf("hmark: cleanup chain %s: %w", c.name, err)
 	}

@@ -181,7 +181,7 @@ func (f *fakeIPTables) DeleteChain(table, chain string) error {
 	return nil
 }
 
-func (f *fakeIPTables) list(table, chain string, counters bool) ([]string, error) {
+func (f *fakeIPTables) list(table, chain string) ([]string, error) {
 	key := table + "/" + chain
 	rules, ok := f.chains[key]
 	if !ok {
@@ -195,26 +195,13 @@ func (f *fakeIPTables) list(table, chain string, counters bool) ([]string, error
 	}
 	for _, r := range rules {
 		spec := r.spec
-		if counters {
-			// iptables 1.8 prints the counters before the target.
-			c := fmt.Sprintf("-c %d %d", r.packets, r.bytes)
-			if i := strings.Index(spec, "-j "); i >= 0 {
-				spec = spec[:i] + c + " " + spec[i:]
-			} else {
-				spec += " " + c
-			}
-		}
 		out = append(out, "-A "+chain+" "+spec)
 	}
 	return out, nil
 }
 
 func (f *fakeIPTables) List(table, chain string) ([]string, error) {
-	return f.list(table, chain, false)
-}
-
-func (f *fakeIPTables) ListWithCounters(table, chain string) ([]string, error) {
-	return f.list(table, chain, true)
+	return f.list(table, chain)
 }
 
 func (f *fakeIPTables) Insert(table, chain string, pos int, rulespec ...string) error {
@@ -384,7 +371,7 @@ func (f *fakeIPTables) dumpTable(table string) string {
 		if !ok {
 			continue
 		}
-		l, _ := f.list(table, chain, false)
+		l, _ := f.list(table, chain)
 		lines = append(lines, l...)
 	}
 	return strings.Join(lines, "\n")

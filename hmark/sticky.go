@@ -196,7 +196,7 @@ func (c *Chain) syncSynChain() (changed int, err error) {
 	if err != nil {
 		return changed, err
 	}
-	rules, err := c.listRules(RawTable, syn, false)
+	rules, err := c.listRules(RawTable, syn)
 	if err != nil {
 		return changed, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
 	}
@@ -235,7 +235,7 @@ func (c *Chain) removeRawChain() (changed int, err error) {
 		return 0, fmt.Errorf("hmark: sync chain %s: table %s: check chain: %w", c.name, RawTable, err)
 	}
 	if exists {
-		jumps, err := c.listRules(RawTable, ParentChain, false)
+		jumps, err := c.listRules(RawTable, ParentChain)
 		if err != nil {
 			return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
 		}
@@ -273,7 +273,7 @@ func (c *Chain) removeRawChain() (changed int, err error) {
 // removeRawNamedChain flushes (if it has rules) and deletes chain, which
 // exists, from the raw table. It counts its rules and the chain.
 func (c *Chain) removeRawNamedChain(chain string) (changed int, err error) {
-	rules, err := c.listRules(RawTable, chain, false)
+	rules, err := c.listRules(RawTable, chain)
 	if err != nil {
 		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
 	}

@@ -415,7 +415,7 @@ func addCountingRules(r *testnetns.NS, binary string) {
 
 // readCounters returns the packet counters of the counting rules by
 // comment.
-func readCounters(t *testing.T, ipt IPTables) map[string]uint64 {
+func readCounters(t *testing.T, ipt *testnetns.IPTables) map[string]uint64 {
 	t.Helper()
 	lines, err := ipt.ListWithCounters("mangle", "FORWARD")
 	if err != nil {

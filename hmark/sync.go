@@ -381,7 +381,7 @@ func (c *Chain) generationRuleSpec(g int) []string {
 // returns the number of rules added plus removed (a rule out of place
 // counts as both).
 func (c *Chain) syncRules(table, chain string, desired [][]string) (changed int, err error) {
-	rules, err := c.listRules(table, chain, false)
+	rules, err := c.listRules(table, chain)
 	if err != nil {
 		return 0, err
 	}
@@ -462,7 +462,7 @@ func (c *Chain) offsets() (map[netip.Addr]uint32, error) {
 	if !exists {
 		return offsets, nil
 	}
-	rules, err := c.listRules(Table, c.name, false)
+	rules, err := c.listRules(Table, c.name)
 	if err != nil {
 		return nil, fmt.Errorf("hmark: offsets of chain %s: %w", c.name, err)
 	}

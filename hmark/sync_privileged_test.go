@@ -316,7 +316,7 @@ func testSyncManyVIPsInNetns(t *testing.T, binary string) {
 func assertKernelChain(t *testing.T, step string, ns *testnetns.NS, c *Chain, vips []netip.Addr) {
 	t.Helper()
 	want := c.mangleRules([]int{0})
-	rules, err := c.listRules(Table, c.name, false)
+	rules, err := c.listRules(Table, c.name)
 	if err != nil {
 		t.Fatalf("%s: list chain: %v", step, err)
 	}
