@@ -346,7 +346,9 @@ func drain(ctx context.Context, l *topology.Lab, client netns.NsHandle, service 
 	// The tunnel IP is in generation newGen's set, which its HMARK rule
 	// matches.
 	set := fmt.Sprintf("KST-HMARK-%d", newGen)
-	rules, err := topology.InNS(ctx, ra.Name, "iptables", "-t", "mangle", "-S", "KST-HMARK")
+	rules, err := ipsetstate.ListRules(func() (string, error) {
+		return topology.InNS(ctx, ra.Name, "iptables", "-t", "mangle", "-S", "KST-HMARK")
+	})
 	var hmarkRule []string
 	for _, line := range strings.Split(rules, "\n") {
 		if strings.Contains(line, " --match-set "+set+" dst ") {

@@ -91,11 +91,14 @@ func Snapshot(ctx context.Context, ns string) (State, error) {
 		if err != nil {
 			continue
 		}
-		out, err := run(ctx, ip, "netns", "exec", ns, path)
+		out, err := ipsetstate.ListRules(func() (string, error) {
+			out, err := run(ctx, ip, "netns", "exec", ns, path)
+			return string(out), err
+		})
 		if err != nil {
 			return State{}, fmt.Errorf("snapshot of netns %s: %w", ns, err)
 		}
-		for table, lines := range iptablesLines(out) {
+		for table, lines := range iptablesLines([]byte(out)) {
 			st.add(tool.section+"/"+table, lines)
 		}
 	}

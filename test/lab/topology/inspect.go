@@ -281,7 +281,9 @@ func (l *Lab) marks(ctx context.Context, r *Node, vip netip.Addr) (bool, error) 
 // (iptables-save -t mangle, the sets through netlink); ok is false when
 // vip is in no such set, or not in the set of all tunnel IPs.
 func (l *Lab) hmarkOffset(ctx context.Context, r *Node, vip netip.Addr) (offset uint32, ok bool, err error) {
-	rules, err := InNS(ctx, r.Name, "iptables-save", "-t", "mangle")
+	rules, err := ipsetstate.ListRules(func() (string, error) {
+		return InNS(ctx, r.Name, "iptables-save", "-t", "mangle")
+	})
 	if err != nil {
 		return 0, false, err
 	}

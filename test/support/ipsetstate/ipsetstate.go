@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strings"
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netlink/nl"
@@ -92,4 +93,22 @@ func inNamespace(name string, fn func(*netlink.Handle) error) error {
 	}
 	defer h.Close()
 	return fn(h)
+}
+
+// ListRules runs list, an iptables listing (iptables-save, iptables -S),
+// again while it fails because a set vanished under it, at most 5 times.
+// The listing dumps the rules first and names each set-matching rule's set
+// by its index afterwards, so a set destroyed in between (the router ends
+// a generation: its rule goes, then its set) fails it with "Set with index
+// N in kernel doesn't exist"; the next listing no longer has the rule.
+func ListRules(list func() (string, error)) (string, error) {
+	var out string
+	var err error
+	for range 5 {
+		out, err = list()
+		if err == nil || !strings.Contains(err.Error(), "in kernel doesn't exist") {
+			break
+		}
+	}
+	return out, err
 }
