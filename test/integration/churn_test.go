@@ -128,8 +128,12 @@ func TestChurnConvergesToFreshState(t *testing.T) {
 		t.FailNow()
 	}
 
-	// The desired state, computed here from the final objects.
-	want := finalState(t, cs, ns, cfg, nodeName)
+	// The desired state, computed here from the final objects, read through
+	// a tracked connection too: the admin client's own connection may have
+	// been closed as idle during a long churn, and the one it would dial now
+	// would outlive the leak check.
+	observer := kubernetes.NewForConfigOrDie(accounted(env.AdminConfig(), &tracker, nil))
+	want := finalState(t, observer, ns, cfg, nodeName)
 	t.Logf("final objects: %d tunnel IPs served (%d with a ready endpoint), %d Services whose claim lost a conflict, %d Services refused or invalid, %d of %d pods serving",
 		len(want.tunnels), want.withReady, want.losers, want.unclaimed, len(want.pods), churnPods)
 	if want.losers == 0 {
