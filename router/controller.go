@@ -28,7 +28,6 @@ import (
 	"k8s.io/client-go/kubernetes/scheme"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	corelisters "k8s.io/client-go/listers/core/v1"
-	discoverylisters "k8s.io/client-go/listers/discovery/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/workqueue"
@@ -82,7 +81,7 @@ type Announcer interface {
 type Controller struct {
 	cfg      Config
 	services corelisters.ServiceLister
-	slices   discoverylisters.EndpointSliceLister
+	slices   cache.Indexer // EndpointSlices, indexed by Service and by Pod
 	nodes    corelisters.NodeLister
 	pods     corelisters.PodLister
 	synced   []cache.InformerSynced
@@ -163,13 +162,13 @@ func NewController(cfg Config, client kubernetes.Interface, factory informers.Sh
 	if err := podInformer.Informer().SetTransform(podMetadataOnly); err != nil {
 		return nil, fmt.Errorf("watching pods: %w", err)
 	}
-	if err := sliceInformer.Informer().AddIndexers(cache.Indexers{slicePodIndex: slicePods}); err != nil {
-		return nil, fmt.Errorf("indexing endpointslices by pod: %w", err)
+	if err := sliceInformer.Informer().AddIndexers(cache.Indexers{slicePodIndex: slicePods, sliceServiceIndex: sliceService}); err != nil {
+		return nil, fmt.Errorf("indexing endpointslices: %w", err)
 	}
 	c := &Controller{
 		cfg:      cfg,
 		services: svcInformer.Lister(),
-		slices:   sliceInformer.Lister(),
+		slices:   sliceInformer.Informer().GetIndexer(),
 		nodes:    nodeInformer.Lister(),
 		pods:     podInformer.Lister(),
 		synced: []cache.InformerSynced{svcInformer.Informer().HasSynced, sliceInformer.Informer().HasSynced,
@@ -273,6 +272,24 @@ func (c *Controller) enqueueSliceService(obj any) {
 // slicePodIndex indexes EndpointSlices by the "namespace/name" of the Pods
 // their endpoints refer to.
 const slicePodIndex = "pod"
+
+// sliceServiceIndex indexes EndpointSlices by the "namespace/name" of their
+// Service (the kubernetes.io/service-name label): a Service's slices are
+// found in constant time, not by filtering every slice of its namespace
+// (which made a full resync quadratic in the Services of one namespace).
+const sliceServiceIndex = "service"
+
+func sliceService(obj any) ([]string, error) {
+	es, ok := obj.(*discoveryv1.EndpointSlice)
+	if !ok {
+		return nil, nil
+	}
+	name, ok := es.Labels[discoveryv1.LabelServiceName]
+	if !ok {
+		return nil, nil
+	}
+	return []string{es.Namespace + "/" + name}, nil
+}
 
 func slicePods(obj any) ([]string, error) {
 	es, ok := obj.(*discoveryv1.EndpointSlice)
@@ -696,6 +713,21 @@ func (c *Controller) decide(vip netip.Addr) (winner *corev1.Service, losers []*c
 	return d.Winners[vip], losers
 }
 
+// serviceSlices returns the EndpointSlices of svc from the informer's index.
+func (c *Controller) serviceSlices(svc *corev1.Service) ([]*discoveryv1.EndpointSlice, error) {
+	objs, err := c.slices.ByIndex(sliceServiceIndex, svc.Namespace+"/"+svc.Name)
+	if err != nil {
+		return nil, err
+	}
+	esl := make([]*discoveryv1.EndpointSlice, 0, len(objs))
+	for _, obj := range objs {
+		if es, ok := obj.(*discoveryv1.EndpointSlice); ok {
+			esl = append(esl, es)
+		}
+	}
+	return esl, nil
+}
+
 // notice is an event to record on a Service once the datapath holds what it
 // says.
 type notice struct {
@@ -718,8 +750,7 @@ func (c *Controller) tunnelFor(vip netip.Addr) (t datapath.Tunnel, winner *corev
 		notices = append(notices, notice{loser, corev1.EventTypeWarning, ReasonConflict,
 			fmt.Sprintf("tunnel IP %v is already served for Service %s (older); this Service gets it when that one releases it", vip, key)})
 	}
-	sel := labels.SelectorFromSet(labels.Set{discoveryv1.LabelServiceName: svc.Name})
-	esl, err := c.slices.EndpointSlices(svc.Namespace).List(sel)
+	esl, err := c.serviceSlices(svc)
 	if err != nil {
 		c.log.WithError(err).WithField("service", key).Warn("listing endpointslices")
 	}

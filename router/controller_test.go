@@ -336,3 +336,35 @@ func TestControllerUnhealthyWhenAnInformerStops(t *testing.T) {
 		t.Fatalf("stopped informers: Healthy() = %v", err)
 	}
 }
+
+// A Service's endpoints are the slices labelled with its name in its own
+// namespace (found through the informer's index): not those of a Service
+// of the same name in another namespace, nor another Service's.
+func TestControllerFindsEachServicesOwnSlices(t *testing.T) {
+	tc := newTestController(t, "192.0.2.0/24")
+	tc.add(t,
+		tunnelSvc("web", "a", "192.0.2.10", time.Hour), oneEndpoint("web", "a", "10.244.1.5"),
+		tunnelSvc("shop", "a", "192.0.2.11", time.Hour), oneEndpoint("shop", "a", "10.244.2.5"),
+		tunnelSvc("web", "b", "192.0.2.12", time.Hour), oneEndpoint("web", "b", "10.244.3.5"),
+	)
+	if err := tc.resync(); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := tc.dp.served(), "192.0.2.10>10.244.1.5 192.0.2.11>10.244.2.5 192.0.2.12>10.244.3.5"; got != want {
+		t.Fatalf("served %q, want %q", got, want)
+	}
+	// A second slice of web/a adds its endpoint to web/a only.
+	second := oneEndpoint("web", "a", "10.244.1.6")
+	second.Name = "a-2"
+	tc.add(t, second)
+	if err := tc.syncService("web/a"); err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]bool{}
+	for _, ep := range tc.dp.tunnels[netip.MustParseAddr("192.0.2.10")].Table {
+		got[ep.Addr.String()] = true
+	}
+	if len(got) != 2 || !got["10.244.1.5"] || !got["10.244.1.6"] {
+		t.Errorf("web/a's buckets go to %v, want 10.244.1.5 and 10.244.1.6", got)
+	}
+}
