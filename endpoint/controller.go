@@ -81,21 +81,6 @@ func (i Informers) Shutdown() {
 	i.Pods.Shutdown()
 }
 
-// nodeNetworksOnly is the node informer's transform: the agent needs a
-// Node's name, addresses and pod ranges only, so that watching every Node
-// of a large cluster costs little memory.
-func nodeNetworksOnly(obj any) (any, error) {
-	node, ok := obj.(*corev1.Node)
-	if !ok {
-		return obj, nil
-	}
-	slim := &corev1.Node{}
-	slim.Name, slim.UID, slim.ResourceVersion = node.Name, node.UID, node.ResourceVersion
-	slim.Spec.PodCIDR, slim.Spec.PodCIDRs = node.Spec.PodCIDR, node.Spec.PodCIDRs
-	slim.Status.Addresses = node.Status.Addresses
-	return slim, nil
-}
-
 // nodeNetworksChanged reports whether a Node's addresses or pod ranges
 // changed (status heartbeats change neither).
 func nodeNetworksChanged(old, obj any) bool {
@@ -146,8 +131,13 @@ func NewController(cfg Config, inf Informers, locator runtime.Locator, podNet Po
 	sliceInformer := inf.Cluster.Discovery().V1().EndpointSlices()
 	podInformer := inf.Pods.Core().V1().Pods()
 	nodeInformer := inf.Cluster.Core().V1().Nodes()
-	if err := nodeInformer.Informer().SetTransform(nodeNetworksOnly); err != nil {
-		return nil, fmt.Errorf("watching nodes: %w", err)
+	// The caches of the cluster-wide informers keep only what the agent
+	// reads of each object (see kubeobj.SlimService); the local Pods stay
+	// whole.
+	if err := kubeobj.SetTransforms(map[string]cache.SharedIndexInformer{
+		"services": svcInformer.Informer(), "endpointslices": sliceInformer.Informer(), "nodes": nodeInformer.Informer(),
+	}); err != nil {
+		return nil, err
 	}
 	c := &Controller{
 		cfg:      cfg,

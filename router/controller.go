@@ -158,9 +158,13 @@ func NewController(cfg Config, client kubernetes.Interface, factory informers.Sh
 	sliceInformer := factory.Discovery().V1().EndpointSlices()
 	nodeInformer := factory.Core().V1().Nodes()
 	podInformer := factory.Core().V1().Pods()
-	// Only the Pods' metadata matters (DrainAnnotation): keep nothing else.
-	if err := podInformer.Informer().SetTransform(podMetadataOnly); err != nil {
-		return nil, fmt.Errorf("watching pods: %w", err)
+	// The caches keep only what the router reads of each object (see
+	// kubeobj.SlimService): of a Pod, its metadata (DrainAnnotation).
+	if err := kubeobj.SetTransforms(map[string]cache.SharedIndexInformer{
+		"services": svcInformer.Informer(), "endpointslices": sliceInformer.Informer(),
+		"nodes": nodeInformer.Informer(), "pods": podInformer.Informer(),
+	}); err != nil {
+		return nil, err
 	}
 	if err := sliceInformer.Informer().AddIndexers(cache.Indexers{slicePodIndex: slicePods, sliceServiceIndex: sliceService}); err != nil {
 		return nil, fmt.Errorf("indexing endpointslices: %w", err)
@@ -303,21 +307,6 @@ func slicePods(obj any) ([]string, error) {
 		}
 	}
 	return keys, nil
-}
-
-// podMetadataOnly is the pod informer's transform: the router needs a Pod's
-// name and annotations only, so a large cluster's Pods cost little memory.
-func podMetadataOnly(obj any) (any, error) {
-	pod, ok := obj.(*corev1.Pod)
-	if !ok {
-		return obj, nil
-	}
-	slim := &corev1.Pod{}
-	slim.Name, slim.Namespace, slim.UID, slim.ResourceVersion = pod.Name, pod.Namespace, pod.UID, pod.ResourceVersion
-	if v, ok := pod.Annotations[DrainAnnotation]; ok {
-		slim.Annotations = map[string]string{DrainAnnotation: v}
-	}
-	return slim, nil
 }
 
 // drainAnnotated reports whether a Pod carries DrainAnnotation="true".

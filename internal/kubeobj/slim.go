@@ -1,0 +1,142 @@
+package kubeobj
+
+import (
+	"fmt"
+	"strings"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/tools/cache"
+)
+
+// AnnotationPrefix starts every annotation the daemons read (the tunnel IP,
+// draining): SlimService and SlimPod keep those and drop the others.
+const AnnotationPrefix = "cmd.nu/"
+
+// The informers' transforms: both daemons watch every Service and
+// EndpointSlice (and Node) of the cluster, so what their caches hold of
+// each object is most of their memory in a large cluster. Each transform
+// keeps the fields the daemons read, and what an event on the object needs
+// (name, namespace, UID, resourceVersion), and drops the rest: managedFields,
+// other tools' annotations (kubectl's last-applied-configuration is a copy
+// of the whole object), topology hints. The objects keep their types, so
+// listers and event handlers work unchanged. A transform returns an object
+// of another type as it is (a tombstone, for example).
+
+// SlimService keeps a Service's identity, creation time, the daemons'
+// annotations, its spec and its status.loadBalancer.
+func SlimService(obj any) (any, error) {
+	svc, ok := obj.(*corev1.Service)
+	if !ok {
+		return obj, nil
+	}
+	slim := &corev1.Service{ObjectMeta: slimMeta(svc.ObjectMeta), Spec: svc.Spec}
+	slim.Status.LoadBalancer = svc.Status.LoadBalancer
+	return slim, nil
+}
+
+// SlimEndpointSlice keeps a slice's identity, labels (the Service it
+// belongs to), address type, and of each endpoint its addresses,
+// conditions, node and target Pod. The endpoints are copied into exactly
+// sized memory, and the conditions of all endpoints share three booleans.
+func SlimEndpointSlice(obj any) (any, error) {
+	es, ok := obj.(*discoveryv1.EndpointSlice)
+	if !ok {
+		return obj, nil
+	}
+	slim := &discoveryv1.EndpointSlice{ObjectMeta: slimMeta(es.ObjectMeta), AddressType: es.AddressType}
+	slim.Labels = es.Labels
+	slim.Endpoints = make([]discoveryv1.Endpoint, len(es.Endpoints))
+	for i, ep := range es.Endpoints {
+		out := &slim.Endpoints[i]
+		out.Addresses = ep.Addresses[:len(ep.Addresses):len(ep.Addresses)]
+		out.Conditions = discoveryv1.EndpointConditions{
+			Ready: sharedBool(ep.Conditions.Ready), Serving: sharedBool(ep.Conditions.Serving), Terminating: sharedBool(ep.Conditions.Terminating),
+		}
+		out.NodeName = ep.NodeName
+		if ref := ep.TargetRef; ref != nil {
+			out.TargetRef = &corev1.ObjectReference{Kind: ref.Kind, Namespace: ref.Namespace, Name: ref.Name, UID: ref.UID}
+		}
+	}
+	return slim, nil
+}
+
+// SlimPod keeps a Pod's identity and the daemons' annotations (the router
+// reads nothing else of a Pod).
+func SlimPod(obj any) (any, error) {
+	pod, ok := obj.(*corev1.Pod)
+	if !ok {
+		return obj, nil
+	}
+	return &corev1.Pod{ObjectMeta: slimMeta(pod.ObjectMeta)}, nil
+}
+
+// SlimNode keeps a Node's identity, labels (BGP peer selectors), pod ranges
+// and addresses: not its images, conditions or capacity.
+func SlimNode(obj any) (any, error) {
+	node, ok := obj.(*corev1.Node)
+	if !ok {
+		return obj, nil
+	}
+	slim := &corev1.Node{ObjectMeta: slimMeta(node.ObjectMeta)}
+	slim.Labels = node.Labels
+	slim.Spec.PodCIDR, slim.Spec.PodCIDRs = node.Spec.PodCIDR, node.Spec.PodCIDRs
+	slim.Status.Addresses = node.Status.Addresses
+	return slim, nil
+}
+
+// slimMeta keeps an object's identity, creation and deletion times, and
+// the annotations under AnnotationPrefix.
+func slimMeta(m metav1.ObjectMeta) metav1.ObjectMeta {
+	slim := metav1.ObjectMeta{
+		Name: m.Name, Namespace: m.Namespace, UID: m.UID, ResourceVersion: m.ResourceVersion,
+		CreationTimestamp: m.CreationTimestamp, DeletionTimestamp: m.DeletionTimestamp,
+	}
+	for k, v := range m.Annotations {
+		if strings.HasPrefix(k, AnnotationPrefix) {
+			if slim.Annotations == nil {
+				slim.Annotations = map[string]string{}
+			}
+			slim.Annotations[k] = v
+		}
+	}
+	return slim
+}
+
+var (
+	sharedTrue  = true
+	sharedFalse = false
+)
+
+// sharedBool points at one of two package-level booleans with b's value
+// (nil stays nil). No one writes through a cached object's pointers.
+func sharedBool(b *bool) *bool {
+	switch {
+	case b == nil:
+		return nil
+	case *b:
+		return &sharedTrue
+	default:
+		return &sharedFalse
+	}
+}
+
+// SetTransforms gives each informer (by resource name: "services",
+// "endpointslices", "nodes", "pods") its Slim transform. Call it before the
+// informers start.
+func SetTransforms(byResource map[string]cache.SharedIndexInformer) error {
+	transforms := map[string]cache.TransformFunc{
+		"services": SlimService, "endpointslices": SlimEndpointSlice, "nodes": SlimNode, "pods": SlimPod,
+	}
+	for resource, informer := range byResource {
+		transform, ok := transforms[resource]
+		if !ok {
+			return fmt.Errorf("no transform for %s", resource)
+		}
+		if err := informer.SetTransform(transform); err != nil {
+			return fmt.Errorf("watching %s: %w", resource, err)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,125 @@
+package kubeobj
+
+import (
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/tools/cache"
+)
+
+func ptr[T any](v T) *T { return &v }
+
+var fullMeta = metav1.ObjectMeta{
+	Name: "web", Namespace: "shop", UID: "u-1", ResourceVersion: "42", Generation: 3,
+	CreationTimestamp: metav1.NewTime(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)),
+	Labels:            map[string]string{discoveryv1.LabelServiceName: "web"},
+	Annotations: map[string]string{
+		"cmd.nu/tunnel": "192.0.2.10", "cmd.nu/tunnel-drain": "true",
+		"kubectl.kubernetes.io/last-applied-configuration": `{"a huge":"copy"}`,
+	},
+	ManagedFields: []metav1.ManagedFieldsEntry{{Manager: "kubectl", FieldsV1: &metav1.FieldsV1{Raw: []byte(`{"f:spec":{}}`)}}},
+}
+
+var wantMeta = metav1.ObjectMeta{
+	Name: "web", Namespace: "shop", UID: "u-1", ResourceVersion: "42",
+	CreationTimestamp: fullMeta.CreationTimestamp,
+	Annotations:       map[string]string{"cmd.nu/tunnel": "192.0.2.10", "cmd.nu/tunnel-drain": "true"},
+}
+
+func TestSlimServiceKeepsWhatTheDaemonsRead(t *testing.T) {
+	full := &corev1.Service{
+		ObjectMeta: fullMeta,
+		Spec:       corev1.ServiceSpec{Type: corev1.ServiceTypeLoadBalancer, LoadBalancerClass: ptr("cmd.nu/tunnel"), Ports: []corev1.ServicePort{{Port: 80}}},
+		Status: corev1.ServiceStatus{
+			LoadBalancer: corev1.LoadBalancerStatus{Ingress: []corev1.LoadBalancerIngress{{IP: "192.0.2.10"}}},
+			Conditions:   []metav1.Condition{{Type: "Other"}},
+		},
+	}
+	got, err := SlimService(full)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := &corev1.Service{ObjectMeta: wantMeta, Spec: full.Spec}
+	want.Labels = nil
+	want.Status.LoadBalancer = full.Status.LoadBalancer
+	if !equality.Semantic.DeepEqual(got, want) {
+		t.Errorf("SlimService:\n got %+v\nwant %+v", got, want)
+	}
+}
+
+func TestSlimEndpointSliceKeepsWhatTheDaemonsRead(t *testing.T) {
+	node := "node-1"
+	full := &discoveryv1.EndpointSlice{
+		ObjectMeta:  fullMeta,
+		AddressType: discoveryv1.AddressTypeIPv4,
+		Endpoints: []discoveryv1.Endpoint{
+			{
+				Addresses:  []string{"10.244.1.5"},
+				Conditions: discoveryv1.EndpointConditions{Ready: ptr(false), Serving: ptr(true), Terminating: ptr(true)},
+				NodeName:   &node, Zone: ptr("a"), Hostname: ptr("web-0"),
+				TargetRef: &corev1.ObjectReference{Kind: "Pod", Namespace: "shop", Name: "web-0", UID: "p-1", ResourceVersion: "7"},
+				Hints:     &discoveryv1.EndpointHints{ForZones: []discoveryv1.ForZone{{Name: "a"}}},
+			},
+			{Addresses: []string{"10.244.1.6"}, Conditions: discoveryv1.EndpointConditions{Ready: ptr(true)}},
+		},
+		Ports: []discoveryv1.EndpointPort{{Port: ptr[int32](8080)}},
+	}
+	got, err := SlimEndpointSlice(full)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := &discoveryv1.EndpointSlice{ObjectMeta: wantMeta, AddressType: discoveryv1.AddressTypeIPv4, Endpoints: []discoveryv1.Endpoint{
+		{
+			Addresses:  []string{"10.244.1.5"},
+			Conditions: discoveryv1.EndpointConditions{Ready: ptr(false), Serving: ptr(true), Terminating: ptr(true)},
+			NodeName:   &node,
+			TargetRef:  &corev1.ObjectReference{Kind: "Pod", Namespace: "shop", Name: "web-0", UID: "p-1"},
+		},
+		{Addresses: []string{"10.244.1.6"}, Conditions: discoveryv1.EndpointConditions{Ready: ptr(true)}},
+	}}
+	want.Labels = fullMeta.Labels
+	if !equality.Semantic.DeepEqual(got, want) {
+		t.Errorf("SlimEndpointSlice:\n got %+v\nwant %+v", got, want)
+	}
+}
+
+func TestSlimNodeAndPod(t *testing.T) {
+	full := &corev1.Node{ObjectMeta: fullMeta,
+		Spec: corev1.NodeSpec{PodCIDR: "10.244.1.0/24", PodCIDRs: []string{"10.244.1.0/24"}, ProviderID: "metal://1"},
+		Status: corev1.NodeStatus{Addresses: []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: "172.20.0.11"}},
+			Images: []corev1.ContainerImage{{Names: []string{"a big image list"}}}},
+	}
+	got, err := SlimNode(full)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := &corev1.Node{ObjectMeta: wantMeta, Spec: corev1.NodeSpec{PodCIDR: "10.244.1.0/24", PodCIDRs: []string{"10.244.1.0/24"}},
+		Status: corev1.NodeStatus{Addresses: full.Status.Addresses}}
+	want.Labels = fullMeta.Labels
+	if !equality.Semantic.DeepEqual(got, want) {
+		t.Errorf("SlimNode:\n got %+v\nwant %+v", got, want)
+	}
+	pod, err := SlimPod(&corev1.Pod{ObjectMeta: fullMeta, Spec: corev1.PodSpec{NodeName: "node-1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantPod := &corev1.Pod{ObjectMeta: wantMeta}
+	if !equality.Semantic.DeepEqual(pod, wantPod) {
+		t.Errorf("SlimPod:\n got %+v\nwant %+v", pod, wantPod)
+	}
+}
+
+// A tombstone (or anything else) passes through unchanged.
+func TestSlimPassesOtherTypesThrough(t *testing.T) {
+	tomb := cache.DeletedFinalStateUnknown{Key: "shop/web"}
+	for name, slim := range map[string]cache.TransformFunc{"service": SlimService, "slice": SlimEndpointSlice, "node": SlimNode, "pod": SlimPod} {
+		got, err := slim(tomb)
+		if err != nil || got != tomb {
+			t.Errorf("%s: a tombstone became %v, %v", name, got, err)
+		}
+	}
+}
