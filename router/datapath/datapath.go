@@ -75,9 +75,12 @@ type Datapath struct {
 	// only while its remaining lifetime exceeds it (see hmark.Sticky).
 	tcpMinExpire uint32
 
-	mu       sync.Mutex
-	greLink  int
-	observed map[netip.Addr][]nextHop // per tunnel IP, one entry per slot
+	mu      sync.Mutex
+	greLink int
+	// observed and desired hold, per tunnel IP, one entry per slot. Once a
+	// change is applied both maps name the same slice: a slots slice is
+	// never written in place, only replaced.
+	observed map[netip.Addr][]nextHop
 	desired  map[netip.Addr][]nextHop
 	nexthops *nexthopTable           // the nexthop objects the observed routes use
 	current  map[netip.Addr]int      // per tunnel IP, the generation of new flows
@@ -428,7 +431,7 @@ func (d *Datapath) diffVIP(vip netip.Addr, ops []rtnl.Op) ([]rtnl.Op, error) {
 	if want == nil {
 		delete(d.observed, vip)
 	} else {
-		d.observed[vip] = slices.Clone(want)
+		d.observed[vip] = want // shared with desired: slots are never written in place
 	}
 	return ops, nil
 }

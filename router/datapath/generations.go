@@ -198,6 +198,7 @@ func (d *Datapath) CollectGenerations() (removed int, err error) {
 			continue
 		}
 		cur := d.current[vip]
+		slots = slices.Clone(slots) // the observed state may share it
 		for _, g := range generationsInUse(d.cfg, slots) {
 			if g == cur || inUse[flowKey{vip, g}] > 0 {
 				continue
