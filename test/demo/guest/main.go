@@ -151,7 +151,7 @@ func run(ctx context.Context) (err error) {
 
 	step("How it got there: router-a's kernel state for %v", vip)
 	show(ctx, "iptables -t mangle -S KST-HMARK (hashes each flow into one of 64 buckets)", "router-a", "iptables", "-t", "mangle", "-S", "KST-HMARK")
-	showFirst(ctx, "ip rule (one rule per bucket: packet mark -> routing table)", 2, "-n", "router-a", "rule", "show")
+	showFirst(ctx, "ip rule (the guard, then a search tree over the bucket marks: packet mark -> routing table)", 4, "-n", "router-a", "rule", "show")
 	gen, err := l.CurrentGeneration(ctx, l.Routers[0], vip)
 	if err != nil {
 		return err
@@ -305,15 +305,23 @@ func drain(ctx context.Context, l *topology.Lab, client netns.NsHandle, service 
 			rest = append(rest, p)
 		}
 	}
+	timing, err := watchChange(ctx, l, service+"-lab", vip)
+	if err != nil {
+		return err
+	}
+	requested := time.Now()
 	if err := l.ApplyEndpoints(ctx, service, append(topology.Ready(rest...), topology.Endpoint{Pod: pod, Terminating: true})); err != nil {
 		return err
 	}
 	start := time.Now()
+	timing.request(requested, start)
 	if _, err := l.WaitTunnel(ctx, vip, rest...); err != nil {
 		return err
 	}
+	seen := time.Now()
 	say("the EndpointSlice marks %s serving but not ready (terminating), as in a rolling update;", pod.Name)
-	say("both routers wrote a bucket table without it for new flows in %v", time.Since(start).Round(time.Millisecond))
+	say("the lab saw both routers' new bucket table (without it, for new flows) %v after the write returned;", seen.Sub(start).Round(time.Millisecond))
+	say("%s", timing.report(seen))
 	ports := make([]uint16, 50)
 	for i := range ports {
 		ports[i] = 46100 + uint16(i)
