@@ -34,6 +34,7 @@ const (
 	// ownedSlots is the number of (generation, bucket) slots whose rules and
 	// tables the router considers its own, whatever its current flags, so
 	// that a smaller --buckets or --generations still finds the old ones.
+	// Their rules take up to 2*ownedSlots priorities (see SlotRules).
 	ownedSlots = 8192
 )
 
@@ -114,11 +115,11 @@ func (c Config) Validate() error {
 		if c.TableBase < 1 || lastTable >= 1<<31 || (c.TableBase <= 255 && lastTable >= 253) {
 			errs = append(errs, fmt.Errorf("tables %d-%d: must avoid 0 and the kernel's tables 253-255", c.TableBase, lastTable))
 		}
-		// The guard rule sits just before slot 0, its target just after
-		// the last slot (see GuardRules).
-		firstPrio, lastPrio := c.RulePriority-1, c.RulePriority+slots
+		// The guard rule sits just before the slot rules, its target just
+		// after them (see GuardRules and SlotRules).
+		firstPrio, lastPrio := c.RulePriority-1, c.RulePriority+slotRuleCount(slots)
 		if firstPrio < 1 || lastPrio >= 32766 {
-			errs = append(errs, fmt.Errorf("rule priorities %d-%d (rule priority %d, its guard before and its target after %d slots): must be between 1 and 32765 (0, 32766 and 32767 hold the kernel's default rules)", firstPrio, lastPrio, c.RulePriority, slots))
+			errs = append(errs, fmt.Errorf("rule priorities %d-%d (rule priority %d, its guard before and its target after the %d rules of %d slots): must be between 1 and 32765 (0, 32766 and 32767 hold the kernel's default rules)", firstPrio, lastPrio, c.RulePriority, slotRuleCount(slots), slots))
 		}
 	}
 	if c.Generations > 1 && c.GenerationCheckPeriod <= 0 {
@@ -158,8 +159,8 @@ func (c Config) Mark(k int) uint32 { return c.MarkOffset + uint32(k) }
 // GenerationOffset is the HMARK offset that puts new flows in generation g.
 func (c Config) GenerationOffset(g int) uint32 { return c.Mark(c.Slot(g, 0)) }
 
-// Priority is slot k's policy rule priority.
-func (c Config) Priority(k int) int { return c.RulePriority + k }
+// Priority is the priority of slot k's lookup rule (see SlotRules).
+func (c Config) Priority(k int) int { return c.RulePriority + slotRuleIndex(c.Slots(), k) }
 
 // HMARKParams are the HMARK parameters of the router's chain: one bucket
 // per --buckets, marks from MarkOffset, the shared seed.

@@ -555,42 +555,23 @@ func (d *Datapath) syncMarks(force bool) error {
 	return nil
 }
 
-// SlotRule is the policy rule of slot b: fwmark Mark(b) lookup Table(b).
-func (c Config) SlotRule(b int) netlink.Rule {
-	r := *netlink.NewRule()
-	r.Family = unix.AF_INET
-	r.Priority = c.Priority(b)
-	r.Mark = c.Mark(b)
-	mask := uint32(0xffffffff)
-	r.Mask = &mask
-	r.Table = c.Table(b)
-	r.Protocol = c.RouteProtocol
-	return r
-}
-
 // GuardRules are the two rules that let packets without a router mark skip
 // the slot rules, so that the router's policy rules cost the rest of a
-// node's traffic two rules, not one per slot: at RulePriority-1 "not fwmark
-// BLOCK/MASK goto P", and at P = RulePriority+Slots() a rule that does
-// nothing (FR_ACT_NOP), the goto's target. A packet the router marked
-// (its mark in the block, see MarkBlock) goes on to its slot's rule. Should
-// the target be missing, the kernel skips the goto (every packet then
-// walks the slot rules, as without the guard).
+// node's traffic two rules: at RulePriority-1 "not fwmark BLOCK/MASK goto
+// P", and at P, just after the slot rules, a rule that does nothing
+// (FR_ACT_NOP), the goto's target. A packet the router marked (its mark in
+// the block, see MarkBlock) goes on to the slot rules. Should the target be
+// missing, the kernel skips the goto (every packet then walks the slot
+// rules' tests, as without the guard).
 func (c Config) GuardRules() (guard, target netlink.Rule) {
 	value, mask := c.MarkBlock()
-	target = *netlink.NewRule()
-	target.Family = unix.AF_INET
-	target.Priority = c.Priority(c.Slots())
+	target = c.newRule(c.RulePriority + slotRuleCount(c.Slots()))
 	target.Type = ruleActionNop
-	target.Protocol = c.RouteProtocol
-	guard = *netlink.NewRule()
-	guard.Family = unix.AF_INET
-	guard.Priority = c.RulePriority - 1
+	guard = c.newRule(c.RulePriority - 1)
 	guard.Invert = true
 	guard.Mark = value
 	guard.Mask = &mask
 	guard.Goto = target.Priority
-	guard.Protocol = c.RouteProtocol
 	return guard, target
 }
 
@@ -602,10 +583,11 @@ const (
 )
 
 // ownsRule reports whether r is one of the router's rules: in its priority
-// range (the guard at RulePriority-1, then up to ownedSlots slots and the
-// guard's target after them) and carrying its protocol.
+// range (the guard at RulePriority-1, then the rules of up to ownedSlots
+// slots, fewer than 2*ownedSlots, and the guard's target after them) and
+// carrying its protocol.
 func (c Config) ownsRule(r *netlink.Rule) bool {
-	return r.Priority >= c.RulePriority-1 && r.Priority <= c.RulePriority+ownedSlots && r.Protocol == c.RouteProtocol
+	return r.Priority >= c.RulePriority-1 && r.Priority <= c.RulePriority+2*ownedSlots && r.Protocol == c.RouteProtocol
 }
 
 func sameRule(a, b *netlink.Rule) bool {
@@ -648,11 +630,23 @@ func (d *Datapath) syncRules() error {
 		}
 	}
 	guard, target := d.cfg.GuardRules()
-	want := make([]netlink.Rule, 0, d.cfg.Slots()+2)
-	for b := 0; b < d.cfg.Slots(); b++ {
-		want = append(want, d.cfg.SlotRule(b))
+	// The lookups first, then the tests that jump to them, then the guard's
+	// target, then the guard (so that each goto resolves at once); stale
+	// rules go last. While an older layout's rules (a row of lookups)
+	// remain, every rule that matches still looks up the packet's own
+	// slot's table, and a test only skips lookups of other slots.
+	tree := d.cfg.SlotRules()
+	want := make([]netlink.Rule, 0, len(tree)+2)
+	for _, r := range tree {
+		if r.Goto <= 0 {
+			want = append(want, r)
+		}
 	}
-	// The target before the guard, so that the goto resolves at once.
+	for _, r := range slices.Backward(tree) {
+		if r.Goto > 0 {
+			want = append(want, r)
+		}
+	}
 	want = append(want, target, guard)
 	var errs []error
 	for _, w := range want {

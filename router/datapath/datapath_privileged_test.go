@@ -261,10 +261,11 @@ func TestDatapathShrinkingBucketsRemovesOldTables(t *testing.T) {
 	if n := strings.Count(routes, "192.0.2.1"); n != 4 {
 		t.Errorf("%d routes after shrinking to 4 buckets, want 4:\n%s", n, routes)
 	}
-	// 4 slots, the guard (now to the target after 4 slots) and its target.
+	// 4 slots' tree (4 lookups, 3 tests), the guard (now to the target
+	// after them) and its target.
 	rules := ns.Run("ip", "rule", "show")
-	if strings.Count(rules, "proto 245") != 4+2 || !strings.Contains(rules, "goto 7604") || !strings.Contains(rules, "7604:\tfrom all nop") {
-		t.Errorf("want 4 slot rules, the guard and its target after shrinking:\n%s", rules)
+	if strings.Count(rules, "proto 245") != 7+2 || strings.Count(rules, " lookup 76") != 4 || !strings.Contains(rules, "goto 7607") || !strings.Contains(rules, "7607:\tfrom all nop") {
+		t.Errorf("want 4 slots' rules, the guard and its target after shrinking:\n%s", rules)
 	}
 }
 

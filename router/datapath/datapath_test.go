@@ -44,8 +44,8 @@ func TestResyncProgramsEverythingAndAdoptsOnRestart(t *testing.T) {
 	if err := newTestDatapath(cfg, k).Resync(tunnels); err != nil {
 		t.Fatal(err)
 	}
-	// One rule per slot, the guard and its target.
-	if len(k.Routes) != 2*cfg.Buckets || len(k.Rules) != cfg.Slots()+2 || len(k.Marked) != 2 || !k.DevUp {
+	// The slot rules' tree, the guard and its target.
+	if len(k.Routes) != 2*cfg.Buckets || len(k.Rules) != len(cfg.SlotRules())+2 || len(k.Marked) != 2 || !k.DevUp {
 		t.Fatalf("routes=%d rules=%d marked=%v dev=%v", len(k.Routes), len(k.Rules), k.Marked, k.DevUp)
 	}
 	if len(k.NextHops) != 2 {
@@ -119,8 +119,8 @@ func TestResyncRepairsDriftAndLeavesForeignStateAlone(t *testing.T) {
 	if _, ok := k.Routes[otherTable.Key()]; !ok {
 		t.Error("route outside our tables was removed")
 	}
-	if len(k.Rules) != cfg.Slots()+2+1 {
-		t.Errorf("%d rules, want %d ours + 1 foreign", len(k.Rules), cfg.Slots()+2)
+	if len(k.Rules) != len(cfg.SlotRules())+2+1 {
+		t.Errorf("%d rules, want %d ours + 1 foreign", len(k.Rules), len(cfg.SlotRules())+2)
 	}
 
 	if err := d.Cleanup(); err != nil {

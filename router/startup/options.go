@@ -46,7 +46,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	})
 	fs.IntVar(&o.Generations, "generations", o.Generations, "routing generations kept so that established flows keep their endpoint while new flows follow a changed table (draining); 1 makes the router stateless (no conntrack)")
 	fs.DurationVar(&o.GenerationCheckPeriod, "generation-check-period", o.GenerationCheckPeriod, "how often older generations are looked up in conntrack and removed once no flow uses them")
-	fs.IntVar(&o.RulePriority, "rule-priority", o.RulePriority, "priority of slot 0's policy rule; slot k (generation k/buckets, bucket k%buckets) uses rule-priority+k")
+	fs.IntVar(&o.RulePriority, "rule-priority", o.RulePriority, "first priority of the slot rules (a search tree over the slots, fewer than 2*buckets*generations rules from rule-priority on, after a guard at rule-priority-1)")
 	fs.IntVar(&o.TableBase, "table-base", o.TableBase, "routing table of slot 0; slot k uses table-base+k")
 	fs.Func("route-protocol", "rtm_protocol number marking the router's routes and rules (default 245)", func(s string) error {
 		v, err := strconv.ParseUint(s, 0, 8)
