@@ -46,7 +46,7 @@ e2e: deps assets ## the end-to-end lab: 10 scenarios x gre, mpls in the VM (KST_
 	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 40m -run TestE2E -v ./test/e2e
 
 # A smoke run of every part of the benchmark, counts scaled down (about 40 s).
-BENCH_SMOKE = -tunnels 100 -forward-tunnels 1,100 -forward-duration 500ms -forward-warmup 200ms \
+BENCH_SMOKE = -tunnels 100 -forward-tunnels 1,100 -forward-duration 500ms -forward-warmup 200ms -forward-rounds 1 \
 	-many-pods-tunnels 100 -many-pods 50 -process-tunnels 100 -updates 20
 
 bench: deps assets build ## route programming and forwarding vs baselines, programming with many pods, event to datapath, router RSS (root)

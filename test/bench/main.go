@@ -43,6 +43,7 @@ var (
 	fwdSizes     = flag.String("forward-tunnels", "1,1000,10000", "comma-separated tunnel IP counts of the forwarding figure; the first should be 1 (empty skips it)")
 	fwdDuration  = flag.Duration("forward-duration", 4*time.Second, "measuring time per forwarding point")
 	fwdWarmup    = flag.Duration("forward-warmup", time.Second, "traffic sent before each forwarding point is measured")
+	fwdRounds    = flag.Int("forward-rounds", 3, "measurements per forwarding point; the best is reported (the others are printed)")
 	manyTunnels  = flag.Int("many-pods-tunnels", 10000, "tunnel IPs of the programming-with-many-pods figure (0 skips it)")
 	manyPods     = flag.Int("many-pods", 5000, "distinct pods of the programming-with-many-pods figure")
 	processSize  = flag.Int("process-tunnels", 10000, "tunnel IPs for the real router process measurements (0 skips them)")
