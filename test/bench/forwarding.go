@@ -234,19 +234,25 @@ func (t *fwdTopology) measure(g *generator, warmup, d time.Duration) (float64, e
 
 // forwarding measures plain forwarding through the router netns, then the
 // router's datapath programmed with each count of tunnel IPs, sending to
-// the last tunnel IP (the last in the HMARK chain's order).
-func forwarding(counts []int) error {
+// the last tunnel IP (the last in the HMARK chain's order), its chains
+// written with the iptables binary named. The canonical run prints the
+// issue's line form; another backend's lines name it.
+func forwarding(counts []int, iptablesBinary string, canonical bool) error {
 	cfg := config(sinkDev)
 	topo, err := newFwdTopology()
 	if err != nil {
 		return err
 	}
 	defer topo.close()
-	fmt.Printf("\nforwarding: 64-byte UDP, %d source ports, client netns -> router netns -> sink netns over veth,\n", senderPorts)
+	with := ""
+	if !canonical {
+		with = " with " + iptablesBinary
+	}
+	fmt.Printf("\nforwarding%s: 64-byte UDP, %d source ports, client netns -> router netns -> sink netns over veth,\n", with, senderPorts)
 	fmt.Printf("one sending thread pinned to one CPU (the whole path runs in its softirq); the best of %d rounds of %v\n", *fwdRounds, *fwdDuration)
 	fmt.Printf("after %v warm-up each (on this 2-core VM the same point varies by up to 1.5x between rounds: another\n", *fwdWarmup)
 	fmt.Printf("process or the host takes the CPU, so the best round is the one the path itself limits).\n")
-	fmt.Printf("The router netns holds the router's real datapath (HMARK chain, %d generations, fwmark rules, bucket tables,\n", cfg.Generations)
+	fmt.Printf("The router netns holds the router's real datapath (HMARK chain written by %s, %d generations, fwmark rules, bucket tables,\n", iptablesBinary, cfg.Generations)
 	fmt.Printf("programmed by router/datapath); the bucket routes are its gre-mode routes on a veth, which forwards\n")
 	fmt.Printf("the packet unencapsulated: this host has no GRE, so no encapsulation cost is included.\n")
 
@@ -257,7 +263,7 @@ func forwarding(counts []int) error {
 	if err != nil {
 		return err
 	}
-	fmt.Printf("forwarding plain (no router rules): %.0f pps\n", plain)
+	fmt.Printf("forwarding%s plain (no router rules): %.0f pps\n", with, plain)
 	fmt.Printf("  rounds: %s\n", rounds)
 
 	th, err := startNSThread(topo.router)
@@ -266,7 +272,7 @@ func forwarding(counts []int) error {
 	}
 	defer th.close()
 	var dp *routerDatapath
-	if err := th.do(func() (err error) { dp, err = openRouterDatapath(cfg); return err }); err != nil {
+	if err := th.do(func() (err error) { dp, err = openRouterDatapathWith(cfg, iptablesBinary); return err }); err != nil {
 		return err
 	}
 	defer th.do(func() error { dp.close(); return nil }) //nolint:errcheck
@@ -284,7 +290,7 @@ func forwarding(counts []int) error {
 		if n == 1 || one == 0 {
 			one = pps
 		}
-		rules, err := topo.ruleCounts()
+		rules, err := topo.ruleCounts(iptablesBinary)
 		if err != nil {
 			return err
 		}
@@ -292,7 +298,7 @@ func forwarding(counts []int) error {
 		if counts[0] == 1 {
 			oneRatio = fmt.Sprintf("%.2fx", pps/one)
 		}
-		fmt.Printf("forwarding %d tunnel IPs: %.0f pps, %s of 1 tunnel IP, %.2fx of plain forwarding\n", n, pps, oneRatio, pps/plain)
+		fmt.Printf("forwarding %d tunnel IPs%s: %.0f pps, %s of 1 tunnel IP, %.2fx of plain forwarding\n", n, with, pps, oneRatio, pps/plain)
 		fmt.Printf("  rounds: %s\n", rounds)
 		fmt.Printf("  iptables rules with %d tunnel IPs: %s\n", n, rules)
 		// Traffic that is not for a tunnel IP crosses the same netns: what
@@ -337,11 +343,11 @@ func (t *fwdTopology) measureTo(dst netip.Addr) (best float64, rounds string, er
 // ruleCounts counts the lines of `iptables -S` in the raw and mangle tables
 // of the router netns (which hold nothing but the router's), without the
 // built-in chains' policies.
-func (t *fwdTopology) ruleCounts() (string, error) {
+func (t *fwdTopology) ruleCounts(iptablesBinary string) (string, error) {
 	var parts []string
 	total := 0
 	for _, table := range []string{"raw", "mangle"} {
-		out, err := t.router.run("iptables", "-t", table, "-S")
+		out, err := t.router.run(iptablesBinary, "-t", table, "-S")
 		if err != nil {
 			return "", err
 		}

@@ -26,6 +26,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"os/exec"
 	"runtime"
 	"strings"
 	"time"
@@ -43,6 +44,7 @@ var (
 	fwdSizes     = flag.String("forward-tunnels", "1,1000,10000", "comma-separated tunnel IP counts of the forwarding figure; the first should be 1 (empty skips it)")
 	fwdDuration  = flag.Duration("forward-duration", 4*time.Second, "measuring time per forwarding point")
 	fwdWarmup    = flag.Duration("forward-warmup", time.Second, "traffic sent before each forwarding point is measured")
+	fwdBackends  = flag.String("forward-iptables", "iptables,iptables-legacy", "iptables binaries the forwarding figure's router writes its chains with, comma-separated: the first (the host's default) prints the canonical lines, each other one its own")
 	fwdRounds    = flag.Int("forward-rounds", 3, "measurements per forwarding point; the best is reported (the others are printed)")
 	manyTunnels  = flag.Int("many-pods-tunnels", 10000, "tunnel IPs of the programming-with-many-pods figure (0 skips it)")
 	manyPods     = flag.Int("many-pods", 5000, "distinct pods of the programming-with-many-pods figure")
@@ -155,8 +157,16 @@ func run() error {
 		}
 	}
 	if len(fwdCounts) > 0 {
-		if err := forwarding(fwdCounts); err != nil {
-			return err
+		for i, backend := range strings.Split(*fwdBackends, ",") {
+			if i > 0 {
+				if _, err := exec.LookPath(backend); err != nil {
+					fmt.Printf("\nforwarding with %s: skipped (%v)\n", backend, err)
+					continue
+				}
+			}
+			if err := forwarding(fwdCounts, backend, i == 0); err != nil {
+				return err
+			}
 		}
 	}
 	if *manyTunnels > 0 {

@@ -130,6 +130,12 @@ type routerDatapath struct {
 }
 
 func openRouterDatapath(cfg datapath.Config) (*routerDatapath, error) {
+	return openRouterDatapathWith(cfg, "iptables")
+}
+
+// openRouterDatapathWith is openRouterDatapath writing the chains with the
+// iptables binary named (iptables, iptables-legacy, iptables-nft).
+func openRouterDatapathWith(cfg datapath.Config, iptablesBinary string) (*routerDatapath, error) {
 	handle, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 	if err != nil {
 		return nil, fmt.Errorf("netlink handle: %w", err)
@@ -146,12 +152,17 @@ func openRouterDatapath(cfg datapath.Config) (*routerDatapath, error) {
 		return nil, fmt.Errorf("netfilter netlink handle (ipsets): %w", err)
 	}
 	closeAll := func() { routes.Close(); handle.Close(); sets.Close() }
-	ipt, err := iptables.New()
+	path, err := exec.LookPath(iptablesBinary)
+	if err != nil {
+		closeAll()
+		return nil, fmt.Errorf("%s (apt-get install -y iptables): %w", iptablesBinary, err)
+	}
+	ipt, err := iptables.New(iptables.Path(path))
 	if err != nil {
 		closeAll()
 		return nil, fmt.Errorf("iptables (apt-get install -y iptables): %w", err)
 	}
-	chain, err := hmark.NewChain(ipt, sets, cfg.Chain, cfg.HMARKParams(), hmark.NewExecRestorer("iptables"))
+	chain, err := hmark.NewChain(ipt, sets, cfg.Chain, cfg.HMARKParams(), hmark.NewExecRestorer(iptablesBinary))
 	if err != nil {
 		closeAll()
 		return nil, err
