@@ -51,29 +51,42 @@ func (f *ListFilter) matches(table uint32, protocol uint8) bool {
 // decoding (and, for the protocol and a single table, inside the kernel).
 // Routes are decoded including their IP or MPLS encapsulation.
 func (c *Client) List(f ListFilter) ([]Route, error) {
+	var routes []Route
+	err := c.Walk(f, func() { routes = routes[:0] }, func(r Route) error {
+		routes = append(routes, r)
+		return nil
+	})
+	return routes, err
+}
+
+// Walk is List without the list: it calls visit for each selected route as
+// its message is decoded, so that reading a large table costs one route's
+// memory, not all of them. If the kernel interrupts the dump (the routes
+// changed meanwhile) Walk calls reset and starts over: the caller forgets
+// what it was told. A visit error ends the walk.
+func (c *Client) Walk(f ListFilter, reset func(), visit func(Route) error) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	var routes []Route
 	err := c.dumpConsistent(
 		func(b []byte, seq uint32) []byte { return appendRouteDumpRequest(b, &f, seq) },
-		func() { routes = routes[:0] },
+		reset,
 		func(typ uint16, payload []byte) error {
 			if typ != unix.RTM_NEWROUTE {
 				return nil
 			}
-			return decodeSelected(payload, &f, func(r Route) { routes = append(routes, r) })
+			return decodeSelected(payload, &f, visit)
 		})
 	if errors.Is(err, unix.ENOENT) && f.Tables.single() {
-		return nil, nil // the table does not exist (yet)
+		return nil // the table does not exist (yet)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("list routes: %w", err)
+		return fmt.Errorf("list routes: %w", err)
 	}
-	return routes, nil
+	return nil
 }
 
 // decodeSelected decodes one route message if f selects it.
-func decodeSelected(b []byte, f *ListFilter, add func(Route)) error {
+func decodeSelected(b []byte, f *ListFilter, add func(Route) error) error {
 	a, err := scanRoute(b)
 	if err != nil {
 		return fmt.Errorf("decode route: %w", err)
@@ -85,8 +98,7 @@ func decodeSelected(b []byte, f *ListFilter, add func(Route)) error {
 	if err != nil {
 		return fmt.Errorf("decode route in table %d: %w", a.table, err)
 	}
-	add(r)
-	return nil
+	return add(r)
 }
 
 // appendRouteDumpRequest appends an RTM_GETROUTE dump request. With

@@ -19,7 +19,8 @@ import (
 // RouteOps is the route seam: a netns-bound rtnetlink client (*rtnl.Client),
 // for routes and nexthop objects.
 type RouteOps interface {
-	List(rtnl.ListFilter) ([]rtnl.Route, error)
+	// Walk visits the routes f selects one by one (see rtnl.Client.Walk).
+	Walk(f rtnl.ListFilter, reset func(), visit func(rtnl.Route) error) error
 	ListNextHops(protocol uint8) ([]rtnl.NextHop, error)
 	Apply([]rtnl.Op) error
 }
@@ -495,20 +496,22 @@ func (d *Datapath) readRoutes() error {
 	if err != nil {
 		return fmt.Errorf("listing nexthop objects: %w", err)
 	}
-	d.nexthops.load(d.cfg, nexthops)
+	// The routes are read one by one: at 10,000 tunnel IPs the tables hold
+	// 640,000 of them, several hundred MB as a list.
+	var observed map[netip.Addr][]nextHop
+	reset := func() {
+		d.nexthops.load(d.cfg, nexthops)
+		observed = make(map[netip.Addr][]nextHop, len(d.desired))
+	}
+	reset()
 	last := d.cfg.TableBase + ownedSlots - 1
-	routes, err := d.routes.List(rtnl.ListFilter{
+	err = d.routes.Walk(rtnl.ListFilter{
 		Tables:   rtnl.TableRange{First: uint32(d.cfg.TableBase), Last: uint32(last)},
 		Protocol: d.cfg.RouteProtocol,
-	})
-	if err != nil {
-		return fmt.Errorf("listing routes in tables %d-%d: %w", d.cfg.TableBase, last, err)
-	}
-	observed := make(map[netip.Addr][]nextHop, len(d.desired))
-	for i := range routes {
-		vip, slot, hop, ok := d.cfg.hopOf(&routes[i], d.nexthops)
+	}, reset, func(r rtnl.Route) error {
+		vip, slot, hop, ok := d.cfg.hopOf(&r, d.nexthops)
 		if !ok {
-			continue
+			return nil
 		}
 		hops := observed[vip]
 		if len(hops) <= slot {
@@ -520,6 +523,10 @@ func (d *Datapath) readRoutes() error {
 		}
 		hops[slot] = hop
 		d.nexthops.ref(d.nexthops.idOf(hop))
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("listing routes in tables %d-%d: %w", d.cfg.TableBase, last, err)
 	}
 	d.nexthops.markUnreferenced()
 	d.observed = observed

@@ -37,14 +37,16 @@ func NewKernel() *Kernel {
 	return &Kernel{Routes: map[rtnl.RouteKey]rtnl.Route{}, NextHops: map[uint32]rtnl.NextHop{}}
 }
 
-func (k *Kernel) List(f rtnl.ListFilter) ([]rtnl.Route, error) {
-	var out []rtnl.Route
+func (k *Kernel) Walk(f rtnl.ListFilter, reset func(), visit func(rtnl.Route) error) error {
+	reset()
 	for _, r := range k.Routes {
 		if r.Table >= f.Tables.First && r.Table <= f.Tables.Last && (f.Protocol == 0 || r.Protocol == f.Protocol) {
-			out = append(out, r)
+			if err := visit(r); err != nil {
+				return err
+			}
 		}
 	}
-	return out, nil
+	return nil
 }
 
 func (k *Kernel) ListNextHops(protocol uint8) ([]rtnl.NextHop, error) {
