@@ -102,7 +102,18 @@ type Controller struct {
 
 	announcer Announcer
 	announce  map[netip.Addr]bool // tunnel IPs programmed with a ready endpoint
+	// afterResync runs after each full resync (see SetAfterResync).
+	afterResync func()
 }
+
+// SetAfterResync gives the controller a function to call after each full
+// resync, successful or not. The daemon gives debug.FreeOSMemory: a full
+// resync of 10,000 tunnel IPs allocates several times the router's live
+// heap, which the Go runtime would otherwise keep for minutes (303 MB RSS
+// instead of about 130 MB). Resyncs are rare (start-up, --resync-period,
+// Node address changes), so the forced collection costs little. Call it
+// before Run.
+func (c *Controller) SetAfterResync(f func()) { c.afterResync = f }
 
 // SetMetrics makes the controller export its state and reconciles to m.
 // Call it before Run; without it nothing is recorded.
@@ -365,7 +376,7 @@ func (c *Controller) Run(ctx context.Context) error {
 	// that nothing is programmed against a device or rule set not yet ensured.
 	backoff := wait.Backoff{Duration: time.Second, Factor: 2, Jitter: 0.1, Steps: 1 << 30, Cap: time.Minute}
 	for {
-		err := c.reconcile(metrics.ReconcileResync, c.resync)
+		err := c.reconcile(metrics.ReconcileResync, c.resyncAndRelease)
 		if err == nil {
 			break
 		}
@@ -409,7 +420,7 @@ func (c *Controller) processNext() bool {
 	var err error
 	switch key {
 	case resyncKey:
-		err = c.reconcile(metrics.ReconcileResync, c.resync)
+		err = c.reconcile(metrics.ReconcileResync, c.resyncAndRelease)
 	case networksKey:
 		err = c.reconcile(metrics.ReconcileNetworks, c.networksChanged)
 	case generationsKey:
@@ -492,7 +503,7 @@ func (c *Controller) networksChanged() error {
 	if c.cfg.Mode != encap.MPLS && known.Equal(c.networks) {
 		return nil
 	}
-	return c.resync()
+	return c.resyncAndRelease()
 }
 
 // nodeNetworksEqual reports whether two versions of a Node have the same
@@ -500,6 +511,17 @@ func (c *Controller) networksChanged() error {
 func nodeNetworksEqual(a, b *corev1.Node) bool {
 	return a.Spec.PodCIDR == b.Spec.PodCIDR && slices.Equal(a.Spec.PodCIDRs, b.Spec.PodCIDRs) &&
 		slices.Equal(a.Status.Addresses, b.Status.Addresses)
+}
+
+// resyncAndRelease is resync, then the hook SetAfterResync gave, once
+// resync's lists (every tunnel IP's table, the datapath's operations) are
+// garbage.
+func (c *Controller) resyncAndRelease() error {
+	err := c.resync()
+	if c.afterResync != nil {
+		c.afterResync()
+	}
+	return err
 }
 
 // resync rebuilds every claim from the listers and hands the whole desired

@@ -368,3 +368,22 @@ func TestControllerFindsEachServicesOwnSlices(t *testing.T) {
 		t.Errorf("web/a's buckets go to %v, want 10.244.1.5 and 10.244.1.6", got)
 	}
 }
+
+// The hook SetAfterResync gives runs after every full resync, failed or
+// not (the daemon returns the resync's garbage to the OS there).
+func TestControllerCallsAfterResyncHook(t *testing.T) {
+	tc := newTestController(t, "192.0.2.0/24")
+	calls := 0
+	tc.SetAfterResync(func() { calls++ })
+	tc.add(t, tunnelSvc("web", "a", "192.0.2.10", time.Hour), oneEndpoint("web", "a", "10.244.1.5"))
+	if err := tc.resyncAndRelease(); err != nil {
+		t.Fatal(err)
+	}
+	tc.dp.fail = errors.New("kernel says no")
+	if err := tc.resyncAndRelease(); err == nil {
+		t.Fatal("resync succeeded while the datapath failed")
+	}
+	if calls != 2 {
+		t.Errorf("hook ran %d times after 2 resyncs, want 2", calls)
+	}
+}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"runtime/debug"
 	"strconv"
 	"strings"
 
@@ -73,8 +74,11 @@ func Main(args []string) error {
 	entry.WithFields(logrus.Fields{
 		"mode": o.Mode, "buckets": o.Buckets, "seed_fingerprint": hmark.SeedFingerprint(o.Seed),
 		"generations": o.Generations, "mark_offset": fmt.Sprintf("%#x", o.MarkOffset),
-		"rule_priorities": func() string { guard, target := o.GuardRules(); return fmt.Sprintf("%d-%d", guard.Priority, target.Priority) }(),
-		"tables":          fmt.Sprintf("%d-%d", o.Table(0), o.Table(o.Slots()-1)), "route_protocol": o.RouteProtocol, "chain": o.Chain,
+		"rule_priorities": func() string {
+			guard, target := o.GuardRules()
+			return fmt.Sprintf("%d-%d", guard.Priority, target.Priority)
+		}(),
+		"tables": fmt.Sprintf("%d-%d", o.Table(0), o.Table(o.Slots()-1)), "route_protocol": o.RouteProtocol, "chain": o.Chain,
 		"nexthop_ids": fmt.Sprintf("%#x-%#x", first, last),
 	}).Info("starting tunnel router: bucket routes name one nexthop object per endpoint")
 	daemon.LogPolicy(entry, o.Policy)
@@ -96,6 +100,7 @@ func Main(args []string) error {
 		return err
 	}
 	ctrl.SetMetrics(meter)
+	ctrl.SetAfterResync(debug.FreeOSMemory)
 	meter.CollectVIPTraffic(chain, entry.WithField("component", "metrics"))
 	var speaker *bgp.Speaker
 	if bgpCfg != nil {
