@@ -250,8 +250,8 @@ func forwarding(counts []int, iptablesBinary string, canonical bool) error {
 	}
 	fmt.Printf("\nforwarding%s: 64-byte UDP, %d source ports, client netns -> router netns -> sink netns over veth,\n", with, senderPorts)
 	fmt.Printf("one sending thread pinned to one CPU (the whole path runs in its softirq); the best of %d rounds of %v\n", *fwdRounds, *fwdDuration)
-	fmt.Printf("after %v warm-up each (on this 2-core VM the same point varies by up to 1.5x between rounds: another\n", *fwdWarmup)
-	fmt.Printf("process or the host takes the CPU, so the best round is the one the path itself limits).\n")
+	fmt.Printf("after %v warm-up each; each round starts once the machine is %.0f%% idle over %v (the kernel frees\n", *fwdWarmup, quietIdle*100, quietWindow)
+	fmt.Printf("deleted namespaces' routes for seconds) and runs with this process's garbage collector off.\n")
 	fmt.Printf("The router netns holds the router's real datapath (HMARK chain written by %s, %d generations, fwmark rules, bucket tables,\n", iptablesBinary, cfg.Generations)
 	fmt.Printf("programmed by router/datapath); the bucket routes are its gre-mode routes on a veth, which forwards\n")
 	fmt.Printf("the packet unencapsulated: this host has no GRE, so no encapsulation cost is included.\n")
@@ -330,7 +330,7 @@ func (t *fwdTopology) measureTo(dst netip.Addr) (best float64, rounds string, er
 	defer g.close()
 	var all []string
 	for range max(*fwdRounds, 1) {
-		pps, err := t.measure(g, *fwdWarmup, *fwdDuration)
+		pps, err := quietRound(func() (float64, error) { return t.measure(g, *fwdWarmup, *fwdDuration) })
 		if err != nil {
 			return 0, "", err
 		}
