@@ -169,13 +169,19 @@ func run() error {
 			}
 		}
 	}
-	if *manyTunnels > 0 {
-		if err := programmingManyPods(*manyTunnels, *manyPods); err != nil {
+	// The router process runs before the many-pods figure: deleting that
+	// figure's namespaces (640,000 inline routes) holds the kernel's route
+	// lock for minutes, and etcd, started right after, hung in it.
+	if *processSize > 0 {
+		if err := waitQuiet(); err != nil {
+			fmt.Printf("\n(%v; starting the router process anyway)\n", err)
+		}
+		if err := routerProcess(*processSize); err != nil {
 			return err
 		}
 	}
-	if *processSize > 0 {
-		return routerProcess(*processSize)
+	if *manyTunnels > 0 {
+		return programmingManyPods(*manyTunnels, *manyPods)
 	}
 	return nil
 }
