@@ -118,6 +118,8 @@ func routerProcess(n int) error {
 	fmt.Printf("memory %d tunnel IPs: router process RSS %.0f MB\n", n, float64(rss)/1000)
 	fmt.Printf("  (%d generations, %d endpoints each, informer caches of %d Services and EndpointSlices included; peak RSS during start-up %.0f MB)\n",
 		*generations, *endpointsPer, n, float64(procStatusKB(cmd.Process.Pid, "VmHWM"))/1000)
+	fmt.Printf("  (of which anonymous memory %.0f MB, the Go heap and runtime; file-backed %.0f MB, the touched pages of the binary)\n",
+		float64(procStatusKB(cmd.Process.Pid, "RssAnon"))/1000, float64(procStatusKB(cmd.Process.Pid, "RssFile"))/1000)
 	if *updates > 0 {
 		// ip netns exec execs the router: cmd's PID is the router's.
 		// The updates' writer has no client-side rate limit: client-go's
