@@ -185,7 +185,7 @@ func (c *Chain) listRules(table, chain string) ([]rule, error) {
 	}
 	var rules []rule
 	for _, line := range lines {
-		r, ok, err := parseRule(line, chain, false)
+		r, ok, err := parseRule(line, chain)
 		if err != nil {
 			return nil, fmt.Errorf("list %s %s: %w", table, chain, err)
 		}

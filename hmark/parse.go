@@ -13,18 +13,14 @@ import (
 type rule struct {
 	// pos is the rule's 1-based position in its chain.
 	pos int
-	// spec is the rule without "-A CHAIN" and without counters: what
-	// iptables -D takes to delete it.
+	// spec is the rule without "-A CHAIN": what iptables -D takes to
+	// delete it.
 	spec []string
-	// hasCounters, packets and bytes come from "-c PACKETS BYTES".
-	hasCounters    bool
-	packets, bytes uint64
 }
 
-// parseRule parses one line of `iptables -S chain`, or of `iptables -v -S
-// chain` when withCounters. ok is false for lines that are not rules of
-// chain (-N, -P).
-func parseRule(line, chain string, withCounters bool) (r rule, ok bool, err error) {
+// parseRule parses one line of `iptables -S chain`. ok is false for lines
+// that are not rules of chain (-N, -P).
+func parseRule(line, chain string) (r rule, ok bool, err error) {
 	words, err := splitWords(line)
 	if err != nil {
 		return rule{}, false, fmt.Errorf("parse rule %q: %w", line, err)
@@ -33,24 +29,6 @@ func parseRule(line, chain string, withCounters bool) (r rule, ok bool, err erro
 		return rule{}, false, nil
 	}
 	r.spec = words[2:]
-	if !withCounters {
-		return r, true, nil
-	}
-	// "-c PACKETS BYTES" sits before the target; go-iptables moves nft's
-	// "[P:B]" prefix to the end of the line instead.
-	for i := 0; i+2 < len(r.spec); i++ {
-		if r.spec[i] != "-c" {
-			continue
-		}
-		p, perr := strconv.ParseUint(r.spec[i+1], 10, 64)
-		b, berr := strconv.ParseUint(r.spec[i+2], 10, 64)
-		if perr != nil || berr != nil {
-			continue
-		}
-		r.hasCounters, r.packets, r.bytes = true, p, b
-		r.spec = slices.Delete(slices.Clone(r.spec), i, i+3)
-		break
-	}
 	return r, true, nil
 }
 

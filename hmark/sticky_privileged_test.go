@@ -423,7 +423,7 @@ func readCounters(t *testing.T, ipt *testnetns.IPTables) map[string]uint64 {
 	}
 	out := make(map[string]uint64)
 	for _, line := range lines {
-		r, ok, err := parseRule(line, "FORWARD", true)
+		r, ok, err := parseRuleCounters(line, "FORWARD")
 		if err != nil || !ok || !r.hasCounters {
 			continue
 		}
