@@ -132,11 +132,9 @@ func NewController(cfg Config, inf Informers, locator runtime.Locator, podNet Po
 	podInformer := inf.Pods.Core().V1().Pods()
 	nodeInformer := inf.Cluster.Core().V1().Nodes()
 	// The caches of the cluster-wide informers keep only what the agent
-	// reads of each object (see kubeobj.SlimService); the local Pods stay
+	// reads of each object (see kubeobj.Slim); the local Pods stay
 	// whole.
-	if err := kubeobj.SetTransforms(map[string]cache.SharedIndexInformer{
-		"services": svcInformer.Informer(), "endpointslices": sliceInformer.Informer(), "nodes": nodeInformer.Informer(),
-	}); err != nil {
+	if err := kubeobj.SetTransforms(svcInformer.Informer(), sliceInformer.Informer(), nodeInformer.Informer()); err != nil {
 		return nil, err
 	}
 	c := &Controller{

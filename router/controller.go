@@ -170,11 +170,8 @@ func NewController(cfg Config, client kubernetes.Interface, factory informers.Sh
 	nodeInformer := factory.Core().V1().Nodes()
 	podInformer := factory.Core().V1().Pods()
 	// The caches keep only what the router reads of each object (see
-	// kubeobj.SlimService): of a Pod, its metadata (DrainAnnotation).
-	if err := kubeobj.SetTransforms(map[string]cache.SharedIndexInformer{
-		"services": svcInformer.Informer(), "endpointslices": sliceInformer.Informer(),
-		"nodes": nodeInformer.Informer(), "pods": podInformer.Informer(),
-	}); err != nil {
+	// kubeobj.Slim): of a Pod, its metadata (DrainAnnotation).
+	if err := kubeobj.SetTransforms(svcInformer.Informer(), sliceInformer.Informer(), nodeInformer.Informer(), podInformer.Informer()); err != nil {
 		return nil, err
 	}
 	if err := sliceInformer.Informer().AddIndexers(cache.Indexers{slicePodIndex: slicePods, sliceServiceIndex: sliceService}); err != nil {

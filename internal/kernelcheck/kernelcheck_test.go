@@ -128,7 +128,7 @@ func TestEveryCheckProbesWhatItNames(t *testing.T) {
 		CommentMatch: {"rule:mangle:comment"}, ConntrackMatch: {"rule:mangle:conntrack"},
 		Connmark: {"rule:mangle:connmark"}, MarkMatch: {"rule:mangle:mark"}, CTTarget: {"rule:raw:CT"},
 		IPSets: {"ipset"}, SetMatch: {"rule:mangle:set"},
-		// One feature, probed with each mode's encapsulation.
+		// Probed in gre mode only: mpls mode keeps inline routes.
 		NextHopObjects: {"nexthop-ip"},
 	}
 	for _, c := range checks {

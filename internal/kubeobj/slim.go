@@ -122,20 +122,29 @@ func sharedBool(b *bool) *bool {
 	}
 }
 
-// SetTransforms gives each informer (by resource name: "services",
-// "endpointslices", "nodes", "pods") its Slim transform. Call it before the
-// informers start.
-func SetTransforms(byResource map[string]cache.SharedIndexInformer) error {
-	transforms := map[string]cache.TransformFunc{
-		"services": SlimService, "endpointslices": SlimEndpointSlice, "nodes": SlimNode, "pods": SlimPod,
+// Slim is the transform of every informer of both daemons: SlimService,
+// SlimEndpointSlice, SlimNode or SlimPod by the object's type; anything
+// else (a tombstone, for example) as it is.
+func Slim(obj any) (any, error) {
+	switch obj.(type) {
+	case *corev1.Service:
+		return SlimService(obj)
+	case *discoveryv1.EndpointSlice:
+		return SlimEndpointSlice(obj)
+	case *corev1.Node:
+		return SlimNode(obj)
+	case *corev1.Pod:
+		return SlimPod(obj)
 	}
-	for resource, informer := range byResource {
-		transform, ok := transforms[resource]
-		if !ok {
-			return fmt.Errorf("no transform for %s", resource)
-		}
-		if err := informer.SetTransform(transform); err != nil {
-			return fmt.Errorf("watching %s: %w", resource, err)
+	return obj, nil
+}
+
+// SetTransforms gives each informer the Slim transform. Call it before the
+// informers start.
+func SetTransforms(informers ...cache.SharedIndexInformer) error {
+	for _, informer := range informers {
+		if err := informer.SetTransform(Slim); err != nil {
+			return fmt.Errorf("slimming an informer's cache: %w", err)
 		}
 	}
 	return nil

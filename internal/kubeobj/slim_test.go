@@ -116,10 +116,29 @@ func TestSlimNodeAndPod(t *testing.T) {
 // A tombstone (or anything else) passes through unchanged.
 func TestSlimPassesOtherTypesThrough(t *testing.T) {
 	tomb := cache.DeletedFinalStateUnknown{Key: "shop/web"}
-	for name, slim := range map[string]cache.TransformFunc{"service": SlimService, "slice": SlimEndpointSlice, "node": SlimNode, "pod": SlimPod} {
+	for name, slim := range map[string]cache.TransformFunc{"service": SlimService, "slice": SlimEndpointSlice, "node": SlimNode, "pod": SlimPod, "any": Slim} {
 		got, err := slim(tomb)
 		if err != nil || got != tomb {
 			t.Errorf("%s: a tombstone became %v, %v", name, got, err)
+		}
+	}
+}
+
+// Slim slims each type with its own transform.
+func TestSlimDispatchesByType(t *testing.T) {
+	for _, tc := range []struct {
+		obj  any
+		slim cache.TransformFunc
+	}{
+		{&corev1.Service{ObjectMeta: fullMeta}, SlimService},
+		{&discoveryv1.EndpointSlice{ObjectMeta: fullMeta}, SlimEndpointSlice},
+		{&corev1.Node{ObjectMeta: fullMeta}, SlimNode},
+		{&corev1.Pod{ObjectMeta: fullMeta}, SlimPod},
+	} {
+		got, err := Slim(tc.obj)
+		want, _ := tc.slim(tc.obj)
+		if err != nil || !equality.Semantic.DeepEqual(got, want) {
+			t.Errorf("Slim(%T) = %+v, %v; want %+v", tc.obj, got, err, want)
 		}
 	}
 }
