@@ -235,8 +235,9 @@ func (t *fwdTopology) measure(g *generator, warmup, d time.Duration) (float64, e
 	return float64(after-before) / took.Seconds(), nil
 }
 
-// forwarding measures plain forwarding through the router netns, then the
-// router's datapath programmed with each count of tunnel IPs, sending to
+// forwarding measures plain forwarding (through namespaces without the
+// router's state), then the router's datapath programmed with each count of
+// tunnel IPs, each next to plain forwarding measured just before, sending to
 // the last tunnel IP (the last in the HMARK chain's order), its chains
 // written with the iptables binary named. The canonical run prints the
 // issue's line form; another backend's lines name it.
@@ -270,7 +271,7 @@ func forwarding(counts []int, iptablesBinary string, canonical bool) error {
 	fmt.Printf("the packet unencapsulated: this host has no GRE, so no encapsulation cost is included.\n")
 
 	vipOf := func(n int) netip.Addr { return tunnelVIP(n - 1) }
-	// Plain forwarding: the same netns, before any of the router's state.
+	// Plain forwarding at the start, printed on its own line.
 	plainVIP := vipOf(counts[len(counts)-1])
 	plain, rounds, err := plainTopo.measureTo(plainVIP)
 	if err != nil {
