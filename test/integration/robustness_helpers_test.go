@@ -146,7 +146,7 @@ func newKernelRouter(t *testing.T, cfg router.Config) *kernelRouter {
 // link-local addresses come from their random MAC addresses.
 func (k *kernelRouter) state() string {
 	var mangle []string
-	for _, l := range strings.Split(k.ns.Run("iptables-save", "-t", "mangle"), "\n") {
+	for _, l := range strings.Split(k.ns.RunListing("iptables-save", "-t", "mangle"), "\n") {
 		if !strings.HasPrefix(l, "#") {
 			mangle = append(mangle, l)
 		}
@@ -228,7 +228,7 @@ func (k *kernelRouter) read(t *testing.T, cfg router.Config) programmed {
 	}
 	// The tunnel IPs that are hashed: those in the set of all tunnel IPs
 	// and in a generation's set that the mangle chain matches.
-	mangle := k.ns.Run("iptables", "-t", "mangle", "-S", cfg.Chain)
+	mangle := k.ns.RunListing("iptables", "-t", "mangle", "-S", cfg.Chain)
 	all, err := ipsetstate.Members(k.ns.IPSets(), cfg.Chain)
 	if err != nil {
 		t.Fatal(err)

@@ -156,6 +156,24 @@ func (n *NS) Run(name string, args ...string) string {
 	return out
 }
 
+// RunListing is Run for an iptables listing (iptables-save, iptables -S)
+// while a router may end a generation: a listing that a vanishing set
+// failed is run again (see ipsetstate.ListRules).
+func (n *NS) RunListing(name string, args ...string) string {
+	n.tb.Helper()
+	out, err := ipsetstate.ListRules(func() (string, error) {
+		out, err := n.Output(name, args...)
+		if err != nil {
+			return out, fmt.Errorf("%w: %s", err, out)
+		}
+		return out, nil
+	})
+	if err != nil {
+		n.tb.Fatalf("%s %s: %v", name, strings.Join(args, " "), err)
+	}
+	return out
+}
+
 // Output runs a command inside the namespace and returns its combined output
 // and error.
 func (n *NS) Output(name string, args ...string) (string, error) {
