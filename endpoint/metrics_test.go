@@ -244,7 +244,7 @@ func TestReadyAfterFirstFullSync(t *testing.T) {
 	t.Cleanup(cancel)
 	log := logrus.New()
 	log.Out = io.Discard
-	addr, err := daemon.Serve(ctx, "127.0.0.1:0", reg, ctrl.Ready, ctrl.Healthy, log)
+	addr, err := daemon.Serve(ctx, "127.0.0.1:0", reg, nil, ctrl.Ready, ctrl.Healthy, log)
 	if err != nil {
 		t.Fatal(err)
 	}

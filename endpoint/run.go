@@ -66,7 +66,7 @@ func Main(args []string) error {
 	}
 	ctrl.SetMetrics(NewMetrics(reg, decap))
 	if o.MetricsAddress != "" {
-		if err := daemon.ServeHTTP(ctx, o.MetricsAddress, reg, ctrl.Ready, ctrl.Healthy, entry); err != nil {
+		if err := daemon.ServeHTTP(ctx, o.MetricsAddress, reg, nil, ctrl.Ready, ctrl.Healthy, entry); err != nil {
 			return err
 		}
 	}

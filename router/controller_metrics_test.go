@@ -41,12 +41,15 @@ func bucketShares(tn datapath.Tunnel) map[string]float64 {
 	return out
 }
 
-func newMeteredController(t *testing.T, pools string) (*testController, *prometheus.Registry) {
+// newMeteredController returns a controller with metrics, and what its
+// /metrics would serve.
+func newMeteredController(t *testing.T, pools string) (*testController, prometheus.Gatherer) {
 	t.Helper()
 	tc := newTestController(t, pools)
 	reg := prometheus.NewRegistry()
-	tc.SetMetrics(metrics.NewMetrics(reg))
-	return tc, reg
+	m := metrics.NewMetrics(reg)
+	tc.SetMetrics(m)
+	return tc, promtest.WithText(reg, m.WriteText)
 }
 
 func endpointsSlice(ns, svc string, ready []string, draining ...string) *discoveryv1.EndpointSlice {

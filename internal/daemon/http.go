@@ -10,7 +10,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/sirupsen/logrus"
 )
 
@@ -22,20 +21,20 @@ func NewRegistry() *prometheus.Registry {
 	return reg
 }
 
-// ServeHTTP serves /metrics from reg, /healthz (healthy() returns nil: the
-// controllers are alive) and /readyz (ready() is true) on addr until ctx
-// ends. It returns once it listens, so that a port already in use is a
-// startup error.
-func ServeHTTP(ctx context.Context, addr string, reg *prometheus.Registry, ready func() bool, healthy func() error, log logrus.FieldLogger) error {
-	_, err := Serve(ctx, addr, reg, ready, healthy, log)
+// ServeHTTP serves /metrics (see MetricsHandler), /healthz (healthy()
+// returns nil: the controllers are alive) and /readyz (ready() is true) on
+// addr until ctx ends. It returns once it listens, so that a port already
+// in use is a startup error.
+func ServeHTTP(ctx context.Context, addr string, reg *prometheus.Registry, stream TextWriter, ready func() bool, healthy func() error, log logrus.FieldLogger) error {
+	_, err := Serve(ctx, addr, reg, stream, ready, healthy, log)
 	return err
 }
 
 // Serve is ServeHTTP that also returns the address it listens on, so that a
 // caller (a test) can give port 0 and learn the port the kernel picked.
-func Serve(ctx context.Context, addr string, reg *prometheus.Registry, ready func() bool, healthy func() error, log logrus.FieldLogger) (net.Addr, error) {
+func Serve(ctx context.Context, addr string, reg *prometheus.Registry, stream TextWriter, ready func() bool, healthy func() error, log logrus.FieldLogger) (net.Addr, error) {
 	mux := http.NewServeMux()
-	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	mux.Handle("/metrics", MetricsHandler(reg, stream, log))
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
 		if err := healthy(); err != nil {
 			http.Error(w, "unhealthy: "+err.Error(), http.StatusInternalServerError)

@@ -52,8 +52,6 @@ type Metrics struct {
 
 	servedVIPs      prometheus.Gauge
 	refusedClaims   *prometheus.GaugeVec
-	endpoints       *prometheus.Desc
-	endpointBuckets *prometheus.Desc
 	reconcileTime   *prometheus.HistogramVec
 	reconcileErrors *prometheus.CounterVec
 	kernelOps       *prometheus.CounterVec
@@ -61,10 +59,14 @@ type Metrics struct {
 
 	mu sync.Mutex
 	// shares are, per programmed tunnel IP, its endpoints and their
-	// buckets, exported at scrape time (see Collect): with 10,000 tunnel
+	// buckets, written at scrape time (see WriteText): with 10,000 tunnel
 	// IPs of 10 endpoints, 120,000 series that a GaugeVec would keep as
 	// objects (tens of MB) are kept as about 200 bytes per tunnel IP.
 	shares map[netip.Addr]tunnelShares
+	// traffic reads the tunnel IPs' packet and byte counters at each
+	// scrape (see CollectVIPTraffic); nil: not exported.
+	traffic    vipCounterReader
+	trafficLog logrus.FieldLogger
 }
 
 // tunnelShares are a tunnel IP's endpoint metrics.
@@ -92,12 +94,6 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "kube_service_tunnel_router_refused_claims",
 			Help: "Services whose tunnel IP annotation this router does not serve for them, by reason: invalid (not an IPv4 address), refused (address pools, node or service networks), conflict (an older Service serves the tunnel IP).",
 		}, []string{"reason"}),
-		endpoints: prometheus.NewDesc("kube_service_tunnel_router_tunnel_endpoints",
-			"Endpoints of each programmed tunnel IP, by state: ready (takes new flows) or draining (keeps its established flows).",
-			[]string{"vip", "state"}, nil),
-		endpointBuckets: prometheus.NewDesc("kube_service_tunnel_router_endpoint_buckets",
-			"Buckets of the tunnel IP's table that send new flows to the endpoint (0: it gets no new flow, e.g. draining or more endpoints than buckets).",
-			[]string{"vip", "endpoint"}, nil),
 		reconcileTime: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "kube_service_tunnel_router_reconcile_duration_seconds",
 			Help:    "Time taken by one reconcile, by kind: service (one Service's tunnel IPs), resync (every tunnel IP), networks (Nodes' addresses and pod ranges).",
@@ -118,8 +114,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		shares: map[netip.Addr]tunnelShares{},
 	}
 	if reg != nil {
-		reg.MustRegister(m.servedVIPs, m.refusedClaims, endpointCollector{m},
-			m.reconcileTime, m.reconcileErrors, m.kernelOps)
+		reg.MustRegister(m.servedVIPs, m.refusedClaims, m.reconcileTime, m.reconcileErrors, m.kernelOps)
 	}
 	// Every reason and kind is exported from the start, at 0.
 	for _, r := range []string{RefusedInvalid, RefusedPolicy, RefusedConflict} {
@@ -216,102 +211,12 @@ func (m *Metrics) SetTunnels(tunnels []datapath.Tunnel) {
 	}
 }
 
-// endpointCollector exports the endpoint metrics of every programmed
-// tunnel IP at scrape time, from Metrics.shares.
-type endpointCollector struct{ m *Metrics }
-
-// Describe implements prometheus.Collector.
-func (c endpointCollector) Describe(ch chan<- *prometheus.Desc) {
-	ch <- c.m.endpoints
-	ch <- c.m.endpointBuckets
-}
-
-// Collect implements prometheus.Collector.
-func (c endpointCollector) Collect(ch chan<- prometheus.Metric) {
-	m := c.m
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	for vip, s := range m.shares {
-		v := vip.String()
-		ch <- prometheus.MustNewConstMetric(m.endpoints, prometheus.GaugeValue, float64(s.ready), v, "ready")
-		ch <- prometheus.MustNewConstMetric(m.endpoints, prometheus.GaugeValue, float64(s.draining), v, "draining")
-		for _, ep := range s.endpoints {
-			ch <- prometheus.MustNewConstMetric(m.endpointBuckets, prometheus.GaugeValue, float64(ep.buckets), v, ep.addr.String())
-		}
-	}
-}
-
 // wrote counts n kernel writes of object with operation.
 func (m *Metrics) wrote(object, operation string, n int) {
 	if m == nil || n <= 0 {
 		return
 	}
 	m.kernelOps.WithLabelValues(object, operation).Add(float64(n))
-}
-
-// vipCounterReader reads the packet and byte counters of every tunnel IP
-// (*hmark.Chain).
-type vipCounterReader interface {
-	Counters() (map[netip.Addr]hmark.Counter, error)
-}
-
-// vipTrafficCollector exports the tunnel IPs' packet and byte counters,
-// read at each scrape (one netlink dump of the router's set of tunnel IPs,
-// see hmark.Chain.Counters): every packet to the tunnel IP that reached
-// this router, in either mode. They survive rewrites of the chains and
-// generation moves; they restart from 0 when the tunnel IP is programmed
-// anew or the router's sets are removed.
-type vipTrafficCollector struct {
-	chain   vipCounterReader
-	errors  prometheus.Counter
-	log     logrus.FieldLogger
-	packets *prometheus.Desc
-	bytes   *prometheus.Desc
-}
-
-// CollectVIPTraffic registers the per-tunnel IP packet and byte counters
-// read from chain at each scrape. Read errors are counted and logged at
-// debug level; the scrape goes on without these counters.
-func (m *Metrics) CollectVIPTraffic(chain vipCounterReader, log logrus.FieldLogger) {
-	if m == nil || m.reg == nil {
-		return
-	}
-	m.reg.MustRegister(&vipTrafficCollector{
-		chain:  chain,
-		errors: m.counterErrors,
-		log:    log,
-		packets: prometheus.NewDesc("kube_service_tunnel_router_vip_packets_total",
-			"Packets to the tunnel IP that reached this router, every one of them with or without sticky generations (the counter of the tunnel IP's element in the router's ipset of tunnel IPs, read at scrape time).",
-			[]string{"vip"}, nil),
-		bytes: prometheus.NewDesc("kube_service_tunnel_router_vip_bytes_total",
-			"Bytes (IP header included) of the packets counted by kube_service_tunnel_router_vip_packets_total.",
-			[]string{"vip"}, nil),
-	})
-}
-
-// Describe implements prometheus.Collector.
-func (c *vipTrafficCollector) Describe(ch chan<- *prometheus.Desc) {
-	ch <- c.packets
-	ch <- c.bytes
-	c.errors.Describe(ch)
-}
-
-// Collect implements prometheus.Collector: one read of the counters. The error count is exported here, after the read, so that a
-// scrape whose read failed shows it.
-func (c *vipTrafficCollector) Collect(ch chan<- prometheus.Metric) {
-	counters, err := c.chain.Counters()
-	if err != nil {
-		c.errors.Inc()
-		c.log.WithError(err).Debug("reading the tunnel IPs' packet counters")
-	}
-	ch <- c.errors
-	if err != nil {
-		return
-	}
-	for vip, n := range counters {
-		ch <- prometheus.MustNewConstMetric(c.packets, prometheus.CounterValue, float64(n.Packets), vip.String())
-		ch <- prometheus.MustNewConstMetric(c.bytes, prometheus.CounterValue, float64(n.Bytes), vip.String())
-	}
 }
 
 // countedRoutes counts the route and nexthop object writes that the kernel

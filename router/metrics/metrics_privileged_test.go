@@ -125,6 +125,7 @@ func testMetricsInNetns(t *testing.T, generations int) {
 	m := NewMetrics(reg)
 	k, chain := meteredKernelRouter(t, ns, cfg, m)
 	m.CollectVIPTraffic(chain, seamtest.QuietLog())
+	g := promtest.WithText(reg, m.WriteText)
 
 	if err := k.dp.Resync([]datapath.Tunnel{tunnel(cfg, vip.String(), "10.244.1.5", "10.244.2.6"), tunnel(cfg, quiet.String(), "10.244.3.7")}); err != nil {
 		t.Fatal(err)
@@ -161,10 +162,10 @@ func testMetricsInNetns(t *testing.T, generations int) {
 	})
 
 	packets := func() map[string]float64 {
-		return promtest.Series(t, reg, "kube_service_tunnel_router_vip_packets_total")
+		return promtest.Series(t, g, "kube_service_tunnel_router_vip_packets_total")
 	}
 	bytes := func() map[string]float64 {
-		return promtest.Series(t, reg, "kube_service_tunnel_router_vip_bytes_total")
+		return promtest.Series(t, g, "kube_service_tunnel_router_vip_bytes_total")
 	}
 	key := "vip=" + vip.String()
 	p0, b0 := packets(), bytes()
@@ -224,7 +225,7 @@ func testMetricsInNetns(t *testing.T, generations int) {
 		t.Errorf("counters of a foreign set: %v", got)
 	}
 	// Each scrape reads once: the one above and this one.
-	if got := promtest.Series(t, reg, "kube_service_tunnel_router_vip_counter_read_errors_total")[""]; got != 2 {
+	if got := promtest.Series(t, g, "kube_service_tunnel_router_vip_counter_read_errors_total")[""]; got != 2 {
 		t.Errorf("read errors %v, want 2", got)
 	}
 }

@@ -2,6 +2,7 @@ package metrics
 
 import (
 	"errors"
+	"io"
 	"maps"
 	"net/netip"
 	"slices"
@@ -32,6 +33,9 @@ func TestNilMetricsRecordNothing(t *testing.T) {
 	m.RemoveTunnel(netip.MustParseAddr("192.0.2.1"))
 	m.wrote(objectRoute, "replace", 1)
 	m.CollectVIPTraffic(fakeCounters{}, seamtest.QuietLog())
+	if err := m.WriteText(io.Discard); err != nil {
+		t.Fatal(err)
+	}
 	if err := (countedRoutes{seamtest.NewKernel(), m}).Apply([]rtnl.Op{{Kind: rtnl.Replace}}); err != nil {
 		t.Fatal(err)
 	}
@@ -195,8 +199,9 @@ func TestVIPTrafficReadAtScrape(t *testing.T) {
 		netip.MustParseAddr("192.0.2.2"): {Packets: 0, Bytes: 0},
 	}}
 	m.CollectVIPTraffic(chain, seamtest.QuietLog())
-	packets := promtest.Series(t, reg, "kube_service_tunnel_router_vip_packets_total")
-	bytes := promtest.Series(t, reg, "kube_service_tunnel_router_vip_bytes_total")
+	g := promtest.WithText(reg, m.WriteText)
+	packets := promtest.Series(t, g, "kube_service_tunnel_router_vip_packets_total")
+	bytes := promtest.Series(t, g, "kube_service_tunnel_router_vip_bytes_total")
 	if want := map[string]float64{"vip=192.0.2.1": 3, "vip=192.0.2.2": 0}; !maps.Equal(packets, want) {
 		t.Errorf("packets %v, want %v", packets, want)
 	}
@@ -206,17 +211,17 @@ func TestVIPTrafficReadAtScrape(t *testing.T) {
 
 	// Read again at the next scrape: a tunnel IP gone is gone from it.
 	chain.counters = map[netip.Addr]hmark.Counter{netip.MustParseAddr("192.0.2.1"): {Packets: 5, Bytes: 300}}
-	if got, want := promtest.Series(t, reg, "kube_service_tunnel_router_vip_packets_total"), map[string]float64{"vip=192.0.2.1": 5}; !maps.Equal(got, want) {
+	if got, want := promtest.Series(t, g, "kube_service_tunnel_router_vip_packets_total"), map[string]float64{"vip=192.0.2.1": 5}; !maps.Equal(got, want) {
 		t.Errorf("next scrape: packets %v, want %v", got, want)
 	}
 
-	if got := promtest.Series(t, reg, "kube_service_tunnel_router_vip_counter_read_errors_total")[""]; got != 0 {
+	if got := promtest.Series(t, g, "kube_service_tunnel_router_vip_counter_read_errors_total")[""]; got != 0 {
 		t.Errorf("read errors %v after good reads, want 0", got)
 	}
 
 	// A failed read fails nothing but these counters, and is counted.
 	chain.err = errors.New("iptables: exit status 4")
-	families, err := reg.Gather()
+	families, err := g.Gather()
 	if err != nil {
 		t.Fatalf("a failed read failed the scrape: %v", err)
 	}
@@ -227,7 +232,7 @@ func TestVIPTrafficReadAtScrape(t *testing.T) {
 	if slices.Contains(names, "kube_service_tunnel_router_vip_packets_total") {
 		t.Errorf("counters exported although reading them failed: %v", names)
 	}
-	if got := promtest.Series(t, reg, "kube_service_tunnel_router_vip_counter_read_errors_total")[""]; got != 2 {
+	if got := promtest.Series(t, g, "kube_service_tunnel_router_vip_counter_read_errors_total")[""]; got != 2 {
 		// Two scrapes with the error: the Gather above and this one.
 		t.Errorf("read errors %v, want 2", got)
 	}

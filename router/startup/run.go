@@ -113,7 +113,7 @@ func Main(args []string) error {
 		entry.Info("BGP is off (no --bgp-config): the tunnel IPs must be routed to the tunnel nodes by other means")
 	}
 	if o.MetricsAddress != "" {
-		if err := daemon.ServeHTTP(ctx, o.MetricsAddress, reg, ctrl.Ready, ctrl.Healthy, entry); err != nil {
+		if err := daemon.ServeHTTP(ctx, o.MetricsAddress, reg, meter.WriteText, ctrl.Ready, ctrl.Healthy, entry); err != nil {
 			return err
 		}
 	}

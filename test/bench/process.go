@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -20,6 +23,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
+	"github.com/cmdnu/kube-service-tunnel/router/startup"
 	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
@@ -120,6 +124,15 @@ func routerProcess(n int) error {
 		*generations, *endpointsPer, n, float64(procStatusKB(cmd.Process.Pid, "VmHWM"))/1000)
 	fmt.Printf("  (of which anonymous memory %.0f MB, the Go heap and runtime; file-backed %.0f MB, the touched pages of the binary)\n",
 		float64(procStatusKB(cmd.Process.Pid, "RssAnon"))/1000, float64(procStatusKB(cmd.Process.Pid, "RssFile"))/1000)
+	// A real router is scraped: what a scrape of every series costs.
+	for i := range 3 {
+		size, took, err := scrapeMetrics(ns)
+		if err != nil {
+			return fmt.Errorf("scraping the router's /metrics: %w", err)
+		}
+		fmt.Printf("  /metrics scrape %d (gzip, as Prometheus asks): %.1f MB of text in %v; router process RSS after it %.0f MB\n",
+			i+1, float64(size)/1e6, took.Round(time.Millisecond), float64(procStatusKB(cmd.Process.Pid, "VmRSS"))/1000)
+	}
 	if *updates > 0 {
 		// ip netns exec execs the router: cmd's PID is the router's.
 		// The updates' writer has no client-side rate limit: client-go's
@@ -203,6 +216,34 @@ func createOne(ctx context.Context, cs kubernetes.Interface, ns string, i int) e
 		return fmt.Errorf("endpointslice %s: %w", name, err)
 	}
 	return nil
+}
+
+// scrapeMetrics GETs the router's /metrics (on its default address, in its
+// network namespace) as Prometheus does, gzip accepted, and returns the
+// size of the uncompressed text and how long the scrape took.
+func scrapeMetrics(ns *namespace) (int64, time.Duration, error) {
+	th, err := startNSThread(ns)
+	if err != nil {
+		return 0, 0, err
+	}
+	defer th.close()
+	transport := &http.Transport{DialContext: func(ctx context.Context, network, addr string) (conn net.Conn, err error) {
+		// The socket is made on the namespace's thread, so it lives there.
+		err = th.do(func() (err error) { conn, err = (&net.Dialer{}).DialContext(ctx, network, addr); return err })
+		return conn, err
+	}}
+	defer transport.CloseIdleConnections()
+	start := time.Now()
+	resp, err := (&http.Client{Transport: transport, Timeout: time.Minute}).Get("http://127.0.0.1" + startup.DefaultMetricsAddress + "/metrics")
+	if err != nil {
+		return 0, 0, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return 0, 0, fmt.Errorf("/metrics: %s", resp.Status)
+	}
+	n, err := io.Copy(io.Discard, resp.Body) // the transport gunzips it
+	return n, time.Since(start), err
 }
 
 // procStatusKB reads a kB field of /proc/PID/status (0 if unknown).
