@@ -1,6 +1,7 @@
 package router
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"maps"
@@ -8,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
@@ -206,5 +209,52 @@ func TestControllerMetricsCountReconcilesAndErrors(t *testing.T) {
 	wantErrors := map[string]float64{"kind=resync": 0, "kind=service": 1, "kind=networks": 0}
 	if got := promtest.Series(t, reg, "kube_service_tunnel_router_reconcile_errors_total"); !maps.Equal(got, wantErrors) {
 		t.Errorf("reconcile errors %v, want %v", got, wantErrors)
+	}
+}
+
+// Start-up syncs every Service once, in the initial resync: the informers'
+// initial events, already in the caches it lists, queue nothing more. A
+// change after it is synced on its own.
+func TestControllerStartSyncsEachServiceOnce(t *testing.T) {
+	tc, reg := newMeteredController(t, "192.0.2.0/24")
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	for i := range 3 {
+		name := fmt.Sprintf("web-%d", i)
+		if _, err := tc.client.CoreV1().Services("a").Create(ctx, tunnelSvc("a", name, fmt.Sprintf("192.0.2.%d", 10+i), time.Hour), metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tc.client.DiscoveryV1().EndpointSlices("a").Create(ctx, oneEndpoint("a", name, fmt.Sprintf("10.244.1.%d", 5+i)), metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tc.inf.Start(ctx.Done())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = tc.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done; tc.inf.Shutdown() })
+	reconciles := func() map[string]float64 {
+		return promtest.Series(t, reg, "kube_service_tunnel_router_reconcile_duration_seconds")
+	}
+	waitUntil(t, "the initial resync", func() bool { return tc.Ready() })
+	// A Service created now: the queue is first in, first out, so had the
+	// initial events queued the three Services, they would be synced
+	// before this one.
+	if _, err := tc.client.CoreV1().Services("a").Create(ctx, tunnelSvc("a", "late", "192.0.2.20", time.Hour), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, "the late Service synced", func() bool { return reconciles()["kind=service"] >= 1 })
+	if got := reconciles(); got["kind=service"] != 1 || got["kind=resync"] != 1 {
+		t.Errorf("reconciles after start-up and one new Service: %v, want 1 resync and 1 service", got)
+	}
+}
+
+func waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }

@@ -83,6 +83,7 @@ type testController struct {
 	dp     *fakeProgrammer
 	events *record.FakeRecorder
 	inf    informers.SharedInformerFactory
+	client *fake.Clientset
 }
 
 func newTestController(t *testing.T, pools string) *testController {
@@ -102,7 +103,7 @@ func newTestController(t *testing.T, pools string) *testController {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &testController{Controller: c, dp: dp, events: events, inf: inf}
+	return &testController{Controller: c, dp: dp, events: events, inf: inf, client: client}
 }
 
 func (tc *testController) add(t *testing.T, objs ...any) {

@@ -3,6 +3,8 @@ package kubeobj
 import (
 	"fmt"
 	"strings"
+	"sync"
+	"unique"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -25,13 +27,18 @@ const AnnotationPrefix = "cmd.nu/"
 // of another type as it is (a tombstone, for example).
 
 // SlimService keeps a Service's identity, creation time, the daemons'
-// annotations, its spec and its status.loadBalancer.
+// annotations, the two fields of its spec they read (type and
+// loadBalancerClass, for the status they publish) and its
+// status.loadBalancer. A daemon that starts reading another field of the
+// spec adds it here (TestSlimServiceKeepsWhatTheDaemonsRead lists them).
 func SlimService(obj any) (any, error) {
 	svc, ok := obj.(*corev1.Service)
 	if !ok {
 		return obj, nil
 	}
-	slim := &corev1.Service{ObjectMeta: slimMeta(svc.ObjectMeta), Spec: svc.Spec}
+	slim := &corev1.Service{ObjectMeta: slimMeta(svc.ObjectMeta)}
+	slim.Spec.Type = corev1.ServiceType(unique.Make(string(svc.Spec.Type)).Value())
+	slim.Spec.LoadBalancerClass = svc.Spec.LoadBalancerClass
 	slim.Status.LoadBalancer = svc.Status.LoadBalancer
 	return slim, nil
 }
@@ -39,7 +46,8 @@ func SlimService(obj any) (any, error) {
 // SlimEndpointSlice keeps a slice's identity, labels (the Service it
 // belongs to), address type, and of each endpoint its addresses,
 // conditions, node and target Pod. The endpoints are copied into exactly
-// sized memory, and the conditions of all endpoints share three booleans.
+// sized memory, the conditions of all endpoints share three booleans, and
+// the endpoints of one node share one node name (see internNodeName).
 func SlimEndpointSlice(obj any) (any, error) {
 	es, ok := obj.(*discoveryv1.EndpointSlice)
 	if !ok {
@@ -54,9 +62,11 @@ func SlimEndpointSlice(obj any) (any, error) {
 		out.Conditions = discoveryv1.EndpointConditions{
 			Ready: sharedBool(ep.Conditions.Ready), Serving: sharedBool(ep.Conditions.Serving), Terminating: sharedBool(ep.Conditions.Terminating),
 		}
-		out.NodeName = ep.NodeName
+		out.NodeName = nodeNames.intern(ep.NodeName)
 		if ref := ep.TargetRef; ref != nil {
-			out.TargetRef = &corev1.ObjectReference{Kind: ref.Kind, Namespace: ref.Namespace, Name: ref.Name, UID: ref.UID}
+			out.TargetRef = &corev1.ObjectReference{
+				Kind: unique.Make(ref.Kind).Value(), Namespace: unique.Make(ref.Namespace).Value(), Name: ref.Name, UID: ref.UID,
+			}
 		}
 	}
 	return slim, nil
@@ -87,10 +97,11 @@ func SlimNode(obj any) (any, error) {
 }
 
 // slimMeta keeps an object's identity, creation and deletion times, and
-// the annotations under AnnotationPrefix.
+// the annotations under AnnotationPrefix. Objects of one namespace share
+// its name's bytes.
 func slimMeta(m metav1.ObjectMeta) metav1.ObjectMeta {
 	slim := metav1.ObjectMeta{
-		Name: m.Name, Namespace: m.Namespace, UID: m.UID, ResourceVersion: m.ResourceVersion,
+		Name: m.Name, Namespace: unique.Make(m.Namespace).Value(), UID: m.UID, ResourceVersion: m.ResourceVersion,
 		CreationTimestamp: m.CreationTimestamp, DeletionTimestamp: m.DeletionTimestamp,
 	}
 	for k, v := range m.Annotations {
@@ -102,6 +113,40 @@ func slimMeta(m metav1.ObjectMeta) metav1.ObjectMeta {
 		}
 	}
 	return slim
+}
+
+// nodeNames are the node names of the endpoints in the daemons' caches:
+// 100,000 endpoints on 100 nodes point at 100 strings, not at 100,000
+// copies (3 MB at 10,000 Services of 10 endpoints).
+var nodeNames = &stringPointers{limit: 1 << 16}
+
+// stringPointers interns pointers to strings: every pointer to an equal
+// string is replaced by one shared pointer. No one writes through a cached
+// object's pointers. Past limit distinct strings (node names of a cluster
+// that renamed its nodes many times over) it starts afresh: the pointers
+// handed out stay valid, later ones are merely not shared with them.
+type stringPointers struct {
+	mu    sync.Mutex
+	limit int
+	ptrs  map[string]*string
+}
+
+func (s *stringPointers) intern(p *string) *string {
+	if p == nil {
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if shared, ok := s.ptrs[*p]; ok {
+		return shared
+	}
+	if s.ptrs == nil || len(s.ptrs) >= s.limit {
+		s.ptrs = map[string]*string{}
+	}
+	shared := new(string)
+	*shared = unique.Make(*p).Value()
+	s.ptrs[*shared] = shared
+	return shared
 }
 
 var (

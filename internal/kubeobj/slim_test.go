@@ -43,7 +43,7 @@ func TestSlimServiceKeepsWhatTheDaemonsRead(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := &corev1.Service{ObjectMeta: wantMeta, Spec: full.Spec}
+	want := &corev1.Service{ObjectMeta: wantMeta, Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeLoadBalancer, LoadBalancerClass: ptr("cmd.nu/tunnel")}}
 	want.Labels = nil
 	want.Status.LoadBalancer = full.Status.LoadBalancer
 	if !equality.Semantic.DeepEqual(got, want) {
@@ -140,5 +140,39 @@ func TestSlimDispatchesByType(t *testing.T) {
 		if err != nil || !equality.Semantic.DeepEqual(got, want) {
 			t.Errorf("Slim(%T) = %+v, %v; want %+v", tc.obj, got, err, want)
 		}
+	}
+}
+
+// The endpoints of one node, in any slice, point at one node name.
+func TestSlimEndpointSliceSharesNodeNames(t *testing.T) {
+	slice := func(node string) *discoveryv1.EndpointSlice {
+		return &discoveryv1.EndpointSlice{Endpoints: []discoveryv1.Endpoint{{NodeName: ptr(node)}, {NodeName: ptr(node)}}}
+	}
+	a, _ := SlimEndpointSlice(slice("node-1"))
+	b, _ := SlimEndpointSlice(slice("node-1"))
+	other, _ := SlimEndpointSlice(slice("node-2"))
+	ea, eb, eo := a.(*discoveryv1.EndpointSlice).Endpoints, b.(*discoveryv1.EndpointSlice).Endpoints, other.(*discoveryv1.EndpointSlice).Endpoints
+	if ea[0].NodeName != ea[1].NodeName || ea[0].NodeName != eb[0].NodeName {
+		t.Error("endpoints of one node do not share its name")
+	}
+	if *eo[0].NodeName != "node-2" || *ea[0].NodeName != "node-1" {
+		t.Errorf("node names %q and %q, want node-1 and node-2", *ea[0].NodeName, *eo[0].NodeName)
+	}
+}
+
+// Past its limit the interner starts afresh; what it handed out stays right.
+func TestStringPointersLimit(t *testing.T) {
+	s := &stringPointers{limit: 2}
+	first := s.intern(ptr("a"))
+	s.intern(ptr("b"))
+	if s.intern(ptr("a")) != first {
+		t.Fatal("a second intern of a is not shared")
+	}
+	s.intern(ptr("c")) // the third distinct string: afresh
+	if len(s.ptrs) != 1 {
+		t.Fatalf("after the limit the interner holds %d strings, want 1", len(s.ptrs))
+	}
+	if *first != "a" || s.intern(nil) != nil {
+		t.Fatal("an interned pointer changed, or nil was interned")
 	}
 }
