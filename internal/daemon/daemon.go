@@ -7,6 +7,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"runtime/debug"
 
 	"github.com/bombsimon/logrusr/v4"
 	"github.com/sirupsen/logrus"
@@ -24,22 +25,39 @@ const EnvPrefix = "KST_"
 type Common struct {
 	Kubeconfig string
 	LogLevel   string
+	GCPercent  int
 }
+
+// DefaultGCPercent is --gc-percent: a collection once the heap has grown
+// 40% over what the last one left live (Go's default is 100%). Both daemons'
+// heaps are mostly their informer caches, which live as long as they do:
+// at 100% the router with 10,000 tunnel IPs held twice its live heap, at 40%
+// it holds 1.4 times, for collections that cost little at its allocation
+// rate. Calico's Felix makes the same choice (GOGC 40).
+const DefaultGCPercent = 40
 
 // AddFlags registers the common options on fs.
 func (c *Common) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig file; empty means in-cluster configuration")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "log level: debug, info, warn, error")
+	fs.IntVar(&c.GCPercent, "gc-percent", DefaultGCPercent, "Go garbage collector target (as GOGC): collect once the heap grew this many percent over the live heap; an explicit GOGC environment variable wins over the default")
 }
 
 // Parse parses args, applies the KST_* environment fallbacks, then fills
-// nodeName from NODE_NAME and the kubeconfig from KUBECONFIG when unset.
+// nodeName from NODE_NAME and the kubeconfig from KUBECONFIG when unset,
+// and sets the garbage collector's target (see DefaultGCPercent).
 func (c *Common) Parse(fs *flag.FlagSet, args []string, nodeName *string) error {
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	if err := flagenv.Apply(fs, EnvPrefix); err != nil {
 		return err
+	}
+	if c.GCPercent < 1 {
+		return fmt.Errorf("--gc-percent %d: must be at least 1 (GOGC=off is not an option for a daemon)", c.GCPercent)
+	}
+	if gcPercent, ok := c.gcPercent(fs); ok {
+		debug.SetGCPercent(gcPercent)
 	}
 	if *nodeName == "" {
 		*nodeName = os.Getenv("NODE_NAME")
@@ -48,6 +66,18 @@ func (c *Common) Parse(fs *flag.FlagSet, args []string, nodeName *string) error 
 		c.Kubeconfig = os.Getenv("KUBECONFIG")
 	}
 	return nil
+}
+
+// gcPercent is the garbage collector target to set, if any: --gc-percent
+// (or KST_GC_PERCENT) when given, else its default unless the GOGC
+// environment variable chose one for the Go runtime already.
+func (c *Common) gcPercent(fs *flag.FlagSet) (int, bool) {
+	given := false
+	fs.Visit(func(f *flag.Flag) { given = given || f.Name == "gc-percent" })
+	if _, gogc := os.LookupEnv("GOGC"); gogc && !given {
+		return 0, false
+	}
+	return c.GCPercent, true
 }
 
 // Logger returns a structured logger at --log-level, tagged with component.

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"errors"
 	"flag"
+	"io"
+	"runtime/debug"
 	"strings"
 	"testing"
 
@@ -63,5 +65,53 @@ func TestStart(t *testing.T) {
 	}
 	if _, _, _, _, err := Start("test-daemon", &startOptions{}, []string{"-log-level", "loud"}); err == nil || !strings.Contains(err.Error(), "--log-level") {
 		t.Fatalf("bad log level: %v", err)
+	}
+}
+
+// --gc-percent sets the collector's target; an explicit GOGC wins over its
+// default, not over the flag (or KST_GC_PERCENT) given.
+func TestGCPercent(t *testing.T) {
+	t.Cleanup(func() { debug.SetGCPercent(100) })
+	for _, tc := range []struct {
+		name       string
+		args       []string
+		env        map[string]string
+		want       int
+		wantChange bool
+	}{
+		{name: "default", want: DefaultGCPercent, wantChange: true},
+		{name: "flag", args: []string{"-gc-percent", "70"}, want: 70, wantChange: true},
+		{name: "KST_GC_PERCENT", env: map[string]string{"KST_GC_PERCENT": "55"}, want: 55, wantChange: true},
+		{name: "GOGC over the default", env: map[string]string{"GOGC": "200"}, wantChange: false},
+		{name: "flag over GOGC", args: []string{"-gc-percent", "30"}, env: map[string]string{"GOGC": "200"}, want: 30, wantChange: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			for k, v := range tc.env {
+				t.Setenv(k, v)
+			}
+			var c Common
+			var node string
+			fs := flag.NewFlagSet("test", flag.ContinueOnError)
+			c.AddFlags(fs)
+			debug.SetGCPercent(123)
+			if err := c.Parse(fs, tc.args, &node); err != nil {
+				t.Fatal(err)
+			}
+			got := debug.SetGCPercent(100)
+			switch {
+			case tc.wantChange && got != tc.want:
+				t.Errorf("GC percent %d, want %d", got, tc.want)
+			case !tc.wantChange && got != 123:
+				t.Errorf("GC percent changed to %d although GOGC chose it", got)
+			}
+		})
+	}
+	var c Common
+	var node string
+	fs := flag.NewFlagSet("test", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	c.AddFlags(fs)
+	if err := c.Parse(fs, []string{"-gc-percent", "0"}, &node); err == nil || !strings.Contains(err.Error(), "--gc-percent 0") {
+		t.Errorf("--gc-percent 0: %v, want an error naming the flag", err)
 	}
 }

@@ -116,8 +116,15 @@ func routerProcess(n int) error {
 		time.Sleep(200 * time.Millisecond)
 	}
 	took := time.Since(start)
-	time.Sleep(2 * time.Second) // let the worker settle after the informers' initial events
 	fmt.Printf("  tunnel-router start to all %d tunnel IPs x %d buckets programmed (informer sync, assignment, kernel): %v\n", n, *buckets, took.Round(time.Millisecond))
+	// The figure is the router at rest: after start-up it still records
+	// an event per Service (client-side rate limited) and its RSS moves
+	// with each collection until that is done.
+	settled, err := waitRest(cmd.Process.Pid, 2*time.Second, 3*time.Minute)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("  the router was idle (no CPU time for 2 s) %v after its start-up programming\n", settled.Round(100*time.Millisecond))
 	rss := procStatusKB(cmd.Process.Pid, "VmRSS")
 	fmt.Printf("memory %d tunnel IPs: router process RSS %.0f MB\n", n, float64(rss)/1000)
 	fmt.Printf("  (%d generations, %d endpoints each, informer caches of %d Services and EndpointSlices included; peak RSS during start-up %.0f MB)\n",
@@ -126,12 +133,16 @@ func routerProcess(n int) error {
 		float64(procStatusKB(cmd.Process.Pid, "RssAnon"))/1000, float64(procStatusKB(cmd.Process.Pid, "RssFile"))/1000)
 	// A real router is scraped: what a scrape of every series costs.
 	for i := range 3 {
-		size, took, err := scrapeMetrics(ns)
+		text, took, err := scrapeMetrics(ns)
 		if err != nil {
 			return fmt.Errorf("scraping the router's /metrics: %w", err)
 		}
 		fmt.Printf("  /metrics scrape %d (gzip, as Prometheus asks): %.1f MB of text in %v; router process RSS after it %.0f MB\n",
-			i+1, float64(size)/1e6, took.Round(time.Millisecond), float64(procStatusKB(cmd.Process.Pid, "VmRSS"))/1000)
+			i+1, float64(len(text))/1e6, took.Round(time.Millisecond), float64(procStatusKB(cmd.Process.Pid, "VmRSS"))/1000)
+		if i == 0 {
+			fmt.Printf("    (its Go heap at that scrape: %.0f MB in use, next collection at %.0f MB)\n",
+				metricValue(text, "go_memstats_heap_inuse_bytes")/1e6, metricValue(text, "go_memstats_next_gc_bytes")/1e6)
+		}
 	}
 	if *updates > 0 {
 		// ip netns exec execs the router: cmd's PID is the router's.
@@ -220,11 +231,11 @@ func createOne(ctx context.Context, cs kubernetes.Interface, ns string, i int) e
 
 // scrapeMetrics GETs the router's /metrics (on its default address, in its
 // network namespace) as Prometheus does, gzip accepted, and returns the
-// size of the uncompressed text and how long the scrape took.
-func scrapeMetrics(ns *namespace) (int64, time.Duration, error) {
+// uncompressed text and how long the scrape took.
+func scrapeMetrics(ns *namespace) ([]byte, time.Duration, error) {
 	th, err := startNSThread(ns)
 	if err != nil {
-		return 0, 0, err
+		return nil, 0, err
 	}
 	defer th.close()
 	transport := &http.Transport{DialContext: func(ctx context.Context, network, addr string) (conn net.Conn, err error) {
@@ -236,14 +247,44 @@ func scrapeMetrics(ns *namespace) (int64, time.Duration, error) {
 	start := time.Now()
 	resp, err := (&http.Client{Transport: transport, Timeout: time.Minute}).Get("http://127.0.0.1" + startup.DefaultMetricsAddress + "/metrics")
 	if err != nil {
-		return 0, 0, err
+		return nil, 0, err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return 0, 0, fmt.Errorf("/metrics: %s", resp.Status)
+		return nil, 0, fmt.Errorf("/metrics: %s", resp.Status)
 	}
-	n, err := io.Copy(io.Discard, resp.Body) // the transport gunzips it
-	return n, time.Since(start), err
+	text, err := io.ReadAll(resp.Body) // the transport gunzips it
+	return text, time.Since(start), err
+}
+
+// metricValue is the value of the series name without labels in a text
+// exposition (0 if absent).
+func metricValue(text []byte, name string) float64 {
+	for line := range strings.SplitSeq(string(text), "\n") {
+		if v, ok := strings.CutPrefix(line, name+" "); ok {
+			f, _ := strconv.ParseFloat(v, 64)
+			return f
+		}
+	}
+	return 0
+}
+
+// waitRest waits until process pid has used no CPU time for quiet, at
+// most max, and returns how long it waited.
+func waitRest(pid int, quiet, max time.Duration) (time.Duration, error) {
+	start := time.Now()
+	last, _ := procActivity(pid)
+	idleSince := time.Now()
+	for time.Since(idleSince) < quiet {
+		if time.Since(start) > max {
+			return 0, fmt.Errorf("router still busy %v after start-up", max)
+		}
+		time.Sleep(250 * time.Millisecond)
+		if now, _ := procActivity(pid); now != last {
+			last, idleSince = now, time.Now()
+		}
+	}
+	return time.Since(start), nil
 }
 
 // procStatusKB reads a kB field of /proc/PID/status (0 if unknown).
