@@ -388,3 +388,28 @@ func TestControllerCallsAfterResyncHook(t *testing.T) {
 		t.Errorf("hook ran %d times after 2 resyncs, want 2", calls)
 	}
 }
+
+// A Pod's drain annotation queues the Services whose slices list the Pod,
+// wherever the slice is (a targetRef may name another namespace), and no
+// other.
+func TestControllerQueuesTheServicesOfAnAnnotatedPod(t *testing.T) {
+	tc := newTestController(t, "192.0.2.0/24")
+	withPod := func(ns, svc, podNS, pod string) *discoveryv1.EndpointSlice {
+		es := oneEndpoint(ns, svc, "10.244.1.5")
+		es.Endpoints[0].TargetRef = &corev1.ObjectReference{Kind: "Pod", Namespace: podNS, Name: pod}
+		return es
+	}
+	tc.add(t, withPod("a", "web", "", "p1"), withPod("b", "other", "a", "p1"), withPod("a", "shop", "", "p2"))
+	tc.listing.Store(true) // as after the initial resync began
+	tc.enqueuePodServices(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "a", Name: "p1"}})
+	var got []string
+	for tc.queue.Len() > 0 {
+		key, _ := tc.queue.Get()
+		got = append(got, key.Object)
+		tc.queue.Done(key)
+	}
+	slices.Sort(got)
+	if want := []string{"a/web", "b/other"}; !slices.Equal(got, want) {
+		t.Errorf("queued %v for pod a/p1, want %v", got, want)
+	}
+}
