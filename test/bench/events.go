@@ -104,7 +104,9 @@ func eventToDatapath(ctx context.Context, cs kubernetes.Interface, ns *namespace
 			return err
 		}
 		pod := netip.AddrFrom4([4]byte{10, 250, byte(k >> 8), byte(k)})
-		es.Endpoints[k%len(es.Endpoints)].Addresses = []string{pod.String()}
+		replaced := &es.Endpoints[k%len(es.Endpoints)]
+		replaced.Addresses = []string{pod.String()}
+		replaced.TargetRef = benchPodRef(fmt.Sprintf("new-%d", k))
 		var addrs []netip.Addr
 		for _, ep := range es.Endpoints {
 			addrs = append(addrs, netip.MustParseAddr(ep.Addresses[0]))

@@ -9,6 +9,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
+
 	"github.com/vishvananda/netlink"
 	"golang.org/x/net/ipv4"
 	"golang.org/x/sys/unix"
@@ -242,7 +244,13 @@ func (t *fwdTopology) measure(g *generator, warmup, d time.Duration) (float64, e
 // written with the iptables binary named. The canonical run prints the
 // issue's line form; another backend's lines name it.
 func forwarding(counts []int, iptablesBinary string, canonical bool) error {
-	cfg := config(sinkDev)
+	return forwardingWith(config(sinkDev), counts, iptablesBinary, canonical)
+}
+
+// forwardingWith is forwarding with the router configuration cfg; a
+// configuration of another number of generations than the benchmark's
+// prints its lines with it.
+func forwardingWith(cfg datapath.Config, counts []int, iptablesBinary string, canonical bool) error {
 	topo, err := newFwdTopology("")
 	if err != nil {
 		return err
@@ -260,6 +268,10 @@ func forwarding(counts []int, iptablesBinary string, canonical bool) error {
 	with := ""
 	if !canonical {
 		with = " with " + iptablesBinary
+	}
+	if cfg.Generations != *generations {
+		with += fmt.Sprintf(" with --generations=%d", cfg.Generations)
+		canonical = false
 	}
 	fmt.Printf("\nforwarding%s: 64-byte UDP, %d source ports, client netns -> router netns -> sink netns over veth,\n", with, senderPorts)
 	fmt.Printf("one sending thread pinned to one CPU (the whole path runs in its softirq); the best of %d rounds of %v,\n", *fwdRounds, *fwdDuration)

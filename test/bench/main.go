@@ -28,6 +28,7 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"slices"
 	"strings"
 	"time"
 
@@ -45,6 +46,7 @@ var (
 	fwdDuration  = flag.Duration("forward-duration", 4*time.Second, "measuring time per forwarding point")
 	fwdWarmup    = flag.Duration("forward-warmup", time.Second, "traffic sent before each forwarding point is measured")
 	fwdBackends  = flag.String("forward-iptables", "iptables,iptables-legacy", "iptables binaries the forwarding figure's router writes its chains with, comma-separated: the first (the host's default) prints the canonical lines, each other one its own")
+	fwdStateless = flag.Bool("forward-stateless", true, "also measure forwarding with --generations=1 (no conntrack) on the first backend, at the first and last count")
 	fwdRounds    = flag.Int("forward-rounds", 3, "measurements per forwarding point; the best is reported (the others are printed)")
 	manyTunnels  = flag.Int("many-pods-tunnels", 10000, "tunnel IPs of the programming-with-many-pods figure (0 skips it)")
 	manyPods     = flag.Int("many-pods", 5000, "distinct pods of the programming-with-many-pods figure")
@@ -165,6 +167,17 @@ func run() error {
 				}
 			}
 			if err := forwarding(fwdCounts, backend, i == 0); err != nil {
+				return err
+			}
+		}
+		if *fwdStateless && *generations > 1 {
+			// The stateless mode (no conntrack, no draining) on the host's
+			// backend, at 1 tunnel IP and the largest count: what the
+			// sticky generations' conntrack costs.
+			stateless := config(sinkDev)
+			stateless.Generations = 1
+			counts := []int{fwdCounts[0], fwdCounts[len(fwdCounts)-1]}
+			if err := forwardingWith(stateless, slices.Compact(counts), strings.Split(*fwdBackends, ",")[0], true); err != nil {
 				return err
 			}
 		}

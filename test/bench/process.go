@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io"
@@ -19,6 +20,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes"
 
@@ -220,8 +222,12 @@ func createOne(ctx context.Context, cs kubernetes.Interface, ns string, i int) e
 	for e := range *endpointsPer {
 		p := endpointPods(i, *podPool)[e]
 		node := fmt.Sprintf("node-%d", p%8)
+		// As the EndpointSlice controller writes them: the Pod named, all
+		// three conditions.
+		ready, terminating := true, false
 		es.Endpoints = append(es.Endpoints, discoveryv1.Endpoint{
-			Addresses: []string{podIP(p).String()}, NodeName: &node})
+			Addresses: []string{podIP(p).String()}, NodeName: &node, TargetRef: benchPodRef(fmt.Sprintf("pod-%d", p)),
+			Conditions: discoveryv1.EndpointConditions{Ready: &ready, Serving: &ready, Terminating: &terminating}})
 	}
 	if _, err := cs.DiscoveryV1().EndpointSlices(ns).Create(ctx, es, metav1.CreateOptions{}); err != nil {
 		return fmt.Errorf("endpointslice %s: %w", name, err)
@@ -285,6 +291,13 @@ func waitRest(pid int, quiet, max time.Duration) (time.Duration, error) {
 		}
 	}
 	return time.Since(start), nil
+}
+
+// benchPodRef is an endpoint's targetRef to the Pod name in the benchmark's
+// namespace, with a UID as long as a real one.
+func benchPodRef(name string) *corev1.ObjectReference {
+	sum := sha256.Sum256([]byte(name))
+	return &corev1.ObjectReference{Kind: "Pod", Namespace: benchNamespace, Name: name, UID: types.UID(fmt.Sprintf("%x-%x-%x-%x-%x", sum[0:4], sum[4:6], sum[6:8], sum[8:10], sum[10:16]))}
 }
 
 // procStatusKB reads a kB field of /proc/PID/status (0 if unknown).
