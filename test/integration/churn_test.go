@@ -228,7 +228,7 @@ func (g *gatedProgrammer) RemoveTunnel(vip netip.Addr) error {
 
 // TestChurnRouterIdleOnceRunReturns stops the router's controller while its
 // worker is inside a datapath call, with the keys of its other Services
-// (its informers' initial adds) still queued: Run must not return before
+// (changed after its start) still queued: Run must not return before
 // that call is over, and once it has returned the controller must not touch
 // the datapath any more (a caller may then clean it up, or hand it to a new
 // controller).
@@ -248,7 +248,29 @@ func TestChurnRouterIdleOnceRunReturns(t *testing.T) {
 	}
 	gate := &gatedProgrammer{recorder: newRecorder(), entered: make(chan struct{}), release: make(chan struct{})}
 	r := runRouter(t, cfg, routerConfig(t), gate)
-	<-gate.entered // the worker is inside a datapath call
+	// The informers' initial adds queue nothing (the initial resync covers
+	// them): change the slices until the worker syncs one Service (the
+	// gate holds it inside that datapath call), then once more, so that
+	// the other Services' keys are queued behind it.
+	touch := func(round int) {
+		for i := range 50 {
+			name := fmt.Sprintf("svc-%02d", i)
+			applySlice(t, cs, ns, name, name+"-1", ep{addr: fmt.Sprintf("10.244.%d.%d", 20+round%200, i+1), node: "elsewhere"})
+		}
+	}
+	deadline := time.After(time.Minute)
+	round := 1
+	for entered := false; !entered; round++ {
+		touch(round)
+		select {
+		case <-gate.entered: // the worker is inside a datapath call
+			entered = true
+		case <-time.After(200 * time.Millisecond):
+		case <-deadline:
+			t.Fatal("the router synced no Service in a minute of changes")
+		}
+	}
+	touch(round)
 	r.cancel()
 	select {
 	case <-r.done:
