@@ -175,19 +175,27 @@ const idleWindow = 60 * time.Millisecond
 // waitIdle waits until process pid has been idle for idleWindow and returns
 // when it last did something (at most 60 s).
 func waitIdle(pid int) time.Time {
+	last, _ := idleFor(pid, idleWindow, time.Minute)
+	return last
+}
+
+// idleFor waits until process pid has used no CPU time and had no child
+// process for window, at most max. It returns when the process last did
+// something, and whether it was idle for window before max.
+func idleFor(pid int, window, max time.Duration) (time.Time, bool) {
 	last, lastTicks := time.Now(), uint64(0)
-	for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+	for deadline := time.Now().Add(max); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
 		ticks, children := procActivity(pid)
 		now := time.Now()
 		if ticks != lastTicks || children {
 			last, lastTicks = now, ticks
 			continue
 		}
-		if now.Sub(last) >= idleWindow {
-			break
+		if now.Sub(last) >= window {
+			return last, true
 		}
 	}
-	return last
+	return last, false
 }
 
 // procActivity returns the CPU ticks process pid used (utime+stime) and

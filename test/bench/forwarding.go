@@ -271,7 +271,6 @@ func forwardingWith(cfg datapath.Config, counts []int, iptablesBinary string, ca
 	}
 	if cfg.Generations != *generations {
 		with += fmt.Sprintf(" with --generations=%d", cfg.Generations)
-		canonical = false
 	}
 	fmt.Printf("\nforwarding%s: 64-byte UDP, %d source ports, client netns -> router netns -> sink netns over veth,\n", with, senderPorts)
 	fmt.Printf("one sending thread pinned to one CPU (the whole path runs in its softirq); the best of %d rounds of %v,\n", *fwdRounds, *fwdDuration)

@@ -122,11 +122,11 @@ func routerProcess(n int) error {
 	// The figure is the router at rest: after start-up it still records
 	// an event per Service (client-side rate limited) and its RSS moves
 	// with each collection until that is done.
-	settled, err := waitRest(cmd.Process.Pid, 2*time.Second, 3*time.Minute)
-	if err != nil {
-		return err
+	waitStart := time.Now()
+	if _, ok := idleFor(cmd.Process.Pid, 2*time.Second, 3*time.Minute); !ok {
+		return errors.New("router still busy 3 minutes after its start-up programming")
 	}
-	fmt.Printf("  the router was idle (no CPU time for 2 s) %v after its start-up programming\n", settled.Round(100*time.Millisecond))
+	fmt.Printf("  the router was idle (no CPU time, no child process for 2 s) %v after its start-up programming\n", time.Since(waitStart).Round(100*time.Millisecond))
 	rss := procStatusKB(cmd.Process.Pid, "VmRSS")
 	fmt.Printf("memory %d tunnel IPs: router process RSS %.0f MB\n", n, float64(rss)/1000)
 	fmt.Printf("  (%d generations, %d endpoints each, informer caches of %d Services and EndpointSlices included; peak RSS during start-up %.0f MB)\n",
@@ -273,24 +273,6 @@ func metricValue(text []byte, name string) float64 {
 		}
 	}
 	return 0
-}
-
-// waitRest waits until process pid has used no CPU time for quiet, at
-// most max, and returns how long it waited.
-func waitRest(pid int, quiet, max time.Duration) (time.Duration, error) {
-	start := time.Now()
-	last, _ := procActivity(pid)
-	idleSince := time.Now()
-	for time.Since(idleSince) < quiet {
-		if time.Since(start) > max {
-			return 0, fmt.Errorf("router still busy %v after start-up", max)
-		}
-		time.Sleep(250 * time.Millisecond)
-		if now, _ := procActivity(pid); now != last {
-			last, idleSince = now, time.Now()
-		}
-	}
-	return time.Since(start), nil
 }
 
 // benchPodRef is an endpoint's targetRef to the Pod name in the benchmark's
