@@ -11,8 +11,12 @@ export KST_ASSETS_DIR ?= $(HOME)/.cache/kube-service-tunnel/assets
 help: ## show this help
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
+# The project's version: the images' tag and what --version prints.
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
+LDFLAGS := -s -w -X github.com/cmdnu/kube-service-tunnel/internal/version.Version=$(VERSION)
+
 build: ## build static binaries into bin/
-	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/ ./cmd/...
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(LDFLAGS)" -o $(BIN)/ ./cmd/...
 
 # Debian packages the tests need: iptables and iproute2 for the datapath; a
 # real Docker engine and containerd (with runc, the CNI loopback plugin and a

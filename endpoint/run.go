@@ -11,6 +11,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/kernelcheck"
+	"github.com/cmdnu/kube-service-tunnel/internal/version"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 )
 
@@ -42,7 +43,7 @@ func Main(args []string) error {
 	}
 	defer locator.Close()
 	entry.WithFields(logrus.Fields{
-		"mode": o.Mode, "node": o.NodeName, "runtime": how, "device": o.Device,
+		"version": version.String(), "mode": o.Mode, "node": o.NodeName, "runtime": how, "device": o.Device,
 		"pod_advmss": o.PodAdvMSS, "route_protocol": o.RouteProtocol,
 	}).Info("starting endpoint agent")
 	daemon.LogPolicy(entry, o.Policy)

@@ -16,6 +16,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/flagenv"
+	"github.com/cmdnu/kube-service-tunnel/internal/version"
 )
 
 // EnvPrefix prefixes the environment variable of every flag.
@@ -26,6 +27,8 @@ type Common struct {
 	Kubeconfig string
 	LogLevel   string
 	GCPercent  int
+	// PrintVersion makes Parse print the version and return flag.ErrHelp.
+	PrintVersion bool
 }
 
 // DefaultGCPercent is --gc-percent: a collection once the heap has grown
@@ -40,15 +43,22 @@ const DefaultGCPercent = 40
 func (c *Common) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig file; empty means in-cluster configuration")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "log level: debug, info, warn, error")
+	fs.BoolVar(&c.PrintVersion, "version", false, "print the version and exit")
 	fs.IntVar(&c.GCPercent, "gc-percent", DefaultGCPercent, "Go garbage collector target (as GOGC): collect once the heap grew this many percent over the live heap; an explicit GOGC environment variable wins over the default")
 }
 
 // Parse parses args, applies the KST_* environment fallbacks, then fills
 // nodeName from NODE_NAME and the kubeconfig from KUBECONFIG when unset,
-// and sets the garbage collector's target (see DefaultGCPercent).
+// and sets the garbage collector's target (see DefaultGCPercent). With
+// --version it prints "NAME VERSION" to standard output and returns
+// flag.ErrHelp, before any validation.
 func (c *Common) Parse(fs *flag.FlagSet, args []string, nodeName *string) error {
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if c.PrintVersion {
+		fmt.Println(fs.Name(), version.String())
+		return flag.ErrHelp
 	}
 	if err := flagenv.Apply(fs, EnvPrefix); err != nil {
 		return err

@@ -115,3 +115,16 @@ func TestGCPercent(t *testing.T) {
 		t.Errorf("--gc-percent 0: %v, want an error naming the flag", err)
 	}
 }
+
+// --version answers before any validation: the router's missing --seed or a
+// bad --gc-percent must not hide it.
+func TestVersionFlagStopsBeforeValidation(t *testing.T) {
+	var c Common
+	var node string
+	fs := flag.NewFlagSet("test", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	c.AddFlags(fs)
+	if err := c.Parse(fs, []string{"--version", "--gc-percent", "0"}, &node); !errors.Is(err, flag.ErrHelp) {
+		t.Errorf("--version: %v, want flag.ErrHelp (printed, exit 0)", err)
+	}
+}

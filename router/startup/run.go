@@ -25,6 +25,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/kernelcheck"
 	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
+	"github.com/cmdnu/kube-service-tunnel/internal/version"
 	"github.com/cmdnu/kube-service-tunnel/router"
 	"github.com/cmdnu/kube-service-tunnel/router/bgp"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
@@ -72,7 +73,7 @@ func Main(args []string) error {
 	}
 	first, last := o.NextHopIDs()
 	entry.WithFields(logrus.Fields{
-		"mode": o.Mode, "buckets": o.Buckets, "seed_fingerprint": hmark.SeedFingerprint(o.Seed),
+		"version": version.String(), "mode": o.Mode, "buckets": o.Buckets, "seed_fingerprint": hmark.SeedFingerprint(o.Seed),
 		"generations": o.Generations, "mark_offset": fmt.Sprintf("%#x", o.MarkOffset),
 		"rule_priorities": func() string {
 			guard, target := o.GuardRules()
