@@ -59,7 +59,9 @@ type Probes struct {
 	nl      *netlink.Handle
 	ipt     *iptables.IPTables
 	iptErr  error
-	suffix  string
+	// iptables is the iptables binary (WithIPTables).
+	iptables string
+	suffix   string
 	// leftovers are probe objects that could not be removed.
 	leftovers []error
 }
@@ -70,8 +72,8 @@ var _ Kernel = (*Probes)(nil)
 // without the privilege to create one (CAP_SYS_ADMIN), in the caller's own
 // namespace, with names that meet nothing there, removed at once. Close
 // releases them.
-func Open() (*Probes, error) {
-	p, err := newProbes()
+func Open(opts ...Option) (*Probes, error) {
+	p, err := newProbes(opts)
 	if err != nil {
 		return nil, err
 	}
@@ -84,8 +86,8 @@ func Open() (*Probes, error) {
 // OpenIn prepares probes that run in place in the namespace ns, which the
 // caller keeps open, as in the caller's own namespace (the probes change no
 // sysctl there).
-func OpenIn(ns netns.NsHandle) (*Probes, error) {
-	p, err := newProbes()
+func OpenIn(ns netns.NsHandle, opts ...Option) (*Probes, error) {
+	p, err := newProbes(opts)
 	if err != nil {
 		return nil, err
 	}
@@ -93,12 +95,26 @@ func OpenIn(ns netns.NsHandle) (*Probes, error) {
 	return p.open()
 }
 
-func newProbes() (*Probes, error) {
+// Option changes how probes run.
+type Option func(*Probes)
+
+// WithIPTables makes the probes run iptables rules with binary (a name on
+// PATH or a path, e.g. "iptables-legacy") instead of "iptables": the
+// backend the daemon writes its rules with.
+func WithIPTables(binary string) Option {
+	return func(p *Probes) { p.iptables = binary }
+}
+
+func newProbes(opts []Option) (*Probes, error) {
 	b := make([]byte, 3)
 	if _, err := rand.Read(b); err != nil {
 		return nil, fmt.Errorf("kernel check: random name: %w", err)
 	}
-	return &Probes{ns: netns.None(), suffix: hex.EncodeToString(b)}, nil
+	p := &Probes{ns: netns.None(), suffix: hex.EncodeToString(b), iptables: "iptables"}
+	for _, o := range opts {
+		o(p)
+	}
+	return p, nil
 }
 
 func (p *Probes) open() (*Probes, error) {
@@ -118,7 +134,7 @@ func (p *Probes) open() (*Probes, error) {
 			return nil, err
 		}
 	}
-	p.ipt, p.iptErr = iptables.New()
+	p.ipt, p.iptErr = iptables.New(iptables.Path(p.iptables))
 	return p, nil
 }
 
@@ -449,11 +465,11 @@ func (p *Probes) LoadModule(name string) error {
 
 // Verify probes checks and logs the outcome: one error line per missing
 // feature. It returns Run's error.
-func Verify(checks []Check, log logrus.FieldLogger) error {
+func Verify(checks []Check, log logrus.FieldLogger, opts ...Option) error {
 	if len(checks) == 0 {
 		return nil
 	}
-	p, err := Open()
+	p, err := Open(opts...)
 	if err != nil {
 		return err
 	}

@@ -9,6 +9,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
+	"github.com/cmdnu/kube-service-tunnel/internal/iptbackend"
 	"github.com/cmdnu/kube-service-tunnel/router"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 )
@@ -27,7 +28,10 @@ type Options struct {
 	BGPConfig string
 	// MetricsAddress is where /metrics, /healthz and /readyz are served; empty: nowhere.
 	MetricsAddress string
-	seed           string
+	// IPTablesBackend is the iptables backend to write rules with, or
+	// iptbackend.Auto to detect the node's.
+	IPTablesBackend iptbackend.Backend
+	seed            string
 }
 
 // DefaultMetricsAddress is the router's default --metrics-address.
@@ -62,6 +66,12 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.NodeName, "node-name", "", "name of this node, used as the event source (env NODE_NAME)")
 	fs.StringVar(&o.BGPConfig, "bgp-config", "", "BGP configuration file (YAML): announce the served tunnel IPs to these peers; empty disables BGP")
 	fs.StringVar(&o.MetricsAddress, "metrics-address", DefaultMetricsAddress, "address serving /metrics, /healthz and /readyz; empty disables")
+	o.IPTablesBackend = iptbackend.Auto
+	fs.Func("iptables-backend", `iptables backend for the router's rules: "auto" (the node's: where kubelet's or the router's own chains are, else the one with more rules, else nft), "nft", "legacy", or "system" (the iptables command on PATH) (default "auto")`, func(s string) error {
+		b, err := iptbackend.Parse(s)
+		o.IPTablesBackend = b
+		return err
+	})
 	fs.BoolVar(&o.Cleanup, "cleanup", false, "remove every rule, route, chain and device the router owns, then exit")
 }
 

@@ -22,6 +22,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
+	"github.com/cmdnu/kube-service-tunnel/internal/iptbackend"
 	"github.com/cmdnu/kube-service-tunnel/internal/kernelcheck"
 	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
@@ -49,17 +50,23 @@ func Main(args []string) error {
 			return fmt.Errorf("BGP needs the node's address for its router ID and next hop: set --node-name (NODE_NAME), or routerID and nextHop in %s", o.BGPConfig)
 		}
 	}
+	backend, err := iptbackend.Choose(o.IPTablesBackend, o.Chain, iptbackend.Host)
+	if err != nil {
+		return err
+	}
+	iptablesBinary := backend.Backend.Binary("iptables")
+	entry.WithFields(logrus.Fields{"backend": backend.Backend, "iptables": iptablesBinary, "why": backend.Reason}).Info("iptables backend chosen")
 	// Before any kernel state is touched; cleanup must work on any kernel.
 	if !o.Cleanup {
 		checks := kernelcheck.Router(kernelcheck.RouterParams{Mode: o.Mode, CreateGREDevice: o.CreateDevice, Generations: o.Generations})
-		if err := kernelcheck.Verify(checks, entry); err != nil {
+		if err := kernelcheck.Verify(checks, entry, kernelcheck.WithIPTables(iptablesBinary)); err != nil {
 			return fmt.Errorf("kernel check (--mode %s): %w", o.Mode, err)
 		}
 	}
 
 	reg := daemon.NewRegistry()
 	meter := metrics.NewMetrics(reg)
-	dp, chain, closeKernel, err := openDatapath(o.Config.Config, o.CreateDevice, meter, entry)
+	dp, chain, closeKernel, err := openDatapath(o.Config.Config, o.CreateDevice, iptablesBinary, meter, entry)
 	if err != nil {
 		return err
 	}
@@ -168,7 +175,7 @@ func followNode(factory informers.SharedInformerFactory, name string, speaker *b
 // openDatapath opens the kernel seams of the current network namespace;
 // metrics counts the writes that go through them. It also returns the HMARK
 // chain, whose rules' counters are read at each scrape.
-func openDatapath(cfg datapath.Config, createDevice bool, meter *metrics.Metrics, log logrus.FieldLogger) (*datapath.Datapath, *hmark.Chain, func(), error) {
+func openDatapath(cfg datapath.Config, createDevice bool, iptablesBinary string, meter *metrics.Metrics, log logrus.FieldLogger) (*datapath.Datapath, *hmark.Chain, func(), error) {
 	handle, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("netlink handle: %w", err)
@@ -185,16 +192,16 @@ func openDatapath(cfg datapath.Config, createDevice bool, meter *metrics.Metrics
 		return nil, nil, nil, fmt.Errorf("netfilter netlink handle (ipsets): %w", err)
 	}
 	closeAll := func() { routes.Close(); handle.Close(); sets.Close() }
-	ipt, err := iptables.New()
+	ipt, err := iptables.New(iptables.Path(iptablesBinary))
 	if err != nil {
 		closeAll()
-		return nil, nil, nil, fmt.Errorf("iptables (is the iptables package installed?): %w", err)
+		return nil, nil, nil, fmt.Errorf("%s (is the iptables package installed?): %w", iptablesBinary, err)
 	}
-	// iptables.New() runs "iptables" (IPv4): its restorer is
-	// iptables-restore.
+	// Rules are read with iptablesBinary and written with its restore
+	// command: the same backend.
 	chain, err := hmark.NewChain(meter.IPTables(ipt), meter.IPSets(sets), cfg.Chain,
 		cfg.HMARKParams(),
-		meter.Restorer(hmark.NewExecRestorer("iptables")))
+		meter.Restorer(hmark.NewExecRestorer(iptablesBinary)))
 	if err != nil {
 		closeAll()
 		return nil, nil, nil, err
