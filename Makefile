@@ -6,7 +6,7 @@ PKGS := ./...
 # Where slow-to-build test assets (kube-apiserver, etcd) are cached.
 export KST_ASSETS_DIR ?= $(HOME)/.cache/kube-service-tunnel/assets
 
-.PHONY: help build test unit integration e2e bench lint demo docs deps assets clean
+.PHONY: help build image manifest test unit integration e2e bench lint demo docs deps assets clean
 
 help: ## show this help
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -18,14 +18,24 @@ LDFLAGS := -s -w -X github.com/cmdnu/kube-service-tunnel/internal/version.Versio
 build: ## build static binaries into bin/
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(LDFLAGS)" -o $(BIN)/ ./cmd/...
 
+# Image name prefix: a registry and path of yours (make manifest REGISTRY=...).
+REGISTRY ?= kube-service-tunnel
+
+image: build ## both daemons' container images, offline from Debian's packages, into bin/images/*.tar (tag: VERSION)
+	$(GO) run ./internal/image/mkimage build -version $(VERSION) -registry $(REGISTRY)
+
+manifest: ## bin/tunnel-router.yaml and bin/tunnel-uninstall.yaml naming the images of this VERSION under REGISTRY
+	$(GO) run ./internal/image/mkimage manifest -version $(VERSION) -registry $(REGISTRY)
+
 # Debian packages the tests need: iptables and iproute2 for the datapath; a
 # real Docker engine and containerd (with runc, the CNI loopback plugin and a
-# static busybox for the images) for the endpoint agent's runtime lookups.
-APT_PACKAGES := iptables iproute2 util-linux docker.io containerd runc containernetworking-plugins busybox-static bird2
+# static busybox for the images) for the endpoint agent's runtime lookups;
+# skopeo to check that the built images copy.
+APT_PACKAGES := iptables iproute2 util-linux docker.io containerd runc containernetworking-plugins busybox-static bird2 skopeo
 
 deps: ## install the Debian packages the tests need (iptables, iproute2, docker.io, containerd, ...)
 	@if ! { command -v iptables && command -v ip && command -v nsenter && command -v dockerd && command -v containerd \
-		&& command -v runc && test -x /usr/lib/cni/loopback && dpkg -s busybox-static && command -v bird && command -v birdc; } >/dev/null 2>&1; then \
+		&& command -v runc && command -v skopeo && test -x /usr/lib/cni/loopback && dpkg -s busybox-static && command -v bird && command -v birdc; } >/dev/null 2>&1; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(APT_PACKAGES); fi
 
 assets: ## build and cache a real kube-apiserver and etcd, and the VM lab's kernel

@@ -20,6 +20,8 @@ type Options struct {
 	RuntimeEndpoint string
 	// Cleanup removes everything the agent created on this node and exits.
 	Cleanup bool
+	// WaitAfterCleanup makes a successful Cleanup wait for SIGTERM.
+	WaitAfterCleanup bool
 	// MetricsAddress is where /metrics, /healthz and /readyz are served; empty: nowhere.
 	MetricsAddress string
 }
@@ -61,6 +63,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	o.Common.AddFlags(fs)
 	fs.StringVar(&o.MetricsAddress, "metrics-address", DefaultMetricsAddress, "address serving /metrics, /healthz and /readyz; empty disables")
 	fs.BoolVar(&o.Cleanup, "cleanup", false, "remove everything the agent created in this node's pods and namespace, then exit")
+	fs.BoolVar(&o.WaitAfterCleanup, "wait-after-cleanup", false, "with --cleanup: once done, wait for SIGTERM instead of exiting (the uninstall DaemonSet's pods stay Ready once their node is clean)")
 }
 
 // Parse parses args, applies the KST_* environment fallbacks and validates.

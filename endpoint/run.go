@@ -30,7 +30,12 @@ func Main(args []string) error {
 	}
 	defer nodeNS.Close()
 	if o.Cleanup {
-		return Cleanup(o.Config, nodeNS, entry)
+		if err := Cleanup(o.Config, nodeNS, entry); err != nil || !o.WaitAfterCleanup {
+			return err
+		}
+		entry.Info("node clean: waiting for SIGTERM (--wait-after-cleanup)")
+		<-ctx.Done()
+		return nil
 	}
 	// Before any kernel state is touched; cleanup must work on any kernel.
 	if err := kernelcheck.Verify(kernelcheck.Endpoint(o.Mode), entry); err != nil {
