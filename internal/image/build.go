@@ -9,6 +9,20 @@ import (
 	"time"
 )
 
+// DefaultCache is where the Debian packages are cached: beside the other
+// test assets, in $KST_ASSETS_DIR or ~/.cache/kube-service-tunnel/assets.
+func DefaultCache() string {
+	dir := os.Getenv("KST_ASSETS_DIR")
+	if dir == "" {
+		home, err := os.UserHomeDir()
+		if err != nil {
+			home = os.TempDir()
+		}
+		dir = filepath.Join(home, ".cache", "kube-service-tunnel", "assets")
+	}
+	return filepath.Join(dir, "debian-packages")
+}
+
 // Options are what BuildAll builds from and where it writes.
 type Options struct {
 	// BinDir holds the static binaries, built for Version.

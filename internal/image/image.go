@@ -85,9 +85,7 @@ func Build(s Spec) (v1.Image, error) {
 // ctr read the layout, older docker load the manifest.json. The archive is
 // reproducible: the same image gives the same bytes.
 func WriteArchive(archive, ref string, img v1.Image, modTime time.Time) error {
-	// docker.io, not index.docker.io: the name the CRI looks up for a
-	// Docker Hub-style reference such as kube-service-tunnel/NAME:TAG.
-	tag, err := name.NewTag(ref, name.WithDefaultRegistry("docker.io"))
+	tag, err := name.NewTag(ref)
 	if err != nil {
 		return fmt.Errorf("image name %q: %w", ref, err)
 	}
@@ -102,7 +100,7 @@ func WriteArchive(archive, ref string, img v1.Image, modTime time.Time) error {
 	}
 	if err := p.AppendImage(img, layout.WithAnnotations(map[string]string{
 		"org.opencontainers.image.ref.name": tag.TagStr(),
-		"io.containerd.image.name":          tag.Name(),
+		"io.containerd.image.name":          containerdName(tag),
 	})); err != nil {
 		return fmt.Errorf("writing %s: %w", ref, err)
 	}
@@ -114,6 +112,18 @@ func WriteArchive(archive, ref string, img v1.Image, modTime time.Time) error {
 		return err
 	}
 	return tarDirectory(archive, dir, modTime)
+}
+
+// containerdName is tag's full name as containerd and the CRI spell it:
+// a Docker Hub-style reference such as kube-service-tunnel/NAME:TAG is
+// docker.io/kube-service-tunnel/NAME:TAG (the library spells the registry
+// index.docker.io, under which kubelet would not find the image).
+func containerdName(tag name.Tag) string {
+	registry := tag.Context().RegistryStr()
+	if registry == name.DefaultRegistry {
+		registry = "docker.io"
+	}
+	return registry + "/" + tag.Context().RepositoryStr() + ":" + tag.TagStr()
 }
 
 // dockerManifest is docker load's manifest.json, pointing into blobs/.

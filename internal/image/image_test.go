@@ -270,3 +270,19 @@ func TestRenderManifest(t *testing.T) {
 		t.Errorf("a manifest without the endpoint image: %v, want an error naming it", err)
 	}
 }
+
+func TestContainerdName(t *testing.T) {
+	for ref, want := range map[string]string{
+		"kube-service-tunnel/tunnel-router:v1": "docker.io/kube-service-tunnel/tunnel-router:v1",
+		"registry.example:5000/kst/x:v2":       "registry.example:5000/kst/x:v2",
+		"busybox:1":                            "docker.io/library/busybox:1",
+	} {
+		tag, err := name.NewTag(ref)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := containerdName(tag); got != want {
+			t.Errorf("containerdName(%s) = %q, want %q", ref, got, want)
+		}
+	}
+}

@@ -23,6 +23,7 @@ import (
 	"k8s.io/client-go/kubernetes/scheme"
 
 	"github.com/cmdnu/kube-service-tunnel/endpoint"
+	"github.com/cmdnu/kube-service-tunnel/internal/image"
 	"github.com/cmdnu/kube-service-tunnel/router/startup"
 	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
 )
@@ -192,6 +193,23 @@ func checkDaemon(t *testing.T, m manifest, name string, metricsAddress string, e
 	if !slices.ContainsFunc(c.Ports, func(p corev1.ContainerPort) bool { return p.ContainerPort == int32(port) }) {
 		t.Errorf("%s: no containerPort %d (metrics)", name, port)
 	}
+	// make manifest sets the image: its placeholder here names the daemon's
+	// own image, and is used as imported (no pull, no :latest).
+	if want := image.Ref(image.DefaultRegistry, name, "set-by-make-manifest"); c.Image != want {
+		t.Errorf("%s: image %q, want the placeholder %q that make manifest replaces", name, c.Image, want)
+	}
+	if c.ImagePullPolicy != corev1.PullIfNotPresent {
+		t.Errorf("%s: imagePullPolicy %q, want IfNotPresent", name, c.ImagePullPolicy)
+	}
+	// The kernel check's modprobe needs the node's modules.
+	if hostPathFor(spec, c, "/lib/modules") == "" {
+		t.Errorf("%s: /lib/modules is not mounted from the host", name)
+	}
+	// Sysctls (the router's conntrack ones, the agent's per-device ones)
+	// need a writable /proc/sys: a runtime mounts its own read-only.
+	if hostPathFor(spec, c, "/proc/sys/net") == "" {
+		t.Errorf("%s: /proc/sys is not mounted from the host (writable) for the sysctls", name)
+	}
 	return ds, c
 }
 
@@ -243,12 +261,12 @@ func TestManifestProperties(t *testing.T) {
 		t.Errorf("router and endpoint agent default to the same metrics port %s", startup.DefaultMetricsAddress)
 	}
 
-	routerDS, _ := checkDaemon(t, m, "tunnel-router", startup.DefaultMetricsAddress, "NET_RAW")
+	routerDS, _ := checkDaemon(t, m, "tunnel-router", startup.DefaultMetricsAddress, "NET_RAW", "SYS_MODULE")
 	if sel := routerDS.Spec.Template.Spec.NodeSelector; len(sel) != 1 || sel["node"] != "tunnel" {
 		t.Errorf("tunnel-router nodeSelector %v, want node=tunnel", sel)
 	}
 
-	endpointDS, c := checkDaemon(t, m, "tunnel-endpoint", endpoint.DefaultMetricsAddress, "SYS_ADMIN", "SYS_PTRACE")
+	endpointDS, c := checkDaemon(t, m, "tunnel-endpoint", endpoint.DefaultMetricsAddress, "SYS_ADMIN", "SYS_PTRACE", "SYS_MODULE")
 	spec := endpointDS.Spec.Template.Spec
 	if !spec.HostPID {
 		t.Error("tunnel-endpoint: hostPID is off; the pods' namespaces are opened through their processes")
@@ -262,9 +280,6 @@ func TestManifestProperties(t *testing.T) {
 		if hostPathFor(spec, c, p) == "" {
 			t.Errorf("tunnel-endpoint: host path %s is not mounted at the same path", p)
 		}
-	}
-	if hostPathFor(spec, c, "/proc/sys/net") == "" {
-		t.Error("tunnel-endpoint: /proc/sys is not mounted from the host (writable) for the sysctls")
 	}
 }
 
@@ -282,6 +297,14 @@ func TestManifestServerSideDryRun(t *testing.T) {
 	}
 	if err := env.ApplyYAML(ctx, env.AdminConfig(), repoFile(t, "tunnel-router.yaml"), true); err != nil {
 		t.Fatalf("server-side dry-run apply of tunnel-router.yaml: %v", err)
+	}
+	// The uninstall DaemonSet, as make manifest renders it.
+	uninstall, err := image.RenderManifest(image.Uninstall, image.DefaultRegistry, "v0.0.0-test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := env.ApplyYAML(ctx, env.AdminConfig(), uninstall, true); err != nil {
+		t.Fatalf("server-side dry-run apply of the uninstall manifest: %v", err)
 	}
 	// It is rejected when broken, so that the check above can fail.
 	broken := bytes.Replace(repoFile(t, "tunnel-router.yaml"), []byte("containerPort: 9642"), []byte("containerPort: 96420"), 1)

@@ -37,7 +37,7 @@ func run(args []string) error {
 	case "build":
 		bin := fs.String("bin", "bin", "directory with the static binaries (make build)")
 		out := fs.String("out", "bin/images", "directory to write NAME.tar into")
-		cache := fs.String("cache", defaultCache(), "directory caching the Debian packages")
+		cache := fs.String("cache", image.DefaultCache(), "directory caching the Debian packages")
 		if err := parse(fs, args[1:]); err != nil {
 			return err
 		}
@@ -80,15 +80,6 @@ func parse(fs *flag.FlagSet, args []string) error {
 		return errors.New("-version is required")
 	}
 	return nil
-}
-
-func defaultCache() string {
-	dir := os.Getenv("KST_ASSETS_DIR")
-	if dir == "" {
-		home, _ := os.UserHomeDir()
-		dir = filepath.Join(home, ".cache", "kube-service-tunnel", "assets")
-	}
-	return filepath.Join(dir, "debian-packages")
 }
 
 // sourceDate is the images' timestamp: SOURCE_DATE_EPOCH, else the last

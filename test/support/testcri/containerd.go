@@ -478,3 +478,33 @@ func (c *Containerd) stop() {
 		tb.Errorf("cleanup: %v", err)
 	}
 }
+
+// Ctr runs containerd's ctr client against this containerd, in the
+// kubelet's namespace k8s.io, and returns its combined output; it fails
+// the test on error.
+func (c *Containerd) Ctr(args ...string) string {
+	c.tb.Helper()
+	out, err := c.CtrCommand(args...).CombinedOutput()
+	if err != nil {
+		c.tb.Fatalf("ctr %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+// CtrCommand is the ctr command Ctr runs, for callers that start it
+// themselves (a container in the foreground).
+func (c *Containerd) CtrCommand(args ...string) *exec.Cmd {
+	return exec.Command("ctr", append([]string{"-a", c.socket, "-n", "k8s.io"}, args...)...)
+}
+
+// ImageStatus is the CRI's view of an image reference, as the kubelet asks
+// it before pulling one with imagePullPolicy IfNotPresent: nil when the
+// runtime does not have it.
+func (c *Containerd) ImageStatus(ctx context.Context, ref string) *runtimeapi.Image {
+	c.tb.Helper()
+	st, err := c.image.ImageStatus(ctx, &runtimeapi.ImageStatusRequest{Image: &runtimeapi.ImageSpec{Image: ref}})
+	if err != nil {
+		c.tb.Fatalf("CRI ImageStatus %s: %v", ref, err)
+	}
+	return st.GetImage()
+}
