@@ -101,9 +101,25 @@ kube_ldflags() {
 		"-X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
 }
 
+# CLUSTER_BINARIES run a whole cluster beside kube-apiserver: built only when
+# the script is given "cluster" (the lab cluster of issue 16, not yet in make
+# assets).
+CLUSTER_BINARIES=(kubelet kube-controller-manager kube-scheduler)
+
 main() {
 	mkdir -p "$ASSETS_DIR"
 	ASSETS_DIR="$(cd "$ASSETS_DIR" && pwd)"
+	if [[ "${1:-}" == cluster ]]; then
+		local b
+		for b in "${CLUSTER_BINARIES[@]}"; do
+			if have "$b"; then
+				log "$b present: $("$ASSETS_DIR/$b" --version 2>&1 | head -n1)"
+			else
+				build_module "$b" k8s.io/kubernetes "$KUBE_VERSION" "k8s.io/kubernetes/cmd/$b" \
+					kube_replaces "$(kube_ldflags)"
+			fi
+		done
+	fi
 	if have etcd; then
 		log "etcd present: $("$ASSETS_DIR/etcd" --version 2>&1 | head -n1)"
 	else
