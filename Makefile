@@ -45,7 +45,7 @@ assets: ## build and cache a real kube-apiserver and etcd, and the VM lab's kern
 # The end-to-end lab runs alone, after the other packages: its qemu VM (TCG)
 # needs both cores, and timing-sensitive steps in it (TCP handshakes, BFD)
 # failed when the integration tests' churn ran beside it.
-test: deps assets lint build ## everything: unit, privileged (root) and integration tests, the end-to-end lab, the demo and a smoke run of the benchmark
+test: deps assets lint build image manifest ## everything: the images and manifest, unit, privileged (root) and integration tests, the end-to-end lab, the demo and a smoke run of the benchmark
 	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 40m $$($(GO) list $(PKGS) | grep -v '/test/e2e$$')
 	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 40m ./test/e2e
 	$(GO) run ./test/demo > /tmp/kst-demo.log 2>&1 || { cat /tmp/kst-demo.log; exit 1; }
