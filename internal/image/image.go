@@ -33,9 +33,11 @@ type Spec struct {
 	Labels map[string]string
 }
 
-// Build assembles the image: a layer with the runtime files, a layer with
-// the binary, and a configuration that runs the binary as root with PATH
-// and the Debian multiarch library directories set.
+// Build assembles the image: a layer with the runtime files (and the /run
+// and /tmp mount points), a layer with the binary, and a configuration that
+// runs the binary as root with PATH set. The dynamic loader finds the
+// libraries in Debian's multiarch directories by itself: Debian's glibc
+// searches them without an ld.so.cache.
 func Build(s Spec) (v1.Image, error) {
 	// Mount points: /run holds legacy iptables' lock (the manifest mounts
 	// the node's /run/xtables.lock), /tmp is for whatever wants one.
@@ -66,10 +68,8 @@ func Build(s Spec) (v1.Image, error) {
 	cfg.Created = v1.Time{Time: s.Created.UTC()}
 	cfg.Config = v1.Config{
 		Entrypoint: []string{binaryPath},
-		Env: []string{
-			"PATH=/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-		},
-		Labels: s.Labels,
+		Env:        []string{"PATH=/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
+		Labels:     s.Labels,
 	}
 	// The history's timestamps would otherwise be the build's time.
 	for i := range cfg.History {

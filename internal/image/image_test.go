@@ -137,19 +137,11 @@ func TestLayerIsReproducible(t *testing.T) {
 		t.Fatal(err)
 	}
 	var names []string
-	r := tar.NewReader(bytes.NewReader(data))
-	for {
-		h, err := r.Next()
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		if h.Uid != 0 || h.Gid != 0 || !h.ModTime.Equal(at) {
+	for _, e := range tarEntries(t, data) {
+		if h := e.header; h.Uid != 0 || h.Gid != 0 || !h.ModTime.Equal(at) {
 			t.Errorf("%s: owner %d:%d time %v, want 0:0 at %v", h.Name, h.Uid, h.Gid, h.ModTime, at)
 		}
-		names = append(names, h.Name)
+		names = append(names, e.header.Name)
 	}
 	if got, want := strings.Join(names, " "), "usr/ usr/sbin/ usr/sbin/x"; got != want {
 		t.Errorf("entries %q, want %q (ancestors first, in order)", got, want)
@@ -183,16 +175,8 @@ func TestWriteArchive(t *testing.T) {
 		t.Error("the same image written twice gave different archives")
 	}
 	files := map[string][]byte{}
-	r := tar.NewReader(bytes.NewReader(da))
-	for {
-		h, err := r.Next()
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		files[h.Name], _ = io.ReadAll(r)
+	for _, e := range tarEntries(t, da) {
+		files[e.header.Name] = e.data
 	}
 	for _, want := range []string{"oci-layout", "index.json", "manifest.json"} {
 		if _, ok := files[want]; !ok {
@@ -284,5 +268,31 @@ func TestContainerdName(t *testing.T) {
 		if got := containerdName(tag); got != want {
 			t.Errorf("containerdName(%s) = %q, want %q", ref, got, want)
 		}
+	}
+}
+
+type tarEntry struct {
+	header *tar.Header
+	data   []byte
+}
+
+// tarEntries reads a tar file's entries, in order.
+func tarEntries(t *testing.T, data []byte) []tarEntry {
+	t.Helper()
+	var entries []tarEntry
+	r := tar.NewReader(bytes.NewReader(data))
+	for {
+		h, err := r.Next()
+		if err == io.EOF {
+			return entries
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, err := io.ReadAll(r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		entries = append(entries, tarEntry{h, body})
 	}
 }
