@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # kube-assets.sh builds the kube-apiserver and etcd binaries used by the
-# integration tests (package test/kubeenv) from the Go module proxy.
+# integration tests (package test/kubeenv), and the kubelet of the lab's node
+# (test/lab), from the Go module proxy.
 #
 # Output directory: ${KST_ASSETS_DIR:-$HOME/.cache/kube-service-tunnel/assets}
 # Each binary is skipped when it already exists there and answers --version.
@@ -101,35 +102,35 @@ kube_ldflags() {
 		"-X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
 }
 
-# CLUSTER_BINARIES run a whole cluster beside kube-apiserver: built only when
-# the script is given "cluster" (the lab cluster of issue 16, not yet in make
-# assets).
-CLUSTER_BINARIES=(kubelet kube-controller-manager kube-scheduler)
+# kubelet runs the lab's real node (test/lab's TestLabKubelet). The rest of a
+# cluster is built only when the script is given "cluster" (the lab cluster
+# of issue 16, not yet in make assets).
+NODE_BINARIES=(kubelet)
+CLUSTER_BINARIES=(kube-controller-manager kube-scheduler)
+
+build_kube() {
+	local b
+	for b in "$@"; do
+		if have "$b"; then
+			log "$b present: $("$ASSETS_DIR/$b" --version 2>&1 | head -n1)"
+		else
+			build_module "$b" k8s.io/kubernetes "$KUBE_VERSION" "k8s.io/kubernetes/cmd/$b" \
+				kube_replaces "$(kube_ldflags)"
+		fi
+	done
+}
 
 main() {
 	mkdir -p "$ASSETS_DIR"
 	ASSETS_DIR="$(cd "$ASSETS_DIR" && pwd)"
-	if [[ "${1:-}" == cluster ]]; then
-		local b
-		for b in "${CLUSTER_BINARIES[@]}"; do
-			if have "$b"; then
-				log "$b present: $("$ASSETS_DIR/$b" --version 2>&1 | head -n1)"
-			else
-				build_module "$b" k8s.io/kubernetes "$KUBE_VERSION" "k8s.io/kubernetes/cmd/$b" \
-					kube_replaces "$(kube_ldflags)"
-			fi
-		done
-	fi
 	if have etcd; then
 		log "etcd present: $("$ASSETS_DIR/etcd" --version 2>&1 | head -n1)"
 	else
 		build_module etcd go.etcd.io/etcd/server/v3 "$ETCD_VERSION" go.etcd.io/etcd/server/v3
 	fi
-	if have kube-apiserver; then
-		log "kube-apiserver present: $("$ASSETS_DIR/kube-apiserver" --version 2>&1 | head -n1)"
-	else
-		build_module kube-apiserver k8s.io/kubernetes "$KUBE_VERSION" k8s.io/kubernetes/cmd/kube-apiserver \
-			kube_replaces "$(kube_ldflags)"
+	build_kube kube-apiserver "${NODE_BINARIES[@]}"
+	if [[ "${1:-}" == cluster ]]; then
+		build_kube "${CLUSTER_BINARIES[@]}"
 	fi
 	echo "$ASSETS_DIR"
 }

@@ -1,0 +1,186 @@
+package lab
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"k8s.io/client-go/rest"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/image"
+	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
+)
+
+// A real node in the VM: Debian's containerd (with its CRI plugin), runc and
+// CNI plugins (bridge, host-local, loopback), and a real kubelet built like
+// kube-apiserver (test/tools/kube-assets.sh), registering with the API server
+// on the host through guestfwd. It is the first piece of the lab cluster a
+// kubelet runs (issue 16); see TestLabKubelet for its figures.
+
+// KubeletHostBinaries are the host programs a kubelet node needs in the VM
+// (install them with make deps).
+var KubeletHostBinaries = []string{
+	"/usr/bin/containerd", "/usr/bin/containerd-shim-runc-v2", "/usr/sbin/runc", "/usr/bin/ctr",
+	"/usr/lib/cni/bridge", "/usr/lib/cni/host-local", "/usr/lib/cni/loopback",
+}
+
+// SandboxImage is the image containerd uses as every pod's sandbox (no
+// registry can give the pause image): a static busybox whose entrypoint
+// sleeps. Pods may run it too.
+const SandboxImage = "lab/busybox:1"
+
+// KubeletOptions describe one kubelet node.
+type KubeletOptions struct {
+	// NodeName is the Node's name; NodeIP its address (the VM's eth0).
+	NodeName, NodeIP string
+	// PodCIDR is the range the CNI bridge gives pods.
+	PodCIDR string
+	// Admin is a configuration of the API server on the host's loopback;
+	// the kubelet reaches it through guestfwd, as admin.
+	Admin *rest.Config
+	// Images are more image archives (make image's) imported into the
+	// node's containerd before the kubelet starts.
+	Images []string
+}
+
+// containerdConfig is containerd 1.6's: the native snapshotter and runc
+// without pivot_root (the VM's root is the initramfs, which pivot_root
+// cannot leave).
+const containerdConfig = `version = 2
+root = "/var/lib/containerd"
+state = "/run/containerd"
+[grpc]
+  address = "/run/containerd/containerd.sock"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "docker.io/%s"
+  enable_selinux = false
+  disable_apparmor = true
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "native"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        NoPivotRoot = true
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = "/etc/cni/net.d"
+`
+
+const cniConfig = `{"cniVersion":"0.4.0","name":"lab","plugins":[
+ {"type":"bridge","bridge":"cni0","isGateway":true,"ipMasq":false,
+  "ipam":{"type":"host-local","ranges":[[{"subnet":"%s"}]],"routes":[{"dst":"0.0.0.0/0"}]}}]}
+`
+
+// kubeletConfig turns off what needs a full OS: QoS cgroups, node
+// allocatable enforcement, evictions, image garbage collection, resolv.conf.
+const kubeletConfig = `apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+cgroupDriver: cgroupfs
+failSwapOn: false
+resolvConf: ""
+authentication:
+  anonymous: {enabled: true}
+  webhook: {enabled: false}
+authorization: {mode: AlwaysAllow}
+cgroupsPerQOS: false
+enforceNodeAllocatable: []
+evictionHard: {}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+localStorageCapacityIsolation: false
+containerRuntimeEndpoint: unix:///run/containerd/containerd.sock
+`
+
+// KubeletScript starts containerd, imports the images and starts the
+// kubelet in the background; it prints "T NAME SECONDS" lines (seconds
+// since the VM's boot) for the figures. Source it from /lab/run.sh.
+const KubeletScript = `up() { cut -d' ' -f1 /proc/uptime; }
+mount -t cgroup2 none /sys/fs/cgroup
+echo "+cpuset +cpu +io +memory +pids" > /sys/fs/cgroup/cgroup.subtree_control
+mkdir -p /var/lib/containerd /etc/cni/net.d /var/lib/kubelet /var/log/pods
+cp /lab/kubelet/10-lab.conflist /etc/cni/net.d/
+hostname "$(cat /lab/kubelet/node-name)"
+echo 0123456789abcdef0123456789abcdef > /etc/machine-id
+containerd --config /lab/kubelet/containerd.toml > /tmp/containerd.log 2>&1 &
+until ctr version >/dev/null 2>&1; do sleep 0.2; done
+echo "T containerd-up $(up)"
+for a in /lab/kubelet/images/*.tar; do ctr -n k8s.io images import --snapshotter native "$a" >/dev/null || echo "FAIL import $a"; done
+echo "T images-imported $(up)"
+/usr/local/bin/kubelet --config /lab/kubelet/kubelet.yaml --kubeconfig /lab/kubelet/kubeconfig \
+	--hostname-override "$(cat /lab/kubelet/node-name)" --node-ip "$(cat /lab/kubelet/node-ip)" --v=1 > /tmp/kubelet.log 2>&1 &
+echo "T kubelet-started $(up)"
+`
+
+// KubeletFiles writes the node's configuration and sandbox image into dir
+// and returns the VM files for InitramfsOptions.Files (the kubelet binary
+// from the assets included).
+func KubeletFiles(dir string, o KubeletOptions) (map[string]string, error) {
+	kubelet := filepath.Join(kubeenv.AssetsDir(), "kubelet")
+	if _, err := os.Stat(kubelet); err != nil {
+		return nil, fmt.Errorf("lab: no kubelet in the assets (make assets): %w", err)
+	}
+	files := map[string]string{"/usr/local/bin/kubelet": kubelet}
+	sandbox := filepath.Join(dir, "sandbox.tar")
+	if err := writeSandboxImage(sandbox); err != nil {
+		return nil, err
+	}
+	files["/lab/kubelet/images/sandbox.tar"] = sandbox
+	for _, a := range o.Images {
+		files["/lab/kubelet/images/"+filepath.Base(a)] = a
+	}
+	kc := rest.CopyConfig(o.Admin)
+	kc.Host = "https://" + HostForwardAddr + ":" + o.Admin.Host[strings.LastIndex(o.Admin.Host, ":")+1:]
+	kc.Insecure, kc.CAData, kc.CAFile = true, nil, ""
+	config := kubeconfigFile(kc)
+	for name, data := range map[string]string{
+		"containerd.toml": fmt.Sprintf(containerdConfig, SandboxImage),
+		"10-lab.conflist": fmt.Sprintf(cniConfig, o.PodCIDR),
+		"kubelet.yaml":    kubeletConfig,
+		"node-name":       o.NodeName,
+		"node-ip":         o.NodeIP,
+		"kubeconfig":      config,
+	} {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(data), 0o600); err != nil {
+			return nil, err
+		}
+		files["/lab/kubelet/"+name] = p
+	}
+	return files, nil
+}
+
+// kubeconfigFile is a kubeconfig for cfg's server and bearer token.
+func kubeconfigFile(cfg *rest.Config) string {
+	return fmt.Sprintf(`apiVersion: v1
+kind: Config
+clusters: [{name: lab, cluster: {server: %q, insecure-skip-tls-verify: true}}]
+users: [{name: lab, user: {token: %q}}]
+contexts: [{name: lab, context: {cluster: lab, user: lab}}]
+current-context: lab
+`, cfg.Host, cfg.BearerToken)
+}
+
+// writeSandboxImage writes SandboxImage: the host's static busybox, run as
+// "busybox sleep" for ever.
+func writeSandboxImage(path string) error {
+	busybox := busyboxPath()
+	img, err := image.Build(image.Spec{Ref: SandboxImage, Binary: busybox, Runtime: image.Tree{}, Created: time.Unix(0, 0)})
+	if err != nil {
+		return err
+	}
+	cfg, err := img.ConfigFile()
+	if err != nil {
+		return err
+	}
+	cfg = cfg.DeepCopy()
+	cfg.Config.Cmd = []string{"sleep", "2147483647"}
+	if img, err = mutate.ConfigFile(img, cfg); err != nil {
+		return err
+	}
+	return image.WriteArchive(path, SandboxImage, img, time.Unix(0, 0))
+}
