@@ -69,6 +69,8 @@ type Config struct {
 	// Policy decides which Services may have their tunnel IP (the address
 	// pools); it must be the routers' one.
 	Policy tunnelclaim.Policy
+	// ProcSys is the sysctl directory (--proc-sys); empty means /proc/sys.
+	ProcSys string
 }
 
 // Validate checks the configuration for mistakes an operator can make.

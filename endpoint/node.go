@@ -144,7 +144,7 @@ type NodeNetwork struct {
 // NewNodeNetwork returns the NodeNetwork of the namespace ns (the agent's own,
 // on a hostNetwork pod).
 func NewNodeNetwork(cfg Config, ns netns.NsHandle) *NodeNetwork {
-	return &NodeNetwork{cfg: cfg, ns: ns, sysctl: ProcSysctls{}}
+	return &NodeNetwork{cfg: cfg, ns: ns, sysctl: ProcSysctls{Dir: cfg.ProcSys}}
 }
 
 // Sync makes the node serve exactly the pods in served (those with at least

@@ -61,6 +61,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.Runtime, "runtime", "auto", "how pods' network namespaces are found: auto, docker, cri (containerd, CRI-O) or netns (search by pod IP)")
 	fs.StringVar(&o.RuntimeEndpoint, "runtime-endpoint", "", "runtime socket, e.g. unix:///run/containerd/containerd.sock (default: the runtime's usual socket)")
 	o.Common.AddFlags(fs)
+	daemon.AddProcSysFlag(fs, &o.ProcSys)
 	fs.StringVar(&o.MetricsAddress, "metrics-address", DefaultMetricsAddress, "address serving /metrics, /healthz and /readyz; empty disables")
 	fs.BoolVar(&o.Cleanup, "cleanup", false, "remove everything the agent created in this node's pods and namespace, then exit")
 	fs.BoolVar(&o.WaitAfterCleanup, "wait-after-cleanup", false, "with --cleanup: once done, wait for SIGTERM instead of exiting (the uninstall DaemonSet's pods stay Ready once their node is clean)")

@@ -61,7 +61,7 @@ type PodNetwork struct {
 // NewPodNetwork returns the PodNetwork of the agent running in the node's
 // namespace node.
 func NewPodNetwork(cfg Config, node netns.NsHandle) *PodNetwork {
-	return &PodNetwork{cfg: cfg, kind: GRE{}, sysctl: ProcSysctls{}, node: node}
+	return &PodNetwork{cfg: cfg, kind: GRE{}, sysctl: ProcSysctls{Dir: cfg.ProcSys}, node: node}
 }
 
 // WithDevice returns a copy of p that creates device instead of GRE.

@@ -38,7 +38,7 @@ func Main(args []string) error {
 		return nil
 	}
 	// Before any kernel state is touched; cleanup must work on any kernel.
-	if err := kernelcheck.Verify(kernelcheck.Endpoint(o.Mode), entry); err != nil {
+	if err := kernelcheck.Verify(kernelcheck.Endpoint(o.Mode), entry, kernelcheck.WithProcSys(o.ProcSys)); err != nil {
 		return fmt.Errorf("kernel check (--mode %s): %w", o.Mode, err)
 	}
 

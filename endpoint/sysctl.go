@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"path/filepath"
 	"strings"
 
 	"github.com/vishvananda/netns"
@@ -22,13 +23,23 @@ type Sysctls interface {
 	Write(ns netns.NsHandle, name, value string) error
 }
 
-// ProcSysctls goes through /proc/sys on a thread that enters the namespace
-// and is discarded afterwards (package nsexec): /proc/sys/net shows the
-// namespace of the thread that opens it.
-type ProcSysctls struct{}
+// ProcSysctls goes through /proc/sys (or Dir) on a thread that enters the
+// namespace and is discarded afterwards (package nsexec): /proc/sys/net, or
+// any mount of it, shows the namespace of the thread that opens it.
+type ProcSysctls struct {
+	// Dir is the sysctl directory (--proc-sys); empty means /proc/sys.
+	Dir string
+}
+
+func (s ProcSysctls) path(name string) string {
+	if s.Dir == "" {
+		return "/proc/sys/" + name
+	}
+	return filepath.Join(s.Dir, name)
+}
 
 // Read implements Sysctls.
-func (ProcSysctls) Read(ns netns.NsHandle, names []string) (map[string]string, error) {
+func (s ProcSysctls) Read(ns netns.NsHandle, names []string) (map[string]string, error) {
 	for _, n := range names {
 		if err := checkSysctlName(n); err != nil {
 			return nil, err
@@ -37,7 +48,7 @@ func (ProcSysctls) Read(ns netns.NsHandle, names []string) (map[string]string, e
 	values := make(map[string]string, len(names))
 	err := nsexec.Do(ns, func() error {
 		for _, n := range names {
-			b, err := os.ReadFile("/proc/sys/" + n)
+			b, err := os.ReadFile(s.path(n))
 			switch {
 			case errors.Is(err, fs.ErrNotExist):
 				values[n] = ""
@@ -53,12 +64,12 @@ func (ProcSysctls) Read(ns netns.NsHandle, names []string) (map[string]string, e
 }
 
 // Write implements Sysctls.
-func (ProcSysctls) Write(ns netns.NsHandle, name, value string) error {
+func (s ProcSysctls) Write(ns netns.NsHandle, name, value string) error {
 	if err := checkSysctlName(name); err != nil {
 		return err
 	}
 	return nsexec.Do(ns, func() error {
-		if err := os.WriteFile("/proc/sys/"+name, []byte(value), 0o644); err != nil {
+		if err := os.WriteFile(s.path(name), []byte(value), 0o644); err != nil {
 			if errors.Is(err, fs.ErrNotExist) && strings.HasPrefix(name, "net/mpls/") {
 				return fmt.Errorf("setting sysctl %s: the kernel has no MPLS routing (CONFIG_MPLS_ROUTING, module mpls_router): %w", strings.ReplaceAll(name, "/", "."), err)
 			}

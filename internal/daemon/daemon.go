@@ -125,3 +125,15 @@ func (c *Common) KubeClient(component string, qps float32, burst int) (kubernete
 	}
 	return client, nil
 }
+
+// DefaultProcSys is --proc-sys: the sysctls as the process sees them.
+const DefaultProcSys = "/proc/sys"
+
+// AddProcSysFlag registers --proc-sys on fs into dir. A container runtime
+// mounts /proc/sys read-only and refuses a mount inside /proc, so the
+// manifest mounts the node's /proc/sys elsewhere and names it here. The
+// net.* sysctls under any mount of it are those of the network namespace of
+// the thread that opens them.
+func AddProcSysFlag(fs *flag.FlagSet, dir *string) {
+	fs.StringVar(dir, "proc-sys", DefaultProcSys, "directory of the sysctls to read and write: /proc/sys, or the node's /proc/sys mounted elsewhere (a container runtime mounts its own read-only)")
+}

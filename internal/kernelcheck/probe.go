@@ -32,8 +32,9 @@ const (
 	probeLabel = 100
 	// platformLabels lets probeLabel be routed.
 	platformLabels = probeLabel + 1
-	// sysctlPlatformLabels is where MPLS routing shows, per namespace.
-	sysctlPlatformLabels = "/proc/sys/net/mpls/platform_labels"
+	// sysctlPlatformLabels is where MPLS routing shows, per namespace,
+	// under the sysctl directory (WithProcSys).
+	sysctlPlatformLabels = "net/mpls/platform_labels"
 )
 
 // Addresses of the probes, from TEST-NET-1.
@@ -61,7 +62,9 @@ type Probes struct {
 	iptErr  error
 	// iptables is the iptables binary (WithIPTables).
 	iptables string
-	suffix   string
+	// procSys is the sysctl directory (WithProcSys).
+	procSys string
+	suffix  string
 	// leftovers are probe objects that could not be removed.
 	leftovers []error
 }
@@ -98,6 +101,12 @@ func OpenIn(ns netns.NsHandle, opts ...Option) (*Probes, error) {
 // Option changes how probes run.
 type Option func(*Probes)
 
+// WithProcSys makes the probes read and write sysctls under dir instead
+// of /proc/sys (--proc-sys).
+func WithProcSys(dir string) Option {
+	return func(p *Probes) { p.procSys = dir }
+}
+
 // WithIPTables makes the probes run iptables rules with binary (a name on
 // PATH or a path, e.g. "iptables-legacy") instead of "iptables": the
 // backend the daemon writes its rules with.
@@ -110,7 +119,7 @@ func newProbes(opts []Option) (*Probes, error) {
 	if _, err := rand.Read(b); err != nil {
 		return nil, fmt.Errorf("kernel check: random name: %w", err)
 	}
-	p := &Probes{ns: netns.None(), suffix: hex.EncodeToString(b), iptables: "iptables"}
+	p := &Probes{ns: netns.None(), suffix: hex.EncodeToString(b), iptables: "iptables", procSys: "/proc/sys"}
 	for _, o := range opts {
 		o(p)
 	}
@@ -350,7 +359,7 @@ func (p *Probes) MPLSRouting() error {
 	if errors.Is(err, os.ErrNotExist) {
 		addErr := p.addMPLSRoute()
 		if labels, err = p.readSysctl(sysctlPlatformLabels); errors.Is(err, os.ErrNotExist) {
-			return fmt.Errorf("no %s, and adding an MPLS route: %w", filepath.Dir(sysctlPlatformLabels), addErr)
+			return fmt.Errorf("no %s, and adding an MPLS route: %w", filepath.Join(p.procSys, filepath.Dir(sysctlPlatformLabels)), addErr)
 		}
 	}
 	if err != nil {
@@ -370,18 +379,18 @@ func (p *Probes) MPLSRouting() error {
 	return nil
 }
 
-func (p *Probes) readSysctl(path string) (string, error) {
+func (p *Probes) readSysctl(name string) (string, error) {
 	var v string
 	err := p.in(func() error {
-		b, err := os.ReadFile(path)
+		b, err := os.ReadFile(filepath.Join(p.procSys, name))
 		v = strings.TrimSpace(string(b))
 		return err
 	})
 	return v, err
 }
 
-func (p *Probes) writeSysctl(path, value string) error {
-	return p.in(func() error { return os.WriteFile(path, []byte(value+"\n"), 0o644) })
+func (p *Probes) writeSysctl(name, value string) error {
+	return p.in(func() error { return os.WriteFile(filepath.Join(p.procSys, name), []byte(value+"\n"), 0o644) })
 }
 
 // IPTables implements Kernel.

@@ -31,7 +31,9 @@ type Options struct {
 	// IPTablesBackend is the iptables backend to write rules with, or
 	// iptbackend.Auto to detect the node's.
 	IPTablesBackend iptbackend.Backend
-	seed            string
+	// ProcSys is the sysctl directory (--proc-sys).
+	ProcSys string
+	seed    string
 }
 
 // DefaultMetricsAddress is the router's default --metrics-address.
@@ -66,6 +68,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.NodeName, "node-name", "", "name of this node, used as the event source (env NODE_NAME)")
 	fs.StringVar(&o.BGPConfig, "bgp-config", "", "BGP configuration file (YAML): announce the served tunnel IPs to these peers; empty disables BGP")
 	fs.StringVar(&o.MetricsAddress, "metrics-address", DefaultMetricsAddress, "address serving /metrics, /healthz and /readyz; empty disables")
+	daemon.AddProcSysFlag(fs, &o.ProcSys)
 	o.IPTablesBackend = iptbackend.Auto
 	fs.Func("iptables-backend", `iptables backend for the router's rules: "auto" (the node's: where kubelet's or the router's own chains are, else the one with more rules, else nft), "nft", "legacy", or "system" (the iptables command on PATH) (default "auto")`, func(s string) error {
 		b, err := iptbackend.Parse(s)

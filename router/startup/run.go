@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"runtime/debug"
 	"strconv"
 	"strings"
@@ -59,14 +60,14 @@ func Main(args []string) error {
 	// Before any kernel state is touched; cleanup must work on any kernel.
 	if !o.Cleanup {
 		checks := kernelcheck.Router(kernelcheck.RouterParams{Mode: o.Mode, CreateGREDevice: o.CreateDevice, Generations: o.Generations})
-		if err := kernelcheck.Verify(checks, entry, kernelcheck.WithIPTables(iptablesBinary)); err != nil {
+		if err := kernelcheck.Verify(checks, entry, kernelcheck.WithIPTables(iptablesBinary), kernelcheck.WithProcSys(o.ProcSys)); err != nil {
 			return fmt.Errorf("kernel check (--mode %s): %w", o.Mode, err)
 		}
 	}
 
 	reg := daemon.NewRegistry()
 	meter := metrics.NewMetrics(reg)
-	dp, chain, closeKernel, err := openDatapath(o.Config.Config, o.CreateDevice, iptablesBinary, meter, entry)
+	dp, chain, closeKernel, err := openDatapath(o.Config.Config, o.CreateDevice, iptablesBinary, procSys(o.ProcSys), meter, entry)
 	if err != nil {
 		return err
 	}
@@ -90,9 +91,10 @@ func Main(args []string) error {
 		"nexthop_ids": fmt.Sprintf("%#x-%#x", first, last),
 	}).Info("starting tunnel router: bucket routes name one nexthop object per endpoint")
 	daemon.LogPolicy(entry, o.Policy)
-	warnIfNotForwarding(entry)
+	sysctls := procSys(o.ProcSys)
+	warnIfNotForwarding(sysctls, entry)
 	if o.Generations > 1 {
-		warnIfNoPickup(entry)
+		warnIfNoPickup(sysctls, entry)
 	}
 
 	// client-go's default (5 QPS, burst 10) throttles the paged initial LISTs
@@ -140,7 +142,7 @@ func Main(args []string) error {
 		// to the kernel.)
 		liberalCtx, done := context.WithCancel(ctx)
 		go wait.Until(func() {
-			if ensureLiberalTCP(entry) {
+			if ensureLiberalTCP(sysctls, entry) {
 				done()
 			}
 		}, o.GenerationCheckPeriod, liberalCtx.Done())
@@ -175,7 +177,7 @@ func followNode(factory informers.SharedInformerFactory, name string, speaker *b
 // openDatapath opens the kernel seams of the current network namespace;
 // metrics counts the writes that go through them. It also returns the HMARK
 // chain, whose rules' counters are read at each scrape.
-func openDatapath(cfg datapath.Config, createDevice bool, iptablesBinary string, meter *metrics.Metrics, log logrus.FieldLogger) (*datapath.Datapath, *hmark.Chain, func(), error) {
+func openDatapath(cfg datapath.Config, createDevice bool, iptablesBinary string, sysctls procSys, meter *metrics.Metrics, log logrus.FieldLogger) (*datapath.Datapath, *hmark.Chain, func(), error) {
 	handle, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("netlink handle: %w", err)
@@ -207,7 +209,7 @@ func openDatapath(cfg datapath.Config, createDevice bool, iptablesBinary string,
 		return nil, nil, nil, err
 	}
 	var conntrack *netlink.Handle
-	tcpMinExpire := closingTimeout(log)
+	tcpMinExpire := closingTimeout(sysctls, log)
 	if cfg.Generations > 1 {
 		if err := chain.SetSticky(cfg.Sticky(tcpMinExpire)); err != nil {
 			closeAll()
@@ -252,25 +254,32 @@ var closingTimeouts = []string{"fin_wait", "close_wait", "last_ack", "time_wait"
 // its entry has more lifetime left than that, i.e. in an established state.
 // A client that reuses a closed connection's 4-tuple then gets a fresh
 // decision for the new connection instead of the old connection's endpoint.
-func closingTimeout(log logrus.FieldLogger) uint32 {
+func closingTimeout(sysctls procSys, log logrus.FieldLogger) uint32 {
 	longest := uint32(120)
 	for _, name := range closingTimeouts {
-		v, err := readSysctl("/proc/sys/net/netfilter/nf_conntrack_tcp_timeout_" + name)
+		v, err := sysctls.read("net/netfilter/nf_conntrack_tcp_timeout_" + name)
 		if err != nil {
 			continue // conntrack not loaded yet: the kernel defaults apply
 		}
 		longest = max(longest, v)
 	}
 	for _, name := range []string{"unacknowledged", "max_retrans"} {
-		if v, err := readSysctl("/proc/sys/net/netfilter/nf_conntrack_tcp_timeout_" + name); err == nil && v <= longest {
+		if v, err := sysctls.read("net/netfilter/nf_conntrack_tcp_timeout_" + name); err == nil && v <= longest {
 			log.WithField("sysctl", "net.netfilter.nf_conntrack_tcp_timeout_"+name).Warnf("is %d s, not above the longest closing-state timeout (%d s): established TCP flows will not keep their generation while draining", v, longest)
 		}
 	}
 	return longest
 }
 
-func readSysctl(path string) (uint32, error) {
-	b, err := os.ReadFile(path)
+// procSys is the directory of the sysctls the router reads and sets
+// (--proc-sys); names are relative to it ("net/ipv4/ip_forward").
+type procSys string
+
+func (d procSys) path(name string) string { return filepath.Join(string(d), name) }
+
+// read reads a numeric sysctl.
+func (d procSys) read(name string) (uint32, error) {
+	b, err := os.ReadFile(d.path(name))
 	if err != nil {
 		return 0, err
 	}
@@ -280,7 +289,7 @@ func readSysctl(path string) (uint32, error) {
 
 // beLiberal is the sysctl that stops conntrack's TCP window tracking from
 // ignoring or invalidating packets it cannot check.
-const beLiberal = "/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal"
+const beLiberal = "net/netfilter/nf_conntrack_tcp_be_liberal"
 
 // ensureLiberalTCP sets nf_conntrack_tcp_be_liberal=1, as kube-proxy's
 // --conntrack-tcp-be-liberal does. The router sees only the client's half of
@@ -289,15 +298,15 @@ const beLiberal = "/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal"
 // does not end it) and sometimes marks one INVALID, which then loses its
 // saved generation and reaches another pod. The lab found it.
 // It returns true once done, or once it has warned that it cannot.
-func ensureLiberalTCP(log logrus.FieldLogger) bool {
-	v, err := readSysctl(beLiberal)
+func ensureLiberalTCP(sysctls procSys, log logrus.FieldLogger) bool {
+	v, err := sysctls.read(beLiberal)
 	if os.IsNotExist(err) {
 		return false // nf_conntrack not loaded yet
 	}
 	if err == nil && v == 1 {
 		return true
 	}
-	if err := os.WriteFile(beLiberal, []byte("1\n"), 0o644); err != nil {
+	if err := os.WriteFile(sysctls.path(beLiberal), []byte("1\n"), 0o644); err != nil {
 		log.WithError(err).Warn("cannot set net.netfilter.nf_conntrack_tcp_be_liberal=1: established TCP flows may lose their endpoint while it drains (set it on this node)")
 		return true
 	}
@@ -308,17 +317,16 @@ func ensureLiberalTCP(log logrus.FieldLogger) bool {
 // warnIfNoPickup logs when conntrack would not pick up TCP flows mid-stream:
 // the router untracks SYNs (it never sees replies), so established flows are
 // tracked from their second packet on, which needs nf_conntrack_tcp_loose.
-func warnIfNoPickup(log logrus.FieldLogger) {
-	if v, err := readSysctl("/proc/sys/net/netfilter/nf_conntrack_tcp_loose"); err == nil && v == 0 {
+func warnIfNoPickup(sysctls procSys, log logrus.FieldLogger) {
+	if v, err := sysctls.read("net/netfilter/nf_conntrack_tcp_loose"); err == nil && v == 0 {
 		log.Warn("net.netfilter.nf_conntrack_tcp_loose is 0: TCP flows are not tracked, so they do not keep their endpoint while it drains (set it to 1)")
 	}
 }
 
 // warnIfNotForwarding logs when the node would not forward tunnelled packets.
 // The router does not change host-wide sysctls itself.
-func warnIfNotForwarding(log logrus.FieldLogger) {
-	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_forward")
-	if err == nil && strings.TrimSpace(string(b)) != "1" {
+func warnIfNotForwarding(sysctls procSys, log logrus.FieldLogger) {
+	if v, err := sysctls.read("net/ipv4/ip_forward"); err == nil && v != 1 {
 		log.Warn("net.ipv4.ip_forward is 0: this node will not forward tunnel traffic (set it to 1)")
 	}
 }

@@ -8,10 +8,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -24,6 +22,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/test/lab/kstate"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testcri"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testdocker"
+	"github.com/cmdnu/kube-service-tunnel/test/support/testimages"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
@@ -39,10 +38,10 @@ func TestImages(t *testing.T) {
 	testnetns.RequireRoot(t)
 	version := fmt.Sprintf("it-%d", time.Now().Unix())
 	dir := t.TempDir()
-	results := buildImages(t, dir, version)
+	results := testimages.Build(t, dir, "kst-it", version)
 
 	t.Run("within budget and reproducible", func(t *testing.T) {
-		again := buildImages(t, t.TempDir(), version)
+		again := testimages.Build(t, t.TempDir(), "kst-it", version)
 		for name, r := range results {
 			t.Logf("%s: %.1f MB compressed, %d runtime files", r.Ref, float64(r.Size)/1e6, r.RuntimeFiles)
 			if r.Size > imageBudget {
@@ -157,49 +156,6 @@ func TestImages(t *testing.T) {
 			containerisedRouter(t, c, "docker.io/"+router.Ref, backend) // ctr does not normalise names
 		})
 	}
-}
-
-// buildImages builds the daemons for version and their images into dir,
-// as make build and make image do.
-func buildImages(t *testing.T, dir, version string) map[string]image.Result {
-	t.Helper()
-	_, here, _, _ := runtime.Caller(0)
-	root := filepath.Join(filepath.Dir(here), "..", "..")
-	bin := filepath.Join(dir, "bin")
-	var wg sync.WaitGroup
-	errs := make([]error, 2)
-	for i, d := range []image.Daemon{image.Router, image.Endpoint} {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			cmd := exec.Command("go", "build", "-trimpath", "-ldflags",
-				"-s -w -X github.com/cmdnu/kube-service-tunnel/internal/version.Version="+version,
-				"-o", filepath.Join(bin, d.Name), "./cmd/"+d.Name)
-			cmd.Dir = root
-			cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-			if out, err := cmd.CombinedOutput(); err != nil {
-				errs[i] = fmt.Errorf("go build %s: %v\n%s", d.Name, err, out)
-			}
-		}()
-	}
-	wg.Wait()
-	for _, err := range errs {
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
-	results, err := image.BuildAll(image.Options{
-		BinDir: bin, OutDir: filepath.Join(dir, "images"), Cache: image.DefaultCache(),
-		Registry: "kst-it", Version: version, Created: time.Unix(1_700_000_000, 0),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	byName := map[string]image.Result{}
-	for _, r := range results {
-		byName[r.Daemon.Name] = r
-	}
-	return byName
 }
 
 // containerisedRouter runs the router's image in containerd, in a network

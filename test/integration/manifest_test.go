@@ -206,9 +206,30 @@ func checkDaemon(t *testing.T, m manifest, name string, metricsAddress string, e
 		t.Errorf("%s: /lib/modules is not mounted from the host", name)
 	}
 	// Sysctls (the router's conntrack ones, the agent's per-device ones)
-	// need a writable /proc/sys: a runtime mounts its own read-only.
-	if hostPathFor(spec, c, "/proc/sys/net") == "" {
-		t.Errorf("%s: /proc/sys is not mounted from the host (writable) for the sysctls", name)
+	// need a writable /proc/sys: a runtime mounts its own read-only and
+	// (runc) refuses a mount inside /proc, so the node's is mounted
+	// elsewhere and named by --proc-sys.
+	procSys := ""
+	for _, a := range c.Args {
+		if v, ok := strings.CutPrefix(a, "--proc-sys="); ok {
+			procSys = v
+		}
+	}
+	mountedAt := ""
+	for _, m := range c.VolumeMounts {
+		for _, v := range spec.Volumes {
+			if v.Name == m.Name && v.HostPath != nil && v.HostPath.Path == "/proc/sys" && !m.ReadOnly {
+				mountedAt = m.MountPath
+			}
+		}
+	}
+	switch {
+	case mountedAt == "":
+		t.Errorf("%s: the node's /proc/sys is not mounted (writable) for the sysctls", name)
+	case strings.HasPrefix(mountedAt+"/", "/proc/"):
+		t.Errorf("%s: the node's /proc/sys is mounted at %s, inside /proc: runc refuses that", name, mountedAt)
+	case procSys != mountedAt:
+		t.Errorf("%s: --proc-sys=%q, but the node's /proc/sys is mounted at %s", name, procSys, mountedAt)
 	}
 	return ds, c
 }

@@ -61,6 +61,13 @@ type Env struct {
 
 	launcher *launcher
 	etcd     *process
+	opts     Options
+	// saKey is the service accounts' signing key (the controller-manager's
+	// token controller signs with it too).
+	saKey string
+	// controllers are kube-controller-manager and kube-scheduler, once
+	// StartControllers ran.
+	controllers []*process
 
 	// apiserverBin and apiserverCmd are the binary and command line of the
 	// first start, which StartAPIServer reuses.
@@ -75,10 +82,22 @@ type Env struct {
 	stopErr  error
 }
 
+// Options change what New starts.
+type Options struct {
+	// ServiceAccountAdmission enables the API server's ServiceAccount
+	// admission plugin, which gives pods their ServiceAccount token volume,
+	// as a kubelet needs them (off by default: the tests create pods that
+	// nothing runs, before their ServiceAccounts).
+	ServiceAccountAdmission bool
+}
+
 // New starts etcd and kube-apiserver and waits until /readyz answers ok.
 // It returns an error wrapping ErrNoAssets when the binaries are missing
 // (unless KST_REQUIRE_INTEGRATION=1). The caller must call Stop.
-func New() (*Env, error) {
+func New() (*Env, error) { return NewWithOptions(Options{}) }
+
+// NewWithOptions is New with options.
+func NewWithOptions(o Options) (*Env, error) {
 	bins, err := findAssets()
 	if err != nil {
 		return nil, err
@@ -87,7 +106,7 @@ func New() (*Env, error) {
 	if err != nil {
 		return nil, fmt.Errorf("kubeenv: %w", err)
 	}
-	e := &Env{dir: dir, launcher: newLauncher()}
+	e := &Env{dir: dir, launcher: newLauncher(), opts: o}
 	if err := e.start(bins); err != nil {
 		err = fmt.Errorf("kubeenv: start: %w", err)
 		if stopErr := e.Stop(); stopErr != nil {
@@ -101,9 +120,12 @@ func New() (*Env, error) {
 // Start is New for a single test: it skips tb when the assets are missing
 // (and not required), fails it on any other error, and registers Stop with
 // tb.Cleanup.
-func Start(tb testing.TB) *Env {
+func Start(tb testing.TB) *Env { tb.Helper(); return StartWithOptions(tb, Options{}) }
+
+// StartWithOptions is Start with options.
+func StartWithOptions(tb testing.TB, o Options) *Env {
 	tb.Helper()
-	e, err := New()
+	e, err := NewWithOptions(o)
 	if errors.Is(err, ErrNoAssets) {
 		tb.Skip(err)
 	}
@@ -191,6 +213,9 @@ func (e *Env) Stop() error {
 
 func (e *Env) stop() error {
 	var errs []error
+	for _, p := range e.controllers {
+		errs = append(errs, p.kill())
+	}
 	errs = append(errs, e.currentAPIServer().kill(), e.etcd.kill())
 	e.launcher.close()
 	if err := os.RemoveAll(e.dir); err != nil {

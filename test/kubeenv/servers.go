@@ -92,6 +92,11 @@ func (e *Env) apiserverArgs(port int) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
+	e.saKey = keyFile
+	admission := "--disable-admission-plugins=ServiceAccount"
+	if e.opts.ServiceAccountAdmission {
+		admission = "--enable-admission-plugins=ServiceAccount"
+	}
 	return []string{
 		"--etcd-servers=" + e.etcdURL,
 		"--bind-address=127.0.0.1",
@@ -104,7 +109,7 @@ func (e *Env) apiserverArgs(port int) ([]string, error) {
 		"--service-account-signing-key-file=" + keyFile,
 		"--token-auth-file=" + tokenFile,
 		"--authorization-mode=RBAC",
-		"--disable-admission-plugins=ServiceAccount",
+		admission,
 		"--endpoint-reconciler-type=none",
 		"--allow-privileged=true",
 		"--profiling=false",

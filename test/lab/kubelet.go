@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -22,10 +23,14 @@ import (
 
 // KubeletHostBinaries are the host programs a kubelet node needs in the VM
 // (install them with make deps).
+// util-linux's mount makes /run a shared mount (busybox's cannot).
 var KubeletHostBinaries = []string{
 	"/usr/bin/containerd", "/usr/bin/containerd-shim-runc-v2", "/usr/sbin/runc", "/usr/bin/ctr",
-	"/usr/lib/cni/bridge", "/usr/lib/cni/host-local", "/usr/lib/cni/loopback",
+	"/usr/lib/cni/bridge", "/usr/lib/cni/host-local", "/usr/lib/cni/loopback", "/usr/bin/mount",
 }
+
+// KubeletModules are DefaultModules plus NAT, for KubernetesServiceDNAT.
+var KubeletModules = append(slices.Clone(DefaultModules), "nf_nat", "nft_chain_nat", "xt_nat", "iptable_nat")
 
 // SandboxImage is the image containerd uses as every pod's sandbox (no
 // registry can give the pause image): a static busybox whose entrypoint
@@ -99,7 +104,11 @@ containerRuntimeEndpoint: unix:///run/containerd/containerd.sock
 // KubeletScript starts containerd, imports the images and starts the
 // kubelet in the background; it prints "T NAME SECONDS" lines (seconds
 // since the VM's boot) for the figures. Source it from /lab/run.sh.
+//
+// /run is made a shared mount, as systemd makes every mount: a container's
+// mountPropagation HostToContainer needs it (the endpoint agent's /run).
 const KubeletScript = `up() { cut -d' ' -f1 /proc/uptime; }
+/usr/bin/mount --make-rshared /run || echo "FAIL mount --make-rshared /run"
 mount -t cgroup2 none /sys/fs/cgroup
 echo "+cpuset +cpu +io +memory +pids" > /sys/fs/cgroup/cgroup.subtree_control
 mkdir -p /var/lib/containerd /etc/cni/net.d /var/lib/kubelet /var/log/pods
@@ -115,6 +124,17 @@ echo "T images-imported $(up)"
 	--hostname-override "$(cat /lab/kubelet/node-name)" --node-ip "$(cat /lab/kubelet/node-ip)" --v=1 > /tmp/kubelet.log 2>&1 &
 echo "T kubelet-started $(up)"
 `
+
+// KubernetesServiceDNAT stands in for kube-proxy (the lab runs none) for
+// the one Service the daemons use, default/kubernetes (10.96.0.1:443, the
+// first address of kubeenv's range): a route for the Service range and a
+// DNAT rule to the API server on the host, reached through guestfwd on
+// apiPort. Pods' in-cluster configuration then works as on a real node.
+func KubernetesServiceDNAT(apiPort int) string {
+	return fmt.Sprintf(`/sbin/ip route add %s dev eth0
+iptables -t nat -A OUTPUT -d 10.96.0.1/32 -p tcp --dport 443 -j DNAT --to-destination %s:%d || echo "FAIL kubernetes Service DNAT"
+`, kubeenv.ServiceClusterIPRange, HostForwardAddr, apiPort)
+}
 
 // KubeletFiles writes the node's configuration and sandbox image into dir
 // and returns the VM files for InitramfsOptions.Files (the kubelet binary

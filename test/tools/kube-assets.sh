@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # kube-assets.sh builds the kube-apiserver and etcd binaries used by the
-# integration tests (package test/kubeenv), and the kubelet of the lab's node
+# integration tests (package test/kubeenv), and the kubelet,
+# kube-controller-manager and kube-scheduler of the lab's real node
 # (test/lab), from the Go module proxy.
 #
 # Output directory: ${KST_ASSETS_DIR:-$HOME/.cache/kube-service-tunnel/assets}
@@ -102,11 +103,9 @@ kube_ldflags() {
 		"-X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
 }
 
-# kubelet runs the lab's real node (test/lab's TestLabKubelet). The rest of a
-# cluster is built only when the script is given "cluster" (the lab cluster
-# of issue 16, not yet in make assets).
-NODE_BINARIES=(kubelet)
-CLUSTER_BINARIES=(kube-controller-manager kube-scheduler)
+# The rest of a cluster, for the lab's real node (test/lab: TestLabKubelet,
+# TestLabInstall): a kubelet, a controller-manager and a scheduler.
+CLUSTER_BINARIES=(kubelet kube-controller-manager kube-scheduler)
 
 build_kube() {
 	local b
@@ -128,10 +127,7 @@ main() {
 	else
 		build_module etcd go.etcd.io/etcd/server/v3 "$ETCD_VERSION" go.etcd.io/etcd/server/v3
 	fi
-	build_kube kube-apiserver "${NODE_BINARIES[@]}"
-	if [[ "${1:-}" == cluster ]]; then
-		build_kube "${CLUSTER_BINARIES[@]}"
-	fi
+	build_kube kube-apiserver "${CLUSTER_BINARIES[@]}"
 	echo "$ASSETS_DIR"
 }
 
