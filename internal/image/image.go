@@ -40,8 +40,15 @@ type Spec struct {
 // searches them without an ld.so.cache.
 func Build(s Spec) (v1.Image, error) {
 	// Mount points: /run holds legacy iptables' lock (the manifest mounts
-	// the node's /run/xtables.lock), /tmp is for whatever wants one.
-	files := Tree{"/run": {Path: "/run", Mode: fs.ModeDir | 0o755}, "/tmp": {Path: "/tmp", Mode: fs.ModeDir | fs.ModeSticky | 0o777}}
+	// the node's /run/xtables.lock) and the agent's view of the node's
+	// /run; /tmp is for whatever wants one. /var/run is /run, as on every
+	// Debian system: containerd names a pod's network namespace
+	// /var/run/netns/cni-..., which the agent must open.
+	files := Tree{
+		"/run":     {Path: "/run", Mode: fs.ModeDir | 0o755},
+		"/var/run": {Path: "/var/run", Target: "/run", Mode: fs.ModeSymlink | 0o777},
+		"/tmp":     {Path: "/tmp", Mode: fs.ModeDir | fs.ModeSticky | 0o777},
+	}
 	for p, e := range s.Runtime {
 		files[p] = e
 	}

@@ -10,6 +10,7 @@ import (
 	"slices"
 	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -42,6 +43,12 @@ func (e *Env) ApplyYAML(ctx context.Context, cfg *rest.Config, yamlBytes []byte,
 	if cfg == nil {
 		cfg = e.AdminConfig()
 	}
+	return Apply(ctx, cfg, yamlBytes, dryRun)
+}
+
+// Apply is ApplyYAML for any API server cfg names (a kubelet node's guest
+// program has no Env).
+func Apply(ctx context.Context, cfg *rest.Config, yamlBytes []byte, dryRun bool) error {
 	objs, err := decodeManifest(yamlBytes)
 	if err != nil {
 		return err
@@ -152,25 +159,62 @@ func newApplier(cfg *rest.Config, dryRun bool) (*applier, error) {
 
 // apply server-side applies one object.
 func (a *applier) apply(ctx context.Context, u *unstructured.Unstructured) error {
+	res, err := a.resource(ctx, u)
+	if err != nil {
+		return fmt.Errorf("apply %w", err)
+	}
+	if _, err := res.Apply(ctx, u.GetName(), u, a.opts); err != nil {
+		return fmt.Errorf("apply %s %s: %w", u.GetKind(), objectKey(u), err)
+	}
+	return nil
+}
+
+// Delete deletes every object of a manifest, as kubectl delete -f does, in
+// the reverse of Apply's order (Namespaces last), with background
+// propagation; objects already gone are not an error. It does not wait for
+// the objects to disappear.
+func Delete(ctx context.Context, cfg *rest.Config, yamlBytes []byte) error {
+	objs, err := decodeManifest(yamlBytes)
+	if err != nil {
+		return err
+	}
+	a, err := newApplier(cfg, false)
+	if err != nil {
+		return err
+	}
+	ordered := orderForApply(objs)
+	policy := metav1.DeletePropagationBackground
+	for i := len(ordered) - 1; i >= 0; i-- {
+		u := ordered[i]
+		res, err := a.resource(ctx, u)
+		if err != nil {
+			return err
+		}
+		if err := res.Delete(ctx, u.GetName(), metav1.DeleteOptions{PropagationPolicy: &policy}); err != nil && !apierrors.IsNotFound(err) {
+			return fmt.Errorf("delete %s %s: %w", u.GetKind(), objectKey(u), err)
+		}
+	}
+	return nil
+}
+
+// resource is the client of u's resource, in u's namespace (default when
+// it names none) for namespaced kinds.
+func (a *applier) resource(ctx context.Context, u *unstructured.Unstructured) (dynamic.ResourceInterface, error) {
 	gvk := u.GroupVersionKind()
 	if u.GetName() == "" {
-		return fmt.Errorf("apply %s: object has no metadata.name", gvk.Kind)
+		return nil, fmt.Errorf("%s: object has no metadata.name", gvk.Kind)
 	}
 	mapping, err := a.mapping(ctx, gvk)
 	if err != nil {
-		return fmt.Errorf("apply %s %s: %w", gvk.Kind, u.GetName(), err)
+		return nil, fmt.Errorf("%s %s: %w", gvk.Kind, u.GetName(), err)
 	}
-	var res dynamic.ResourceInterface = a.dyn.Resource(mapping.Resource)
-	if mapping.Scope.Name() == meta.RESTScopeNameNamespace {
-		if u.GetNamespace() == "" {
-			u.SetNamespace(metav1.NamespaceDefault)
-		}
-		res = a.dyn.Resource(mapping.Resource).Namespace(u.GetNamespace())
+	if mapping.Scope.Name() != meta.RESTScopeNameNamespace {
+		return a.dyn.Resource(mapping.Resource), nil
 	}
-	if _, err := res.Apply(ctx, u.GetName(), u, a.opts); err != nil {
-		return fmt.Errorf("apply %s %s: %w", gvk.Kind, objectKey(u), err)
+	if u.GetNamespace() == "" {
+		u.SetNamespace(metav1.NamespaceDefault)
 	}
-	return nil
+	return a.dyn.Resource(mapping.Resource).Namespace(u.GetNamespace()), nil
 }
 
 // mapping finds the resource for gvk. An unknown kind refreshes discovery

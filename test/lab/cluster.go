@@ -246,6 +246,14 @@ func RunGuestTests(t *testing.T, pkg, run string, timeout time.Duration, console
 		Args: []string{"-test.run", run, "-test.v", "-test.count=1", "-test.timeout", timeout.String()},
 	})
 	t.Logf("VM ran %s in %v; console: %s", pkg, time.Since(start).Round(time.Millisecond), consoleLog)
+	ReportGuestTests(t, out, rc, err)
+}
+
+// ReportGuestTests reports each (sub)test a guest test binary printed in
+// out (its console, go test -v) as a subtest of t with the same result, and
+// fails t when the VM run failed (err, or exit code rc) or printed none.
+func ReportGuestTests(t *testing.T, out string, rc int, err error) {
+	t.Helper()
 	results := goTestResultRE.FindAllStringSubmatch(out, -1)
 	for _, r := range results {
 		result, name, took := r[1], r[2], r[3]

@@ -2,6 +2,7 @@ package lab
 
 import (
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"slices"
@@ -188,8 +189,27 @@ current-context: lab
 // writeSandboxImage writes SandboxImage: the host's static busybox, run as
 // "busybox sleep" for ever.
 func writeSandboxImage(path string) error {
+	return WriteBusyboxImage(path, SandboxImage, []string{"sleep", "2147483647"})
+}
+
+// BusyboxApplets are the commands a lab busybox image has in /bin.
+var BusyboxApplets = []string{"sh", "nc", "cat", "echo", "hostname", "sleep", "ls", "ip", "wget"}
+
+// ExampleImage is the image examples/echo.yaml names. No registry can give
+// it in the lab, so the lab imports a busybox image of that name built from
+// the host's static busybox (BusyboxApplets in /bin).
+const ExampleImage = "busybox:1.36"
+
+// WriteBusyboxImage writes an image archive named ref holding the host's
+// static busybox with BusyboxApplets linked in /bin, whose default command
+// is cmd.
+func WriteBusyboxImage(path, ref string, cmd []string) error {
 	busybox := busyboxPath()
-	img, err := image.Build(image.Spec{Ref: SandboxImage, Binary: busybox, Runtime: image.Tree{}, Created: time.Unix(0, 0)})
+	links := image.Tree{"/bin": {Path: "/bin", Mode: fs.ModeDir | 0o755}}
+	for _, a := range BusyboxApplets {
+		links["/bin/"+a] = image.Entry{Path: "/bin/" + a, Target: "/usr/local/bin/" + filepath.Base(busybox), Mode: fs.ModeSymlink | 0o777}
+	}
+	img, err := image.Build(image.Spec{Ref: ref, Binary: busybox, Runtime: links, Created: time.Unix(0, 0)})
 	if err != nil {
 		return err
 	}
@@ -198,9 +218,9 @@ func writeSandboxImage(path string) error {
 		return err
 	}
 	cfg = cfg.DeepCopy()
-	cfg.Config.Cmd = []string{"sleep", "2147483647"}
+	cfg.Config.Cmd = cmd
 	if img, err = mutate.ConfigFile(img, cfg); err != nil {
 		return err
 	}
-	return image.WriteArchive(path, SandboxImage, img, time.Unix(0, 0))
+	return image.WriteArchive(path, ref, img, time.Unix(0, 0))
 }

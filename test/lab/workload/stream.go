@@ -21,6 +21,10 @@ type StreamOptions struct {
 	Interval time.Duration
 	// DialTimeout bounds the connection setup (default 5 s).
 	DialTimeout time.Duration
+	// Greeted streams talk to a plain echo server that first sends one
+	// line, such as examples/echo.yaml's "pod=NAME" (Stream.Greeting),
+	// instead of this package's server: no ECHO command is sent.
+	Greeted bool
 }
 
 // StreamStats is a Stream's progress so far.
@@ -40,9 +44,10 @@ type StreamStats struct {
 // at a steady rate and checks every echoed byte, to prove an established
 // flow survives changes around it.
 type Stream struct {
-	conn *net.TCPConn
-	dst  netip.AddrPort
-	opts StreamOptions
+	conn     *net.TCPConn
+	dst      netip.AddrPort
+	opts     StreamOptions
+	greeting string
 
 	stop     chan struct{}
 	stopOnce sync.Once
@@ -69,8 +74,13 @@ func StartStream(ns netns.NsHandle, dst netip.AddrPort, srcPort uint16, opts Str
 	ctx, cancel := context.WithTimeout(context.Background(), opts.DialTimeout)
 	defer cancel()
 	c, err := dialTCP(ctx, ns, dst, srcPort)
+	var greeting string
 	if err == nil {
-		_, err = io.WriteString(c, "ECHO\n")
+		if opts.Greeted {
+			greeting, err = readLine(ctx, c)
+		} else {
+			_, err = io.WriteString(c, "ECHO\n")
+		}
 		if err != nil {
 			c.Close()
 		}
@@ -79,7 +89,7 @@ func StartStream(ns netns.NsHandle, dst netip.AddrPort, srcPort uint16, opts Str
 		return nil, fmt.Errorf("stream to %s from %v port %d: %w", dst, ns, srcPort, err)
 	}
 	s := &Stream{
-		conn: c, dst: dst, opts: opts,
+		conn: c, dst: dst, opts: opts, greeting: greeting,
 		stop: make(chan struct{}), sendDone: make(chan struct{}), recvDone: make(chan struct{}),
 		stats: StreamStats{LastVerified: time.Now()},
 	}
@@ -87,6 +97,33 @@ func StartStream(ns netns.NsHandle, dst netip.AddrPort, srcPort uint16, opts Str
 	go s.receive()
 	return s, nil
 }
+
+// readLine reads the server's first line, byte by byte so that nothing
+// after it is consumed, within ctx's deadline.
+func readLine(ctx context.Context, c *net.TCPConn) (string, error) {
+	if d, ok := ctx.Deadline(); ok {
+		_ = c.SetReadDeadline(d)
+		defer c.SetReadDeadline(time.Time{})
+	}
+	var line []byte
+	b := make([]byte, 1)
+	for len(line) < 256 {
+		if _, err := c.Read(b); err != nil {
+			return "", fmt.Errorf("reading the greeting after %q: %w", line, err)
+		}
+		if b[0] == '\n' {
+			return string(line), nil
+		}
+		line = append(line, b[0])
+	}
+	return "", fmt.Errorf("greeting longer than 256 bytes: %q", line)
+}
+
+// Greeting is the greeted server's first line, without its newline.
+func (s *Stream) Greeting() string { return s.greeting }
+
+// LocalPort is the client's port of the connection.
+func (s *Stream) LocalPort() uint16 { return uint16(s.conn.LocalAddr().(*net.TCPAddr).Port) }
 
 // streamByte is byte i of the pattern: consecutive 8-byte big-endian
 // counters, so a lost, repeated or reordered chunk shows as a mismatch.
