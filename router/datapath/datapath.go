@@ -169,7 +169,8 @@ func (d *Datapath) plan(t Tunnel, have []nextHop, cur int) error {
 		return err
 	}
 	have = contents(have)
-	next, newCur, switched := planGenerations(d.cfg, have, cur, d.age[t.VIP], want, d.presentHops(t))
+	next, newCur, switched, moved := planGenerations(d.cfg, have, cur, d.age[t.VIP], want, d.presentHops(t),
+		func() []int { return d.liveFlowsBySlot(t.VIP) })
 	next = trimSlots(next)
 	if !d.cfg.nextHopObjects() {
 		// The routes carry their next hops inline (see nextHopObjects).
@@ -189,6 +190,10 @@ func (d *Datapath) plan(t Tunnel, have []nextHop, cur int) error {
 		d.age[t.VIP] = age
 		d.log.WithFields(logrus.Fields{"vip": t.VIP, "from_generation": cur, "to_generation": newCur,
 			"generations_in_use": generationsInUse(d.cfg, next)}).Info("new flows go to a new generation; established flows keep theirs")
+	}
+	if moved > 0 {
+		d.log.WithFields(logrus.Fields{"vip": t.VIP, "generation": newCur, "established_flows_moved": moved, "generations": d.cfg.Generations}).
+			Warn("every routing generation holds established flows: overwrote the one with the fewest that change endpoint; those flows break (raise --generations)")
 	}
 	return nil
 }

@@ -1,6 +1,7 @@
 package datapath
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -35,8 +36,13 @@ import (
 // generation) and the new table for new flows (want, one hop per bucket).
 // present reports whether a hop still leads to an endpoint that exists (ready
 // or draining). age orders generations for reuse when none is free: the
-// lowest age is overwritten first. switched is true when cur changed.
-func planGenerations(cfg Config, have []nextHop, cur int, age []uint64, want []nextHop, present func(nextHop) bool) (next []nextHop, newCur int, switched bool) {
+// lowest age is overwritten first, unless liveFlows (called only when every
+// generation holds a table) counts, per slot, the flows conntrack holds
+// now: then the generation whose overwriting moves the fewest of them is
+// chosen. moved is the number of those flows sent elsewhere (0 when
+// liveFlows was not called or returned nil). switched is true when cur
+// changed.
+func planGenerations(cfg Config, have []nextHop, cur int, age []uint64, want []nextHop, present func(nextHop) bool, liveFlows func() []int) (next []nextHop, newCur int, switched bool, moved int) {
 	B, G := cfg.Buckets, cfg.Generations
 	next = make([]nextHop, cfg.Slots())
 	copy(next, have) // slots beyond cfg.Slots() are not wanted any more
@@ -58,11 +64,50 @@ func planGenerations(cfg Config, have []nextHop, cur int, age []uint64, want []n
 	newCur = cur
 	if !inUse(gen(cur)) || G == 1 || !movesLiveFlows(gen(cur), want, present) {
 		copy(gen(cur), want)
-	} else {
-		newCur = pickGeneration(G, cur, age, func(g int) bool { return inUse(gen(g)) })
-		copy(gen(newCur), want)
+		return next, cur, false, 0
 	}
-	return next, newCur, newCur != cur
+	used := func(g int) bool { return inUse(gen(g)) }
+	newCur = pickGeneration(G, cur, age, used)
+	if used(newCur) && liveFlows != nil {
+		if live := liveFlows(); live != nil {
+			newCur, moved = leastMovingGeneration(G, cur, age, live, func(g int) []nextHop { return gen(g) }, want)
+		}
+	}
+	copy(gen(newCur), want)
+	return next, newCur, newCur != cur, moved
+}
+
+// leastMovingGeneration chooses, when every generation holds a table, the
+// one to overwrite with want: the one in which the fewest flows conntrack
+// holds now (live, per slot) would be sent to another endpoint. Ties go to
+// the oldest generation other than cur, then to cur (overwriting cur in
+// place). A rolling update makes this the common case: it changes a tunnel
+// IP's table more often than --generations allows, but the generations in
+// between usually hold no established flow.
+func leastMovingGeneration(G, cur int, age []uint64, live []int, gen func(int) []nextHop, want []nextHop) (best, moved int) {
+	movedIn := func(g int) int {
+		n := 0
+		for b, h := range gen(g) {
+			if k := g*len(want) + b; h != want[b] && k < len(live) {
+				n += live[k]
+			}
+		}
+		return n
+	}
+	// Candidates in order of preference: the others oldest first, cur last.
+	var order []int
+	for i := 1; i < G; i++ {
+		order = append(order, (cur+i)%G)
+	}
+	slices.SortStableFunc(order, func(x, y int) int { return cmp.Compare(ageOf(age, x), ageOf(age, y)) })
+	order = append(order, cur)
+	best, moved = -1, 0
+	for _, g := range order {
+		if n := movedIn(g); best < 0 || n < moved {
+			best, moved = g, n
+		}
+	}
+	return best, moved
 }
 
 // movesLiveFlows reports whether going from table have to want would send
@@ -140,6 +185,34 @@ func (c Config) generationOfOffset(offset uint32) (gen int, ok bool) {
 	}
 	g := int(offset-c.MarkOffset) / c.Buckets
 	return g, g < c.Generations
+}
+
+// liveFlowsBySlot counts, per slot, the conntrack entries of tunnel IP vip
+// whose mark conntrack would restore (for TCP: those with more than
+// tcpMinExpire left). nil when conntrack is not available.
+func (d *Datapath) liveFlowsBySlot(vip netip.Addr) []int {
+	if d.flows == nil {
+		return nil
+	}
+	entries, err := d.flows.ConntrackTableList(netlink.ConntrackTable, unix.AF_INET)
+	if err != nil {
+		d.log.WithError(err).WithField("vip", vip).Warn("listing conntrack entries to choose a generation to overwrite; overwriting the oldest")
+		return nil
+	}
+	live := make([]int, d.cfg.Slots())
+	for _, f := range entries {
+		if a, ok := netip.AddrFromSlice(f.Forward.DstIP.To4()); !ok || a != vip {
+			continue
+		}
+		if f.Mark < d.cfg.MarkOffset || uint64(f.Mark) >= uint64(d.cfg.MarkOffset)+uint64(d.cfg.Slots()) {
+			continue
+		}
+		if f.Forward.Protocol == unix.IPPROTO_TCP && f.TimeOut <= d.tcpMinExpire {
+			continue // closing: its mark is never restored
+		}
+		live[f.Mark-d.cfg.MarkOffset]++
+	}
+	return live
 }
 
 // CollectGenerations removes the routes of older generations that no flow

@@ -224,14 +224,14 @@ func TestPlanGenerations(t *testing.T) {
 	}
 
 	t.Run("first table goes in place", func(t *testing.T) {
-		next, cur, switched := planGenerations(cfg, nil, 0, nil, []nextHop{a, b, a, b}, alive(a, b))
+		next, cur, switched, _ := planGenerations(cfg, nil, 0, nil, []nextHop{a, b, a, b}, alive(a, b), nil)
 		if switched || cur != 0 || !equal(gen(next, 0), []nextHop{a, b, a, b}) || inUse(gen(next, 1)) {
 			t.Fatalf("cur=%d switched=%v slots=%v", cur, switched, next)
 		}
 	})
 	t.Run("adding an endpoint starts a generation", func(t *testing.T) {
-		have, _, _ := planGenerations(cfg, nil, 0, nil, []nextHop{a, b, a, b}, alive(a, b))
-		next, cur, switched := planGenerations(cfg, have, 0, nil, []nextHop{a, b, c, b}, alive(a, b, c))
+		have, _, _, _ := planGenerations(cfg, nil, 0, nil, []nextHop{a, b, a, b}, alive(a, b), nil)
+		next, cur, switched, _ := planGenerations(cfg, have, 0, nil, []nextHop{a, b, c, b}, alive(a, b, c), nil)
 		if !switched || cur != 1 || !equal(gen(next, 0), []nextHop{a, b, a, b}) || !equal(gen(next, 1), []nextHop{a, b, c, b}) {
 			t.Fatalf("cur=%d switched=%v slots=%v", cur, switched, next)
 		}
@@ -239,8 +239,8 @@ func TestPlanGenerations(t *testing.T) {
 	t.Run("stateless router overwrites", func(t *testing.T) {
 		one := cfg
 		one.Generations = 1
-		have, _, _ := planGenerations(one, nil, 0, nil, []nextHop{a, b, a, b}, alive(a, b))
-		next, cur, switched := planGenerations(one, have, 0, nil, []nextHop{a, b, c, b}, alive(a, b, c))
+		have, _, _, _ := planGenerations(one, nil, 0, nil, []nextHop{a, b, a, b}, alive(a, b), nil)
+		next, cur, switched, _ := planGenerations(one, have, 0, nil, []nextHop{a, b, c, b}, alive(a, b, c), nil)
 		if switched || cur != 0 || len(next) != one.Buckets || !equal(next, []nextHop{a, b, c, b}) {
 			t.Fatalf("cur=%d switched=%v slots=%v", cur, switched, next)
 		}
@@ -253,7 +253,7 @@ func TestPlanGenerations(t *testing.T) {
 		age := make([]uint64, cfg.Generations)
 		for i, tbl := range tables {
 			var switched bool
-			have, cur, switched = planGenerations(cfg, have, cur, age, tbl, present)
+			have, cur, switched, _ = planGenerations(cfg, have, cur, age, tbl, present, nil)
 			if switched {
 				age[cur] = uint64(i + 1)
 			}
@@ -263,9 +263,35 @@ func TestPlanGenerations(t *testing.T) {
 		}
 		age[0] = 100 // generation 0 became current most recently... except 3
 		age[1] = 1
-		next, cur, _ := planGenerations(cfg, have, cur, age, []nextHop{c, c, c, c}, present)
+		next, cur, _, _ := planGenerations(cfg, have, cur, age, []nextHop{c, c, c, c}, present, nil)
 		if cur != 1 || !equal(gen(next, 1), []nextHop{c, c, c, c}) || !equal(gen(next, 0), tables[0]) {
 			t.Fatalf("reused generation %d, want the oldest (1): %v", cur, next)
+		}
+
+		// With conntrack's counts, the generation whose overwriting moves
+		// the fewest established flows is reused instead: a rolling
+		// update's intermediate tables hold none.
+		live := make([]int, cfg.Slots())
+		live[cfg.Slot(1, 1)] = 5 // generation 1 (the oldest): 5 flows on b, which {c,c,c,c} moves
+		live[cfg.Slot(0, 0)] = 3 // generation 0: 3 flows on a, moved too
+		live[cfg.Slot(2, 2)] = 7 // generation 2: 7 flows on c, which stays c
+		calls := 0
+		counts := func() []int { calls++; return live }
+		next, cur, switched, moved := planGenerations(cfg, have, 3, age, []nextHop{c, c, c, c}, present, counts)
+		if cur != 2 || !switched || moved != 0 || calls != 1 || !equal(gen(next, 1), tables[1]) || !equal(gen(next, 2), []nextHop{c, c, c, c}) {
+			t.Fatalf("reused generation %d (moved %d, %d conntrack listings), want 2 (no flow moves): %v", cur, moved, calls, next)
+		}
+		live[cfg.Slot(2, 0)] = 4 // now generation 2 has 4 flows on a; generation 0 has 3 and is chosen
+		live[cfg.Slot(3, 3)] = 9 // the current one, 9 flows on b
+		next, cur, _, moved = planGenerations(cfg, have, 3, age, []nextHop{c, c, c, c}, present, counts)
+		if cur != 0 || moved != 3 || !equal(gen(next, 2), tables[2]) {
+			t.Fatalf("reused generation %d (moved %d), want 0 (3 flows move): %v", cur, moved, next)
+		}
+		// A free generation is used without listing conntrack.
+		calls = 0
+		have2, _, _, _ := planGenerations(cfg, nil, 0, nil, []nextHop{a, b, a, b}, alive(a, b), counts)
+		if _, cur, _, _ := planGenerations(cfg, have2, 0, nil, []nextHop{a, b, c, b}, alive(a, b, c), counts); cur != 1 || calls != 0 {
+			t.Fatalf("cur=%d after %d conntrack listings, want 1 after none", cur, calls)
 		}
 	})
 }
