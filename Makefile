@@ -6,7 +6,7 @@ PKGS := ./...
 # Where slow-to-build test assets (kube-apiserver, etcd) are cached.
 export KST_ASSETS_DIR ?= $(HOME)/.cache/kube-service-tunnel/assets
 
-.PHONY: help build image manifest test unit integration e2e bench lint demo docs deps assets clean
+.PHONY: help build image manifest test unit integration e2e cluster bench lint demo docs deps assets clean
 
 help: ## show this help
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -42,12 +42,14 @@ assets: ## build and cache a real etcd, kube-apiserver, kubelet, kube-controller
 	./test/tools/kube-assets.sh
 	./test/tools/lab-assets.sh
 
-# The end-to-end lab runs alone, after the other packages: its qemu VM (TCG)
-# needs both cores, and timing-sensitive steps in it (TCP handshakes, BFD)
-# failed when the integration tests' churn ran beside it.
-test: deps assets lint build image manifest ## everything: the images and manifest, unit, privileged (root) and integration tests, the end-to-end lab, the demo and a smoke run of the benchmark
-	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 40m $$($(GO) list $(PKGS) | grep -v '/test/e2e$$')
-	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 40m ./test/e2e
+# The end-to-end lab and the two-node cluster run alone, one after the other,
+# after the other packages: their qemu VMs (TCG) need both cores, and
+# timing-sensitive steps in them (TCP handshakes, BFD, probes) failed when the
+# integration tests' churn ran beside them.
+SERIAL_PKGS := ./test/e2e ./test/cluster
+test: deps assets lint build image manifest ## everything: the images and manifest, unit, privileged (root) and integration tests, the end-to-end lab, the two-node cluster, the demo and a smoke run of the benchmark
+	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 40m $$($(GO) list $(PKGS) | grep -v -e '/test/e2e$$' -e '/test/cluster$$')
+	KST_REQUIRE_INTEGRATION=1 $(GO) test -p 1 -count=1 -timeout 60m $(SERIAL_PKGS)
 	$(GO) run ./test/demo > /tmp/kst-demo.log 2>&1 || { cat /tmp/kst-demo.log; exit 1; }
 	@echo "demo: ok"
 	$(GO) run ./test/bench $(BENCH_SMOKE) > /tmp/kst-bench.log 2>&1 || { cat /tmp/kst-bench.log; exit 1; }
@@ -58,6 +60,9 @@ unit: ## unit tests only (no root, no API server)
 
 e2e: deps assets ## the end-to-end lab: 10 scenarios x gre, mpls in the VM (KST_E2E_RUN=gre/4_ for one)
 	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 40m -run TestE2E -v ./test/e2e
+
+cluster: deps assets ## the two-node lab cluster run by real kubelets: install, example, client traffic, rollout restart, router pod deletion, uninstall, in gre and mpls
+	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 40m -run TestCluster -v ./test/cluster
 
 # A smoke run of every part of the benchmark, counts scaled down (about 40 s).
 BENCH_SMOKE = -tunnels 100 -forward-tunnels 1,100 -forward-duration 500ms -forward-warmup 200ms -forward-rounds 1 \

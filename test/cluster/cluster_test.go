@@ -1,0 +1,260 @@
+// Package cluster is the user's install path run by real Kubernetes
+// components (issue 16): two lab VMs, each a node with Debian's containerd,
+// runc and CNI plugins and a real kubelet, joined by a virtual link, and a
+// real kube-apiserver, kube-controller-manager and kube-scheduler on the
+// host. make image's images are imported into each node's containerd and
+// make manifest's tunnel-router.yaml is applied unchanged; then
+// examples/echo.yaml, a client outside the cluster, a rolling restart, a
+// router pod's deletion and the uninstall DaemonSet, in gre and mpls mode.
+//
+//	client 198.51.100.10 ── lab-router 172.20.0.11 ═══ lab-worker 172.20.0.21 ── cni0 10.244.2.1 ── echo pods
+//	                        node=tunnel, cordoned          (eth1: the nodes' link)
+//	                        tunnel-router, tunnel-endpoint tunnel-endpoint
+//
+// TestCluster runs on the host and boots both VMs. In lab-router the test
+// binary runs TestInCluster, which drives the cluster through the API server
+// and sends the client's traffic; in lab-worker it runs TestNodeHelper, a
+// small HTTP service on the link through which TestInCluster reads the
+// worker's kernel state and its pods' sockets.
+package cluster
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/image"
+	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
+	"github.com/cmdnu/kube-service-tunnel/test/lab"
+	"github.com/cmdnu/kube-service-tunnel/test/support/testimages"
+)
+
+// node is one lab VM.
+type node struct {
+	name string
+	// linkAddr is the node's address on eth1, the nodes' link, and its
+	// Kubernetes InternalIP.
+	linkAddr string
+	podCIDR  string
+	mac      string
+	// role selects the guest test: TestInCluster or TestNodeHelper.
+	role string
+}
+
+var (
+	routerNode = node{name: "lab-router", linkAddr: "172.20.0.11", podCIDR: "10.244.1.0/24", mac: "52:54:00:20:00:11", role: "router"}
+	workerNode = node{name: "lab-worker", linkAddr: "172.20.0.21", podCIDR: "10.244.2.0/24", mac: "52:54:00:20:00:21", role: "worker"}
+)
+
+// Where the host puts things in the VMs.
+const (
+	roleEnv           = "KST_CLUSTER_ROLE"
+	vmDir             = "/lab/cluster"
+	manifestFile      = vmDir + "/tunnel-router.yaml"
+	uninstallFile     = vmDir + "/tunnel-uninstall.yaml"
+	exampleFile       = vmDir + "/echo.yaml"
+	adminKubeconfig   = "/lab/kubelet/kubeconfig"
+	clientNS          = "client"
+	clientAddr        = "198.51.100.10"
+	clientGatewayAddr = "198.51.100.1"
+	helperPort        = 9700
+	// nodeNS names each node's root network namespace ("ip netns attach"),
+	// for kstate's snapshots.
+	nodeNS = "node"
+)
+
+// guestTimeout bounds the VM run.
+const guestTimeout = 25 * time.Minute
+
+func TestCluster(t *testing.T) {
+	if lab.IsGuest() {
+		t.Skip("TestCluster boots the VMs; it does not run inside them")
+	}
+	if testing.Short() {
+		t.Skip("-short: the lab cluster takes minutes")
+	}
+	assets := lab.Require(t)
+	env := kubeenv.StartWithOptions(t, kubeenv.Options{ServiceAccountAdmission: true})
+	if err := env.StartControllers(); err != nil {
+		if lab.IntegrationRequired() {
+			t.Fatal(err)
+		}
+		t.Skip(err)
+	}
+	dir := t.TempDir()
+	version := fmt.Sprintf("lab-%d", time.Now().Unix())
+	var archives []string
+	for _, r := range testimages.Build(t, dir, image.DefaultRegistry, version) {
+		archives = append(archives, r.Archive)
+	}
+	example := filepath.Join(dir, "example-image.tar")
+	if err := lab.WriteBusyboxImage(example, lab.ExampleImage, nil); err != nil {
+		t.Fatal(err)
+	}
+	archives = append(archives, example)
+	vmFiles := map[string]string{exampleFile: filepath.Join(lab.RepoRoot(), "examples", "echo.yaml")}
+	for vmPath, src := range map[string][]byte{manifestFile: repoFile(t, "tunnel-router.yaml"), uninstallFile: image.Uninstall} {
+		rendered, err := image.RenderManifest(src, image.DefaultRegistry, version)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := filepath.Join(dir, filepath.Base(vmPath))
+		if err := os.WriteFile(p, rendered, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		vmFiles[vmPath] = p
+	}
+	program := filepath.Join(dir, "cluster.test")
+	if err := lab.BuildStaticTest("./test/cluster", program); err != nil {
+		t.Fatal(err)
+	}
+	vmFiles[lab.GuestProgram] = program
+	var apiPort int
+	fmt.Sscan(env.Host()[strings.LastIndex(env.Host(), ":")+1:], &apiPort)
+	linkPorts := freeUDPPorts(t, 2)
+
+	ctx, cancel := context.WithTimeout(context.Background(), guestTimeout)
+	defer cancel()
+	// The worker's helper runs until the router's test is over; its VM is
+	// stopped a little after the router's VM ends.
+	workerCtx, stopWorker := context.WithCancel(ctx)
+	defer stopWorker()
+	type result struct {
+		out string
+		rc  int
+		err error
+	}
+	results := make([]result, 2)
+	var wg sync.WaitGroup
+	for i, n := range []node{routerNode, workerNode} {
+		nodeDir := filepath.Join(dir, n.name)
+		if err := os.Mkdir(nodeDir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		files, err := lab.KubeletFiles(nodeDir, lab.KubeletOptions{NodeName: n.name, NodeIP: n.linkAddr,
+			PodCIDR: n.podCIDR, Admin: env.AdminConfig(), Images: archives})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for vmPath, p := range vmFiles {
+			files[vmPath] = p
+		}
+		ir, err := lab.BuildInitramfs(lab.InitramfsOptions{Assets: assets, Output: filepath.Join(nodeDir, "initrd.gz"),
+			Script: nodeScript(n, apiPort), Files: files, Modules: lab.KubeletModules, HostBinaries: lab.KubeletHostBinaries})
+		if err != nil {
+			t.Fatal(err)
+		}
+		local, remote := linkPorts[i], linkPorts[1-i]
+		console, err := os.Create(filepath.Join(os.TempDir(), "kst-cluster-"+n.name+".log"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer console.Close()
+			bootCtx := ctx
+			if n.role == "worker" {
+				bootCtx = workerCtx
+			}
+			out, rc, err := lab.Boot(bootCtx, ir, lab.BootOptions{Kernel: assets.Kernel, MemoryMB: 3072, CPUs: 2,
+				ForwardHostPorts: []int{apiPort}, Output: console, ExtraArgs: linkArgs(n, local, remote)})
+			results[i] = result{out, rc, err}
+			if n.role == "router" {
+				time.AfterFunc(30*time.Second, stopWorker)
+			}
+		}()
+	}
+	start := time.Now()
+	wg.Wait()
+	t.Logf("the VMs ran for %v; consoles: %s", time.Since(start).Round(time.Second), filepath.Join(os.TempDir(), "kst-cluster-*.log"))
+	lab.ReportGuestTests(t, results[0].out, results[0].rc, results[0].err)
+	if t.Failed() {
+		t.Logf("lab-worker's console tail:\n%s", tail(results[1].out, 60))
+		t.Logf("controller-manager and scheduler logs: %v", env.ControllerLogs())
+	}
+}
+
+// nodeScript is a node's /lab/run.sh: the nodes' link, routes to the other
+// node's pods and the client's network, the kubelet node
+// (lab.KubeletScript), then the node's guest test.
+func nodeScript(n node, apiPort int) string {
+	other := workerNode
+	if n.role == "worker" {
+		other = routerNode
+	}
+	var b strings.Builder
+	// The link first: the kubelet's --node-ip must be there when it starts.
+	fmt.Fprintf(&b, `/sbin/ip link set eth1 up && /sbin/ip addr add %s/24 dev eth1 || echo "FAIL eth1"
+/sbin/ip route add %s via %s
+echo 1 > /proc/sys/net/ipv4/ip_forward
+/sbin/ip netns attach %s 1
+`, n.linkAddr, other.podCIDR, other.linkAddr, nodeNS)
+	if n.role == "router" {
+		// The client: outside the cluster, routed through lab-router (the
+		// datacenter's router and the tunnel node in one).
+		fmt.Fprintf(&b, `/sbin/ip netns add %[1]s
+/sbin/ip link add lab-client type veth peer name eth0 netns %[1]s
+/sbin/ip addr add %[2]s/24 dev lab-client && /sbin/ip link set lab-client up
+/sbin/ip -n %[1]s addr add %[3]s/24 dev eth0 && /sbin/ip -n %[1]s link set eth0 up && /sbin/ip -n %[1]s link set lo up
+/sbin/ip -n %[1]s route add default via %[2]s
+`, clientNS, clientGatewayAddr, clientAddr)
+	} else {
+		fmt.Fprintf(&b, "/sbin/ip route add 198.51.100.0/24 via %s\n", other.linkAddr)
+	}
+	b.WriteString(lab.KubeletScript + lab.KubernetesServiceDNAT(apiPort))
+	fmt.Fprintf(&b, "cd /tmp && %s=1 %s=%s %s -test.run '^(TestInCluster|TestNodeHelper)$' -test.v -test.count=1 -test.timeout %s\n",
+		lab.EnvGuest, roleEnv, n.role, lab.GuestProgram, guestTimeout)
+	return b.String()
+}
+
+// linkArgs give a VM eth1, a NIC whose frames qemu carries over UDP on the
+// host's loopback to the other VM's eth1.
+func linkArgs(n node, localPort, remotePort int) []string {
+	return []string{
+		"-netdev", fmt.Sprintf("dgram,id=n1,local.type=inet,local.host=127.0.0.1,local.port=%d,remote.type=inet,remote.host=127.0.0.1,remote.port=%d", localPort, remotePort),
+		"-device", "virtio-net-pci,netdev=n1,mac=" + n.mac + ",romfile=",
+	}
+}
+
+// freeUDPPorts returns n UDP ports on the loopback that were free a moment
+// ago.
+func freeUDPPorts(t *testing.T, n int) []int {
+	var ports []int
+	var conns []net.PacketConn
+	for range n {
+		c, err := net.ListenPacket("udp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		conns = append(conns, c)
+		ports = append(ports, c.LocalAddr().(*net.UDPAddr).Port)
+	}
+	for _, c := range conns {
+		c.Close()
+	}
+	return ports
+}
+
+func repoFile(t *testing.T, name string) []byte {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(lab.RepoRoot(), name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func tail(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}

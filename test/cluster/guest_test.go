@@ -1,0 +1,970 @@
+package cluster
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/netip"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
+	"github.com/cmdnu/kube-service-tunnel/test/lab/kstate"
+	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
+)
+
+// What examples/echo.yaml and tunnel-router.yaml hold.
+const (
+	daemonNamespace  = "kube-service-tunnel"
+	exampleNamespace = "demo"
+	exampleName      = "echo"
+	exampleReplicas  = 4
+	// routerMetricsPort is the router's /metrics and /readyz (hostNetwork).
+	routerMetricsPort = 9641
+	// flows is the number of established flows each scenario keeps open.
+	flows = 120
+)
+
+var (
+	tunnelIP  = netip.MustParseAddr("192.0.2.10")
+	service   = netip.AddrPortFrom(tunnelIP, 7)
+	clientIP  = netip.MustParseAddr(clientAddr)
+	streamOpt = workload.StreamOptions{Greeted: true, ChunkSize: 64, Interval: 250 * time.Millisecond, DialTimeout: 10 * time.Second}
+)
+
+// cluster is TestInCluster's view: the API server as admin, the client's
+// namespace, and the worker's helper.
+type cluster struct {
+	cfg    *rest.Config
+	kube   kubernetes.Interface
+	client netns.NsHandle
+	helper string
+	// lastPort is the client port of the last flow opened (clientPort).
+	lastPort uint16
+}
+
+// firstClientPort starts the client ports the flows use, below the kernel's
+// ephemeral range (32768-60999), so that no flow of this test reuses the
+// 4-tuple of one closed a moment before (see clientPort).
+const firstClientPort = 20000
+
+// clientPort is a client port no flow of this test used yet. A new
+// connection on the 4-tuple of one closed less than 120 s before finds the
+// old connection's closing conntrack entry on the router, which every
+// packet refreshes: it is never sticky (docs/draining.md#limits). The
+// kernel picks such ports for a client that opens and resets connections
+// to one service as fast as this test does; this test measures the
+// rollout's effect on flows, so it gives each flow its own tuple.
+func (c *cluster) clientPort() uint16 {
+	if c.lastPort < firstClientPort {
+		c.lastPort = firstClientPort - 1
+	}
+	c.lastPort++
+	return c.lastPort
+}
+
+// TestInCluster runs in lab-router. Both nodes' kubelets register; the
+// nodes' kernel state is recorded; then, in gre and then in mpls mode, the
+// user's path: install, the example, traffic from the client, a rolling
+// restart, a router pod's deletion, and the uninstall, which must leave both
+// nodes as recorded.
+func TestInCluster(t *testing.T) {
+	if os.Getenv(roleEnv) != "router" {
+		t.Skip("runs in the lab cluster's router VM; TestCluster boots it")
+	}
+	c := connect(t)
+	defer c.stopHelper()
+	start := time.Now()
+	c.waitFor(t, "both Nodes Ready", 5*time.Minute, func() (bool, error) {
+		nodes, err := c.kube.CoreV1().Nodes().List(context.Background(), metav1.ListOptions{})
+		if err != nil {
+			return false, err
+		}
+		ready := 0
+		for _, n := range nodes.Items {
+			for _, cond := range n.Status.Conditions {
+				if cond.Type == corev1.NodeReady && cond.Status == corev1.ConditionTrue {
+					ready++
+				}
+			}
+		}
+		return ready == 2, nil
+	})
+	t.Logf("both Nodes Ready %v after this test began", time.Since(start).Round(time.Second))
+	c.waitFor(t, "the worker's helper", time.Minute, func() (bool, error) {
+		_, err := c.helperGet("/sockets")
+		return err == nil, nil
+	})
+	before := c.snapshots(t)
+	// The tunnel node is cordoned: a dedicated tunnel node runs no workload
+	// (the DaemonSets' pods tolerate unschedulable nodes), so the example's
+	// pods land on lab-worker.
+	c.patchNode(t, `{"spec":{"unschedulable":true}}`)
+	for _, mode := range []string{"gre", "mpls"} {
+		ok := t.Run(mode, func(t *testing.T) {
+			steps := []struct {
+				name string
+				run  func(*testing.T)
+			}{
+				{"install", func(t *testing.T) { c.install(t, mode) }},
+				{"example", c.deployExample},
+				{"traffic", c.traffic},
+				{"rollout_restart", c.rolloutRestart},
+				{"router_pod_deleted", c.deleteRouterPod},
+				{"uninstall", func(t *testing.T) { c.uninstall(t, before) }},
+			}
+			for _, s := range steps {
+				if !t.Run(s.name, s.run) {
+					t.Logf("the router's log about generations:\n%s", c.routerLogLines(t, "generation"))
+					t.Logf("worker's state:\n%s", c.helperDebug())
+					return
+				}
+			}
+		})
+		if !ok {
+			break
+		}
+	}
+}
+
+func connect(t *testing.T) *cluster {
+	t.Helper()
+	cfg, err := clientcmd.BuildConfigFromFlags("", adminKubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.QPS, cfg.Burst = 50, 100
+	kube, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	client, err := netns.GetFromName(clientNS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &cluster{cfg: cfg, kube: kube, client: client, helper: fmt.Sprintf("http://%s:%d", workerNode.linkAddr, helperPort)}
+}
+
+// waitFor polls cond every second until it holds; an error from cond is
+// remembered and shown if the limit passes.
+func (c *cluster) waitFor(t *testing.T, what string, limit time.Duration, cond func() (bool, error)) time.Duration {
+	t.Helper()
+	start := time.Now()
+	var last error
+	for {
+		ok, err := cond()
+		if ok {
+			return time.Since(start)
+		}
+		if err != nil {
+			last = err
+		}
+		if time.Since(start) > limit {
+			t.Fatalf("no %s after %v (last error: %v)", what, limit, last)
+		}
+		time.Sleep(time.Second)
+	}
+}
+
+func (c *cluster) helperGet(path string) ([]byte, error) {
+	resp, err := http.Get(c.helper + path)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err == nil && resp.StatusCode != http.StatusOK {
+		err = fmt.Errorf("%s: %s: %s", path, resp.Status, b)
+	}
+	return b, err
+}
+
+func (c *cluster) helperDebug() string {
+	b, err := c.helperGet("/debug")
+	if err != nil {
+		return err.Error()
+	}
+	return string(b)
+}
+
+func (c *cluster) stopHelper() {
+	if resp, err := http.Post(c.helper+"/stop", "", nil); err == nil {
+		resp.Body.Close()
+	}
+}
+
+// snapshots are both nodes' kernel state, by node name.
+func (c *cluster) snapshots(t *testing.T) map[string]kstate.State {
+	t.Helper()
+	router, err := kstate.Snapshot(context.Background(), nodeNS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var worker kstate.State
+	b, err := c.helperGet("/kstate")
+	if err == nil {
+		err = json.Unmarshal(b, &worker)
+	}
+	if err != nil {
+		t.Fatalf("the worker's kernel state: %v", err)
+	}
+	return map[string]kstate.State{routerNode.name: router, workerNode.name: worker}
+}
+
+func (c *cluster) patchNode(t *testing.T, patch string) {
+	t.Helper()
+	if _, err := c.kube.CoreV1().Nodes().Patch(context.Background(), routerNode.name, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		t.Fatalf("patching node %s with %s: %v", routerNode.name, patch, err)
+	}
+}
+
+// install applies make manifest's tunnel-router.yaml, unchanged but for the
+// mode in its ConfigMap: the agents are scheduled on both nodes, the router
+// on none until lab-router is labelled node=tunnel, as a user does. Then
+// the agents (both nodes) and the router (the tunnel node) must become
+// Ready.
+func (c *cluster) install(t *testing.T, mode string) {
+	ctx := context.Background()
+	manifest, err := os.ReadFile(manifestFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const gre = "KST_MODE: gre\n"
+	if !strings.Contains(string(manifest), gre) {
+		t.Fatalf("%s has no %q", manifestFile, gre)
+	}
+	manifest = []byte(strings.Replace(string(manifest), gre, "KST_MODE: "+mode+"\n", 1))
+	applied := time.Now()
+	if err := kubeenv.Apply(ctx, c.cfg, manifest, false); err != nil {
+		t.Fatal(err)
+	}
+	c.waitFor(t, "both DaemonSets counted", time.Minute, func() (bool, error) {
+		endpoint, err := c.kube.AppsV1().DaemonSets(daemonNamespace).Get(ctx, "tunnel-endpoint", metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		router, err := c.kube.AppsV1().DaemonSets(daemonNamespace).Get(ctx, "tunnel-router", metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		return endpoint.Status.ObservedGeneration == endpoint.Generation && endpoint.Status.DesiredNumberScheduled == 2 &&
+			router.Status.ObservedGeneration == router.Generation && router.Status.DesiredNumberScheduled == 0, nil
+	})
+	c.patchNode(t, `{"metadata":{"labels":{"node":"tunnel"}}}`)
+	c.waitDaemonSet(t, "tunnel-endpoint", 2)
+	t.Logf("kubectl apply to tunnel-endpoint Ready on both nodes: %v", time.Since(applied).Round(100*time.Millisecond))
+	c.waitDaemonSet(t, "tunnel-router", 1)
+	t.Logf("kubectl apply to tunnel-router Ready on %s: %v", routerNode.name, time.Since(applied).Round(100*time.Millisecond))
+	pods := c.daemonPods(t, "tunnel-router")
+	if len(pods) != 1 || pods[0].Spec.NodeName != routerNode.name {
+		t.Fatalf("tunnel-router pods: %v, want one on %s", podNodes(pods), routerNode.name)
+	}
+	// kubelet writes its KUBE-IPTABLES-HINT chain with the node's iptables
+	// (nft); the containerised router must have followed it.
+	if line := grepLine(c.podLogs(t, pods[0]), "iptables backend chosen"); !strings.Contains(line, "backend=nft") || !strings.Contains(line, `why="kubelet's chains are in nft"`) {
+		t.Errorf("the router's backend line: %q, want nft because of kubelet's chains", line)
+	}
+	// Both agents found containerd's CRI (--runtime auto).
+	for _, p := range c.daemonPods(t, "tunnel-endpoint") {
+		logs := c.podLogs(t, p)
+		const want = `runtime="cri at unix:///run/containerd/containerd.sock`
+		if line := grepLine(logs, "starting endpoint agent"); !strings.Contains(line, want) {
+			t.Errorf("the agent on %s started with %q, want %s", p.Spec.NodeName, line, want)
+		}
+	}
+}
+
+// podLogs reads a pod's logs from its node: lab-router's own files, or
+// lab-worker's through the helper (the API server cannot reach the
+// kubelets for kubectl logs).
+func (c *cluster) podLogs(t *testing.T, p corev1.Pod) string {
+	t.Helper()
+	var logs string
+	var err error
+	if p.Spec.NodeName == routerNode.name {
+		logs, err = podLogs(p.Namespace, p.Name)
+	} else {
+		var b []byte
+		b, err = c.helperGet("/podlogs?namespace=" + p.Namespace + "&pod=" + p.Name)
+		logs = string(b)
+	}
+	if err != nil {
+		t.Fatalf("logs of %s/%s on %s: %v", p.Namespace, p.Name, p.Spec.NodeName, err)
+	}
+	return logs
+}
+
+func grepLine(s, sub string) string {
+	for _, l := range strings.Split(s, "\n") {
+		if strings.Contains(l, sub) {
+			return l
+		}
+	}
+	return ""
+}
+
+// waitDaemonSet waits until DaemonSet name has want pods, all updated and
+// Ready.
+func (c *cluster) waitDaemonSet(t *testing.T, name string, want int32) {
+	t.Helper()
+	c.waitFor(t, name+" Ready", 5*time.Minute, func() (bool, error) {
+		ds, err := c.kube.AppsV1().DaemonSets(daemonNamespace).Get(context.Background(), name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		s := ds.Status
+		return s.ObservedGeneration == ds.Generation && s.DesiredNumberScheduled == want &&
+			s.UpdatedNumberScheduled == want && s.NumberReady == want && s.NumberUnavailable == 0, nil
+	})
+}
+
+func (c *cluster) daemonPods(t *testing.T, name string) []corev1.Pod {
+	t.Helper()
+	pods, err := c.kube.CoreV1().Pods(daemonNamespace).List(context.Background(), metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=" + name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pods.Items
+}
+
+func podNodes(pods []corev1.Pod) []string {
+	var s []string
+	for _, p := range pods {
+		s = append(s, p.Name+"@"+p.Spec.NodeName)
+	}
+	return s
+}
+
+// deployExample applies examples/echo.yaml unchanged and waits until its
+// pods are available, the router has published the tunnel IP and a client
+// connection is answered.
+func (c *cluster) deployExample(t *testing.T) {
+	ctx := context.Background()
+	example, err := os.ReadFile(exampleFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	applied := time.Now()
+	if err := kubeenv.Apply(ctx, c.cfg, example, false); err != nil {
+		t.Fatal(err)
+	}
+	c.waitRollout(t, 3*time.Minute)
+	t.Logf("kubectl apply to %d echo pods available: %v", exampleReplicas, time.Since(applied).Round(100*time.Millisecond))
+	for _, p := range c.examplePods(t) {
+		if p.Spec.NodeName != workerNode.name {
+			t.Errorf("pod %s is on %q, want %s (the tunnel node is cordoned)", p.Name, p.Spec.NodeName, workerNode.name)
+		}
+	}
+	c.waitFor(t, "the tunnel IP in the Service's status", 2*time.Minute, func() (bool, error) {
+		svc, err := c.kube.CoreV1().Services(exampleNamespace).Get(ctx, exampleName, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		for _, in := range svc.Status.LoadBalancer.Ingress {
+			if in.IP == tunnelIP.String() {
+				return true, nil
+			}
+		}
+		return false, nil
+	})
+	c.waitFor(t, "an answer on "+service.String(), 2*time.Minute, func() (bool, error) {
+		s, err := workload.StartStream(c.client, service, 0, streamOpt)
+		if err != nil {
+			return false, err
+		}
+		_, err = s.Stop(ctx)
+		return err == nil, err
+	})
+	t.Logf("kubectl apply to the first answer through %s: %v", tunnelIP, time.Since(applied).Round(100*time.Millisecond))
+	// The router has every pod in its table: a flow whose handshake
+	// straddles a change of the table can break (docs/draining.md#limits),
+	// and the pods' EndpointSlice entries may still be arriving.
+	c.waitFor(t, "every echo pod in the router's table", time.Minute, func() (bool, error) {
+		buckets, err := routerBuckets()
+		if err != nil {
+			return false, err
+		}
+		for _, p := range c.examplePods(t) {
+			ip, err := netip.ParseAddr(p.Status.PodIP)
+			if err != nil || buckets[ip] == 0 {
+				return false, nil
+			}
+		}
+		return true, nil
+	})
+	t.Logf("kubectl apply to every pod in the router's table: %v", time.Since(applied).Round(100*time.Millisecond))
+}
+
+// waitRollout waits until the example's Deployment has all its replicas
+// updated and available and no other pod is left.
+func (c *cluster) waitRollout(t *testing.T, limit time.Duration) {
+	t.Helper()
+	c.waitFor(t, "the echo Deployment rolled out", limit, func() (bool, error) {
+		d, err := c.kube.AppsV1().Deployments(exampleNamespace).Get(context.Background(), exampleName, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		if !deploymentDone(d) {
+			return false, nil
+		}
+		return len(c.examplePods(t)) == exampleReplicas, nil
+	})
+}
+
+func deploymentDone(d *appsv1.Deployment) bool {
+	s := d.Status
+	return s.ObservedGeneration >= d.Generation && s.UpdatedReplicas == exampleReplicas &&
+		s.AvailableReplicas == exampleReplicas && s.Replicas == exampleReplicas
+}
+
+func (c *cluster) examplePods(t *testing.T) []corev1.Pod {
+	t.Helper()
+	pods, err := c.kube.CoreV1().Pods(exampleNamespace).List(context.Background(), metav1.ListOptions{LabelSelector: "app=" + exampleName})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pods.Items
+}
+
+// openStreams opens n greeted echo streams from the client.
+func (c *cluster) openStreams(t *testing.T, n int) []*workload.Stream {
+	t.Helper()
+	var streams []*workload.Stream
+	for range n {
+		s, err := workload.StartStream(c.client, service, c.clientPort(), streamOpt)
+		if err != nil {
+			stopAll(streams)
+			t.Fatalf("flow %d of %d: %v", len(streams)+1, n, err)
+		}
+		streams = append(streams, s)
+	}
+	return streams
+}
+
+// stopAll stops every stream and returns how many failed, with the first
+// few errors.
+func stopAll(streams []*workload.Stream) (failed int, errs []error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for _, s := range streams {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := s.Stop(ctx); err != nil {
+				mu.Lock()
+				failed++
+				if len(errs) < 5 {
+					errs = append(errs, fmt.Errorf("the flow greeted by %s: %w", greetedPod(s), err))
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	return failed, errs
+}
+
+// greetedPod is the pod name of a "pod=NAME" greeting.
+func greetedPod(s *workload.Stream) string {
+	return strings.TrimPrefix(s.Greeting(), "pod=")
+}
+
+// traffic opens the flows and checks each one against the pods' sockets on
+// the worker: the pod that greeted the client holds the connection, with
+// the client's own address as its peer and the tunnel IP as its local
+// address. Every pod gets flows.
+func (c *cluster) traffic(t *testing.T) {
+	streams := c.openStreams(t, flows)
+	time.Sleep(2 * time.Second) // some echoed data on every flow
+	b, err := c.helperGet("/sockets")
+	if err != nil {
+		stopAll(streams)
+		t.Fatal(err)
+	}
+	var pods []podSockets
+	if err := json.Unmarshal(b, &pods); err != nil {
+		t.Fatal(err)
+	}
+	nameOf := map[netip.Addr]string{}
+	for _, p := range c.examplePods(t) {
+		if ip, err := netip.ParseAddr(p.Status.PodIP); err == nil {
+			nameOf[ip] = p.Name
+		}
+	}
+	// holder: client port -> pod names whose namespace has the connection.
+	holder := map[uint16][]string{}
+	for _, p := range pods {
+		for _, conn := range p.Conns {
+			if conn.Established && conn.Remote.Addr() == clientIP && conn.Local == service {
+				for _, a := range p.Addrs {
+					if name, ok := nameOf[a]; ok {
+						holder[conn.Remote.Port()] = append(holder[conn.Remote.Port()], name)
+					}
+				}
+			}
+		}
+	}
+	perPod := map[string]int{}
+	for _, s := range streams {
+		pod := greetedPod(s)
+		perPod[pod]++
+		got := holder[s.LocalPort()]
+		if len(got) != 1 || got[0] != pod {
+			t.Errorf("flow from %s:%d greeted by %q: the pods holding a socket from %s:%d to %s are %v", clientIP, s.LocalPort(), pod, clientIP, s.LocalPort(), service, got)
+		}
+	}
+	// The worker's agent found every example pod's network namespace
+	// through the CRI.
+	for _, p := range c.daemonPods(t, "tunnel-endpoint") {
+		if p.Spec.NodeName != workerNode.name {
+			continue
+		}
+		viaCRI := map[string]bool{}
+		for _, l := range strings.Split(c.podLogs(t, p), "\n") {
+			if !strings.Contains(l, `msg="pod converged"`) {
+				continue
+			}
+			_, pod, _ := strings.Cut(l, " pod="+exampleNamespace+"/")
+			pod, _, _ = strings.Cut(pod, " ")
+			if !strings.Contains(l, " via=cri") {
+				t.Errorf("the agent did not find pod %s through the CRI: %s", pod, l)
+			}
+			viaCRI[pod] = true
+		}
+		for pod := range perPod {
+			if !viaCRI[pod] {
+				t.Errorf("the agent's log has no converged pod %s", pod)
+			}
+		}
+	}
+	if buckets, err := routerBuckets(); err != nil {
+		t.Errorf("the router's metrics: %v", err)
+	} else {
+		t.Logf("the router's buckets per endpoint: %v", buckets)
+	}
+	failed, errs := stopAll(streams)
+	t.Logf("%d flows from %s to %s, per pod: %v; each seen in its pod with the client's own address as peer", flows, clientIP, service, perPod)
+	if failed > 0 {
+		t.Errorf("%d of %d flows failed: %v", failed, flows, errs)
+	}
+	if len(perPod) != exampleReplicas {
+		t.Errorf("flows reached %d pods (%v), want all %d", len(perPod), perPod, exampleReplicas)
+	}
+}
+
+// routerBuckets scrapes the router's endpoint_buckets for the tunnel IP:
+// buckets that send new flows, by endpoint address.
+func routerBuckets() (map[netip.Addr]int, error) {
+	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/metrics", routerMetricsPort))
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	buckets := map[netip.Addr]int{}
+	prefix := "kube_service_tunnel_router_endpoint_buckets{"
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.HasPrefix(line, prefix) || !strings.Contains(line, `vip="`+tunnelIP.String()+`"`) {
+			continue
+		}
+		_, rest, _ := strings.Cut(line, `endpoint="`)
+		ep, rest, _ := strings.Cut(rest, `"`)
+		addr, err := netip.ParseAddr(ep)
+		if err != nil {
+			return nil, fmt.Errorf("metrics line %q: %w", line, err)
+		}
+		f := strings.Fields(rest)
+		n, err := strconv.ParseFloat(f[len(f)-1], 64)
+		if err != nil {
+			return nil, fmt.Errorf("metrics line %q: %w", line, err)
+		}
+		buckets[addr] = int(n)
+	}
+	return buckets, sc.Err()
+}
+
+// podWatch follows the example's pods: each one's address and when the API
+// server marked it terminating (as this test first saw it).
+type podWatch struct {
+	mu          sync.Mutex
+	addr        map[string]netip.Addr
+	terminating map[string]time.Time
+}
+
+func (w *podWatch) update(pods []corev1.Pod) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for _, p := range pods {
+		if ip, err := netip.ParseAddr(p.Status.PodIP); err == nil {
+			w.addr[p.Name] = ip
+		}
+		if p.DeletionTimestamp != nil {
+			if _, ok := w.terminating[p.Name]; !ok {
+				w.terminating[p.Name] = time.Now()
+			}
+		}
+	}
+}
+
+// rolloutRestart is kubectl rollout restart deployment/echo with flows
+// open. The real controllers replace the pods one by one; the old ones are
+// marked terminating (their busybox ignores SIGTERM, so each lives its 30 s
+// grace period). The established flows, opened before, run on for 20 s,
+// within the first old pods' grace, and must all complete; meanwhile new
+// flows are opened continuously, and none may reach a terminating pod that
+// the router already showed as drained (0 buckets) before the flow began.
+func (c *cluster) rolloutRestart(t *testing.T) {
+	ctx := context.Background()
+	streams := c.openStreams(t, flows)
+	time.Sleep(time.Second)
+	// Each flow is sticky: the router's conntrack entry holds its mark and
+	// has more than the closing states' 120 s to live.
+	if sticky, odd := conntrackOf(streams); len(odd) > 0 {
+		t.Errorf("%d of %d established flows have a sticky conntrack entry on the router; the others: %v", sticky, len(streams), odd)
+	}
+	oldPods := map[string]bool{}
+	for _, s := range streams {
+		oldPods[greetedPod(s)] = true
+	}
+	w := &podWatch{addr: map[string]netip.Addr{}, terminating: map[string]time.Time{}}
+	w.update(c.examplePods(t))
+	patch := fmt.Sprintf(`{"spec":{"template":{"metadata":{"annotations":{"kubectl.kubernetes.io/restartedAt":%q}}}}}`, time.Now().Format(time.RFC3339))
+	restarted := time.Now()
+	if _, err := c.kube.AppsV1().Deployments(exampleNamespace).Patch(ctx, exampleName, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		stopAll(streams)
+		t.Fatal(err)
+	}
+	type newFlow struct {
+		pod         string
+		terminating bool // the pod was terminating when the flow began
+		drained     bool // ... and the router showed it with 0 buckets
+	}
+	var newFlows []newFlow
+	drainedAt := map[string]time.Duration{} // pod -> from terminating to 0 buckets
+	established := streams
+	var establishedFailed int
+	var establishedErrs []error
+	var servedWhileTerminating map[string]bool
+	// Every change of an endpoint's conditions in the real EndpointSlice
+	// controller's slices, for the record when a flow breaks.
+	var sliceLog []string
+	lastConds := map[string]string{}
+	defer func() {
+		if t.Failed() {
+			t.Logf("the EndpointSlices' conditions during the rollout:\n%s", strings.Join(sliceLog, "\n"))
+		}
+	}()
+	for {
+		w.update(c.examplePods(t))
+		for addr, conds := range c.endpointConditions(t) {
+			if lastConds[addr] != conds {
+				lastConds[addr] = conds
+				sliceLog = append(sliceLog, fmt.Sprintf("%7.2fs %s %s", time.Since(restarted).Seconds(), addr, conds))
+			}
+		}
+		buckets, err := routerBuckets()
+		if err != nil {
+			t.Errorf("scraping the router: %v", err)
+		}
+		w.mu.Lock()
+		termAddr := map[string]netip.Addr{}
+		for name, since := range w.terminating {
+			termAddr[name] = w.addr[name]
+			if buckets[w.addr[name]] == 0 {
+				if _, ok := drainedAt[name]; !ok {
+					drainedAt[name] = time.Since(since)
+				}
+			}
+		}
+		w.mu.Unlock()
+		s, err := workload.StartStream(c.client, service, c.clientPort(), streamOpt)
+		if err != nil {
+			t.Errorf("a new flow %v after the restart: %v", time.Since(restarted).Round(time.Millisecond), err)
+		} else {
+			pod := greetedPod(s)
+			addr, term := termAddr[pod]
+			newFlows = append(newFlows, newFlow{pod: pod, terminating: term, drained: term && buckets[addr] == 0})
+			if _, err := s.Stop(ctx); err != nil {
+				t.Errorf("a new flow to %s: %v", pod, err)
+			}
+		}
+		if established != nil && time.Since(restarted) > 20*time.Second {
+			servedWhileTerminating = map[string]bool{}
+			w.mu.Lock()
+			for _, s := range established {
+				if _, ok := w.terminating[greetedPod(s)]; ok {
+					servedWhileTerminating[greetedPod(s)] = true
+				}
+			}
+			w.mu.Unlock()
+			establishedFailed, establishedErrs = stopAll(established)
+			established = nil
+		}
+		d, err := c.kube.AppsV1().Deployments(exampleNamespace).Get(ctx, exampleName, metav1.GetOptions{})
+		if established == nil && err == nil && deploymentDone(d) && len(c.examplePods(t)) == exampleReplicas {
+			break
+		}
+		if time.Since(restarted) > 5*time.Minute {
+			stopAll(established)
+			t.Fatalf("the rollout did not finish in 5 minutes")
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	t.Logf("rollout restart done in %v", time.Since(restarted).Round(100*time.Millisecond))
+	t.Logf("%d established flows (to %d old pods) ran 20 s into the rollout: %d broke; %d of their pods were terminating meanwhile",
+		flows, len(oldPods), establishedFailed, len(servedWhileTerminating))
+	if establishedFailed > 0 {
+		t.Errorf("%d of %d established flows broke: %v", establishedFailed, flows, establishedErrs)
+	}
+	if len(servedWhileTerminating) == 0 {
+		t.Errorf("no established flow's pod was terminating within the 20 s: the scenario proved nothing")
+	}
+	var toTerminating, toDrained int
+	for _, f := range newFlows {
+		if f.terminating {
+			toTerminating++
+		}
+		if f.drained {
+			toDrained++
+		}
+	}
+	t.Logf("%d new flows during the rollout: %d reached a pod marked terminating before the router had drained it, %d a drained pod", len(newFlows), toTerminating, toDrained)
+	t.Logf("from a pod marked terminating (as this test saw it) to 0 buckets in the router's metrics: %v", drainedAt)
+	if toDrained > 0 {
+		t.Errorf("%d new flows reached a terminating pod that the router had already drained", toDrained)
+	}
+	if len(drainedAt) < len(oldPods) {
+		t.Errorf("the router drained %d of the %d old pods (%v)", len(drainedAt), len(oldPods), drainedAt)
+	}
+}
+
+// conntrackOf counts the streams whose conntrack entry on the router node
+// has a mark and more than 121 s to live (sticky), and describes the
+// others: client port, timeout, mark.
+func conntrackOf(streams []*workload.Stream) (sticky int, odd []string) {
+	entries, err := netlink.ConntrackTableList(netlink.ConntrackTable, unix.AF_INET)
+	if err != nil {
+		return 0, []string{err.Error()}
+	}
+	byPort := map[uint16]*netlink.ConntrackFlow{}
+	for _, f := range entries {
+		if f.Forward.Protocol == unix.IPPROTO_TCP && f.Forward.SrcIP.Equal(clientIP.AsSlice()) && f.Forward.DstIP.Equal(tunnelIP.AsSlice()) {
+			byPort[f.Forward.SrcPort] = f
+		}
+	}
+	for _, s := range streams {
+		f, ok := byPort[s.LocalPort()]
+		switch {
+		case !ok:
+			odd = append(odd, fmt.Sprintf("%d: none", s.LocalPort()))
+		case f.TimeOut > 121 && f.Mark != 0:
+			sticky++
+		default:
+			odd = append(odd, fmt.Sprintf("%d: timeout %d mark %#x", s.LocalPort(), f.TimeOut, f.Mark))
+		}
+	}
+	return sticky, odd
+}
+
+// endpointConditions are the example's endpoints in its EndpointSlices:
+// address -> "ready=.. serving=.. terminating=.." and the pod's name.
+func (c *cluster) endpointConditions(t *testing.T) map[string]string {
+	t.Helper()
+	list, err := c.kube.DiscoveryV1().EndpointSlices(exampleNamespace).List(context.Background(),
+		metav1.ListOptions{LabelSelector: "kubernetes.io/service-name=" + exampleName})
+	if err != nil {
+		t.Errorf("listing EndpointSlices: %v", err)
+		return nil
+	}
+	b := func(p *bool) string {
+		if p == nil {
+			return "unset"
+		}
+		return strconv.FormatBool(*p)
+	}
+	out := map[string]string{}
+	for _, es := range list.Items {
+		for _, ep := range es.Endpoints {
+			pod := ""
+			if ep.TargetRef != nil {
+				pod = ep.TargetRef.Name
+			}
+			out[strings.Join(ep.Addresses, ",")] = fmt.Sprintf("%s ready=%s serving=%s terminating=%s", pod,
+				b(ep.Conditions.Ready), b(ep.Conditions.Serving), b(ep.Conditions.Terminating))
+		}
+	}
+	return out
+}
+
+// routerLogLines are the lines of the router pod's log that contain sub.
+func (c *cluster) routerLogLines(t *testing.T, sub string) string {
+	t.Helper()
+	var out []string
+	for _, p := range c.daemonPods(t, "tunnel-router") {
+		for _, l := range strings.Split(c.podLogs(t, p), "\n") {
+			if strings.Contains(l, sub) {
+				out = append(out, l)
+			}
+		}
+	}
+	return strings.Join(out, "\n")
+}
+
+// deleteRouterPod deletes the router's pod with flows open: the DaemonSet
+// recreates it, the new router adopts the kernel state, no flow breaks and
+// the node's kernel state is the same afterwards.
+func (c *cluster) deleteRouterPod(t *testing.T) {
+	ctx := context.Background()
+	streams := c.openStreams(t, flows)
+	before, err := kstate.Snapshot(ctx, nodeNS)
+	if err != nil {
+		stopAll(streams)
+		t.Fatal(err)
+	}
+	old := c.daemonPods(t, "tunnel-router")
+	if len(old) != 1 {
+		stopAll(streams)
+		t.Fatalf("router pods: %v", podNodes(old))
+	}
+	deleted := time.Now()
+	if err := c.kube.CoreV1().Pods(daemonNamespace).Delete(ctx, old[0].Name, metav1.DeleteOptions{}); err != nil {
+		stopAll(streams)
+		t.Fatal(err)
+	}
+	c.waitFor(t, "a new Ready router pod", 3*time.Minute, func() (bool, error) {
+		pods := c.daemonPods(t, "tunnel-router")
+		return len(pods) == 1 && pods[0].UID != old[0].UID && podReady(pods[0]), nil
+	})
+	t.Logf("router pod deleted to its replacement Ready: %v", time.Since(deleted).Round(100*time.Millisecond))
+	time.Sleep(5 * time.Second) // the new router's first full resync is over
+	newFlows := c.openStreams(t, 20)
+	failed, errs := stopAll(append(streams, newFlows...))
+	if failed > 0 {
+		t.Errorf("%d of %d flows (%d established before) broke: %v", failed, flows+20, flows, errs)
+	}
+	after, err := kstate.Snapshot(ctx, nodeNS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := kstate.Diff(before, after); d != "" {
+		t.Errorf("the router node's kernel state changed across the router pod's replacement:\n%s", d)
+	}
+	t.Logf("%d established flows across the router pod's replacement: %d broke; kernel state unchanged: %v", flows, failed, !t.Failed())
+}
+
+func podReady(p corev1.Pod) bool {
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
+
+// uninstall follows docs/install.md#uninstalling: the daemons' DaemonSets
+// deleted, the uninstall DaemonSet applied until Ready on every node, then
+// both manifests deleted. The pods keep running and lose the tunnel IP;
+// once the example is deleted too, both nodes' kernel state must be as
+// before the install, but for what the CNI bridge plugin made for the
+// example's pods (cni0).
+func (c *cluster) uninstall(t *testing.T, before map[string]kstate.State) {
+	ctx := context.Background()
+	for _, name := range []string{"tunnel-router", "tunnel-endpoint"} {
+		if err := c.kube.AppsV1().DaemonSets(daemonNamespace).Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c.waitFor(t, "the daemons' pods gone", 3*time.Minute, func() (bool, error) {
+		return len(c.daemonPods(t, "tunnel-router"))+len(c.daemonPods(t, "tunnel-endpoint")) == 0, nil
+	})
+	uninstall, err := os.ReadFile(uninstallFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	applied := time.Now()
+	if err := kubeenv.Apply(ctx, c.cfg, uninstall, false); err != nil {
+		t.Fatal(err)
+	}
+	c.waitDaemonSet(t, "tunnel-uninstall", 2)
+	c.patchNode(t, `{"metadata":{"labels":{"node":null}}}`)
+	t.Logf("kubectl apply -f tunnel-uninstall.yaml to Ready on both nodes: %v", time.Since(applied).Round(100*time.Millisecond))
+	manifest, err := os.ReadFile(manifestFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range [][]byte{uninstall, manifest} {
+		if err := kubeenv.Delete(ctx, c.cfg, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The pods still run, without the tunnel IP.
+	b, err := c.helperGet("/sockets")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pods []podSockets
+	if err := json.Unmarshal(b, &pods); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range pods {
+		if slices.Contains(p.AllAddrs, tunnelIP) {
+			t.Errorf("pod namespace %s still has %s after the uninstall", p.NetNS, tunnelIP)
+		}
+	}
+	example, err := os.ReadFile(exampleFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := kubeenv.Delete(ctx, c.cfg, example); err != nil {
+		t.Fatal(err)
+	}
+	for _, ns := range []string{daemonNamespace, exampleNamespace} {
+		c.waitFor(t, "namespace "+ns+" gone", 3*time.Minute, func() (bool, error) {
+			_, err := c.kube.CoreV1().Namespaces().Get(ctx, ns, metav1.GetOptions{})
+			return apierrors.IsNotFound(err), nil
+		})
+	}
+	after := c.snapshots(t)
+	for node, st := range before {
+		if d := kstate.Diff(withoutCNIBridge(st), withoutCNIBridge(after[node])); d != "" {
+			t.Errorf("%s's kernel state after the uninstall differs from before the install:\n%s", node, d)
+		}
+	}
+}
+
+// withoutCNIBridge drops the lines naming cni0, which the bridge plugin
+// creates with a node's first pod and never removes.
+func withoutCNIBridge(st kstate.State) kstate.State {
+	out := kstate.State{Namespace: st.Namespace, Sections: map[string][]string{}}
+	for name, lines := range st.Sections {
+		for _, l := range lines {
+			if !strings.Contains(l, "cni0") {
+				out.Sections[name] = append(out.Sections[name], l)
+			}
+		}
+	}
+	return out
+}

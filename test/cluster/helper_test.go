@@ -1,0 +1,243 @@
+package cluster
+
+import (
+	"context"
+	"encoding/binary"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+
+	"github.com/cmdnu/kube-service-tunnel/test/lab/kstate"
+)
+
+// TestNodeHelper runs in lab-worker: it serves, on the nodes' link, what
+// TestInCluster in lab-router needs to see of this node, until asked to
+// stop:
+//
+//	GET  /kstate   the node's kernel state (kstate.Snapshot of its root namespace), JSON
+//	GET  /sockets  every pod's TCP sockets (podSockets), JSON
+//	GET  /podlogs  ?namespace=NS&pod=NAME: the pod's containers' logs, text
+//	GET  /debug    routes, MPLS routes and the tails of the pods' logs, text
+//	POST /stop     ends the helper
+func TestNodeHelper(t *testing.T) {
+	if os.Getenv(roleEnv) != "worker" {
+		t.Skip("runs in the lab cluster's worker VM; TestCluster boots it")
+	}
+	stop := make(chan struct{})
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /kstate", func(w http.ResponseWriter, r *http.Request) {
+		st, err := kstate.Snapshot(r.Context(), nodeNS)
+		writeJSON(w, st, err)
+	})
+	mux.HandleFunc("GET /sockets", func(w http.ResponseWriter, r *http.Request) {
+		pods, err := allPodSockets()
+		writeJSON(w, pods, err)
+	})
+	mux.HandleFunc("GET /debug", func(w http.ResponseWriter, r *http.Request) {
+		for _, args := range [][]string{{"/sbin/ip", "route"}, {"/sbin/ip", "-f", "mpls", "route"}, {"/sbin/ip", "-d", "link"},
+			{"sh", "-c", "for f in /var/log/pods/*/*/*.log; do echo \"== $f\"; tail -n 20 \"$f\"; done"}} {
+			out, err := exec.CommandContext(r.Context(), args[0], args[1:]...).CombinedOutput()
+			fmt.Fprintf(w, "$ %s (%v)\n%s\n", strings.Join(args, " "), err, out)
+		}
+	})
+	mux.HandleFunc("GET /podlogs", func(w http.ResponseWriter, r *http.Request) {
+		logs, err := podLogs(r.URL.Query().Get("namespace"), r.URL.Query().Get("pod"))
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		_, _ = io.WriteString(w, logs)
+	})
+	mux.HandleFunc("POST /stop", func(w http.ResponseWriter, r *http.Request) {
+		close(stop)
+	})
+	ln, err := net.Listen("tcp", net.JoinHostPort(workerNode.linkAddr, strconv.Itoa(helperPort)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: mux}
+	go srv.Serve(ln)
+	t.Logf("serving on %s", ln.Addr())
+	<-stop
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_ = srv.Shutdown(ctx)
+}
+
+func writeJSON(w http.ResponseWriter, v any, err error) {
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusInternalServerError)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+// podLogs is what kubelet logged of every container of pod namespace/name
+// on this node (/var/log/pods/NAMESPACE_NAME_UID/CONTAINER/N.log).
+func podLogs(namespace, name string) (string, error) {
+	files, err := filepath.Glob(filepath.Join("/var/log/pods", namespace+"_"+name+"_*", "*", "*.log"))
+	if err != nil {
+		return "", err
+	}
+	if len(files) == 0 {
+		return "", fmt.Errorf("no logs of pod %s/%s on this node", namespace, name)
+	}
+	var b strings.Builder
+	for _, f := range files {
+		data, err := os.ReadFile(f)
+		if err != nil {
+			return "", err
+		}
+		b.Write(data)
+	}
+	return b.String(), nil
+}
+
+// podSockets are the TCP sockets of one pod's network namespace.
+type podSockets struct {
+	// NetNS is the namespace's path (containerd's /run/netns/cni-...).
+	NetNS string
+	// Addrs are the pod's IPv4 addresses on eth0, AllAddrs those of every
+	// link (a tunnel IP included).
+	Addrs, AllAddrs []netip.Addr
+	// Conns are its TCP sockets.
+	Conns []tcpSocket
+}
+
+// tcpSocket is one line of /proc/net/tcp.
+type tcpSocket struct {
+	Local, Remote netip.AddrPort
+	// Established is the TCP_ESTABLISHED state.
+	Established bool
+}
+
+// allPodSockets reads the sockets of every network namespace containerd
+// made for a pod.
+func allPodSockets() ([]podSockets, error) {
+	paths, err := filepath.Glob("/run/netns/cni-*")
+	if err != nil {
+		return nil, err
+	}
+	var pods []podSockets
+	for _, p := range paths {
+		ps, err := socketsIn(p)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", p, err)
+		}
+		pods = append(pods, ps)
+	}
+	return pods, nil
+}
+
+// socketsIn reads /proc/thread-self/net/tcp from a thread inside the
+// namespace at path, and the namespace's eth0 addresses.
+func socketsIn(path string) (podSockets, error) {
+	ps := podSockets{NetNS: path}
+	ns, err := netns.GetFromPath(path)
+	if err != nil {
+		return ps, err
+	}
+	defer ns.Close()
+	h, err := netlink.NewHandleAt(ns, unix.NETLINK_ROUTE)
+	if err != nil {
+		return ps, err
+	}
+	defer h.Close()
+	addrs, err := h.AddrList(nil, netlink.FAMILY_V4)
+	if err != nil {
+		return ps, err
+	}
+	eth0, _ := h.LinkByName("eth0")
+	for _, a := range addrs {
+		ip, ok := netip.AddrFromSlice(a.IP.To4())
+		if !ok {
+			continue
+		}
+		ps.AllAddrs = append(ps.AllAddrs, ip)
+		if eth0 != nil && a.LinkIndex == eth0.Attrs().Index {
+			ps.Addrs = append(ps.Addrs, ip)
+		}
+	}
+	done := make(chan error, 1)
+	go func() {
+		// The thread is thrown away afterwards (never unlocked), so no
+		// goroutine runs in the pod's namespace by accident.
+		runtime.LockOSThread()
+		if err := netns.Set(ns); err != nil {
+			done <- err
+			return
+		}
+		// A server listening on :: (busybox nc does) has its IPv4
+		// connections in tcp6, with IPv4-mapped addresses.
+		for _, file := range []string{"tcp", "tcp6"} {
+			b, err := os.ReadFile("/proc/thread-self/net/" + file)
+			var conns []tcpSocket
+			if err == nil {
+				conns, err = parseProcNetTCP(string(b))
+			}
+			if err != nil {
+				done <- err
+				return
+			}
+			ps.Conns = append(ps.Conns, conns...)
+		}
+		done <- nil
+	}()
+	return ps, <-done
+}
+
+// parseProcNetTCP reads /proc/net/tcp or tcp6: "sl local_address
+// rem_address st ...", an address being the hex of its in-memory (network
+// order) bytes read as host-order (little-endian) 32-bit words, and a hex
+// port. IPv4-mapped IPv6 addresses are returned as IPv4.
+func parseProcNetTCP(text string) ([]tcpSocket, error) {
+	var socks []tcpSocket
+	for i, line := range strings.Split(strings.TrimSpace(text), "\n") {
+		f := strings.Fields(line)
+		if i == 0 || len(f) < 4 {
+			continue
+		}
+		local, err1 := parseHexAddrPort(f[1])
+		remote, err2 := parseHexAddrPort(f[2])
+		if err := errors.Join(err1, err2); err != nil {
+			return nil, fmt.Errorf("/proc/net/tcp line %q: %w", line, err)
+		}
+		socks = append(socks, tcpSocket{Local: local, Remote: remote, Established: f[3] == "01"})
+	}
+	return socks, nil
+}
+
+func parseHexAddrPort(s string) (netip.AddrPort, error) {
+	addrHex, portHex, ok := strings.Cut(s, ":")
+	b, err := hex.DecodeString(addrHex)
+	if !ok || err != nil || (len(b) != 4 && len(b) != 16) {
+		return netip.AddrPort{}, fmt.Errorf("address %q", s)
+	}
+	port, err := strconv.ParseUint(portHex, 16, 16)
+	if err != nil {
+		return netip.AddrPort{}, fmt.Errorf("port %q", s)
+	}
+	for i := 0; i < len(b); i += 4 {
+		binary.BigEndian.PutUint32(b[i:], binary.LittleEndian.Uint32(b[i:]))
+	}
+	ip, _ := netip.AddrFromSlice(b)
+	return netip.AddrPortFrom(ip.Unmap(), uint16(port)), nil
+}
