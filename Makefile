@@ -6,7 +6,7 @@ PKGS := ./...
 # Where slow-to-build test assets (kube-apiserver, etcd) are cached.
 export KST_ASSETS_DIR ?= $(HOME)/.cache/kube-service-tunnel/assets
 
-.PHONY: help build image manifest test unit integration e2e cluster bench lint demo docs deps assets clean
+.PHONY: help build image manifest test unit integration e2e cluster bench lint demo demo-cluster docs deps assets clean
 
 help: ## show this help
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -77,6 +77,9 @@ lint: ## go vet and gofmt
 
 demo: deps assets ## boot the lab VM, deploy examples/echo.yaml and show a client reaching its pods through the tunnel IP
 	$(GO) run ./test/demo
+
+demo-cluster: deps assets ## the user's own path on two lab nodes run by real kubelets: apply the manifest, label a node, apply the example, reach it from outside (gre; ~3 min warm)
+	KST_REQUIRE_INTEGRATION=1 KST_CLUSTER_DEMO=1 $(GO) test -count=1 -timeout 20m -run TestCluster -v ./test/cluster
 
 docs: ## regenerate docs/flags.md from the daemons' -h (go test ./test/docsgen fails when it is stale)
 	$(GO) run ./test/docsgen

@@ -54,7 +54,9 @@ var (
 
 // Where the host puts things in the VMs.
 const (
-	roleEnv           = "KST_CLUSTER_ROLE"
+	roleEnv = "KST_CLUSTER_ROLE"
+	// demoEnv set (to anything) runs make demo-cluster's steps only.
+	demoEnv           = "KST_CLUSTER_DEMO"
 	vmDir             = "/lab/cluster"
 	manifestFile      = vmDir + "/tunnel-router.yaml"
 	uninstallFile     = vmDir + "/tunnel-uninstall.yaml"
@@ -176,7 +178,7 @@ func TestCluster(t *testing.T) {
 	t.Logf("the VMs ran for %v; consoles: %s", time.Since(start).Round(time.Second), filepath.Join(os.TempDir(), "kst-cluster-*.log"))
 	lab.ReportGuestTests(t, results[0].out, results[0].rc, results[0].err)
 	if t.Failed() {
-		t.Logf("lab-worker's console tail:\n%s", tail(results[1].out, 60))
+		t.Logf("lab-worker's console tail:\n%s", lab.LastLines(results[1].out, 60))
 		t.Logf("controller-manager and scheduler logs: %v", env.ControllerLogs())
 	}
 }
@@ -209,8 +211,8 @@ echo 1 > /proc/sys/net/ipv4/ip_forward
 		fmt.Fprintf(&b, "/sbin/ip route add 198.51.100.0/24 via %s\n", other.linkAddr)
 	}
 	b.WriteString(lab.KubeletScript + lab.KubernetesServiceDNAT(apiPort))
-	fmt.Fprintf(&b, "cd /tmp && %s=1 %s=%s %s -test.run '^(TestInCluster|TestNodeHelper)$' -test.v -test.count=1 -test.timeout %s\n",
-		lab.EnvGuest, roleEnv, n.role, lab.GuestProgram, guestTimeout)
+	fmt.Fprintf(&b, "cd /tmp && %s=1 %s=%s %s=%q %s -test.run '^(TestInCluster|TestNodeHelper)$' -test.v -test.count=1 -test.timeout %s\n",
+		lab.EnvGuest, roleEnv, n.role, demoEnv, os.Getenv(demoEnv), lab.GuestProgram, guestTimeout)
 	return b.String()
 }
 
@@ -249,12 +251,4 @@ func repoFile(t *testing.T, name string) []byte {
 		t.Fatal(err)
 	}
 	return b
-}
-
-func tail(s string, n int) string {
-	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
 }

@@ -140,7 +140,7 @@ func PrepareAssets(ctx context.Context) (Assets, error) {
 	cmd := exec.CommandContext(ctx, "bash", script)
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	if err := cmd.Run(); err != nil {
-		return Assets{}, fmt.Errorf("%w: %s: %v\n%s", ErrNoAssets, script, err, lastLines(stderr.String(), 20))
+		return Assets{}, fmt.Errorf("%w: %s: %v\n%s", ErrNoAssets, script, err, LastLines(stderr.String(), 20))
 	}
 	return FindAssets()
 }
@@ -166,8 +166,8 @@ func Require(tb testing.TB) Assets {
 	return a
 }
 
-// lastLines returns at most n final lines of s.
-func lastLines(s string, n int) string {
+// LastLines returns at most n final lines of s.
+func LastLines(s string, n int) string {
 	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
 	if len(lines) > n {
 		lines = lines[len(lines)-n:]

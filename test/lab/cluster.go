@@ -269,7 +269,7 @@ func ReportGuestTests(t *testing.T, out string, rc int, err error) {
 		})
 	}
 	if err != nil || rc != 0 || len(results) == 0 {
-		t.Errorf("guest tests: exit code %d, error %v, %d results; console tail:\n%s", rc, err, len(results), lastLines(out, 80))
+		t.Errorf("guest tests: exit code %d, error %v, %d results; console tail:\n%s", rc, err, len(results), LastLines(out, 80))
 	}
 }
 
@@ -288,5 +288,5 @@ func guestTestLog(out, name string) string {
 			b.WriteString(line + "\n")
 		}
 	}
-	return lastLines(b.String(), 200)
+	return LastLines(b.String(), 200)
 }

@@ -75,7 +75,7 @@ echo ==== kubelet errors; grep '^E' /tmp/kubelet.log | tail -n 20
 		for !cond() {
 			select {
 			case b := <-booted:
-				t.Fatalf("the VM ended (%v) before %s; console:\n%s", b.err, what, lastLines(b.out, 60))
+				t.Fatalf("the VM ended (%v) before %s; console:\n%s", b.err, what, LastLines(b.out, 60))
 			case <-time.After(500 * time.Millisecond):
 			}
 		}
@@ -114,7 +114,7 @@ echo ==== kubelet errors; grep '^E' /tmp/kubelet.log | tail -n 20
 	b := <-booted
 	console := b.out
 	if b.err != nil {
-		t.Fatalf("VM: %v; console:\n%s", b.err, lastLines(console, 60))
+		t.Fatalf("VM: %v; console:\n%s", b.err, LastLines(console, 60))
 	}
 	marks := regexp.MustCompile(`(?m)^T (\S+) (\S+)$`).FindAllStringSubmatch(console, -1)
 	var figures []string
