@@ -78,7 +78,7 @@ lint: ## go vet and gofmt
 demo: deps assets ## boot the lab VM, deploy examples/echo.yaml and show a client reaching its pods through the tunnel IP
 	$(GO) run ./test/demo
 
-demo-cluster: deps assets ## the user's own path on two lab nodes run by real kubelets: apply the manifest, label a node, apply the example, reach it from outside (gre; ~3 min warm)
+demo-cluster: deps assets ## the user's own path on two lab nodes run by real kubelets: apply the manifest, label a node, apply the example, reach it from outside (gre; ~2.5 min warm)
 	KST_REQUIRE_INTEGRATION=1 KST_CLUSTER_DEMO=1 $(GO) test -count=1 -timeout 20m -run TestCluster -v ./test/cluster
 
 docs: ## regenerate docs/flags.md from the daemons' -h (go test ./test/docsgen fails when it is stale)
