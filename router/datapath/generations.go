@@ -169,13 +169,31 @@ type flowKey struct {
 	gen int
 }
 
-// generationOfMark returns the generation a conntrack mark belongs to; ok is
-// false for marks that are not the router's.
-func (c Config) generationOfMark(mark uint32) (gen int, ok bool) {
+// slotOfMark returns the slot a conntrack mark belongs to; ok is false for
+// marks that are not the router's.
+func (c Config) slotOfMark(mark uint32) (slot int, ok bool) {
 	if mark < c.MarkOffset || uint64(mark) >= uint64(c.MarkOffset)+uint64(c.Slots()) {
 		return 0, false
 	}
-	return int(mark-c.MarkOffset) / c.Buckets, true
+	return int(mark - c.MarkOffset), true
+}
+
+// restoredFlow returns the tunnel IP and slot of a conntrack entry whose
+// mark conntrack restores: one of the router's marks, and for TCP more
+// than tcpMinExpire left (a closing entry's mark is never restored). ok is
+// false for any other entry.
+func (d *Datapath) restoredFlow(f *netlink.ConntrackFlow) (vip netip.Addr, slot int, ok bool) {
+	vip, ok = netip.AddrFromSlice(f.Forward.DstIP.To4())
+	if !ok {
+		return vip, 0, false
+	}
+	if slot, ok = d.cfg.slotOfMark(f.Mark); !ok {
+		return vip, 0, false
+	}
+	if f.Forward.Protocol == unix.IPPROTO_TCP && f.TimeOut <= d.tcpMinExpire {
+		return vip, 0, false
+	}
+	return vip, slot, true
 }
 
 // generationOfOffset returns the generation an HMARK offset selects.
@@ -201,16 +219,9 @@ func (d *Datapath) liveFlowsBySlot(vip netip.Addr) []int {
 	}
 	live := make([]int, d.cfg.Slots())
 	for _, f := range entries {
-		if a, ok := netip.AddrFromSlice(f.Forward.DstIP.To4()); !ok || a != vip {
-			continue
+		if a, slot, ok := d.restoredFlow(f); ok && a == vip {
+			live[slot]++
 		}
-		if f.Mark < d.cfg.MarkOffset || uint64(f.Mark) >= uint64(d.cfg.MarkOffset)+uint64(d.cfg.Slots()) {
-			continue
-		}
-		if f.Forward.Protocol == unix.IPPROTO_TCP && f.TimeOut <= d.tcpMinExpire {
-			continue // closing: its mark is never restored
-		}
-		live[f.Mark-d.cfg.MarkOffset]++
 	}
 	return live
 }
@@ -240,21 +251,9 @@ func (d *Datapath) CollectGenerations() (removed int, err error) {
 	}
 	inUse := map[flowKey]int{}
 	for _, f := range entries {
-		vip, ok := netip.AddrFromSlice(f.Forward.DstIP.To4())
-		if !ok {
-			continue
+		if vip, slot, ok := d.restoredFlow(f); ok && older[vip] {
+			inUse[flowKey{vip, slot / d.cfg.Buckets}]++
 		}
-		if !older[vip] {
-			continue
-		}
-		gen, ok := d.cfg.generationOfMark(f.Mark)
-		if !ok {
-			continue
-		}
-		if f.Forward.Protocol == unix.IPPROTO_TCP && f.TimeOut <= d.tcpMinExpire {
-			continue // closing: its mark is never restored
-		}
-		inUse[flowKey{vip, gen}]++
 	}
 
 	d.mu.Lock()

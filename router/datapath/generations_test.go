@@ -295,3 +295,38 @@ func TestPlanGenerations(t *testing.T) {
 		}
 	})
 }
+
+// The conntrack entries that count as a slot's live flows are the ones
+// whose mark conntrack restores: the router's marks, of this tunnel IP, and
+// for TCP not closing. CollectGenerations counts the same ones.
+func TestLiveFlowsBySlot(t *testing.T) {
+	cfg := testConfig()
+	d := newTestDatapath(cfg, seamtest.NewKernel())
+	vip, other := netip.MustParseAddr("192.0.2.1"), netip.MustParseAddr("192.0.2.2")
+	if live := d.liveFlowsBySlot(vip); live != nil {
+		t.Fatalf("without conntrack: %v, want nil", live)
+	}
+	flows := &fakeFlows{}
+	d.EnableGenerationCollection(flows, 120)
+	s1, s2 := cfg.Slot(1, 2), cfg.Slot(0, 5)
+	flows.entries = []*netlink.ConntrackFlow{
+		flow(unix.IPPROTO_TCP, vip, cfg.Mark(s1), 299),
+		flow(unix.IPPROTO_TCP, vip, cfg.Mark(s1), 299),
+		flow(unix.IPPROTO_UDP, vip, cfg.Mark(s2), 30),
+		flow(unix.IPPROTO_TCP, vip, cfg.Mark(s2), 120),                       // closing
+		flow(unix.IPPROTO_TCP, other, cfg.Mark(s2), 299),                     // another tunnel IP
+		flow(unix.IPPROTO_TCP, vip, cfg.MarkOffset+uint32(cfg.Slots()), 299), // not the router's mark
+		flow(unix.IPPROTO_TCP, vip, 0, 299),
+	}
+	live := d.liveFlowsBySlot(vip)
+	if len(live) != cfg.Slots() || live[s1] != 2 || live[s2] != 1 {
+		t.Fatalf("live flows by slot: %v, want 2 in slot %d and 1 in slot %d", live, s1, s2)
+	}
+	total := 0
+	for _, n := range live {
+		total += n
+	}
+	if total != 3 {
+		t.Errorf("%d live flows counted, want 3: %v", total, live)
+	}
+}
