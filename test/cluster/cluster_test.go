@@ -117,8 +117,7 @@ func TestCluster(t *testing.T) {
 		t.Fatal(err)
 	}
 	vmFiles[lab.GuestProgram] = program
-	var apiPort int
-	fmt.Sscan(env.Host()[strings.LastIndex(env.Host(), ":")+1:], &apiPort)
+	apiPort := env.Port()
 	linkPorts := freeUDPPorts(t, 2)
 
 	ctx, cancel := context.WithTimeout(context.Background(), guestTimeout)

@@ -242,6 +242,16 @@ func (c *cluster) snapshots(t *testing.T) map[string]kstate.State {
 	return map[string]kstate.State{routerNode.name: router, workerNode.name: worker}
 }
 
+// vmFile is a file TestCluster put in this VM.
+func vmFile(t *testing.T, path string) []byte {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
 func (c *cluster) patchNode(t *testing.T, patch string) {
 	t.Helper()
 	if _, err := c.kube.CoreV1().Nodes().Patch(context.Background(), routerNode.name, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
@@ -256,10 +266,7 @@ func (c *cluster) patchNode(t *testing.T, patch string) {
 // Ready.
 func (c *cluster) install(t *testing.T, mode string) {
 	ctx := context.Background()
-	manifest, err := os.ReadFile(manifestFile)
-	if err != nil {
-		t.Fatal(err)
-	}
+	manifest := vmFile(t, manifestFile)
 	const gre = "KST_MODE: gre\n"
 	if !strings.Contains(string(manifest), gre) {
 		t.Fatalf("%s has no %q", manifestFile, gre)
@@ -371,10 +378,7 @@ func podNodes(pods []corev1.Pod) []string {
 // connection is answered.
 func (c *cluster) deployExample(t *testing.T) {
 	ctx := context.Background()
-	example, err := os.ReadFile(exampleFile)
-	if err != nil {
-		t.Fatal(err)
-	}
+	example := vmFile(t, exampleFile)
 	applied := time.Now()
 	if err := kubeenv.Apply(ctx, c.cfg, example, false); err != nil {
 		t.Fatal(err)
@@ -623,14 +627,11 @@ func routerBuckets() (map[netip.Addr]int, error) {
 // podWatch follows the example's pods: each one's address and when the API
 // server marked it terminating (as this test first saw it).
 type podWatch struct {
-	mu          sync.Mutex
 	addr        map[string]netip.Addr
 	terminating map[string]time.Time
 }
 
 func (w *podWatch) update(pods []corev1.Pod) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
 	for _, p := range pods {
 		if ip, err := netip.ParseAddr(p.Status.PodIP); err == nil {
 			w.addr[p.Name] = ip
@@ -703,7 +704,6 @@ func (c *cluster) rolloutRestart(t *testing.T) {
 		if err != nil {
 			t.Errorf("scraping the router: %v", err)
 		}
-		w.mu.Lock()
 		termAddr := map[string]netip.Addr{}
 		for name, since := range w.terminating {
 			termAddr[name] = w.addr[name]
@@ -713,7 +713,6 @@ func (c *cluster) rolloutRestart(t *testing.T) {
 				}
 			}
 		}
-		w.mu.Unlock()
 		s, err := workload.StartStream(c.client, service, c.clientPort(), streamOpt)
 		if err != nil {
 			t.Errorf("a new flow %v after the restart: %v", time.Since(restarted).Round(time.Millisecond), err)
@@ -727,13 +726,11 @@ func (c *cluster) rolloutRestart(t *testing.T) {
 		}
 		if established != nil && time.Since(restarted) > 20*time.Second {
 			servedWhileTerminating = map[string]bool{}
-			w.mu.Lock()
 			for _, s := range established {
 				if _, ok := w.terminating[greetedPod(s)]; ok {
 					servedWhileTerminating[greetedPod(s)] = true
 				}
 			}
-			w.mu.Unlock()
 			establishedFailed, establishedErrs = stopAll(established)
 			established = nil
 		}
@@ -914,10 +911,7 @@ func (c *cluster) uninstall(t *testing.T, before map[string]kstate.State) {
 	c.waitFor(t, "the daemons' pods gone", 3*time.Minute, func() (bool, error) {
 		return len(c.daemonPods(t, "tunnel-router"))+len(c.daemonPods(t, "tunnel-endpoint")) == 0, nil
 	})
-	uninstall, err := os.ReadFile(uninstallFile)
-	if err != nil {
-		t.Fatal(err)
-	}
+	uninstall := vmFile(t, uninstallFile)
 	applied := time.Now()
 	if err := kubeenv.Apply(ctx, c.cfg, uninstall, false); err != nil {
 		t.Fatal(err)
@@ -925,10 +919,7 @@ func (c *cluster) uninstall(t *testing.T, before map[string]kstate.State) {
 	c.waitDaemonSet(t, "tunnel-uninstall", 2)
 	c.patchNode(t, `{"metadata":{"labels":{"node":null}}}`)
 	t.Logf("kubectl apply -f tunnel-uninstall.yaml to Ready on both nodes: %v", time.Since(applied).Round(100*time.Millisecond))
-	manifest, err := os.ReadFile(manifestFile)
-	if err != nil {
-		t.Fatal(err)
-	}
+	manifest := vmFile(t, manifestFile)
 	for _, m := range [][]byte{uninstall, manifest} {
 		if err := kubeenv.Delete(ctx, c.cfg, m); err != nil {
 			t.Fatal(err)
@@ -948,10 +939,7 @@ func (c *cluster) uninstall(t *testing.T, before map[string]kstate.State) {
 			t.Errorf("pod namespace %s still has %s after the uninstall", p.NetNS, tunnelIP)
 		}
 	}
-	example, err := os.ReadFile(exampleFile)
-	if err != nil {
-		t.Fatal(err)
-	}
+	example := vmFile(t, exampleFile)
 	if err := kubeenv.Delete(ctx, c.cfg, example); err != nil {
 		t.Fatal(err)
 	}

@@ -32,6 +32,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -180,6 +182,12 @@ func SkipIfUnavailable(tb testing.TB, env *Env) {
 
 // Host returns the API server URL, https://127.0.0.1:PORT.
 func (e *Env) Host() string { return e.host }
+
+// Port returns the API server's port on 127.0.0.1, PORT in Host.
+func (e *Env) Port() int {
+	port, _ := strconv.Atoi(e.host[strings.LastIndex(e.host, ":")+1:])
+	return port
+}
 
 // Dir returns the Env's temp dir. It holds etcd.log, kube-apiserver.log (and
 // kube-apiserver-N.log after N restarts), the certificates and the etcd data,

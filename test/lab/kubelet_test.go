@@ -44,9 +44,7 @@ sleep 8
 echo "T done $(up)"
 echo ==== kubelet errors; grep '^E' /tmp/kubelet.log | tail -n 20
 `
-	port := env.Host()[strings.LastIndex(env.Host(), ":")+1:]
-	var forward int
-	fmt.Sscan(port, &forward)
+	forward := env.Port()
 	ir, err := BuildInitramfs(InitramfsOptions{
 		Assets: assets, Output: filepath.Join(dir, "initrd.gz"), Script: script, Files: files,
 		HostBinaries: KubeletHostBinaries,
