@@ -12,6 +12,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
+	"github.com/cmdnu/kube-service-tunnel/internal/routerstatus"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router/bucket"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
@@ -63,6 +64,20 @@ type Programmer interface {
 	RemoveTunnel(netip.Addr) error
 }
 
+// GenerationReader tells the generation new flows of a tunnel IP use
+// (*datapath.Datapath); without it the controller publishes generation 0.
+type GenerationReader interface {
+	CurrentGeneration(netip.Addr) int
+}
+
+// StatusPublisher publishes what the router programmed
+// (*routerstatus.Publisher).
+type StatusPublisher interface {
+	Set(routerstatus.Tunnel)
+	Remove(netip.Addr)
+	Replace([]routerstatus.Tunnel)
+}
+
 // GenerationCollector removes routing generations no flow uses any more
 // (*datapath.Datapath); the controller's worker calls it, so that only the
 // worker writes to the kernel.
@@ -106,6 +121,7 @@ type Controller struct {
 
 	announcer Announcer
 	announce  map[netip.Addr]bool // tunnel IPs programmed with a ready endpoint
+	published StatusPublisher     // nil: none
 	// afterResync runs after each full resync (see SetAfterResync).
 	afterResync func()
 }
@@ -138,6 +154,55 @@ func (c *Controller) claimMetrics() {
 		refused[metrics.RefusedConflict] += len(keys) - 1
 	}
 	c.metrics.SetClaims(len(c.byVIP), refused)
+}
+
+// SetStatusPublisher makes the controller publish each tunnel IP it
+// programmed to p. Call it before Run.
+func (c *Controller) SetStatusPublisher(p StatusPublisher) { c.published = p }
+
+// publish hands the status publisher what t's tunnel IP is programmed with.
+func (c *Controller) publish(t datapath.Tunnel) {
+	if c.published != nil {
+		c.published.Set(c.tunnelStatus(t))
+	}
+}
+
+// tunnelStatus is the published status of a programmed tunnel.
+func (c *Controller) tunnelStatus(t datapath.Tunnel) routerstatus.Tunnel {
+	s := routerstatus.Tunnel{VIP: t.VIP, Announced: c.announce[t.VIP]}
+	if g, ok := c.dp.(GenerationReader); ok {
+		s.Generation = g.CurrentGeneration(t.VIP)
+	}
+	addrs, nodes := TableAddrs(t)
+	s.Table = routerstatus.TableDigest(addrs, nodes)
+	distinct := map[netip.Addr]bool{}
+	for _, a := range addrs {
+		distinct[a] = true
+	}
+	s.Endpoints = len(distinct)
+	for _, ep := range t.Present {
+		if ep.Draining {
+			s.Draining++
+		}
+	}
+	return s
+}
+
+// TableAddrs returns, per bucket of t's table, the endpoint's address and,
+// in mpls mode, its node's address (nil in gre mode): what
+// routerstatus.TableDigest digests.
+func TableAddrs(t datapath.Tunnel) (addrs, nodeIPs []netip.Addr) {
+	addrs = make([]netip.Addr, len(t.Table))
+	for b, ep := range t.Table {
+		addrs[b] = ep.Addr
+		if ep.NodeIP.IsValid() {
+			if nodeIPs == nil {
+				nodeIPs = make([]netip.Addr, len(t.Table))
+			}
+			nodeIPs[b] = ep.NodeIP
+		}
+	}
+	return addrs, nodeIPs
 }
 
 // SetAnnouncer makes the controller announce every tunnel IP whose datapath
@@ -576,6 +641,13 @@ func (c *Controller) resync() error {
 		}
 		c.pushAnnouncements()
 	}
+	if c.published != nil {
+		all := make([]routerstatus.Tunnel, len(tunnels))
+		for i, t := range tunnels {
+			all[i] = c.tunnelStatus(t)
+		}
+		c.published.Replace(all)
+	}
 	c.synced1.Store(true)
 	return nil
 }
@@ -668,6 +740,9 @@ func (c *Controller) syncVIP(vip netip.Addr) error {
 			return fmt.Errorf("removing tunnel %v: %w", vip, err)
 		}
 		c.metrics.RemoveTunnel(vip)
+		if c.published != nil {
+			c.published.Remove(vip)
+		}
 		c.log.WithField("vip", vip).Info("tunnel removed")
 		return nil
 	}
@@ -684,6 +759,7 @@ func (c *Controller) syncVIP(vip netip.Addr) error {
 	c.record(notices)
 	c.metrics.SetTunnel(t)
 	c.announced(vip, t.HasReady())
+	c.publish(t)
 	return nil
 }
 
@@ -784,38 +860,14 @@ func (c *Controller) tunnelFor(vip netip.Addr) (t datapath.Tunnel, winner *corev
 			fmt.Sprintf("tunnel IP %v has no ready endpoint; its traffic is dropped", vip)})
 		return t, svc, notices
 	}
-	t.Present = eps
-	// New flows go to the ready endpoints; to the draining ones only when no
-	// endpoint is ready (as kube-proxy does with terminating endpoints).
-	var ready, draining []datapath.Endpoint
-	for _, ep := range eps {
-		if ep.Draining {
-			draining = append(draining, ep)
-		} else {
-			ready = append(ready, ep)
-		}
-	}
-	assignable := ready
-	if len(ready) == 0 {
-		assignable = draining
-	}
-	addrs := make([]netip.Addr, len(assignable))
-	byAddr := make(map[netip.Addr]datapath.Endpoint, len(assignable))
-	for i, ep := range assignable {
-		addrs[i] = ep.Addr
-		byAddr[ep.Addr] = ep
-	}
-	table := bucket.Assign(c.cfg.Buckets, addrs)
-	t.Table = make([]datapath.Endpoint, len(table))
-	for b, a := range table {
-		t.Table[b] = byAddr[a]
-	}
+	t = NewTunnel(vip, eps, c.cfg.Buckets)
+	ready, draining := splitDraining(eps)
 	if len(ready) == 0 {
 		notices = append(notices, notice{svc, corev1.EventTypeWarning, ReasonNoReadyEndpoints,
 			fmt.Sprintf("tunnel IP %v has no ready endpoint; new flows go to its %d draining endpoints", vip, len(draining))})
 		return t, svc, notices
 	}
-	if idle := bucket.Unassigned(table, addrs); len(idle) > 0 {
+	if idle := bucket.Unassigned(tableAddrs(t), endpointAddrs(ready)); len(idle) > 0 {
 		notices = append(notices, notice{svc, corev1.EventTypeWarning, ReasonIdleEndpoints,
 			fmt.Sprintf("tunnel IP %v: %d of its %d ready endpoints own none of the %d buckets and get no traffic (raise --buckets): %v", vip, len(idle), len(ready), c.cfg.Buckets, idle)})
 		return t, svc, notices
@@ -828,11 +880,70 @@ func (c *Controller) tunnelFor(vip netip.Addr) (t datapath.Tunnel, winner *corev
 	return t, svc, notices
 }
 
+// NewTunnel is the desired state of tunnel IP vip with endpoints eps (ready
+// and draining): the bucket table for new flows, which every router and
+// kubectl tunnel compute alike. New flows go to the ready endpoints; to the
+// draining ones only when no endpoint is ready (as kube-proxy does with
+// terminating endpoints). With no endpoint there is no table.
+func NewTunnel(vip netip.Addr, eps []datapath.Endpoint, buckets int) datapath.Tunnel {
+	t := datapath.Tunnel{VIP: vip}
+	if len(eps) == 0 {
+		return t
+	}
+	t.Present = eps
+	assignable, draining := splitDraining(eps)
+	if len(assignable) == 0 {
+		assignable = draining
+	}
+	byAddr := make(map[netip.Addr]datapath.Endpoint, len(assignable))
+	for _, ep := range assignable {
+		byAddr[ep.Addr] = ep
+	}
+	table := bucket.Assign(buckets, endpointAddrs(assignable))
+	t.Table = make([]datapath.Endpoint, len(table))
+	for b, a := range table {
+		t.Table[b] = byAddr[a]
+	}
+	return t
+}
+
+// splitDraining splits endpoints into those that take new flows and those
+// that drain.
+func splitDraining(eps []datapath.Endpoint) (ready, draining []datapath.Endpoint) {
+	for _, ep := range eps {
+		if ep.Draining {
+			draining = append(draining, ep)
+		} else {
+			ready = append(ready, ep)
+		}
+	}
+	return ready, draining
+}
+
+func endpointAddrs(eps []datapath.Endpoint) []netip.Addr {
+	addrs := make([]netip.Addr, len(eps))
+	for i, ep := range eps {
+		addrs[i] = ep.Addr
+	}
+	return addrs
+}
+
+func tableAddrs(t datapath.Tunnel) []netip.Addr {
+	addrs, _ := TableAddrs(t)
+	return addrs
+}
+
 // withNodeIPs fills in each endpoint's node address (mpls mode).
 func (c *Controller) withNodeIPs(eps []datapath.Endpoint, problems []string) ([]datapath.Endpoint, []string) {
+	return WithNodeIPs(eps, problems, c.nodes.Get)
+}
+
+// WithNodeIPs fills in each endpoint's node address from its Node (mpls
+// mode), leaving out, with a problem, the endpoints whose node has none.
+func WithNodeIPs(eps []datapath.Endpoint, problems []string, getNode func(name string) (*corev1.Node, error)) ([]datapath.Endpoint, []string) {
 	out := eps[:0]
 	for _, ep := range eps {
-		node, err := c.nodes.Get(ep.NodeName)
+		node, err := getNode(ep.NodeName)
 		if err != nil {
 			problems = append(problems, fmt.Sprintf("endpoint %v: node %q: %v", ep.Addr, ep.NodeName, err))
 			continue

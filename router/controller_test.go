@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 	"k8s.io/client-go/tools/record"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/routerstatus"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/test/support/seamtest"
@@ -411,5 +412,65 @@ func TestControllerQueuesTheServicesOfAnAnnotatedPod(t *testing.T) {
 	slices.Sort(got)
 	if want := []string{"a/web", "b/other"}; !slices.Equal(got, want) {
 		t.Errorf("queued %v for pod a/p1, want %v", got, want)
+	}
+}
+
+// statusRecorder keeps what the controller publishes.
+type statusRecorder struct {
+	tunnels map[netip.Addr]routerstatus.Tunnel
+}
+
+func (s *statusRecorder) Set(t routerstatus.Tunnel) { s.tunnels[t.VIP] = t }
+func (s *statusRecorder) Remove(vip netip.Addr)     { delete(s.tunnels, vip) }
+func (s *statusRecorder) Replace(ts []routerstatus.Tunnel) {
+	s.tunnels = map[netip.Addr]routerstatus.Tunnel{}
+	for _, t := range ts {
+		s.tunnels[t.VIP] = t
+	}
+}
+
+// The status publishes only what the datapath accepted, with the digest
+// of the table it was given.
+func TestControllerPublishesWhatItProgrammed(t *testing.T) {
+	tc := newTestController(t, "192.0.2.0/24")
+	pub := &statusRecorder{tunnels: map[netip.Addr]routerstatus.Tunnel{}}
+	tc.SetStatusPublisher(pub)
+	vip := netip.MustParseAddr("192.0.2.10")
+	tc.add(t, tunnelSvc("web", "a", vip.String(), time.Hour), oneEndpoint("web", "a", "10.244.1.5"))
+	if err := tc.resync(); err != nil {
+		t.Fatal(err)
+	}
+	got, ok := pub.tunnels[vip]
+	want := routerstatus.TableDigest(TableAddrs(tc.dp.tunnels[vip]))
+	if !ok || got.Table != want || got.Endpoints != 1 || want == "" {
+		t.Fatalf("after resync: published %+v (%t), want table %s with 1 endpoint", got, ok, want)
+	}
+	tc.add(t, &discoveryv1.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Namespace: "web", Name: "a-1", Labels: map[string]string{discoveryv1.LabelServiceName: "a"}},
+		AddressType: discoveryv1.AddressTypeIPv4,
+		Endpoints:   []discoveryv1.Endpoint{{Addresses: []string{"10.244.1.5"}}, {Addresses: []string{"10.244.2.5"}}},
+	})
+	tc.dp.fail = errors.New("kernel says no")
+	if err := tc.syncService("web/a"); err == nil {
+		t.Fatal("sync succeeded while the datapath failed")
+	}
+	if pub.tunnels[vip].Table != want {
+		t.Errorf("a failed write changed the published table to %s", pub.tunnels[vip].Table)
+	}
+	tc.dp.fail = nil
+	if err := tc.syncService("web/a"); err != nil {
+		t.Fatal(err)
+	}
+	if got := pub.tunnels[vip]; got.Endpoints != 2 || got.Table == want || got.Table != routerstatus.TableDigest(TableAddrs(tc.dp.tunnels[vip])) {
+		t.Errorf("after the second endpoint: published %+v", got)
+	}
+	if err := tc.inf.Core().V1().Services().Informer().GetIndexer().Delete(tunnelSvc("web", "a", vip.String(), time.Hour)); err != nil {
+		t.Fatal(err)
+	}
+	if err := tc.syncService("web/a"); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := pub.tunnels[vip]; ok {
+		t.Error("a removed tunnel IP is still published")
 	}
 }

@@ -246,6 +246,14 @@ func (d *Datapath) SetTunnel(t Tunnel) error {
 	return errors.Join(d.syncMarks(false), d.collectNextHops())
 }
 
+// CurrentGeneration returns the routing generation new flows to vip are
+// hashed into, as last programmed (0 for a tunnel IP it does not hold).
+func (d *Datapath) CurrentGeneration(vip netip.Addr) int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.current[vip]
+}
+
 // refreshIfStale re-reads the kernel's routes after a failed write.
 func (d *Datapath) refreshIfStale() error {
 	if !d.stale {

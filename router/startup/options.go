@@ -1,15 +1,18 @@
 package startup
 
 import (
-	"errors"
 	"flag"
 	"fmt"
+	"os"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/iptbackend"
+	"github.com/cmdnu/kube-service-tunnel/internal/routerstatus"
+	"github.com/cmdnu/kube-service-tunnel/internal/seedsecret"
 	"github.com/cmdnu/kube-service-tunnel/router"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 )
@@ -33,7 +36,18 @@ type Options struct {
 	IPTablesBackend iptbackend.Backend
 	// ProcSys is the sysctl directory (--proc-sys).
 	ProcSys string
-	seed    string
+	// SeedSecret is where the seed is kept when --seed is not given
+	// (--seed-secret); seedsecret.Ensure creates it on first use.
+	SeedSecret seedsecret.Ref
+	// StatusNamespace is where the router publishes its status ConfigMap
+	// (--status-namespace); empty: nowhere.
+	StatusNamespace string
+	// PodName and PodUID are the router's pod (POD_NAME, POD_UID), owner of
+	// its status ConfigMap.
+	PodName, PodUID string
+	// SeedGiven is true when --seed (or KST_SEED) set Seed.
+	SeedGiven bool
+	seed      string
 }
 
 // DefaultMetricsAddress is the router's default --metrics-address.
@@ -43,7 +57,16 @@ const DefaultMetricsAddress = ":9641"
 func (o *Options) AddFlags(fs *flag.FlagSet) {
 	o.Config = router.Config{Config: datapath.DefaultConfig(), ResyncPeriod: router.DefaultResyncPeriod}
 	fs.Func("mode", `encapsulation: "gre" or "mpls" (default "gre")`, func(s string) error { o.Mode = encap.Mode(s); return nil })
-	fs.StringVar(&o.seed, "seed", "", "HMARK seed shared by every router, decimal or 0x-hex (required)")
+	fs.StringVar(&o.seed, "seed", "", "HMARK seed shared by every router, decimal or 0x-hex; empty: the seed in --seed-secret, created with a random seed by the first router that finds none")
+	o.SeedSecret = seedsecret.Ref{Namespace: seedsecret.DefaultNamespace, Name: seedsecret.DefaultName}
+	fs.Func("seed-secret", `Secret holding the HMARK seed (data key "seed") as NAMESPACE/NAME, read at start-up when --seed is not given (default "`+o.SeedSecret.String()+`")`, func(s string) error {
+		ns, name, ok := strings.Cut(s, "/")
+		if !ok || ns == "" || name == "" {
+			return fmt.Errorf("%q: want NAMESPACE/NAME", s)
+		}
+		o.SeedSecret = seedsecret.Ref{Namespace: ns, Name: name}
+		return nil
+	})
 	fs.IntVar(&o.Buckets, "buckets", o.Buckets, "number of HMARK buckets, each with its own rule and routing table")
 	fs.Func("mark-offset", "packet mark of slot 0, decimal or 0x-hex; slot k has mark-offset+k (default 0x1000)", func(s string) error {
 		v, err := strconv.ParseUint(s, 0, 32)
@@ -67,6 +90,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	o.Common.AddFlags(fs)
 	fs.StringVar(&o.NodeName, "node-name", "", "name of this node, used as the event source (env NODE_NAME)")
 	fs.StringVar(&o.BGPConfig, "bgp-config", "", "BGP configuration file (YAML): announce the served tunnel IPs to these peers; empty disables BGP")
+	fs.StringVar(&o.StatusNamespace, "status-namespace", seedsecret.DefaultNamespace, "namespace of the router's status ConfigMap, "+routerstatus.NamePrefix+"NODE, which kubectl tunnel reads (needs --node-name); empty: none")
 	fs.StringVar(&o.MetricsAddress, "metrics-address", DefaultMetricsAddress, "address serving /metrics, /healthz and /readyz; empty disables")
 	daemon.AddProcSysFlag(fs, &o.ProcSys)
 	o.IPTablesBackend = iptbackend.Auto
@@ -83,16 +107,13 @@ func (o *Options) Parse(fs *flag.FlagSet, args []string) error {
 	if err := o.Common.Parse(fs, args, &o.NodeName); err != nil {
 		return err
 	}
-	if o.seed == "" {
-		if !o.Cleanup {
-			return errors.New("--seed (or KST_SEED) is required: every router must use the same HMARK seed")
-		}
-	} else {
-		v, err := strconv.ParseUint(o.seed, 0, 32)
+	o.PodName, o.PodUID = os.Getenv("POD_NAME"), os.Getenv("POD_UID")
+	if o.seed != "" {
+		v, err := seedsecret.ParseSeed(o.seed)
 		if err != nil {
-			return fmt.Errorf("--seed %q: must be a 32-bit number: %w", o.seed, err)
+			return fmt.Errorf("--seed: %w", err)
 		}
-		o.Seed = uint32(v)
+		o.Seed, o.SeedGiven = v, true
 	}
 	if o.ResyncPeriod < 0 {
 		o.ResyncPeriod = time.Duration(0)

@@ -9,6 +9,7 @@ import (
 	"runtime/debug"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/coreos/go-iptables/iptables"
 	"github.com/sirupsen/logrus"
@@ -18,6 +19,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
@@ -26,7 +28,9 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/iptbackend"
 	"github.com/cmdnu/kube-service-tunnel/internal/kernelcheck"
 	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
+	"github.com/cmdnu/kube-service-tunnel/internal/routerstatus"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
+	"github.com/cmdnu/kube-service-tunnel/internal/seedsecret"
 	"github.com/cmdnu/kube-service-tunnel/internal/version"
 	"github.com/cmdnu/kube-service-tunnel/router"
 	"github.com/cmdnu/kube-service-tunnel/router/bgp"
@@ -65,6 +69,18 @@ func Main(args []string) error {
 		}
 	}
 
+	// client-go's default (5 QPS, burst 10) throttles the paged initial LISTs
+	// of large clusters and the events of a full resync.
+	var client kubernetes.Interface
+	if !o.Cleanup {
+		if client, err = o.KubeClient("tunnel-router", 50, 100); err != nil {
+			return err
+		}
+		if err := o.chooseSeed(ctx, client, entry); err != nil {
+			return err
+		}
+	}
+
 	reg := daemon.NewRegistry()
 	meter := metrics.NewMetrics(reg)
 	dp, chain, closeKernel, err := openDatapath(o.Config.Config, o.CreateDevice, iptablesBinary, procSys(o.ProcSys), meter, entry)
@@ -97,12 +113,6 @@ func Main(args []string) error {
 		warnIfNoPickup(sysctls, entry)
 	}
 
-	// client-go's default (5 QPS, burst 10) throttles the paged initial LISTs
-	// of large clusters and the events of a full resync.
-	client, err := o.KubeClient("tunnel-router", 50, 100)
-	if err != nil {
-		return err
-	}
 	factory := informers.NewSharedInformerFactory(client, 0)
 	recorder := router.NewEventRecorder(ctx, client, "tunnel-router", o.NodeName)
 	ctrl, err := router.NewController(o.Config, client, factory, dp, recorder, entry)
@@ -121,6 +131,16 @@ func Main(args []string) error {
 		}
 	} else {
 		entry.Info("BGP is off (no --bgp-config): the tunnel IPs must be routed to the tunnel nodes by other means")
+	}
+	if o.StatusNamespace != "" && o.NodeName != "" {
+		publisher := routerstatus.NewPublisher(client, o.StatusNamespace, routerstatus.Router{
+			Node: o.NodeName, Version: version.String(), Mode: o.Mode, Buckets: o.Buckets, Generations: o.Generations,
+			MarkOffset: o.MarkOffset, TableBase: o.TableBase, SeedFingerprint: hmark.SeedFingerprint(o.Seed), BGP: bgpCfg != nil,
+		}, o.PodName, o.PodUID, entry.WithField("component", "status"))
+		ctrl.SetStatusPublisher(publisher)
+		go publisher.Run(ctx)
+	} else {
+		entry.Info("no status ConfigMap (--status-namespace or --node-name empty): kubectl tunnel will not see this router")
 	}
 	if o.MetricsAddress != "" {
 		if err := daemon.ServeHTTP(ctx, o.MetricsAddress, reg, meter.WriteText, ctrl.Ready, ctrl.Healthy, entry); err != nil {
@@ -150,6 +170,28 @@ func Main(args []string) error {
 	// The datapath stays as it is on exit: a restarted router adopts it, and
 	// traffic keeps flowing meanwhile. Use --cleanup to remove it.
 	return ctrl.Run(ctx)
+}
+
+// seedTimeout bounds the wait for the seed Secret at start-up (the API
+// server may be starting too); the router exits after it, and its restart
+// tries again. Nothing in the kernel is touched before the seed is known.
+const seedTimeout = 2 * time.Minute
+
+// chooseSeed sets the HMARK seed: --seed when given, else the one in
+// --seed-secret, which the first router of a cluster creates with a random
+// seed. It logs where the seed came from and its fingerprint, never the seed.
+func (o *Options) chooseSeed(ctx context.Context, client kubernetes.Interface, log logrus.FieldLogger) error {
+	if o.SeedGiven {
+		log.WithField("seed_fingerprint", hmark.SeedFingerprint(o.Seed)).Info("HMARK seed from --seed; the seed Secret is not read")
+		return nil
+	}
+	seed, source, err := seedsecret.Ensure(ctx, client, o.SeedSecret, seedTimeout)
+	if err != nil {
+		return fmt.Errorf("HMARK seed (--seed-secret %s; or set --seed): %w", o.SeedSecret, err)
+	}
+	o.Seed = seed
+	log.WithFields(logrus.Fields{"secret": o.SeedSecret.String(), "source": source, "seed_fingerprint": hmark.SeedFingerprint(seed)}).Info("HMARK seed from its Secret")
+	return nil
 }
 
 // followNode hands the speaker this node's address and labels, now and

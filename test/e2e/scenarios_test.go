@@ -34,6 +34,7 @@ var scenarios = []scenario{
 	{"8_megabyte_upload_and_download", bulkTransfer},
 	{"9_draining_endpoint_keeps_its_flows", drainingEndpoint},
 	{"10_bgp_routes_tunnel_ip_to_routers", bgpRouting},
+	{"11_kubectl_tunnel_explain_names_answering_pod", explainNamesAnsweringPod},
 }
 
 const (

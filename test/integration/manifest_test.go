@@ -268,9 +268,23 @@ func TestManifestProperties(t *testing.T) {
 	if config == nil {
 		t.Fatal("no ConfigMap tunnel-config")
 	}
-	for _, key := range []string{"KST_SEED", "KST_BUCKETS", "KST_MODE", "KST_POOLS"} {
+	for _, key := range []string{"KST_BUCKETS", "KST_MODE", "KST_POOLS"} {
 		if config.Data[key] == "" {
 			t.Errorf("ConfigMap tunnel-config has no %s", key)
+		}
+	}
+	// No well-known seed ships: each cluster's first router creates its own
+	// in the seed Secret (TestSeedSecretRoutersStartingAtOnceAgree).
+	if v, ok := config.Data["KST_SEED"]; ok {
+		t.Errorf("ConfigMap tunnel-config ships the seed KST_SEED=%q: every cluster that keeps it shares one public seed", v)
+	}
+	for _, ds := range m.daemonSets {
+		for _, c := range ds.Spec.Template.Spec.Containers {
+			for _, e := range c.Env {
+				if e.Name == "KST_SEED" {
+					t.Errorf("DaemonSet %s sets KST_SEED", ds.Name)
+				}
+			}
 		}
 	}
 	// Both daemons read this ConfigMap and share tunnel nodes' network

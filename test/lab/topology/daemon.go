@@ -46,7 +46,7 @@ func (l *Lab) routerDaemon(n *Node) *Daemon {
 	args := append([]string{
 		"--kubeconfig", filepath.Join(l.Opts.KubeDir, "tunnel-router.kubeconfig"),
 		"--node-name", n.Name,
-		"--seed", fmt.Sprintf("%#x", l.Opts.Seed),
+		// The seed comes from its Secret (writeSeedSecret), as in a cluster.
 		"--buckets", fmt.Sprint(l.Opts.Buckets),
 		// The lab's tunnel IPs; without a pool nothing would be served.
 		"--pools", TunnelNet.String(),

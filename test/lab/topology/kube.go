@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/seedsecret"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 )
 
@@ -57,6 +58,10 @@ func (l *Lab) createClusterObjects(ctx context.Context) error {
 	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: l.Opts.Namespace}}
 	if _, err := l.Kube.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return fmt.Errorf("create namespace %s: %w", l.Opts.Namespace, err)
+	}
+	// The routers read their seed from its Secret, as in a cluster.
+	if err := l.writeSeedSecret(ctx); err != nil {
+		return err
 	}
 	for _, n := range l.Nodes() {
 		node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n.Name, Labels: map[string]string{}}}
@@ -274,4 +279,19 @@ func (l *Lab) Events(ctx context.Context, service string) ([]corev1.Event, error
 		return nil, fmt.Errorf("events of service %s: %w", service, err)
 	}
 	return evs.Items, nil
+}
+
+// writeSeedSecret stores Opts.Seed in the Secret the routers read it from
+// (the manifest's seedsecret.DefaultNamespace/DefaultName), replacing the
+// one a previous lab left.
+func (l *Lab) writeSeedSecret(ctx context.Context) error {
+	ref := seedsecret.Ref{Namespace: seedsecret.DefaultNamespace, Name: seedsecret.DefaultName}
+	secrets := l.Kube.CoreV1().Secrets(ref.Namespace)
+	if err := secrets.Delete(ctx, ref.Name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("deleting secret %s: %w", ref, err)
+	}
+	if _, err := secrets.Create(ctx, seedsecret.New(ref, l.Opts.Seed), metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("creating secret %s: %w", ref, err)
+	}
+	return nil
 }

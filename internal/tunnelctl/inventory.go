@@ -1,0 +1,257 @@
+// Package tunnelctl is kubectl tunnel: it answers an operator's questions
+// from the API: which tunnel IPs are served, for which Service, by which
+// routers, to which pods (status), and where one flow goes (explain). The
+// bucket tables come from the same code the routers run (router.NewTunnel,
+// tunnelclaim.Decide, the Go copy of HMARK); what is programmed comes only
+// from what each router publishes (internal/routerstatus).
+package tunnelctl
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"net/netip"
+	"slices"
+	"strconv"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
+	"github.com/cmdnu/kube-service-tunnel/internal/flagenv"
+	"github.com/cmdnu/kube-service-tunnel/internal/routerstatus"
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
+	"github.com/cmdnu/kube-service-tunnel/router"
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
+)
+
+// ConfigMapName is the configuration the manifest gives both daemons.
+const ConfigMapName = "tunnel-config"
+
+// Inventory is what the API says about every claim, plus every router's
+// published status.
+type Inventory struct {
+	// Namespace is the project's namespace (router status, configuration).
+	Namespace string
+	Mode      encap.Mode
+	Buckets   int
+	// ConfigFrom says where Mode and Buckets come from.
+	ConfigFrom string
+	Policy     tunnelclaim.Policy
+	Decision   tunnelclaim.Decision
+	Routers    []routerstatus.Router
+	// Notes are what the caller could not read or what does not add up,
+	// in words for the operator.
+	Notes []string
+
+	client kubernetes.Interface
+	nodes  map[string]*corev1.Node
+}
+
+// Load reads the inventory. Only the Services and Nodes are required; the
+// configuration and the routers' status are reported in Notes when missing.
+func Load(ctx context.Context, client kubernetes.Interface, namespace string) (*Inventory, error) {
+	inv := &Inventory{Namespace: namespace, client: client, Mode: encap.GRE, Buckets: datapath.DefaultBuckets, ConfigFrom: "defaults", nodes: map[string]*corev1.Node{}}
+	cfg, err := client.CoreV1().ConfigMaps(namespace).Get(ctx, ConfigMapName, metav1.GetOptions{})
+	switch {
+	case err == nil:
+		if err := inv.readConfig(cfg); err != nil {
+			return nil, err
+		}
+	case apierrors.IsNotFound(err):
+		inv.Notes = append(inv.Notes, fmt.Sprintf("no ConfigMap %s/%s: no address pool known, so no claim is admitted here", namespace, ConfigMapName))
+	default:
+		inv.Notes = append(inv.Notes, fmt.Sprintf("cannot read ConfigMap %s/%s (the address pools): %v", namespace, ConfigMapName, err))
+	}
+	cms, err := client.CoreV1().ConfigMaps(namespace).List(ctx, metav1.ListOptions{LabelSelector: routerstatus.ComponentLabel + "=" + routerstatus.ComponentValue})
+	if err != nil {
+		inv.Notes = append(inv.Notes, fmt.Sprintf("cannot read the routers' status (ConfigMaps %s* in %s): %v", routerstatus.NamePrefix, namespace, err))
+	} else {
+		for i := range cms.Items {
+			r, err := routerstatus.Parse(&cms.Items[i])
+			if err != nil {
+				inv.Notes = append(inv.Notes, err.Error())
+				continue
+			}
+			inv.Routers = append(inv.Routers, r)
+		}
+		routerstatus.SortRouters(inv.Routers)
+	}
+	inv.routerConfig()
+	nodes, err := client.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("listing nodes: %w", err)
+	}
+	nodeList := make([]*corev1.Node, len(nodes.Items))
+	for i := range nodes.Items {
+		nodeList[i] = &nodes.Items[i]
+		inv.nodes[nodes.Items[i].Name] = &nodes.Items[i]
+	}
+	svcs, err := client.CoreV1().Services("").List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("listing services (claims are decided across all namespaces): %w", err)
+	}
+	var annotated []*corev1.Service
+	for i := range svcs.Items {
+		if _, ok := svcs.Items[i].Annotations[tunnelclaim.Annotation]; ok {
+			annotated = append(annotated, &svcs.Items[i])
+		}
+	}
+	inv.Decision = tunnelclaim.Decide(annotated, inv.Policy.Pools, inv.Policy.Networks(nodeList))
+	return inv, nil
+}
+
+// readConfig takes the pools, the cluster ranges, the mode and the bucket
+// count from the daemons' ConfigMap, parsed by the daemons' own flags.
+func (inv *Inventory) readConfig(cm *corev1.ConfigMap) error {
+	fs := flag.NewFlagSet(ConfigMapName, flag.ContinueOnError)
+	daemon.AddPolicyFlags(fs, &inv.Policy)
+	var err error
+	fs.VisitAll(func(f *flag.Flag) {
+		if v, ok := cm.Data[flagenv.Name(daemon.EnvPrefix, f.Name)]; ok && err == nil {
+			if e := fs.Set(f.Name, v); e != nil {
+				err = fmt.Errorf("ConfigMap %s/%s, key %s: %w", cm.Namespace, cm.Name, flagenv.Name(daemon.EnvPrefix, f.Name), e)
+			}
+		}
+	})
+	if err != nil {
+		return err
+	}
+	if v, ok := cm.Data["KST_MODE"]; ok {
+		inv.Mode, inv.ConfigFrom = encap.Mode(v), "ConfigMap "+cm.Name
+	}
+	if v, ok := cm.Data["KST_BUCKETS"]; ok {
+		b, err := strconv.Atoi(v)
+		if err != nil {
+			return fmt.Errorf("ConfigMap %s/%s, key KST_BUCKETS: %w", cm.Namespace, cm.Name, err)
+		}
+		inv.Buckets, inv.ConfigFrom = b, "ConfigMap "+cm.Name
+	}
+	return nil
+}
+
+// routerConfig prefers the mode and bucket count the routers say they run
+// with, and notes when they disagree with each other.
+func (inv *Inventory) routerConfig() {
+	if len(inv.Routers) == 0 {
+		return
+	}
+	first := inv.Routers[0]
+	inv.Mode, inv.Buckets, inv.ConfigFrom = first.Mode, first.Buckets, "router "+first.Node
+	for _, r := range inv.Routers[1:] {
+		if r.Mode != first.Mode || r.Buckets != first.Buckets || r.SeedFingerprint != first.SeedFingerprint || r.Generations != first.Generations {
+			inv.Notes = append(inv.Notes, fmt.Sprintf("routers disagree: %s runs %s, %d buckets, %d generations, seed %s; %s runs %s, %d buckets, %d generations, seed %s",
+				first.Node, first.Mode, first.Buckets, first.Generations, first.SeedFingerprint, r.Node, r.Mode, r.Buckets, r.Generations, r.SeedFingerprint))
+		}
+	}
+}
+
+// Endpoint is one endpoint of a served tunnel IP.
+type Endpoint struct {
+	datapath.Endpoint
+	// Pod is the endpoint's pod as "namespace/name", when the slice names it.
+	Pod string
+	// Buckets is how many buckets of the table for new flows it owns.
+	Buckets int
+}
+
+// Served is one served tunnel IP, computed from the API as the routers do.
+type Served struct {
+	VIP     netip.Addr
+	Service *corev1.Service
+	Pool    string
+	// Tunnel is the desired state every router computes (bucket table for
+	// new flows, present endpoints).
+	Tunnel    datapath.Tunnel
+	Endpoints []Endpoint
+	// Table is routerstatus.TableDigest of Tunnel's table.
+	Table    string
+	Problems []string
+}
+
+// Served computes the desired state of vip, which must have a winner.
+func (inv *Inventory) Served(ctx context.Context, vip netip.Addr) (*Served, error) {
+	svc := inv.Decision.Winners[vip]
+	if svc == nil {
+		return nil, fmt.Errorf("tunnel IP %v is not served", vip)
+	}
+	s := &Served{VIP: vip, Service: svc}
+	for _, p := range inv.Policy.Pools {
+		if p.Prefix.Contains(vip) {
+			s.Pool = p.String()
+			break
+		}
+	}
+	slices, err := inv.client.DiscoveryV1().EndpointSlices(svc.Namespace).List(ctx, metav1.ListOptions{LabelSelector: discoveryv1.LabelServiceName + "=" + svc.Name})
+	if err != nil {
+		return nil, fmt.Errorf("listing the EndpointSlices of Service %s: %w", tunnelclaim.ServiceKey(svc), err)
+	}
+	esl := make([]*discoveryv1.EndpointSlice, len(slices.Items))
+	podOf := map[netip.Addr]string{}
+	for i := range slices.Items {
+		es := &slices.Items[i]
+		esl[i] = es
+		for _, ep := range es.Endpoints {
+			if ep.TargetRef != nil && ep.TargetRef.Kind == "Pod" && len(ep.Addresses) > 0 {
+				if a, err := netip.ParseAddr(ep.Addresses[0]); err == nil {
+					podOf[a] = ep.TargetRef.Namespace + "/" + ep.TargetRef.Name
+				}
+			}
+		}
+	}
+	drainedPods, err := inv.drainedPods(ctx, svc.Namespace)
+	if err != nil {
+		s.Problems = append(s.Problems, err.Error())
+	}
+	eps, problems := router.ServiceEndpoints(esl, inv.Mode == encap.MPLS, func(ns, name string) bool { return drainedPods[ns+"/"+name] })
+	if inv.Mode == encap.MPLS {
+		eps, problems = router.WithNodeIPs(eps, problems, func(name string) (*corev1.Node, error) {
+			if n, ok := inv.nodes[name]; ok {
+				return n, nil
+			}
+			return nil, fmt.Errorf("not found")
+		})
+	}
+	s.Problems = append(s.Problems, problems...)
+	s.Tunnel = router.NewTunnel(vip, eps, inv.Buckets)
+	addrs, nodeIPs := router.TableAddrs(s.Tunnel)
+	s.Table = routerstatus.TableDigest(addrs, nodeIPs)
+	owned := map[netip.Addr]int{}
+	for _, a := range addrs {
+		owned[a]++
+	}
+	for _, ep := range eps {
+		s.Endpoints = append(s.Endpoints, Endpoint{Endpoint: ep, Pod: podOf[ep.Addr], Buckets: owned[ep.Addr]})
+	}
+	return s, nil
+}
+
+// drainedPods returns the pods of namespace marked with the drain
+// annotation, as "namespace/name".
+func (inv *Inventory) drainedPods(ctx context.Context, namespace string) (map[string]bool, error) {
+	pods, err := inv.client.CoreV1().Pods(namespace).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("cannot list the pods of namespace %s, so pods drained with the %s annotation show as ready: %v", namespace, router.DrainAnnotation, err)
+	}
+	out := map[string]bool{}
+	for _, p := range pods.Items {
+		if p.Annotations[router.DrainAnnotation] == "true" {
+			out[p.Namespace+"/"+p.Name] = true
+		}
+	}
+	return out, nil
+}
+
+// VIPs returns the served tunnel IPs, sorted.
+func (inv *Inventory) VIPs() []netip.Addr {
+	var out []netip.Addr
+	for vip := range inv.Decision.Winners {
+		out = append(out, vip)
+	}
+	slices.SortFunc(out, func(a, b netip.Addr) int { return a.Compare(b) })
+	return out
+}

@@ -1,0 +1,329 @@
+package tunnelctl
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"net/netip"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+	"sigs.k8s.io/yaml"
+
+	"github.com/cmdnu/kube-service-tunnel/hmark"
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
+	"github.com/cmdnu/kube-service-tunnel/internal/mplslabel"
+	"github.com/cmdnu/kube-service-tunnel/internal/routerstatus"
+	"github.com/cmdnu/kube-service-tunnel/internal/seedsecret"
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
+	"github.com/cmdnu/kube-service-tunnel/router"
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
+)
+
+const (
+	ns   = "kube-service-tunnel"
+	seed = 0x5eed1e55
+)
+
+var (
+	vip     = netip.MustParseAddr("192.0.2.10")
+	podIPs  = []string{"10.244.1.5", "10.244.2.7", "10.244.2.8"}
+	created = metav1.NewTime(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+	now     = time.Date(2026, 11, 26, 12, 0, 0, 0, time.UTC)
+)
+
+func service(name, ip string, age time.Duration) *corev1.Service {
+	return &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "web", Name: name, CreationTimestamp: metav1.NewTime(created.Add(-age)),
+		Annotations: map[string]string{tunnelclaim.Annotation: ip}}}
+}
+
+func ptr[T any](v T) *T { return &v }
+
+// cluster is a Service "web/echo" on vip with three pods on two nodes, the
+// third one drained by annotation, one router that programmed the current
+// table and one that holds an older one, in mode.
+func cluster(t *testing.T, mode encap.Mode) (*fake.Clientset, []netip.Addr) {
+	t.Helper()
+	objs := []runtime.Object{
+		&corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: ConfigMapName},
+			Data: map[string]string{"KST_MODE": string(mode), "KST_BUCKETS": "16", "KST_POOLS": "192.0.2.0/24"}},
+		seedsecret.New(seedsecret.Ref{Namespace: ns, Name: seedsecret.DefaultName}, seed),
+		service("echo", vip.String(), time.Hour),
+		service("late", vip.String(), 0),
+		service("bad", "not-an-ip", 0),
+		service("outside", "198.51.100.1", 0),
+	}
+	slice := &discoveryv1.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Namespace: "web", Name: "echo-1", Labels: map[string]string{discoveryv1.LabelServiceName: "echo"}},
+		AddressType: discoveryv1.AddressTypeIPv4,
+	}
+	for i, ip := range podIPs {
+		node := []string{"worker-1", "worker-2", "worker-2"}[i]
+		name := []string{"echo-a", "echo-b", "echo-c"}[i]
+		slice.Endpoints = append(slice.Endpoints, discoveryv1.Endpoint{Addresses: []string{ip}, NodeName: ptr(node),
+			TargetRef: &corev1.ObjectReference{Kind: "Pod", Namespace: "web", Name: name}})
+		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "web", Name: name}}
+		if name == "echo-c" {
+			pod.Annotations = map[string]string{router.DrainAnnotation: "true"}
+		}
+		objs = append(objs, pod)
+	}
+	objs = append(objs, slice)
+	for i, n := range []string{"worker-1", "worker-2"} {
+		objs = append(objs, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n},
+			Status: corev1.NodeStatus{Addresses: []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: []string{"172.16.0.11", "172.16.0.12"}[i]}}}})
+	}
+	// The table every router computes: the two ready pods.
+	ready := []netip.Addr{netip.MustParseAddr(podIPs[0]), netip.MustParseAddr(podIPs[1])}
+	nodeIP := map[string]netip.Addr{"worker-1": netip.MustParseAddr("172.16.0.11"), "worker-2": netip.MustParseAddr("172.16.0.12")}
+	digest := func(pods []netip.Addr) string {
+		var eps []datapath.Endpoint
+		for i, p := range pods {
+			ep := datapath.Endpoint{Addr: p, NodeName: []string{"worker-1", "worker-2"}[i]}
+			if mode == encap.MPLS {
+				ep.NodeIP = nodeIP[ep.NodeName]
+			}
+			eps = append(eps, ep)
+		}
+		return routerstatus.TableDigest(router.TableAddrs(router.NewTunnel(vip, eps, 16)))
+	}
+	for _, r := range []routerstatus.Router{
+		{Node: "router-a", Mode: mode, Buckets: 16, Generations: 4, MarkOffset: 0x1000, TableBase: 7600, SeedFingerprint: hmark.SeedFingerprint(seed), BGP: true, Updated: now.Add(-5 * time.Second),
+			Tunnels: []routerstatus.Tunnel{{VIP: vip, Generation: 1, Table: digest(ready), Endpoints: 2, Draining: 1, Announced: true}}},
+		{Node: "router-b", Mode: mode, Buckets: 16, Generations: 4, MarkOffset: 0x1000, TableBase: 7600, SeedFingerprint: hmark.SeedFingerprint(seed), BGP: true, Updated: now.Add(-time.Minute),
+			Tunnels: []routerstatus.Tunnel{{VIP: vip, Generation: 0, Table: digest(ready[:1]), Endpoints: 1}}},
+	} {
+		objs = append(objs, r.ConfigMap(ns, nil))
+	}
+	return fake.NewClientset(objs...), ready
+}
+
+func TestStatus(t *testing.T) {
+	client, _ := cluster(t, encap.GRE)
+	inv, err := Load(context.Background(), client, ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rep, err := inv.Status(context.Background(), StatusFilter{Namespace: "web"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Tunnels) != 1 {
+		t.Fatalf("tunnels %+v", rep.Tunnels)
+	}
+	ts := rep.Tunnels[0]
+	if ts.Service != "web/echo" || ts.Pool != "192.0.2.0/24" || ts.Buckets != 16 || ts.Mode != "gre" {
+		t.Errorf("tunnel %+v", ts)
+	}
+	states := map[string]string{}
+	buckets := 0
+	for _, ep := range ts.Endpoints {
+		states[ep.Pod] = ep.State
+		buckets += ep.Buckets
+	}
+	if states["web/echo-a"] != "ready" || states["web/echo-c"] != "draining" || buckets != 16 {
+		t.Errorf("endpoints %+v: want echo-c draining, 16 buckets over the ready ones", ts.Endpoints)
+	}
+	if len(ts.Routers) != 2 || !ts.Routers[0].Current() || ts.Routers[1].Table != "outdated" || ts.Routers[0].Generation != 1 {
+		t.Errorf("routers %+v: want router-a current in generation 1, router-b outdated", ts.Routers)
+	}
+	verdicts := map[string]string{}
+	for _, c := range rep.Claims {
+		verdicts[c.Service] = c.Verdict
+	}
+	if verdicts["web/late"] != "lost" || verdicts["web/bad"] != "invalid" || verdicts["web/outside"] != "refused" {
+		t.Errorf("unserved claims %+v", rep.Claims)
+	}
+	if rep, err := inv.Status(context.Background(), StatusFilter{Namespace: "other"}); err != nil || len(rep.Tunnels)+len(rep.Claims) != 0 {
+		t.Errorf("namespace other: %+v, %v", rep, err)
+	}
+	if _, err := inv.Status(context.Background(), StatusFilter{Namespace: "web", Target: "nothing"}); err == nil || !strings.Contains(err.Error(), "web/nothing") {
+		t.Errorf("status of an unknown Service: %v", err)
+	}
+	if rep, err := inv.Status(context.Background(), StatusFilter{Target: vip.String()}); err != nil || len(rep.Tunnels) != 1 || len(rep.Claims) != 1 {
+		t.Errorf("status by tunnel IP: %+v, %v; want the tunnel and its losing claimant", rep, err)
+	}
+}
+
+// explain's endpoint is the one the bucket table built like the routers'
+// gives the flow's HMARK bucket, computed with the seed from the Secret.
+func TestExplain(t *testing.T) {
+	for _, mode := range []encap.Mode{encap.GRE, encap.MPLS} {
+		t.Run(string(mode), func(t *testing.T) {
+			client, ready := cluster(t, mode)
+			inv, err := Load(context.Background(), client, ns)
+			if err != nil {
+				t.Fatal(err)
+			}
+			s, err := readSeed(context.Background(), client, "", seedsecret.Ref{Namespace: ns, Name: seedsecret.DefaultName})
+			if err != nil || s.Value != seed {
+				t.Fatalf("seed %#x, %v", s.Value, err)
+			}
+			params := hmark.Params{Buckets: 16, Seed: seed}
+			reached := map[string]bool{}
+			for port := uint16(40000); port < 40040; port++ {
+				f, err := ParseFlow(vip.String()+":80", "198.51.100.7:"+strconv.Itoa(int(port)), "tcp")
+				if err != nil {
+					t.Fatal(err)
+				}
+				ex, err := inv.Explain(context.Background(), f, s)
+				if err != nil {
+					t.Fatal(err)
+				}
+				b := params.Bucket(hmark.Flow{Src: f.Client.Addr(), Dst: vip, SrcPort: port, DstPort: 80, Proto: 6})
+				tun := router.NewTunnel(vip, []datapath.Endpoint{{Addr: ready[0]}, {Addr: ready[1]}}, 16)
+				want := tun.Table[b].Addr.String()
+				if ex.Bucket != int(b) || ex.Endpoint.Address != want {
+					t.Fatalf("port %d: bucket %d endpoint %s, want bucket %d endpoint %s", port, ex.Bucket, ex.Endpoint.Address, b, want)
+				}
+				reached[ex.Endpoint.Pod] = true
+				switch mode {
+				case encap.GRE:
+					if ex.Encapsulation.GREDestination != want {
+						t.Errorf("GRE destination %s, want %s", ex.Encapsulation.GREDestination, want)
+					}
+				case encap.MPLS:
+					label, _ := mplslabel.ForEndpoint(netip.MustParseAddr(want))
+					if ex.Encapsulation.MPLSLabel != label || ex.Encapsulation.NextHop != ex.Endpoint.NodeAddress || ex.Endpoint.NodeAddress == "" {
+						t.Errorf("mpls %+v for endpoint %+v", ex.Encapsulation, ex.Endpoint)
+					}
+				}
+				a, b2 := ex.Routers[0], ex.Routers[1]
+				slot := 1*16 + int(b)
+				if !a.Carries || a.Table != 7600+slot || a.Mark != "0x"+strconv.FormatInt(int64(0x1000+slot), 16) || b2.Carries || !strings.Contains(b2.Why, "another table") {
+					t.Fatalf("routers %+v: want router-a carrying it in generation 1 (slot %d), router-b not (outdated)", ex.Routers, slot)
+				}
+			}
+			if len(reached) != 2 || reached["web/echo-c"] {
+				t.Errorf("40 flows reached %v: want both ready pods, never the drained one", reached)
+			}
+		})
+	}
+}
+
+func TestParseFlow(t *testing.T) {
+	for _, c := range []struct{ vip, from, proto, err string }{
+		{"192.0.2.10:80", "198.51.100.7:4000", "tcp", ""},
+		{"192.0.2.10", "198.51.100.7", "icmp", ""},
+		{"192.0.2.10", "198.51.100.7", "47", ""},
+		{"192.0.2.10", "198.51.100.7:4000", "udp", "both ports"},
+		{"192.0.2.10:80", "", "tcp", "--from"},
+		{"192.0.2.10:80", "client", "tcp", "--from"},
+		{"web", "198.51.100.7:1", "tcp", "tunnel IP"},
+		{"192.0.2.10:80", "198.51.100.7:1", "gre2", "--proto"},
+	} {
+		_, err := ParseFlow(c.vip, c.from, c.proto)
+		if (err == nil) != (c.err == "") || (err != nil && !strings.Contains(err.Error(), c.err)) {
+			t.Errorf("ParseFlow(%q, %q, %q) = %v, want error containing %q", c.vip, c.from, c.proto, err, c.err)
+		}
+	}
+}
+
+// A caller who may not read the seed is told so, with what to ask for.
+func TestExplainSeedForbidden(t *testing.T) {
+	client, _ := cluster(t, encap.GRE)
+	client.PrependReactor("get", "secrets", func(k8stesting.Action) (bool, runtime.Object, error) {
+		return true, nil, apierrors.NewForbidden(schema.GroupResource{Resource: "secrets"}, seedsecret.DefaultName, errors.New("RBAC"))
+	})
+	_, err := readSeed(context.Background(), client, "", seedsecret.Ref{Namespace: ns, Name: seedsecret.DefaultName})
+	if err == nil || !strings.Contains(err.Error(), "you may not read the HMARK seed") || !strings.Contains(err.Error(), `"get" on secret kube-service-tunnel/tunnel-hmark-seed`) {
+		t.Errorf("forbidden seed: %v", err)
+	}
+	if s, err := readSeed(context.Background(), client, "0x2a", seedsecret.Ref{}); err != nil || s.Value != 42 || s.From != "--seed" {
+		t.Errorf("--seed: %+v, %v", s, err)
+	}
+}
+
+// Every output format of both commands: text and wide are for people, json
+// and yaml decode back into the report.
+func TestOutputFormats(t *testing.T) {
+	client, _ := cluster(t, encap.GRE)
+	inv, err := Load(context.Background(), client, ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rep, err := inv.Status(context.Background(), StatusFilter{Namespace: "web"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := func(output string, detailed bool) string {
+		var b bytes.Buffer
+		if err := PrintStatus(&b, rep, output, detailed, now); err != nil {
+			t.Fatal(err)
+		}
+		return b.String()
+	}
+	table := text(OutputText, false)
+	for _, want := range []string{"TUNNEL IP", "192.0.2.10", "web/echo", "1/2 (router-b:outdated)", "1/2", "not served: web/late (192.0.2.10) lost", "not served: web/bad (-) invalid"} {
+		if !strings.Contains(table, want) {
+			t.Errorf("status table lacks %q:\n%s", want, table)
+		}
+	}
+	if wide := text(OutputWide, false); !strings.Contains(wide, "echo-a=") || !strings.Contains(wide, "192.0.2.0/24") {
+		t.Errorf("wide status lacks buckets per endpoint or the pool:\n%s", wide)
+	}
+	details := text(OutputText, true)
+	for _, want := range []string{"Tunnel IP:  192.0.2.10", "web/echo-c", "draining", "router-a", "current", "5s ago", "outdated", "1m0s ago"} {
+		if !strings.Contains(details, want) {
+			t.Errorf("detailed status lacks %q:\n%s", want, details)
+		}
+	}
+	var fromJSON, fromYAML StatusReport
+	if err := json.Unmarshal([]byte(text(OutputJSON, false)), &fromJSON); err != nil || len(fromJSON.Tunnels) != 1 || fromJSON.Tunnels[0].Routers[1].Table != "outdated" {
+		t.Errorf("json: %+v, %v", fromJSON, err)
+	}
+	if err := yaml.Unmarshal([]byte(text(OutputYAML, false)), &fromYAML); err != nil || len(fromYAML.Tunnels) != 1 || fromYAML.Tunnels[0].Service != "web/echo" {
+		t.Errorf("yaml: %+v, %v", fromYAML, err)
+	}
+
+	f, _ := ParseFlow("192.0.2.10:80", "198.51.100.7:40000", "tcp")
+	ex, err := inv.Explain(context.Background(), f, Seed{Value: seed, From: "test"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b bytes.Buffer
+	if err := PrintExplanation(&b, ex, OutputText); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"Flow:       tcp 198.51.100.7:40000 -> 192.0.2.10:80", "Bucket:     ", "of 16", "Encap:      GRE to 10.244.", "router-a  yes", "router-b  no", "NEW flow"} {
+		if !strings.Contains(b.String(), want) {
+			t.Errorf("explain text lacks %q:\n%s", want, b.String())
+		}
+	}
+	b.Reset()
+	if err := PrintExplanation(&b, ex, OutputJSON); err != nil {
+		t.Fatal(err)
+	}
+	var back Explanation
+	if err := json.Unmarshal(b.Bytes(), &back); err != nil || back.Endpoint.Address != ex.Endpoint.Address || back.Bucket != ex.Bucket {
+		t.Errorf("explain json: %+v, %v", back, err)
+	}
+	if err := ValidOutput("table"); err == nil {
+		t.Error("-o table accepted")
+	}
+}
+
+// The command line: a missing command, an unknown one, and version.
+func TestMainArguments(t *testing.T) {
+	var out, errOut bytes.Buffer
+	if err := Main(context.Background(), nil, &out, &errOut); err == nil || !strings.Contains(errOut.String(), "kubectl tunnel status") {
+		t.Errorf("no command: %v, usage %q", err, errOut.String())
+	}
+	if err := Main(context.Background(), []string{"version"}, &out, &errOut); err != nil || !strings.HasPrefix(out.String(), "kubectl-tunnel ") {
+		t.Errorf("version: %v, %q", err, out.String())
+	}
+	if err := Main(context.Background(), []string{"-o", "xml", "status"}, &out, &errOut); err == nil || !strings.Contains(err.Error(), "-o") {
+		t.Errorf("-o xml: %v", err)
+	}
+}

@@ -1,0 +1,180 @@
+package integration
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/cmdnu/kube-service-tunnel/hmark"
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
+	"github.com/cmdnu/kube-service-tunnel/internal/routerstatus"
+	"github.com/cmdnu/kube-service-tunnel/internal/seedsecret"
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelctl"
+	"github.com/cmdnu/kube-service-tunnel/router"
+)
+
+var seedRef = seedsecret.Ref{Namespace: seedsecret.DefaultNamespace, Name: seedsecret.DefaultName}
+
+// Routers starting at once in a cluster without a seed agree on one random
+// seed, through the manifest's RBAC; that RBAC lets them read no other
+// Secret, and the endpoint agent not even this one.
+func TestSeedSecretRoutersStartingAtOnceAgree(t *testing.T) {
+	routerRest := routerConfig(t)
+	admin := adminClient(t)
+	ctx := context.Background()
+	secrets := admin.CoreV1().Secrets(seedRef.Namespace)
+	if err := secrets.Delete(ctx, seedRef.Name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		t.Fatal(err)
+	}
+	const routers = 4
+	seeds := make([]uint32, routers)
+	sources := make([]seedsecret.Source, routers)
+	var start, wg sync.WaitGroup
+	start.Add(1)
+	for i := range routers {
+		client, err := kubernetes.NewForConfig(routerRest)
+		if err != nil {
+			t.Fatal(err)
+		}
+		wg.Go(func() {
+			start.Wait()
+			var err error
+			seeds[i], sources[i], err = seedsecret.Ensure(ctx, client, seedRef, 30*time.Second)
+			if err != nil {
+				t.Errorf("router %d: %v", i, err)
+			}
+		})
+	}
+	start.Done()
+	wg.Wait()
+	created := 0
+	for i := range routers {
+		if seeds[i] != seeds[0] {
+			t.Errorf("router %d chose seed %#x, router 0 %#x", i, seeds[i], seeds[0])
+		}
+		if sources[i] == seedsecret.Created {
+			created++
+		}
+	}
+	if created != 1 {
+		t.Errorf("%d routers created the Secret (sources %v), want 1", created, sources)
+	}
+	stored, err := seedsecret.Read(ctx, admin, seedRef)
+	if err != nil || stored != seeds[0] {
+		t.Errorf("the Secret holds %#x (%v); the routers use %#x", stored, err, seeds[0])
+	}
+	t.Logf("%d routers started at once; one created the seed Secret, all use seed fingerprint %s", routers, hmark.SeedFingerprint(seeds[0]))
+
+	// The router's RBAC reaches this Secret only.
+	other := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: seedRef.Namespace, Name: "not-the-seed"}, StringData: map[string]string{"x": "y"}}
+	if _, err := secrets.Create(ctx, other, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	routerClient, _ := kubernetes.NewForConfig(routerRest)
+	if _, err := routerClient.CoreV1().Secrets(seedRef.Namespace).Get(ctx, "not-the-seed", metav1.GetOptions{}); !apierrors.IsForbidden(err) {
+		t.Errorf("the router read another Secret: %v", err)
+	}
+	agentClient, _ := kubernetes.NewForConfig(serviceAccountConfig(t, "tunnel-endpoint"))
+	if _, err := seedsecret.Read(ctx, agentClient, seedRef); !apierrors.IsForbidden(errors.Unwrap(err)) {
+		t.Errorf("the endpoint agent read the seed: %v", err)
+	}
+}
+
+// Two routers, each running the controller with a status publisher as the
+// tunnel-router ServiceAccount, publish what they programmed; kubectl
+// tunnel's status, reading as an operator, shows both with the current
+// table, and one that falls behind as outdated.
+func TestRouterStatusShowsWhatEachRouterProgrammed(t *testing.T) {
+	routerRest := routerConfig(t)
+	admin := adminClient(t)
+	ns := freshNamespace(t, admin)
+	vip := "192.0.2.171"
+	nodes := []string{ns + "-router-a", ns + "-router-b"}
+	cfg := routerCfg(encap.GRE, 16)
+	var cancels []context.CancelFunc
+	for _, node := range nodes {
+		client, err := kubernetes.NewForConfig(routerRest)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		cancels = append(cancels, cancel)
+		factory := informers.NewSharedInformerFactory(client, 0)
+		ctrl, err := router.NewController(cfg, client, factory, newRecorder(), router.NewEventRecorder(ctx, client, "tunnel-router", node), quietLogger())
+		if err != nil {
+			t.Fatal(err)
+		}
+		pub := routerstatus.NewPublisher(client, seedRef.Namespace, routerstatus.Router{Node: node, Mode: cfg.Mode, Buckets: cfg.Buckets, Generations: 1, MarkOffset: cfg.MarkOffset, TableBase: cfg.TableBase}, "", "", quietLogger())
+		ctrl.SetStatusPublisher(pub)
+		factory.Start(ctx.Done())
+		done := make(chan error, 1)
+		go pub.Run(ctx)
+		go func() { done <- ctrl.Run(ctx) }()
+		t.Cleanup(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("controller: %v", err)
+			}
+			factory.Shutdown()
+			_ = admin.CoreV1().ConfigMaps(seedRef.Namespace).Delete(context.Background(), routerstatus.Name(node), metav1.DeleteOptions{})
+		})
+	}
+	createService(t, admin, ns, "web", vip)
+	applySlice(t, admin, ns, "web", "web-1", ep{addr: "10.244.1.5", node: "n1"}, ep{addr: "10.244.2.5", node: "n2"})
+
+	status := func() (tunnelctl.TunnelStatus, error) {
+		inv, err := tunnelctl.Load(context.Background(), admin, seedRef.Namespace)
+		if err != nil {
+			return tunnelctl.TunnelStatus{}, err
+		}
+		rep, err := inv.Status(context.Background(), tunnelctl.StatusFilter{Target: vip})
+		if err != nil {
+			return tunnelctl.TunnelStatus{}, err
+		}
+		if len(rep.Tunnels) != 1 {
+			return tunnelctl.TunnelStatus{}, fmt.Errorf("%d tunnels", len(rep.Tunnels))
+		}
+		return rep.Tunnels[0], nil
+	}
+	routerTable := func(ts tunnelctl.TunnelStatus) map[string]string {
+		out := map[string]string{}
+		for _, r := range ts.Routers {
+			out[r.Router] = r.Table
+		}
+		return out
+	}
+	eventually(t, 30*time.Second, "both routers published the current table", func() error {
+		ts, err := status()
+		if err != nil {
+			return err
+		}
+		if got := routerTable(ts); got[nodes[0]] != "current" || got[nodes[1]] != "current" || len(ts.Endpoints) != 2 {
+			return fmt.Errorf("routers %v, %d endpoints", got, len(ts.Endpoints))
+		}
+		return nil
+	})
+
+	// router-b stops; a third endpoint changes the table: router-a
+	// publishes it, router-b's status shows the table it had.
+	cancels[1]()
+	applySlice(t, admin, ns, "web", "web-1", ep{addr: "10.244.1.5", node: "n1"}, ep{addr: "10.244.2.5", node: "n2"}, ep{addr: "10.244.3.5", node: "n3"})
+	eventually(t, 30*time.Second, "router-a current, the stopped router-b outdated", func() error {
+		ts, err := status()
+		if err != nil {
+			return err
+		}
+		if got := routerTable(ts); got[nodes[0]] != "current" || got[nodes[1]] != "outdated" {
+			return fmt.Errorf("routers %v", got)
+		}
+		return nil
+	})
+}
