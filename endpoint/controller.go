@@ -31,6 +31,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
+	"github.com/cmdnu/kube-service-tunnel/internal/livepolicy"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 )
@@ -95,6 +96,7 @@ func nodeNetworksChanged(old, obj any) bool {
 // is retried with back-off and holds up nothing else.
 type Controller struct {
 	cfg      Config
+	live     *livepolicy.Policy // the address pools and ranges, which may change while running
 	services corelisters.ServiceLister
 	slices   discoverylisters.EndpointSliceLister
 	pods     corelisters.PodLister
@@ -156,6 +158,7 @@ func NewController(cfg Config, inf Informers, locator runtime.Locator, podNet Po
 		clean:    map[string]string{},
 		problems: map[string]bool{},
 		refused:  map[string]string{},
+		live:     livepolicy.New(cfg.Policy),
 	}
 	recompute := func(any) { c.queue.Add(desiredKey) }
 	handlers := []struct {
@@ -417,7 +420,8 @@ func (c *Controller) recompute() error {
 	if err != nil {
 		return fmt.Errorf("listing nodes: %w", err)
 	}
-	desired, problems, refused := Desired(c.cfg.NodeName, c.cfg.Policy.Pools, c.cfg.Policy.Networks(nodes), svcs, esl, pods)
+	policy := c.live.Get()
+	desired, problems, refused := Desired(c.cfg.NodeName, policy.Pools, policy.Networks(nodes), svcs, esl, pods)
 
 	c.mu.Lock()
 	// The routers record a TunnelIPRefused event; the agent logs the same
@@ -580,3 +584,11 @@ func (c *Controller) syncNode() error {
 	c.updateReady()
 	return nil
 }
+
+// Policy is the agent's address pools and ranges: livepolicy.Watch sets
+// it, then calls PolicyChanged.
+func (c *Controller) Policy() *livepolicy.Policy { return c.live }
+
+// PolicyChanged recomputes every local pod's desired state with the
+// current Policy: only the pods whose tunnel IPs change are written.
+func (c *Controller) PolicyChanged(tunnelclaim.Policy) { c.queue.Add(desiredKey) }

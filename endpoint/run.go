@@ -11,6 +11,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/kernelcheck"
+	"github.com/cmdnu/kube-service-tunnel/internal/livepolicy"
 	"github.com/cmdnu/kube-service-tunnel/internal/version"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 )
@@ -62,6 +63,15 @@ func Main(args []string) error {
 	ctrl, err := NewController(o.Config, inf, locator, podNet, NewNodeNetwork(o.Config, nodeNS), entry)
 	if err != nil {
 		return err
+	}
+	if o.ConfigMap.Name != "" {
+		// The pools change without a restart.
+		cms, err := livepolicy.Watch(client, livepolicy.Ref(o.ConfigMap), ctrl.Policy(), o.CommandLine, ctrl.PolicyChanged, entry.WithField("component", "config"))
+		if err != nil {
+			return err
+		}
+		cms.Start(ctx.Done())
+		defer cms.Shutdown()
 	}
 	reg := daemon.NewRegistry()
 	// Only gre mode has a decapsulation device (and its counters) per pod;

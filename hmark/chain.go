@@ -224,8 +224,8 @@ func (c *Chain) Cleanup() error {
 // gone.
 func (c *Chain) cleanupSets() error {
 	sets := []ipset{{name: c.allSetName()}}
-	for g := range MaxGenerations {
-		sets = append(sets, ipset{name: c.generationSetName(g)})
+	for k := range classes {
+		sets = append(sets, ipset{name: c.classSetName(k)})
 	}
 	for _, s := range sets {
 		// Destroying a set that does not exist is no error; no need to

@@ -111,6 +111,12 @@ func (p Params) Mark(f Flow) uint32 {
 	return reciprocalScale(h, p.Buckets) + p.Offset
 }
 
+// ClientFlow is the flow the kernel hashes for f when the tunnel IP has
+// client affinity (Target.ClientAffinity): HMARK's port and protocol masks
+// are 0, so only the two addresses count, and every flow of one client to
+// one tunnel IP gets one bucket.
+func ClientFlow(f Flow) Flow { return Flow{Src: f.Src, Dst: f.Dst} }
+
 // Bucket returns the bucket of f, in [0, Buckets): its Mark minus Offset.
 func (p Params) Bucket(f Flow) uint32 {
 	return p.Mark(f) - p.Offset

@@ -442,3 +442,69 @@ func prefixesOf(addrs ...netip.Addr) []netip.Prefix {
 	}
 	return out
 }
+
+// TestKernelClientAffinityMarksMatchGo: with client affinity, the kernel's
+// HMARK (port and protocol masks 0) marks every flow as Params.Mark of its
+// ClientFlow, so all flows of one client to one tunnel IP share a bucket;
+// a second Sync finds the rules it wrote and writes nothing.
+func TestKernelClientAffinityMarksMatchGo(t *testing.T) {
+	ns := testnetns.New(t, prefixesOf(vipBelow, vipAbove)...)
+	ipt := ns.IPTables("iptables")
+	restorer := newNSRestorer(ns, "iptables")
+	rng := rand.New(rand.NewPCG(20261126, 2))
+	var targets []Target
+	for _, vip := range kernelVIPs {
+		targets = append(targets, Target{VIP: vip, ClientAffinity: true})
+	}
+	for _, params := range kernelParamSets[:2] {
+		chain, err := NewChain(ipt, ns.IPSets(), "", params, restorer)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := chain.Sync(targets); err != nil {
+			t.Fatalf("Sync with %v: %v", params, err)
+		}
+		if changed, err := chain.Sync(targets); err != nil || changed != 0 {
+			t.Errorf("second Sync with %v: changed %d, %v; want nothing to change", params, changed, err)
+		}
+		var all []observation
+		err = ns.Do(func() error {
+			udp, err := sendUDPFlows(rng, udpFlowsPerParamSet)
+			if err != nil {
+				return err
+			}
+			tcp, err := sendTCPFlows(rng, tcpFlowsPerParamSet)
+			if err != nil {
+				return err
+			}
+			all = slices.Concat(udp, tcp)
+			for _, proto := range rawProtos {
+				obs, err := sendRawFlows(rng, proto, rawFlowsPerProto)
+				if err != nil {
+					return err
+				}
+				all = append(all, obs...)
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		// With 2^31 buckets the mark shows almost the whole hash: had the
+		// kernel hashed a port or the protocol, the prediction from the
+		// addresses alone would miss.
+		mismatches := 0
+		for _, o := range all {
+			if want := params.Mark(ClientFlow(o.flow)); o.mark != want {
+				mismatches++
+				if mismatches <= 10 {
+					t.Errorf("%v: flow %+v: kernel mark %#x, Go predicts %#x for the client's address alone", params, o.flow, o.mark, want)
+				}
+			}
+		}
+		if mismatches > 0 {
+			t.Fatalf("%v: %d of %d flows marked differently from the Go prediction", params, mismatches, len(all))
+		}
+		t.Logf("%v, client affinity: %d UDP, TCP, ICMP, ESP, AH and other flows, kernel mark == Params.Mark(ClientFlow) for all", params, len(all))
+	}
+}

@@ -67,8 +67,8 @@ func (r rule) vipRule() (vip netip.Addr, params Params, ok bool) {
 	if !ok {
 		return netip.Addr{}, Params{}, false
 	}
-	params, ok = parseHMARKOptions(opts)
-	if !ok {
+	params, affinity, ok := parseHMARKOptions(opts)
+	if !ok || affinity {
 		return netip.Addr{}, Params{}, false
 	}
 	return vip, params, true
@@ -116,23 +116,25 @@ func splitVIPRule(spec []string) (vip netip.Addr, targetOpts []string, ok bool) 
 
 // parseHMARKOptions reads the HMARK options as iptables prints them and
 // returns the parameters if they hash the full src,dst,sport,dport,proto
-// tuple and nothing else: /32 prefixes, 0xffff port masks, a protocol mask
-// covering the protocol byte, the seed, the modulus and the offset (which
-// iptables omits when it is 0 and was not given). Numbers may be decimal or
-// 0x hex. Any other option makes the rule not ours.
-func parseHMARKOptions(opts []string) (Params, bool) {
+// tuple, or the addresses alone (affinity: port and protocol masks 0), and
+// nothing else: /32 prefixes, 0xffff port masks and a protocol mask
+// covering the protocol byte (or all three 0), the seed, the modulus and
+// the offset (which iptables omits when it is 0 and was not given).
+// Numbers may be decimal or 0x hex. Any other option makes the rule not
+// ours.
+func parseHMARKOptions(opts []string) (p Params, affinity, ok bool) {
 	if len(opts)%2 != 0 {
-		return Params{}, false
+		return Params{}, false, false
 	}
 	vals := make(map[string]uint64, len(opts)/2)
 	for i := 0; i < len(opts); i += 2 {
 		name := opts[i]
 		if _, dup := vals[name]; dup || !strings.HasPrefix(name, "--hmark-") {
-			return Params{}, false
+			return Params{}, false, false
 		}
 		v, err := strconv.ParseUint(opts[i+1], 0, 32)
 		if err != nil {
-			return Params{}, false
+			return Params{}, false, false
 		}
 		vals[name] = v
 	}
@@ -141,28 +143,31 @@ func parseHMARKOptions(opts []string) (Params, bool) {
 		delete(vals, name)
 		return v, ok
 	}
-	for name, want := range map[string]uint64{
-		"--hmark-src-prefix": 32,
-		"--hmark-dst-prefix": 32,
-		"--hmark-sport-mask": 0xffff,
-		"--hmark-dport-mask": 0xffff,
-	} {
-		if got, ok := take(name); !ok || got != want {
-			return Params{}, false
+	for _, name := range []string{"--hmark-src-prefix", "--hmark-dst-prefix"} {
+		if got, ok := take(name); !ok || got != 32 {
+			return Params{}, false, false
 		}
 	}
+	sport, okS := take("--hmark-sport-mask")
+	dport, okD := take("--hmark-dport-mask")
+	proto, okP := take("--hmark-proto-mask")
+	switch {
+	case !okS || !okD || !okP:
+		return Params{}, false, false
+	case sport == 0 && dport == 0 && proto == 0:
+		affinity = true
 	// The protocol is one byte: 0xff and 0xffff (what --hmark-tuple proto
 	// sets) mask it the same way.
-	if pm, ok := take("--hmark-proto-mask"); !ok || pm&0xff != 0xff {
-		return Params{}, false
+	case sport != 0xffff || dport != 0xffff || proto&0xff != 0xff:
+		return Params{}, false, false
 	}
 	mod, okMod := take("--hmark-mod")
 	rnd, okRnd := take("--hmark-rnd")
 	offset, _ := take("--hmark-offset")
 	if !okMod || !okRnd || len(vals) != 0 {
-		return Params{}, false
+		return Params{}, false, false
 	}
-	return Params{Buckets: uint32(mod), Offset: uint32(offset), Seed: uint32(rnd)}, true
+	return Params{Buckets: uint32(mod), Offset: uint32(offset), Seed: uint32(rnd)}, affinity, true
 }
 
 // splitWords splits a line of `iptables -S` into words the way a shell

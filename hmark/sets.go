@@ -44,9 +44,35 @@ const (
 // elements carry the tunnel IPs' packet and byte counters (see Counters).
 func (c *Chain) allSetName() string { return c.name }
 
-// generationSetName is the set of the tunnel IPs hashed with generation
-// g's offset (Params.Offset + g×Buckets).
+// A tunnel IP's hash class is its generation and the tuple it is hashed
+// on: the whole 5-tuple, or the client's address alone (client affinity).
+// Each class has its set and, while the set has members, its HMARK rule.
+const classes = 2 * MaxGenerations
+
+// classOf is the class of generation g, with client affinity or not.
+func classOf(g int, affinity bool) int {
+	if affinity {
+		return MaxGenerations + g
+	}
+	return g
+}
+
+// classGeneration is class k's generation, and whether it hashes the
+// client's address alone.
+func classGeneration(k int) (g int, affinity bool) { return k % MaxGenerations, k >= MaxGenerations }
+
+// generationSetName is the set of the tunnel IPs hashed on the 5-tuple
+// with generation g's offset (Params.Offset + g×Buckets).
 func (c *Chain) generationSetName(g int) string { return fmt.Sprintf("%s-%d", c.name, g) }
+
+// classSetName is the set of class k's tunnel IPs: NAME-g for the 5-tuple,
+// NAME-cg for the client's address alone.
+func (c *Chain) classSetName(k int) string {
+	if g, affinity := classGeneration(k); affinity {
+		return fmt.Sprintf("%s-c%d", c.name, g)
+	}
+	return c.generationSetName(k)
+}
 
 // generationOf is the generation of offset: g such that offset is
 // Params.Offset + g×Buckets.
@@ -109,10 +135,10 @@ func (c *Chain) readSet(name string, withCounters bool) (ipset, error) {
 }
 
 // chainSets are Chain's sets as read: the set of all tunnel IPs and one
-// per generation.
+// per class.
 type chainSets struct {
-	all         ipset
-	generations [MaxGenerations]ipset
+	all     ipset
+	classes [classes]ipset
 }
 
 // readSets reads every set of c.
@@ -122,8 +148,8 @@ func (c *Chain) readSets() (chainSets, error) {
 	if s.all, err = c.readSet(c.allSetName(), true); err != nil {
 		return s, err
 	}
-	for g := range s.generations {
-		if s.generations[g], err = c.readSet(c.generationSetName(g), false); err != nil {
+	for k := range s.classes {
+		if s.classes[k], err = c.readSet(c.classSetName(k), false); err != nil {
 			return s, err
 		}
 	}

@@ -20,6 +20,10 @@ type Target struct {
 	// Params.Offset (generation 0), so a router without generations passes
 	// no offset.
 	Offset uint32
+	// ClientAffinity hashes the client's address alone (ports and protocol
+	// masked to 0), so that every flow of one client gets one bucket: see
+	// ClientFlow.
+	ClientAffinity bool
 }
 
 // Sync makes the kernel match the desired state for targets,
@@ -28,17 +32,19 @@ type Target struct {
 //
 //   - the set NAME (hash:ip, with counters) holds every tunnel IP, and the
 //     set NAME-g (hash:ip) the tunnel IPs of generation g, for each
-//     generation that has one (NAME is the chain's name);
+//     generation that has one (NAME is the chain's name); tunnel IPs with
+//     client affinity are in NAME-cg instead;
 //   - mangle PREROUTING holds exactly one jump to the chain NAME, which
 //     holds a fixed rule list: first a RETURN for every packet whose
 //     destination is not in NAME (so other traffic leaves after one rule),
-//     then one HMARK rule per generation in use, matching NAME-g, with
-//     offset Params.Offset + g×Buckets (in sticky mode also the restore and
-//     save rules around them: see SetSticky);
+//     then one HMARK rule per set in use, matching NAME-g (or NAME-cg,
+//     hashing the client's address alone), with offset Params.Offset +
+//     g×Buckets (in sticky mode also the restore and save rules around
+//     them: see SetSticky);
 //   - in sticky mode, the raw chain NAME holds one rule sending every
 //     packet to a tunnel IP to the SYN subchain.
 //
-// A packet therefore walks at most 1 + MaxGenerations rules (sticky: 5
+// A packet therefore walks at most 1 + 2×MaxGenerations rules (sticky: 5
 // more), whatever the number of tunnel IPs. Targets must not repeat a
 // tunnel IP.
 //
@@ -78,10 +84,11 @@ func (c *Chain) Sync(targets []Target) (changed int, err error) {
 	return changed, c.redactSeed(err)
 }
 
-// wantedTarget is a normalized Target with its generation.
+// wantedTarget is a normalized Target with its class (generation and
+// tuple).
 type wantedTarget struct {
-	vip        netip.Addr
-	generation int
+	vip   netip.Addr
+	class int
 }
 
 func (c *Chain) sync(targets []Target) (changed int, err error) {
@@ -104,25 +111,25 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
 	}
 	all := make([]netip.Addr, len(want))
-	var byGeneration [MaxGenerations][]netip.Addr
-	generation := make(map[netip.Addr]int, len(want))
+	var byClass [classes][]netip.Addr
+	class := make(map[netip.Addr]int, len(want))
 	for i, t := range want {
 		all[i] = t.vip
-		byGeneration[t.generation] = append(byGeneration[t.generation], t.vip)
-		generation[t.vip] = t.generation
+		byClass[t.class] = append(byClass[t.class], t.vip)
+		class[t.vip] = t.class
 	}
 	var inUse []int
-	for g, vips := range byGeneration {
+	for k, vips := range byClass {
 		if len(vips) > 0 {
-			inUse = append(inUse, g)
+			inUse = append(inUse, k)
 		}
 	}
 
 	if err := count(c.createSet(&sets.all, true)); err != nil {
 		return changed, err
 	}
-	for _, g := range inUse {
-		if err := count(c.createSet(&sets.generations[g], false)); err != nil {
+	for _, k := range inUse {
+		if err := count(c.createSet(&sets.classes[k], false)); err != nil {
 			return changed, err
 		}
 	}
@@ -150,8 +157,8 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 	if err := count(c.addMembers(&sets.all, all)); err != nil {
 		return changed, err
 	}
-	for _, g := range inUse {
-		if err := count(c.addMembers(&sets.generations[g], byGeneration[g])); err != nil {
+	for _, k := range inUse {
+		if err := count(c.addMembers(&sets.classes[k], byClass[k])); err != nil {
 			return changed, err
 		}
 	}
@@ -160,19 +167,19 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 		return changed, err
 	}
 
-	for g := range sets.generations {
-		keep := func(a netip.Addr) bool { gen, ok := generation[a]; return ok && gen == g }
-		if err := count(c.removeMembers(&sets.generations[g], keep)); err != nil {
+	for k := range sets.classes {
+		keep := func(a netip.Addr) bool { ka, ok := class[a]; return ok && ka == k }
+		if err := count(c.removeMembers(&sets.classes[k], keep)); err != nil {
 			return changed, err
 		}
 	}
-	keep := func(a netip.Addr) bool { _, ok := generation[a]; return ok }
+	keep := func(a netip.Addr) bool { _, ok := class[a]; return ok }
 	if err := count(c.removeMembers(&sets.all, keep)); err != nil {
 		return changed, err
 	}
-	for g := range sets.generations {
-		if len(byGeneration[g]) == 0 {
-			if err := count(c.destroySet(&sets.generations[g])); err != nil {
+	for k := range sets.classes {
+		if len(byClass[k]) == 0 {
+			if err := count(c.destroySet(&sets.classes[k])); err != nil {
 				return changed, err
 			}
 		}
@@ -182,16 +189,16 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 			return changed, err
 		}
 	}
-	c.last = &lastSync{generation: generation, inUse: inUse}
+	c.last = &lastSync{class: class, inUse: inUse}
 	return changed, nil
 }
 
 // lastSync is what the last successful Sync or Update left in the kernel,
-// as far as Update needs to know: each tunnel IP's generation, and the
-// generations in use (which decide the rules).
+// as far as Update needs to know: each tunnel IP's class, and the classes
+// in use (which decide the rules).
 type lastSync struct {
-	generation map[netip.Addr]int
-	inUse      []int
+	class map[netip.Addr]int
+	inUse []int
 }
 
 // Update is Sync for a router that is the only writer of its chains and
@@ -218,16 +225,16 @@ func (c *Chain) update(targets []Target) (changed int, err error) {
 	if err != nil {
 		return 0, fmt.Errorf("hmark: update chain %s: %w", c.name, err)
 	}
-	generation := make(map[netip.Addr]int, len(want))
-	var used [MaxGenerations]bool
+	class := make(map[netip.Addr]int, len(want))
+	var used [classes]bool
 	for _, t := range want {
-		generation[t.vip] = t.generation
-		used[t.generation] = true
+		class[t.vip] = t.class
+		used[t.class] = true
 	}
 	var inUse []int
-	for g, u := range used {
+	for k, u := range used {
 		if u {
-			inUse = append(inUse, g)
+			inUse = append(inUse, k)
 		}
 	}
 	if !slices.Equal(inUse, last.inUse) {
@@ -236,15 +243,15 @@ func (c *Chain) update(targets []Target) (changed int, err error) {
 	c.last = nil // until every write below succeeded
 	var added, moved, removed []netip.Addr
 	for _, t := range want {
-		switch g, ok := last.generation[t.vip]; {
+		switch k, ok := last.class[t.vip]; {
 		case !ok:
 			added = append(added, t.vip)
-		case g != t.generation:
+		case k != t.class:
 			moved = append(moved, t.vip)
 		}
 	}
-	for vip := range last.generation {
-		if _, ok := generation[vip]; !ok {
+	for vip := range last.class {
+		if _, ok := class[vip]; !ok {
 			removed = append(removed, vip)
 		}
 	}
@@ -261,10 +268,10 @@ func (c *Chain) update(targets []Target) (changed int, err error) {
 		steps = append(steps, step{true, c.allSetName(), vip})
 	}
 	for _, vip := range slices.Concat(added, moved) {
-		steps = append(steps, step{true, c.generationSetName(generation[vip]), vip})
+		steps = append(steps, step{true, c.classSetName(class[vip]), vip})
 	}
 	for _, vip := range slices.Concat(moved, removed) {
-		steps = append(steps, step{false, c.generationSetName(last.generation[vip]), vip})
+		steps = append(steps, step{false, c.classSetName(last.class[vip]), vip})
 	}
 	for _, vip := range removed {
 		steps = append(steps, step{false, c.allSetName(), vip})
@@ -279,7 +286,7 @@ func (c *Chain) update(targets []Target) (changed int, err error) {
 		}
 		changed++
 	}
-	c.last = &lastSync{generation: generation, inUse: inUse}
+	c.last = &lastSync{class: class, inUse: inUse}
 	return changed, nil
 }
 
@@ -310,7 +317,7 @@ func (c *Chain) normalizeTargets(targets []Target) ([]wantedTarget, error) {
 				return nil, fmt.Errorf("vip %s: %w", v, err)
 			}
 		}
-		out = append(out, wantedTarget{vip: v, generation: g})
+		out = append(out, wantedTarget{vip: v, class: classOf(g, t.ClientAffinity)})
 	}
 	slices.SortFunc(out, func(a, b wantedTarget) int { return a.vip.Compare(b.vip) })
 	for i := 1; i < len(out); i++ {
@@ -337,10 +344,10 @@ func (c *Chain) paramsAt(offset uint32) Params {
 // comment is the match every rule of Chain carries.
 var comment = []string{"-m", "comment", "--comment", RuleComment}
 
-// mangleRules is the content of c's mangle chain when the generations
-// inUse (ascending) have tunnel IPs: the exit for other traffic, in sticky
-// mode the restore rules and the RETURN, one HMARK rule per generation, in
-// sticky mode the save rule. They are written as iptables 1.8 (nft and
+// mangleRules is the content of c's mangle chain when the classes inUse
+// (ascending) have tunnel IPs: the exit for other traffic, in sticky mode
+// the restore rules and the RETURN, one HMARK rule per class, in sticky
+// mode the save rule. They are written as iptables 1.8 (nft and
 // legacy) prints them, so that syncRules compares them word for word (the
 // HMARK options semantically).
 func (c *Chain) mangleRules(inUse []int) [][]string {
@@ -354,22 +361,32 @@ func (c *Chain) mangleRules(inUse []int) [][]string {
 	rules := [][]string{slices.Concat(exit, comment, []string{"-j", "RETURN"})}
 	head, tail := c.fixedMangleRules()
 	rules = append(rules, head...)
-	for _, g := range inUse {
-		rules = append(rules, c.generationRuleSpec(g))
+	for _, k := range inUse {
+		rules = append(rules, c.classRuleSpec(k))
 	}
 	return append(rules, tail...)
 }
 
-// generationRuleSpec is the HMARK rule of generation g, as iptables
-// prints it.
-func (c *Chain) generationRuleSpec(g int) []string {
+// fullTupleMasks hash the whole 5-tuple; clientMasks none of the ports and
+// protocol, leaving the addresses: the tunnel IP, fixed, and the client's.
+var (
+	fullTupleMasks = []string{"--hmark-sport-mask", "0xffff", "--hmark-dport-mask", "0xffff", "--hmark-proto-mask", "0xffff"}
+	clientMasks    = []string{"--hmark-sport-mask", "0x0", "--hmark-dport-mask", "0x0", "--hmark-proto-mask", "0x0"}
+)
+
+// classRuleSpec is the HMARK rule of class k, as iptables prints it.
+func (c *Chain) classRuleSpec(k int) []string {
+	g, affinity := classGeneration(k)
+	masks := fullTupleMasks
+	if affinity {
+		masks = clientMasks
+	}
 	return slices.Concat(
-		[]string{"-m", "set", "--match-set", c.generationSetName(g), "dst"},
+		[]string{"-m", "set", "--match-set", c.classSetName(k), "dst"},
 		comment,
+		[]string{"-j", "HMARK", "--hmark-src-prefix", "32", "--hmark-dst-prefix", "32"},
+		masks,
 		[]string{
-			"-j", "HMARK",
-			"--hmark-src-prefix", "32", "--hmark-dst-prefix", "32",
-			"--hmark-sport-mask", "0xffff", "--hmark-dport-mask", "0xffff", "--hmark-proto-mask", "0xffff",
 			"--hmark-rnd", fmt.Sprintf("0x%08x", c.params.Seed),
 			"--hmark-mod", strconv.FormatUint(uint64(c.params.Buckets), 10),
 			"--hmark-offset", strconv.FormatUint(uint64(c.offsetOf(g)), 10),
@@ -422,9 +439,9 @@ func sameRule(got, want []string) bool {
 	if len(got) <= j || !slices.Equal(got[:j+1], want[:j+1]) {
 		return false
 	}
-	g, okG := parseHMARKOptions(got[j+1:])
-	w, okW := parseHMARKOptions(want[j+1:])
-	return okG && okW && g == w
+	g, gAffinity, okG := parseHMARKOptions(got[j+1:])
+	w, wAffinity, okW := parseHMARKOptions(want[j+1:])
+	return okG && okW && g == w && gAffinity == wAffinity
 }
 
 // Offsets returns, by tunnel IP, the offset it is hashed with: that of
@@ -448,7 +465,8 @@ func (c *Chain) offsets() (map[netip.Addr]uint32, error) {
 	}
 	offsets := make(map[netip.Addr]uint32)
 	if sets.all.exists {
-		for g, s := range sets.generations {
+		for k, s := range sets.classes {
+			g, _ := classGeneration(k)
 			for vip := range s.members {
 				offsets[vip] = c.offsetOf(g)
 			}

@@ -387,3 +387,54 @@ func TestUpdate(t *testing.T) {
 		t.Errorf("Update after a failure did not repair: %v", f.dumpSets())
 	}
 }
+
+// A tunnel IP with client affinity goes to the set NAME-c<g>, matched by an
+// HMARK rule with port and protocol masks 0 (printed as iptables prints
+// them, which the next Sync adopts without a write); turning affinity off
+// moves it back to NAME-g with an add and a delete.
+func TestClientAffinityClass(t *testing.T) {
+	f := newFakeIPTables(t, othersLines...)
+	c := newTestChain(t, f, testParams)
+	targets := []Target{{VIP: vipA}, {VIP: vipB, ClientAffinity: true}}
+	if _, err := c.Sync(targets); err != nil {
+		t.Fatal(err)
+	}
+	printedAffinity0 := "-A KST-HMARK -m set --match-set KST-HMARK-c0 dst -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0x0 --hmark-dport-mask 0x0 --hmark-proto-mask 0x0 --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 256"
+	want := canonical(t, printedChainN, printedJump, printedExit, printedGen0, printedAffinity0,
+		"-S KST-HMARK 10.96.0.10 10.96.0.20", "-S KST-HMARK-0 10.96.0.10", "-S KST-HMARK-c0 10.96.0.20")
+	if got := stateOf(f); got != want {
+		t.Errorf("state:\n%s\nwant:\n%s", got, want)
+	}
+	f.writes = nil
+	if n, err := c.Sync(targets); err != nil || n != 0 || len(f.writes) != 0 {
+		t.Errorf("second Sync = %d, %v, writes %q; want nothing", n, err, f.writes)
+	}
+	offsets, err := c.Offsets()
+	if err != nil || offsets[vipB] != testParams.Offset {
+		t.Errorf("Offsets = %v, %v: an affinity tunnel IP keeps its generation's offset", offsets, err)
+	}
+	// Off again: one add, one delete, and the affinity rule and set go.
+	if _, err := c.Update([]Target{{VIP: vipA}, {VIP: vipB}}); err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range []string{"ipset add KST-HMARK-0 10.96.0.20", "ipset del KST-HMARK-c0 10.96.0.20", "ipset destroy KST-HMARK-c0"} {
+		if !slices.Contains(f.writes, w) {
+			t.Errorf("writes %q lack %q", f.writes, w)
+		}
+	}
+	if got, want := stateOf(f), canonical(t, syncedLines...); got != want {
+		t.Errorf("state after affinity off:\n%s\nwant:\n%s", got, want)
+	}
+	// A rule with other masks is not the router's.
+	partial := strings.Replace(printedAffinity0, "--hmark-dport-mask 0x0", "--hmark-dport-mask 0xffff", 1)
+	optionsOf := func(line string) []string {
+		words := strings.Fields(line)
+		return words[slices.Index(words, "HMARK")+1:]
+	}
+	if _, affinity, ok := parseHMARKOptions(optionsOf(printedAffinity0)); !ok || !affinity {
+		t.Errorf("the affinity rule parsed as ok=%t affinity=%t", ok, affinity)
+	}
+	if _, _, ok := parseHMARKOptions(optionsOf(partial)); ok {
+		t.Errorf("a rule hashing only the destination port parsed as the router's")
+	}
+}

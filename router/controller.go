@@ -12,6 +12,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
+	"github.com/cmdnu/kube-service-tunnel/internal/livepolicy"
 	"github.com/cmdnu/kube-service-tunnel/internal/routerstatus"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router/bucket"
@@ -110,6 +111,8 @@ type Controller struct {
 	byVIP    map[netip.Addr][]string // tunnel IP -> keys of the Services claiming it, in no order
 	reported map[string]uint64       // Service key -> hash of its last event reason+message (see report)
 	networks tunnelclaim.Networks    // what tunnel IPs must not take, as of the last resync
+	live     *livepolicy.Policy      // the address pools and ranges, which may change while running
+	policy   tunnelclaim.Policy      // live's value for the reconcile in progress (the worker's)
 	refused  map[string]string       // Service key -> why its claim is refused (metrics.RefusedInvalid, metrics.RefusedPolicy)
 	metrics  *metrics.Metrics        // nil: none
 	status   *status.Writer          // publishes served tunnel IPs in LoadBalancer Services' status
@@ -156,6 +159,15 @@ func (c *Controller) claimMetrics() {
 	c.metrics.SetClaims(len(c.byVIP), refused)
 }
 
+// Policy is the controller's address pools and ranges: livepolicy.Watch
+// sets it, then calls PolicyChanged.
+func (c *Controller) Policy() *livepolicy.Policy { return c.live }
+
+// PolicyChanged re-evaluates every claim with the current Policy: tunnel
+// IPs the pools no longer admit are withdrawn (with a TunnelIPRefused
+// Warning), newly admitted ones are served, and nothing else is written.
+func (c *Controller) PolicyChanged(tunnelclaim.Policy) { c.add(resyncKey) }
+
 // SetStatusPublisher makes the controller publish each tunnel IP it
 // programmed to p. Call it before Run.
 func (c *Controller) SetStatusPublisher(p StatusPublisher) { c.published = p }
@@ -169,7 +181,7 @@ func (c *Controller) publish(t datapath.Tunnel) {
 
 // tunnelStatus is the published status of a programmed tunnel.
 func (c *Controller) tunnelStatus(t datapath.Tunnel) routerstatus.Tunnel {
-	s := routerstatus.Tunnel{VIP: t.VIP, Announced: c.announce[t.VIP]}
+	s := routerstatus.Tunnel{VIP: t.VIP, Announced: c.announce[t.VIP], ClientAffinity: t.ClientAffinity}
 	if g, ok := c.dp.(GenerationReader); ok {
 		s.Generation = g.CurrentGeneration(t.VIP)
 	}
@@ -264,12 +276,14 @@ func NewController(cfg Config, client kubernetes.Interface, factory informers.Sh
 		reported: map[string]uint64{},
 		refused:  map[string]string{},
 		announce: map[netip.Addr]bool{},
+		live:     livepolicy.New(cfg.Policy),
+		policy:   cfg.Policy,
 	}
 	for name, informer := range map[string]cache.SharedIndexInformer{"services": svcInformer.Informer(),
 		"endpointslices": sliceInformer.Informer(), "nodes": nodeInformer.Informer(), "pods": podInformer.Informer()} {
 		c.liveness.Watch(name, informer)
 	}
-	c.status = status.NewWriter(client, c.services, cfg.Policy.Pools.Contains, log.WithField("component", "status"))
+	c.status = status.NewWriter(client, c.services, func(a netip.Addr) bool { return c.live.Get().Pools.Contains(a) }, log.WithField("component", "status"))
 	if _, err := svcInformer.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    c.enqueueObject,
 		UpdateFunc: func(_, obj any) { c.enqueueObject(obj) },
@@ -484,6 +498,8 @@ func (c *Controller) processNext() bool {
 	}
 	defer c.queue.Done(key)
 	defer c.liveness.Begin(key.String())()
+	// The policy of this reconcile (a live change is followed by a resync).
+	c.policy = c.live.Get()
 	var err error
 	switch key {
 	case resyncKey:
@@ -528,7 +544,7 @@ func (c *Controller) collectGenerations() error {
 func (c *Controller) claimOf(svc *corev1.Service) (netip.Addr, bool) {
 	key := tunnelclaim.ServiceKey(svc)
 	delete(c.refused, key)
-	claim, annotated := tunnelclaim.Judge(svc, c.cfg.Policy.Pools, c.networks)
+	claim, annotated := tunnelclaim.Judge(svc, c.policy.Pools, c.networks)
 	if !annotated {
 		return netip.Addr{}, false
 	}
@@ -556,7 +572,7 @@ func (c *Controller) knownNetworks() (tunnelclaim.Networks, error) {
 	if err != nil {
 		return tunnelclaim.Networks{}, fmt.Errorf("listing nodes: %w", err)
 	}
-	return c.cfg.Policy.Networks(nodes), nil
+	return c.policy.Networks(nodes), nil
 }
 
 // networksChanged re-evaluates every Service when the Nodes' addresses or
@@ -800,7 +816,7 @@ func (c *Controller) decide(vip netip.Addr) (winner *corev1.Service, losers []*c
 			svcs = append(svcs, svc)
 		}
 	}
-	d := tunnelclaim.Decide(svcs, c.cfg.Policy.Pools, c.networks)
+	d := tunnelclaim.Decide(svcs, c.policy.Pools, c.networks)
 	for _, claim := range d.With(tunnelclaim.Lost) {
 		losers = append(losers, claim.Service)
 	}
@@ -861,6 +877,7 @@ func (c *Controller) tunnelFor(vip netip.Addr) (t datapath.Tunnel, winner *corev
 		return t, svc, notices
 	}
 	t = NewTunnel(vip, eps, c.cfg.Buckets)
+	t.ClientAffinity = ClientAffinity(svc)
 	ready, draining := splitDraining(eps)
 	if len(ready) == 0 {
 		notices = append(notices, notice{svc, corev1.EventTypeWarning, ReasonNoReadyEndpoints,
@@ -873,6 +890,9 @@ func (c *Controller) tunnelFor(vip netip.Addr) (t datapath.Tunnel, winner *corev
 		return t, svc, notices
 	}
 	msg := fmt.Sprintf("tunnel IP %v programmed: %d endpoints over %d buckets (%s)", vip, len(ready), c.cfg.Buckets, c.cfg.Mode)
+	if t.ClientAffinity {
+		msg += ", client affinity"
+	}
 	if len(draining) > 0 {
 		msg += fmt.Sprintf("; %d draining (no new flows)", len(draining))
 	}
@@ -905,6 +925,15 @@ func NewTunnel(vip netip.Addr, eps []datapath.Endpoint, buckets int) datapath.Tu
 		t.Table[b] = byAddr[a]
 	}
 	return t
+}
+
+// ClientAffinity reports whether svc's flows are hashed on the client's
+// address alone: spec.sessionAffinity ClientIP. Its
+// sessionAffinityConfig.clientIP.timeoutSeconds has no counterpart: the
+// hash keeps a client on one pod for as long as the bucket table does not
+// change, however long the client is idle.
+func ClientAffinity(svc *corev1.Service) bool {
+	return svc.Spec.SessionAffinity == corev1.ServiceAffinityClientIP
 }
 
 // splitDraining splits endpoints into those that take new flows and those

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"runtime/debug"
+	"strings"
 
 	"github.com/bombsimon/logrusr/v4"
 	"github.com/sirupsen/logrus"
@@ -29,6 +30,12 @@ type Common struct {
 	GCPercent  int
 	// PrintVersion makes Parse print the version and return flag.ErrHelp.
 	PrintVersion bool
+	// CommandLine names the flags given on the command line (not through
+	// their KST_* variables): those never change while the daemon runs.
+	CommandLine map[string]bool
+	// ConfigMap is the daemons' ConfigMap (--config-map), watched for
+	// changes of the address pools; empty Name: not watched.
+	ConfigMap struct{ Namespace, Name string }
 }
 
 // DefaultGCPercent is --gc-percent: a collection once the heap has grown
@@ -45,6 +52,19 @@ func (c *Common) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.LogLevel, "log-level", "info", "log level: debug, info, warn, error")
 	fs.BoolVar(&c.PrintVersion, "version", false, "print the version and exit")
 	fs.IntVar(&c.GCPercent, "gc-percent", DefaultGCPercent, "Go garbage collector target (as GOGC): collect once the heap grew this many percent over the live heap; an explicit GOGC environment variable wins over the default")
+	c.ConfigMap.Namespace, c.ConfigMap.Name = "kube-service-tunnel", "tunnel-config"
+	fs.Func("config-map", `the daemons' ConfigMap as NAMESPACE/NAME, watched so that a change of KST_POOLS, KST_POD_CIDR or KST_SERVICE_CIDR applies without a restart (a flag given on the command line wins); "" watches nothing (default "kube-service-tunnel/tunnel-config")`, func(s string) error {
+		if s == "" {
+			c.ConfigMap.Namespace, c.ConfigMap.Name = "", ""
+			return nil
+		}
+		ns, name, ok := strings.Cut(s, "/")
+		if !ok || ns == "" || name == "" {
+			return fmt.Errorf("%q: want NAMESPACE/NAME", s)
+		}
+		c.ConfigMap.Namespace, c.ConfigMap.Name = ns, name
+		return nil
+	})
 }
 
 // Parse parses args, applies the KST_* environment fallbacks, then fills
@@ -60,6 +80,8 @@ func (c *Common) Parse(fs *flag.FlagSet, args []string, nodeName *string) error 
 		fmt.Println(fs.Name(), version.String())
 		return flag.ErrHelp
 	}
+	c.CommandLine = map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { c.CommandLine[f.Name] = true })
 	if err := flagenv.Apply(fs, EnvPrefix); err != nil {
 		return err
 	}

@@ -27,9 +27,9 @@ const AnnotationPrefix = "cmd.nu/"
 // of another type as it is (a tombstone, for example).
 
 // SlimService keeps a Service's identity, creation time, the daemons'
-// annotations, the two fields of its spec they read (type and
-// loadBalancerClass, for the status they publish) and its
-// status.loadBalancer. A daemon that starts reading another field of the
+// annotations, the three fields of its spec they read (type and
+// loadBalancerClass, for the status they publish; sessionAffinity, for the
+// hash) and its status.loadBalancer. A daemon that starts reading another field of the
 // spec adds it here (TestSlimServiceKeepsWhatTheDaemonsRead lists them).
 func SlimService(obj any) (any, error) {
 	svc, ok := obj.(*corev1.Service)
@@ -39,6 +39,7 @@ func SlimService(obj any) (any, error) {
 	slim := &corev1.Service{ObjectMeta: slimMeta(svc.ObjectMeta)}
 	slim.Spec.Type = corev1.ServiceType(unique.Make(string(svc.Spec.Type)).Value())
 	slim.Spec.LoadBalancerClass = svc.Spec.LoadBalancerClass
+	slim.Spec.SessionAffinity = corev1.ServiceAffinity(unique.Make(string(svc.Spec.SessionAffinity)).Value())
 	slim.Status.LoadBalancer = svc.Status.LoadBalancer
 	return slim, nil
 }

@@ -33,7 +33,8 @@ var wantMeta = metav1.ObjectMeta{
 func TestSlimServiceKeepsWhatTheDaemonsRead(t *testing.T) {
 	full := &corev1.Service{
 		ObjectMeta: fullMeta,
-		Spec:       corev1.ServiceSpec{Type: corev1.ServiceTypeLoadBalancer, LoadBalancerClass: ptr("cmd.nu/tunnel"), Ports: []corev1.ServicePort{{Port: 80}}},
+		Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeLoadBalancer, LoadBalancerClass: ptr("cmd.nu/tunnel"), Ports: []corev1.ServicePort{{Port: 80}},
+			SessionAffinity: corev1.ServiceAffinityClientIP, SessionAffinityConfig: &corev1.SessionAffinityConfig{ClientIP: &corev1.ClientIPConfig{TimeoutSeconds: ptr(int32(60))}}},
 		Status: corev1.ServiceStatus{
 			LoadBalancer: corev1.LoadBalancerStatus{Ingress: []corev1.LoadBalancerIngress{{IP: "192.0.2.10"}}},
 			Conditions:   []metav1.Condition{{Type: "Other"}},
@@ -43,7 +44,7 @@ func TestSlimServiceKeepsWhatTheDaemonsRead(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := &corev1.Service{ObjectMeta: wantMeta, Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeLoadBalancer, LoadBalancerClass: ptr("cmd.nu/tunnel")}}
+	want := &corev1.Service{ObjectMeta: wantMeta, Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeLoadBalancer, LoadBalancerClass: ptr("cmd.nu/tunnel"), SessionAffinity: corev1.ServiceAffinityClientIP}}
 	want.Labels = nil
 	want.Status.LoadBalancer = full.Status.LoadBalancer
 	if !equality.Semantic.DeepEqual(got, want) {

@@ -20,6 +20,11 @@ import (
 // a burst of changes (a rolling update, a resync) is written once.
 const MinInterval = time.Second
 
+// RefreshInterval is how often the status is written without a change: its
+// updated time tells readers the router is alive, and a ConfigMap the
+// garbage collector removed with a previous pod comes back.
+const RefreshInterval = time.Minute
+
 // Publisher keeps one router's status ConfigMap current. The controller
 // tells it what it programmed; Run writes it, at most once per MinInterval,
 // and again after a failed write.
@@ -104,17 +109,21 @@ func (p *Publisher) markDirty() {
 	}
 }
 
-// Run writes the status until ctx ends: once at start, then after changes.
+// Run writes the status until ctx ends: once at start, then after changes
+// and every RefreshInterval.
 // It never deletes the ConfigMap: a restarted router takes it over, and the
 // garbage collector removes it with the router's pod.
 func (p *Publisher) Run(ctx context.Context) {
 	p.markDirty()
 	backoff := MinInterval
+	refresh := time.NewTicker(RefreshInterval)
+	defer refresh.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-p.dirty:
+		case <-refresh.C:
 		}
 		if err := p.write(ctx); err != nil {
 			if ctx.Err() != nil {

@@ -11,7 +11,7 @@
 // Its "router" key holds the router's settings, its "tunnels" key one line
 // per programmed tunnel IP:
 //
-//	192.0.2.10 generation=1 table=5f1c09a2 endpoints=3 draining=1 announced=yes
+//	192.0.2.10 generation=1 table=5f1c09a2 endpoints=3 draining=1 announced=yes [affinity=client]
 //
 // table is TableDigest of the bucket table new flows follow, so that a
 // reader can tell whether the router programmed the table the API's state
@@ -91,6 +91,8 @@ type Tunnel struct {
 	Endpoints, Draining int
 	// Announced is true when the router announces the tunnel IP (BGP).
 	Announced bool
+	// ClientAffinity: the router hashes the client's address alone.
+	ClientAffinity bool
 }
 
 // TableDigest is a short digest of a bucket table: per bucket, the
@@ -152,7 +154,11 @@ func (t Tunnel) line() string {
 	if t.Announced {
 		announced = "yes"
 	}
-	return fmt.Sprintf("%s generation=%d table=%s endpoints=%d draining=%d announced=%s\n", t.VIP, t.Generation, table, t.Endpoints, t.Draining, announced)
+	affinity := ""
+	if t.ClientAffinity {
+		affinity = " affinity=client"
+	}
+	return fmt.Sprintf("%s generation=%d table=%s endpoints=%d draining=%d announced=%s%s\n", t.VIP, t.Generation, table, t.Endpoints, t.Draining, announced, affinity)
 }
 
 // Parse reads a router's status back from its ConfigMap.
@@ -227,6 +233,8 @@ func Parse(cm *corev1.ConfigMap) (Router, error) {
 				t.Draining, err = strconv.Atoi(v)
 			case "announced":
 				t.Announced = v == "yes"
+			case "affinity":
+				t.ClientAffinity = v == "client"
 			}
 			if err != nil {
 				return fail(TunnelsKey, n, fmt.Errorf("%s: %w", k, err))

@@ -30,7 +30,7 @@ func TestRoundTrip(t *testing.T) {
 		MarkOffset: 0x1000, TableBase: 7600, SeedFingerprint: "abc123", BGP: true,
 		Updated: time.Date(2026, 11, 26, 10, 0, 0, 0, time.UTC),
 		Tunnels: []Tunnel{
-			{VIP: netip.MustParseAddr("192.0.2.20"), Generation: 2, Table: "deadbeef", Endpoints: 3, Draining: 1, Announced: true},
+			{VIP: netip.MustParseAddr("192.0.2.20"), Generation: 2, Table: "deadbeef", Endpoints: 3, Draining: 1, Announced: true, ClientAffinity: true},
 			{VIP: netip.MustParseAddr("192.0.2.3"), Generation: 0},
 		},
 	}

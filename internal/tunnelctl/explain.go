@@ -87,7 +87,10 @@ type Explanation struct {
 	Flow    string `json:"flow"`
 	Service string `json:"service"`
 	// Bucket is the flow's HMARK bucket, of Buckets.
-	Bucket          int            `json:"bucket"`
+	Bucket int `json:"bucket"`
+	// ClientAffinity: the bucket comes from the client's address alone
+	// (sessionAffinity: ClientIP), so every flow of the client shares it.
+	ClientAffinity  bool           `json:"clientAffinity"`
 	Buckets         int            `json:"buckets"`
 	SeedFingerprint string         `json:"seedFingerprint"`
 	SeedFrom        string         `json:"seedFrom"`
@@ -145,14 +148,18 @@ func (inv *Inventory) Explain(ctx context.Context, f Flow, seed Seed) (*Explanat
 		return nil, err
 	}
 	params := hmark.Params{Buckets: uint32(inv.Buckets), Seed: seed.Value}
-	b := int(params.Bucket(hmark.Flow{Src: f.Client.Addr(), Dst: vip, SrcPort: f.Client.Port(), DstPort: f.TunnelIP.Port(), Proto: f.Proto}))
+	flow := hmark.Flow{Src: f.Client.Addr(), Dst: vip, SrcPort: f.Client.Port(), DstPort: f.TunnelIP.Port(), Proto: f.Proto}
+	if s.Tunnel.ClientAffinity {
+		flow = hmark.ClientFlow(flow)
+	}
+	b := int(params.Bucket(flow))
 	ex := &Explanation{
 		Flow:    fmt.Sprintf("%s %s -> %s", protoName(f.Proto), f.Client, f.TunnelIP),
-		Service: tunnelclaim.ServiceKey(svc), Bucket: b, Buckets: inv.Buckets,
+		Service: tunnelclaim.ServiceKey(svc), Bucket: b, Buckets: inv.Buckets, ClientAffinity: s.Tunnel.ClientAffinity,
 		SeedFingerprint: hmark.SeedFingerprint(seed.Value), SeedFrom: seed.From,
 		Notes: append([]string(nil), s.Problems...),
 	}
-	if !hashesPorts(f.Proto) {
+	if !hashesPorts(f.Proto) || s.Tunnel.ClientAffinity {
 		ex.Flow = fmt.Sprintf("%s %s -> %s", protoName(f.Proto), f.Client.Addr(), vip)
 	}
 	for _, r := range inv.Routers {

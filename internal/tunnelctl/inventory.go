@@ -218,6 +218,7 @@ func (inv *Inventory) Served(ctx context.Context, vip netip.Addr) (*Served, erro
 	}
 	s.Problems = append(s.Problems, problems...)
 	s.Tunnel = router.NewTunnel(vip, eps, inv.Buckets)
+	s.Tunnel.ClientAffinity = router.ClientAffinity(svc)
 	addrs, nodeIPs := router.TableAddrs(s.Tunnel)
 	s.Table = routerstatus.TableDigest(addrs, nodeIPs)
 	owned := map[netip.Addr]int{}

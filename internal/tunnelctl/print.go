@@ -145,7 +145,11 @@ func printStatusDetails(w io.Writer, rep *StatusReport, now time.Time) {
 		if i > 0 {
 			fmt.Fprintln(w)
 		}
-		fmt.Fprintf(w, "Tunnel IP:  %s\nService:    %s (served)\nPool:       %s\nMode:       %s, %d buckets\n", t.TunnelIP, t.Service, orDash(t.Pool), t.Mode, t.Buckets)
+		hash := "5-tuple"
+		if t.ClientAffinity {
+			hash = "client address (sessionAffinity: ClientIP)"
+		}
+		fmt.Fprintf(w, "Tunnel IP:  %s\nService:    %s (served)\nPool:       %s\nMode:       %s, %d buckets, hashed on the %s\n", t.TunnelIP, t.Service, orDash(t.Pool), t.Mode, t.Buckets, hash)
 		fmt.Fprintln(w, "Endpoints:")
 		if len(t.Endpoints) == 0 {
 			fmt.Fprintln(w, "  none: the routers drop this tunnel IP's traffic")
@@ -195,6 +199,9 @@ func PrintExplanation(w io.Writer, ex *Explanation, output string) error {
 		return err
 	}
 	fmt.Fprintf(w, "Flow:       %s\nService:    %s\nBucket:     %d of %d (HMARK seed %s, from %s)\n", ex.Flow, ex.Service, ex.Bucket, ex.Buckets, ex.SeedFingerprint, ex.SeedFrom)
+	if ex.ClientAffinity {
+		fmt.Fprintln(w, "Affinity:   ClientIP: hashed on the client's address alone; every flow of this client gets this bucket")
+	}
 	if ex.Endpoint.Address != "" {
 		fmt.Fprintf(w, "Endpoint:   %s %s on node %s (%s)\n", orDash(ex.Endpoint.Pod), ex.Endpoint.Address, orDash(ex.Endpoint.Node), ex.Endpoint.State)
 		switch e := ex.Encapsulation; {

@@ -24,15 +24,18 @@ type StatusReport struct {
 
 // TunnelStatus is one served tunnel IP.
 type TunnelStatus struct {
-	TunnelIP  string           `json:"tunnelIP"`
-	Service   string           `json:"service"`
-	Pool      string           `json:"pool,omitempty"`
-	Mode      string           `json:"mode"`
-	Buckets   int              `json:"buckets"`
-	Table     string           `json:"table,omitempty"`
-	Endpoints []EndpointStatus `json:"endpoints"`
-	Routers   []RouterTunnel   `json:"routers"`
-	Problems  []string         `json:"problems,omitempty"`
+	TunnelIP string `json:"tunnelIP"`
+	Service  string `json:"service"`
+	Pool     string `json:"pool,omitempty"`
+	Mode     string `json:"mode"`
+	Buckets  int    `json:"buckets"`
+	// ClientAffinity: flows are hashed on the client's address alone
+	// (sessionAffinity: ClientIP).
+	ClientAffinity bool             `json:"clientAffinity"`
+	Table          string           `json:"table,omitempty"`
+	Endpoints      []EndpointStatus `json:"endpoints"`
+	Routers        []RouterTunnel   `json:"routers"`
+	Problems       []string         `json:"problems,omitempty"`
 }
 
 // EndpointStatus is one endpoint of a served tunnel IP.
@@ -174,7 +177,7 @@ func (f StatusFilter) matcher() (func(vip netip.Addr, ns, name string) bool, err
 
 func (inv *Inventory) tunnelStatus(s *Served) TunnelStatus {
 	ts := TunnelStatus{TunnelIP: s.VIP.String(), Service: tunnelclaim.ServiceKey(s.Service), Pool: s.Pool, Mode: string(inv.Mode),
-		Buckets: inv.Buckets, Table: s.Table, Problems: s.Problems}
+		Buckets: inv.Buckets, ClientAffinity: s.Tunnel.ClientAffinity, Table: s.Table, Problems: s.Problems}
 	for _, ep := range s.Endpoints {
 		ts.Endpoints = append(ts.Endpoints, endpointStatus(ep))
 	}
@@ -205,7 +208,7 @@ func routerTunnel(r routerstatus.Router, s *Served) RouterTunnel {
 	switch {
 	case t.Table == "":
 		rt.Table = "none"
-	case t.Table == s.Table:
+	case t.Table == s.Table && t.ClientAffinity == s.Tunnel.ClientAffinity:
 		rt.Table = "current"
 	default:
 		rt.Table = "outdated"

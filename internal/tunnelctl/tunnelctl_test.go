@@ -327,3 +327,40 @@ func TestMainArguments(t *testing.T) {
 		t.Errorf("-o xml: %v", err)
 	}
 }
+
+// With sessionAffinity ClientIP every flow of a client gets the bucket of
+// its address alone; routers that published a table without affinity are
+// not current.
+func TestExplainClientAffinity(t *testing.T) {
+	client, _ := cluster(t, encap.GRE)
+	ctx := context.Background()
+	svc, err := client.CoreV1().Services("web").Get(ctx, "echo", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	svc.Spec.SessionAffinity = corev1.ServiceAffinityClientIP
+	if _, err := client.CoreV1().Services("web").Update(ctx, svc, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	inv, err := Load(ctx, client, ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	params := hmark.Params{Buckets: 16, Seed: seed}
+	buckets := map[int]bool{}
+	for port := uint16(40000); port < 40020; port++ {
+		f, _ := ParseFlow(vip.String()+":80", "198.51.100.7:"+strconv.Itoa(int(port)), "tcp")
+		ex, err := inv.Explain(ctx, f, Seed{Value: seed})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !ex.ClientAffinity || ex.Routers[0].Carries {
+			t.Errorf("explain %+v: want client affinity, and router-a (which published no affinity) not carrying it", ex)
+		}
+		buckets[ex.Bucket] = true
+	}
+	want := int(params.Bucket(hmark.ClientFlow(hmark.Flow{Src: netip.MustParseAddr("198.51.100.7"), Dst: vip})))
+	if len(buckets) != 1 || !buckets[want] {
+		t.Errorf("20 flows of one client got buckets %v, want only %d", buckets, want)
+	}
+}

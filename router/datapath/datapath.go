@@ -3,7 +3,6 @@ package datapath
 import (
 	"errors"
 	"fmt"
-	"maps"
 	"net/netip"
 	"slices"
 	"sync"
@@ -87,7 +86,8 @@ type Datapath struct {
 	current  map[netip.Addr]int      // per tunnel IP, the generation of new flows
 	age      map[netip.Addr][]uint64 // per tunnel IP and generation, when it became current
 	clock    uint64                  // advances at every generation switch
-	marked   map[netip.Addr]int      // the chain's generations at the last sync; nil: unknown
+	affinity map[netip.Addr]bool     // tunnel IPs hashed on the client's address alone
+	marked   map[netip.Addr]int      // the chain's classes (see markClasses) at the last sync; nil: unknown
 	stale    bool                    // a write failed: re-read the kernel before the next change
 	ops      uint64
 }
@@ -102,6 +102,7 @@ func NewDatapath(cfg Config, routes RouteOps, rules RuleOps, chain markChain, de
 		nexthops: newNexthopTable(cfg),
 		current:  map[netip.Addr]int{},
 		age:      map[netip.Addr][]uint64{},
+		affinity: map[netip.Addr]bool{},
 	}
 }
 
@@ -180,6 +181,11 @@ func (d *Datapath) plan(t Tunnel, have []nextHop, cur int) error {
 	}
 	d.desired[t.VIP] = next
 	d.current[t.VIP] = newCur
+	if t.ClientAffinity {
+		d.affinity[t.VIP] = true
+	} else {
+		delete(d.affinity, t.VIP)
+	}
 	if switched {
 		d.clock++
 		age := d.age[t.VIP]
@@ -280,6 +286,7 @@ func (d *Datapath) RemoveTunnel(vip netip.Addr) error {
 	delete(d.desired, vip)
 	delete(d.current, vip)
 	delete(d.age, vip)
+	delete(d.affinity, vip)
 	if err := d.syncMarks(false); err != nil {
 		return err
 	}
@@ -329,6 +336,7 @@ func (d *Datapath) Resync(tunnels []Tunnel) error {
 	// holds up the others.
 	oldCurrent := d.current
 	d.desired, d.current = make(map[netip.Addr][]nextHop, len(tunnels)), make(map[netip.Addr]int, len(tunnels))
+	d.affinity = map[netip.Addr]bool{}
 	for _, t := range tunnels {
 		cur, ok := kernelCur[t.VIP]
 		if !ok {
@@ -553,12 +561,12 @@ func (d *Datapath) readRoutes() error {
 // changed tunnel IPs' set elements (hmark's Update, which reads nothing);
 // force (Resync) reads and repairs everything (Sync).
 func (d *Datapath) syncMarks(force bool) error {
-	if !force && d.marked != nil && maps.Equal(d.marked, d.current) && len(d.current) == len(d.desired) {
+	if !force && d.marksCurrent() && len(d.current) == len(d.desired) {
 		return nil
 	}
 	targets := make([]hmark.Target, 0, len(d.desired))
 	for vip := range d.desired {
-		targets = append(targets, hmark.Target{VIP: vip, Offset: d.cfg.GenerationOffset(d.current[vip])})
+		targets = append(targets, hmark.Target{VIP: vip, Offset: d.cfg.GenerationOffset(d.current[vip]), ClientAffinity: d.affinity[vip]})
 	}
 	slices.SortFunc(targets, func(a, b hmark.Target) int { return a.VIP.Compare(b.VIP) })
 	sync := d.chain.Update
@@ -571,8 +579,34 @@ func (d *Datapath) syncMarks(force bool) error {
 		d.marked = nil
 		return fmt.Errorf("hmark chain: %w", err)
 	}
-	d.marked = maps.Clone(d.current)
+	d.marked = make(map[netip.Addr]int, len(d.current))
+	for vip, g := range d.current {
+		d.marked[vip] = d.markClass(vip, g)
+	}
 	return nil
+}
+
+// markClass is what tunnel IP vip's HMARK rule depends on: its current
+// generation g, plus MaxGenerations with client affinity.
+func (d *Datapath) markClass(vip netip.Addr, g int) int {
+	if d.affinity[vip] {
+		return g + MaxGenerations
+	}
+	return g
+}
+
+// marksCurrent reports whether the chain holds every tunnel IP's class as
+// of the last sync (no allocation: it runs at every SetTunnel).
+func (d *Datapath) marksCurrent() bool {
+	if d.marked == nil || len(d.marked) != len(d.current) {
+		return false
+	}
+	for vip, g := range d.current {
+		if k, ok := d.marked[vip]; !ok || k != d.markClass(vip, g) {
+			return false
+		}
+	}
+	return true
 }
 
 // GuardRules are the two rules that let packets without a router mark skip

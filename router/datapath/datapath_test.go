@@ -330,3 +330,34 @@ func TestStateKeepsOnlyGenerationsInUse(t *testing.T) {
 		t.Errorf("after a switch: %d slots, generation %d; want %d and 1", got, d.current[vip], 2*cfg.Buckets)
 	}
 }
+
+// Client affinity reaches the HMARK chain with the tunnel IP, turning it
+// on or off rewrites only the mark (the tables, and so the generation,
+// stay), and a restart adopts it with no write.
+func TestClientAffinityChangesOnlyTheMark(t *testing.T) {
+	cfg := testConfig()
+	k := seamtest.NewKernel()
+	dp := newTestDatapath(cfg, k)
+	tun := tunnel(cfg, "192.0.2.1", "10.244.1.5", "10.244.2.6")
+	if err := dp.Resync([]Tunnel{tun}); err != nil {
+		t.Fatal(err)
+	}
+	routes := len(k.Routes)
+	tun.ClientAffinity = true
+	before := k.Writes
+	if err := dp.SetTunnel(tun); err != nil {
+		t.Fatal(err)
+	}
+	if !k.Affinity[tun.VIP] || k.Writes != before+1 || len(k.Routes) != routes || dp.CurrentGeneration(tun.VIP) != 0 {
+		t.Fatalf("affinity on: chain affinity %v, %d writes, %d routes (was %d), generation %d; want only the mark rewritten",
+			k.Affinity, k.Writes-before, len(k.Routes), routes, dp.CurrentGeneration(tun.VIP))
+	}
+	before = k.Writes
+	if err := newTestDatapath(cfg, k).Resync([]Tunnel{tun}); err != nil || k.Writes != before {
+		t.Fatalf("restart with affinity: %v, %d writes", err, k.Writes-before)
+	}
+	tun.ClientAffinity = false
+	if err := dp.SetTunnel(tun); err != nil || k.Affinity[tun.VIP] {
+		t.Fatalf("affinity off: %v, chain affinity %v", err, k.Affinity)
+	}
+}

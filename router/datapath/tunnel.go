@@ -10,6 +10,10 @@ type Tunnel struct {
 	VIP     netip.Addr
 	Table   []Endpoint
 	Present []Endpoint
+	// ClientAffinity hashes new flows on the client's address alone (the
+	// Service's sessionAffinity: ClientIP), so that every flow of a client
+	// gets the same bucket.
+	ClientAffinity bool
 }
 
 // HasReady reports whether the tunnel has an endpoint that takes new flows

@@ -40,7 +40,8 @@ type Options struct {
 	// (--seed-secret); seedsecret.Ensure creates it on first use.
 	SeedSecret seedsecret.Ref
 	// StatusNamespace is where the router publishes its status ConfigMap
-	// (--status-namespace); empty: nowhere.
+	// and competes for the events Lease (--status-namespace); empty: no
+	// status, and the router records every event itself.
 	StatusNamespace string
 	// PodName and PodUID are the router's pod (POD_NAME, POD_UID), owner of
 	// its status ConfigMap.
@@ -90,7 +91,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	o.Common.AddFlags(fs)
 	fs.StringVar(&o.NodeName, "node-name", "", "name of this node, used as the event source (env NODE_NAME)")
 	fs.StringVar(&o.BGPConfig, "bgp-config", "", "BGP configuration file (YAML): announce the served tunnel IPs to these peers; empty disables BGP")
-	fs.StringVar(&o.StatusNamespace, "status-namespace", seedsecret.DefaultNamespace, "namespace of the router's status ConfigMap, "+routerstatus.NamePrefix+"NODE, which kubectl tunnel reads (needs --node-name); empty: none")
+	fs.StringVar(&o.StatusNamespace, "status-namespace", seedsecret.DefaultNamespace, "namespace of the router's status ConfigMap, "+routerstatus.NamePrefix+"NODE, which kubectl tunnel reads, and of the Lease "+router.EventLeaseName+" that lets one router record the Services' events (needs --node-name); empty: no status, and every router records events")
 	fs.StringVar(&o.MetricsAddress, "metrics-address", DefaultMetricsAddress, "address serving /metrics, /healthz and /readyz; empty disables")
 	daemon.AddProcSysFlag(fs, &o.ProcSys)
 	o.IPTablesBackend = iptbackend.Auto

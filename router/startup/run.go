@@ -28,6 +28,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/iptbackend"
 	"github.com/cmdnu/kube-service-tunnel/internal/kernelcheck"
 	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
+	"github.com/cmdnu/kube-service-tunnel/internal/livepolicy"
 	"github.com/cmdnu/kube-service-tunnel/internal/routerstatus"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 	"github.com/cmdnu/kube-service-tunnel/internal/seedsecret"
@@ -115,9 +116,32 @@ func Main(args []string) error {
 
 	factory := informers.NewSharedInformerFactory(client, 0)
 	recorder := router.NewEventRecorder(ctx, client, "tunnel-router", o.NodeName)
+	var gate *router.EventGate
+	if o.StatusNamespace != "" && o.NodeName != "" {
+		// One router records the Services' events; every router logs them.
+		gate = router.NewEventGate(entry.WithField("component", "events"))
+		recorder = gate.Recorder(recorder)
+	}
 	ctrl, err := router.NewController(o.Config, client, factory, dp, recorder, entry)
 	if err != nil {
 		return err
+	}
+	if gate != nil {
+		// On exit the gate releases its Lease first, so that another router
+		// records the events at once.
+		gateCtx, stopGate := context.WithCancel(ctx)
+		done := make(chan struct{})
+		go func() { gate.Run(gateCtx, client, o.StatusNamespace, o.NodeName, ctrl.Ready); close(done) }()
+		defer func() { stopGate(); <-done }()
+	}
+	if o.ConfigMap.Name != "" {
+		// The pools change without a restart.
+		cms, err := livepolicy.Watch(client, livepolicy.Ref(o.ConfigMap), ctrl.Policy(), o.CommandLine, ctrl.PolicyChanged, entry.WithField("component", "config"))
+		if err != nil {
+			return err
+		}
+		cms.Start(ctx.Done())
+		defer cms.Shutdown()
 	}
 	ctrl.SetMetrics(meter)
 	ctrl.SetAfterResync(debug.FreeOSMemory)

@@ -582,6 +582,15 @@ func (c *cluster) traffic(t *testing.T) {
 	} else {
 		t.Logf("the router's buckets per endpoint: %v", buckets)
 	}
+	owner := c.routerStatusOwner(t)
+	if routers := c.daemonPods(t, "tunnel-router"); len(routers) != 1 || string(routers[0].UID) != owner {
+		t.Errorf("the router's status ConfigMap is owned by %s, not by the router pod", owner)
+	}
+	t.Logf("kubectl tunnel status:\n%s", kubectlTunnel(t, "status", "-A", "-o", "wide"))
+	t.Logf("kubectl tunnel status %s:\n%s", tunnelIP, kubectlTunnel(t, "status", tunnelIP.String()))
+	c.explainStreams(t, streams, 50)
+	t.Logf("kubectl tunnel explain %s --from %s:%d:\n%s", service, clientIP, streams[0].LocalPort(),
+		kubectlTunnel(t, "explain", service.String(), "--from", fmt.Sprintf("%s:%d", clientIP, streams[0].LocalPort())))
 	failed, errs := stopAll(streams)
 	t.Logf("%d flows from %s to %s, per pod: %v; each seen in its pod with the client's own address as peer", flows, clientIP, service, perPod)
 	if failed > 0 {
@@ -871,6 +880,11 @@ func (c *cluster) deleteRouterPod(t *testing.T) {
 	})
 	t.Logf("router pod deleted to its replacement Ready: %v", time.Since(deleted).Round(100*time.Millisecond))
 	time.Sleep(5 * time.Second) // the new router's first full resync is over
+	// The new pod took the status ConfigMap over (the garbage collector
+	// does not remove it with the old pod).
+	if owner, now := c.routerStatusOwner(t), c.daemonPods(t, "tunnel-router"); len(now) != 1 || owner != string(now[0].UID) {
+		t.Errorf("after the router pod's replacement its status ConfigMap is owned by %s, want the new pod", owner)
+	}
 	newFlows := c.openStreams(t, 20)
 	failed, errs := stopAll(append(streams, newFlows...))
 	if failed > 0 {

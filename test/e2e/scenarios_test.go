@@ -35,6 +35,7 @@ var scenarios = []scenario{
 	{"9_draining_endpoint_keeps_its_flows", drainingEndpoint},
 	{"10_bgp_routes_tunnel_ip_to_routers", bgpRouting},
 	{"11_kubectl_tunnel_explain_names_answering_pod", explainNamesAnsweringPod},
+	{"12_client_affinity_keeps_a_client_on_one_pod", clientAffinity},
 }
 
 const (

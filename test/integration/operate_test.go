@@ -178,3 +178,119 @@ func TestRouterStatusShowsWhatEachRouterProgrammed(t *testing.T) {
 		return nil
 	})
 }
+
+// Two routers on the real API server, each with its events behind the
+// Lease: a change gives one Event, recorded by the router holding the
+// Lease; when that router stops (releasing it), the other records the next
+// change, once.
+func TestOneEventPerChangeNotPerRouter(t *testing.T) {
+	routerRest := routerConfig(t)
+	admin := adminClient(t)
+	ns := freshNamespace(t, admin)
+	type running struct {
+		node   string
+		gate   *router.EventGate
+		cancel context.CancelFunc
+		done   chan struct{}
+	}
+	var routers []*running
+	for _, node := range []string{ns + "-router-a", ns + "-router-b"} {
+		client, err := kubernetes.NewForConfig(routerRest)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		factory := informers.NewSharedInformerFactory(client, 0)
+		gate := router.NewEventGate(quietLogger())
+		gate.LeaseDuration, gate.RenewDeadline, gate.RetryPeriod = 4*time.Second, 3*time.Second, 500*time.Millisecond
+		ctrl, err := router.NewController(routerCfg(encap.GRE, 8), client, factory, newRecorder(),
+			gate.Recorder(router.NewEventRecorder(ctx, client, "tunnel-router", node)), quietLogger())
+		if err != nil {
+			t.Fatal(err)
+		}
+		factory.Start(ctx.Done())
+		r := &running{node: node, gate: gate, cancel: cancel, done: make(chan struct{})}
+		ctrlDone := make(chan error, 1)
+		go func() { ctrlDone <- ctrl.Run(ctx) }()
+		go func() { gate.Run(ctx, client, seedRef.Namespace, node, ctrl.Ready); close(r.done) }()
+		t.Cleanup(func() {
+			cancel()
+			<-r.done
+			if err := <-ctrlDone; err != nil {
+				t.Errorf("controller: %v", err)
+			}
+			factory.Shutdown()
+		})
+		routers = append(routers, r)
+	}
+	leader := func() *running {
+		var held []*running
+		for _, r := range routers {
+			if r.gate.Leader() {
+				held = append(held, r)
+			}
+		}
+		if len(held) != 1 {
+			return nil
+		}
+		return held[0]
+	}
+	var first *running
+	eventually(t, 30*time.Second, "one router holding the events Lease", func() error {
+		if first = leader(); first == nil {
+			return fmt.Errorf("no single leader")
+		}
+		return nil
+	})
+	events := func(svc string) ([]corev1.Event, error) {
+		list, err := admin.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{FieldSelector: "involvedObject.name=" + svc})
+		if err != nil {
+			return nil, err
+		}
+		var out []corev1.Event
+		for _, e := range list.Items {
+			if e.Reason == router.ReasonInvalidTunnelIP {
+				out = append(out, e)
+			}
+		}
+		return out, nil
+	}
+	// Both routers see the bad annotation; one Event, from the leader.
+	oneEvent := func(svc string, from *running) {
+		t.Helper()
+		createService(t, admin, ns, svc, "not-an-ip")
+		eventually(t, 20*time.Second, "the InvalidTunnelIP event of "+svc, func() error {
+			evs, err := events(svc)
+			if err != nil || len(evs) == 0 {
+				return fmt.Errorf("no event yet (%v)", err)
+			}
+			return nil
+		})
+		time.Sleep(3 * time.Second) // the other router's copy, if any, would be there by now
+		evs, err := events(svc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(evs) != 1 || evs[0].Count != 1 || evs[0].Source.Host != from.node {
+			var got []string
+			for _, e := range evs {
+				got = append(got, fmt.Sprintf("%s x%d", e.Source.Host, e.Count))
+			}
+			t.Errorf("events of %s: %v; want one, once, from %s", svc, got, from.node)
+		}
+	}
+	oneEvent("bad-1", first)
+
+	// The leader stops and releases the Lease: the other router records.
+	first.cancel()
+	<-first.done
+	var second *running
+	eventually(t, 20*time.Second, "the other router holding the Lease", func() error {
+		if second = leader(); second == nil || second == first {
+			return fmt.Errorf("no new leader")
+		}
+		return nil
+	})
+	oneEvent("bad-2", second)
+	t.Logf("events recorded once, by %s, then by %s after it stopped", first.node, second.node)
+}

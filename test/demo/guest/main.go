@@ -8,11 +8,13 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"time"
@@ -27,6 +29,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelctl"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/topology"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
@@ -195,6 +198,10 @@ func run(ctx context.Context) (err error) {
 		}
 	}
 	say("every flow reached the same pod through either router: a router can fail without moving a flow")
+
+	if err := askTheCluster(ctx, l, client, svc, dst); err != nil {
+		return err
+	}
 
 	step("Scaling down: %s goes away; only the flows it served move", l.Pods[0].Name)
 	flows := make([]uint16, 100)
@@ -643,4 +650,57 @@ func printTable(l *topology.Lab, table []netip.Addr) {
 	for _, n := range names {
 		say("%-7s %2d buckets: %v", n, len(byPod[n]), byPod[n])
 	}
+}
+
+// askTheCluster shows kubectl tunnel status and explain (the plugin's code,
+// with the lab's admin kubeconfig), then checks explain's answer with the
+// next connection.
+func askTheCluster(ctx context.Context, l *topology.Lab, client netns.NsHandle, svc *corev1.Service, dst netip.AddrPort) error {
+	step("Asking the cluster: kubectl tunnel status, and where one flow goes")
+	kubectl := func(args ...string) (string, error) {
+		var out, errOut bytes.Buffer
+		args = append([]string{"--kubeconfig", filepath.Join(l.Opts.KubeDir, "admin.kubeconfig")}, args...)
+		if err := tunnelctl.Main(ctx, args, &out, &errOut); err != nil {
+			return "", fmt.Errorf("kubectl tunnel %s: %w\n%s", strings.Join(args[2:], " "), err, errOut.String())
+		}
+		return out.String(), nil
+	}
+	// The routers publish their status at most once a second.
+	var status string
+	for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(500 * time.Millisecond) {
+		out, err := kubectl("status", "-n", svc.Namespace, "-o", "wide")
+		if err != nil {
+			return err
+		}
+		status = out
+		if strings.Contains(out, " 2/2 ") || time.Now().After(deadline) {
+			break
+		}
+	}
+	printRaw("kubectl tunnel status -n "+svc.Namespace+" -o wide", status, nil)
+	const port = 40100
+	from := fmt.Sprintf("%v:%d", topology.ClientAddr, port)
+	explained, err := kubectl("explain", dst.String(), "--from", from)
+	if err != nil {
+		return err
+	}
+	printRaw("kubectl tunnel explain "+dst.String()+" --from "+from, explained, nil)
+	var ex tunnelctl.Explanation
+	out, err := kubectl("explain", dst.String(), "--from", from, "-o", "json")
+	if err != nil {
+		return err
+	}
+	if err := json.Unmarshal([]byte(out), &ex); err != nil {
+		return err
+	}
+	id, err := who(ctx, client, dst, port)
+	if err != nil {
+		return err
+	}
+	_, named, _ := strings.Cut(ex.Endpoint.Pod, "/")
+	say("the client connects from %s: answered by %s; kubectl tunnel explain said %s", from, id.Pod, named)
+	if id.Pod != named {
+		return fmt.Errorf("kubectl tunnel explain named %s, %s answered", named, id.Pod)
+	}
+	return nil
 }

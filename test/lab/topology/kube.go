@@ -161,6 +161,8 @@ type Service struct {
 	// tunnel IP, or anything else to test bad input.
 	Annotation string
 	Endpoints  []Endpoint
+	// ClientAffinity sets spec.sessionAffinity to ClientIP.
+	ClientAffinity bool
 }
 
 // Endpoint is one pod of a Service's EndpointSlice with its conditions.
@@ -202,6 +204,10 @@ func (l *Lab) ApplyService(ctx context.Context, s Service) error {
 		svc.Annotations[tunnelclaim.Annotation] = s.Annotation
 	} else {
 		delete(svc.Annotations, tunnelclaim.Annotation)
+	}
+	svc.Spec.SessionAffinity = corev1.ServiceAffinityNone
+	if s.ClientAffinity {
+		svc.Spec.SessionAffinity = corev1.ServiceAffinityClientIP
 	}
 	if svc.ResourceVersion == "" {
 		_, err = svcs.Create(ctx, svc, metav1.CreateOptions{})

@@ -232,3 +232,28 @@ func addrs(pods []*Pod) []netip.Addr {
 	}
 	return out
 }
+
+// AddClientAddrs gives the client n more addresses after ClientAddr
+// (198.51.100.11, ...), each a /32 on its link to the gateway, which
+// reaches them on the client network it is on; remove them with
+// RemoveClientAddrs.
+func (l *Lab) AddClientAddrs(ctx context.Context, n int) ([]netip.Addr, error) {
+	var addrs []netip.Addr
+	var cmds []string
+	a := ClientAddr
+	for range n {
+		a = a.Next()
+		addrs = append(addrs, a)
+		cmds = append(cmds, fmt.Sprintf("-n %s addr add %s/32 dev eth0", ClientNS, a))
+	}
+	return addrs, script(ctx, cmds...)
+}
+
+// RemoveClientAddrs removes addresses AddClientAddrs added.
+func (l *Lab) RemoveClientAddrs(ctx context.Context, addrs []netip.Addr) error {
+	var cmds []string
+	for _, a := range addrs {
+		cmds = append(cmds, fmt.Sprintf("-n %s addr del %s/32 dev eth0", ClientNS, a))
+	}
+	return script(ctx, cmds...)
+}

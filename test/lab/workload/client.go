@@ -29,11 +29,19 @@ const udpRetry = 250 * time.Millisecond
 // from dst itself (the socket is connected); the request is resent until the
 // reply arrives or ctx ends.
 func Who(ctx context.Context, ns netns.NsHandle, network string, dst netip.AddrPort, srcPort uint16) (Identity, error) {
+	return WhoFrom(ctx, ns, network, dst, netip.AddrPortFrom(netip.Addr{}, srcPort))
+}
+
+// WhoFrom is Who from the local address and port src (either may be zero:
+// any); the address must be one of the namespace's. UDP takes src's port
+// only.
+func WhoFrom(ctx context.Context, ns netns.NsHandle, network string, dst, src netip.AddrPort) (Identity, error) {
+	srcPort := src.Port()
 	var id Identity
 	var err error
 	switch network {
 	case "tcp":
-		err = withTCP(ctx, ns, dst, srcPort, func(c *net.TCPConn) error {
+		err = withTCPFrom(ctx, ns, dst, src, func(c *net.TCPConn) error {
 			if _, err := io.WriteString(c, "WHO\n"); err != nil {
 				return err
 			}
@@ -50,7 +58,7 @@ func Who(ctx context.Context, ns netns.NsHandle, network string, dst netip.AddrP
 		err = fmt.Errorf("unknown network %q", network)
 	}
 	if err != nil {
-		return Identity{}, fmt.Errorf("WHO %s %s from %v port %d: %w", network, dst, ns, srcPort, err)
+		return Identity{}, fmt.Errorf("WHO %s %s from %v %s: %w", network, dst, ns, src, err)
 	}
 	return id, nil
 }
@@ -189,7 +197,12 @@ func firstDiff(a, b []byte) int {
 // withTCP dials dst from namespace ns, runs fn with the connection under
 // ctx's deadline and cancellation, and closes it.
 func withTCP(ctx context.Context, ns netns.NsHandle, dst netip.AddrPort, srcPort uint16, fn func(*net.TCPConn) error) error {
-	c, err := dialTCP(ctx, ns, dst, srcPort)
+	return withTCPFrom(ctx, ns, dst, netip.AddrPortFrom(netip.Addr{}, srcPort), fn)
+}
+
+// withTCPFrom is withTCP from local address and port src.
+func withTCPFrom(ctx context.Context, ns netns.NsHandle, dst, src netip.AddrPort, fn func(*net.TCPConn) error) error {
+	c, err := dialTCPFrom(ctx, ns, dst, src)
 	if err != nil {
 		return err
 	}
@@ -218,10 +231,19 @@ func withTCP(ctx context.Context, ns netns.NsHandle, dst netip.AddrPort, srcPort
 // The RST also removes the server's FIN_WAIT2 socket, so neither side keeps
 // state for the 4-tuple.
 func dialTCP(ctx context.Context, ns netns.NsHandle, dst netip.AddrPort, srcPort uint16) (*net.TCPConn, error) {
+	return dialTCPFrom(ctx, ns, dst, netip.AddrPortFrom(netip.Addr{}, srcPort))
+}
+
+// dialTCPFrom is dialTCP from local address and port src.
+func dialTCPFrom(ctx context.Context, ns netns.NsHandle, dst, src netip.AddrPort) (*net.TCPConn, error) {
 	var c net.Conn
 	err := nsexec.Do(ns, func() error {
 		var err error
-		c, err = dialer(srcPort, "tcp").DialContext(ctx, "tcp4", dst.String())
+		d := dialer(src.Port(), "tcp")
+		if src.Addr().IsValid() {
+			d.LocalAddr = &net.TCPAddr{IP: src.Addr().AsSlice(), Port: int(src.Port())}
+		}
+		c, err = d.DialContext(ctx, "tcp4", dst.String())
 		return err
 	})
 	if err != nil {

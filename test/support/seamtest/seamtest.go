@@ -27,6 +27,7 @@ type Kernel struct {
 	NextHops map[uint32]rtnl.NextHop
 	Rules    []netlink.Rule
 	Marked   map[netip.Addr]uint32 // HMARK offset per tunnel IP
+	Affinity map[netip.Addr]bool   // tunnel IPs hashed on the client's address alone
 	Writes   int
 	Journal  []string
 	DevUp    bool
@@ -147,19 +148,24 @@ func (k *Kernel) Chain() Chain { return Chain{k} }
 
 func (c Chain) Sync(targets []hmark.Target) (int, error) {
 	want := map[netip.Addr]uint32{}
+	affinity := map[netip.Addr]bool{}
 	for _, t := range targets {
 		want[t.VIP] = t.Offset
+		if t.ClientAffinity {
+			affinity[t.VIP] = true
+		}
 	}
-	if maps.Equal(want, c.k.Marked) {
+	if maps.Equal(want, c.k.Marked) && maps.Equal(affinity, c.k.Affinity) {
 		return 0, nil
 	}
 	for _, t := range targets {
 		if off, ok := c.k.Marked[t.VIP]; !ok {
 			c.k.Journal = append(c.k.Journal, "mark+ "+t.VIP.String())
-		} else if off != t.Offset {
+		} else if off != t.Offset || c.k.Affinity[t.VIP] != t.ClientAffinity {
 			c.k.Journal = append(c.k.Journal, "mark~ "+t.VIP.String())
 		}
 	}
+	c.k.Affinity = affinity
 	for v := range c.k.Marked {
 		if _, ok := want[v]; !ok {
 			c.k.Journal = append(c.k.Journal, "mark- "+v.String())

@@ -1,0 +1,77 @@
+package cluster
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/routerstatus"
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelctl"
+	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
+)
+
+// kubectlTunnel runs kubectl tunnel's code with the admin kubeconfig, as
+// the plugin binary does, and returns its standard output.
+func kubectlTunnel(t *testing.T, args ...string) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var stdout, stderr bytes.Buffer
+	args = append([]string{"--kubeconfig", adminKubeconfig}, args...)
+	if err := tunnelctl.Main(ctx, args, &stdout, &stderr); err != nil {
+		t.Fatalf("kubectl tunnel %s: %v\n%s", strings.Join(args, " "), err, stderr.String())
+	}
+	return stdout.String()
+}
+
+// explainStreams checks, for up to n of the streams, that the pod kubectl
+// tunnel explain names for the stream's flow is the pod that greeted it. The
+// seed is the one the router created in its Secret at install.
+func (c *cluster) explainStreams(t *testing.T, streams []*workload.Stream, n int) {
+	t.Helper()
+	right := 0
+	for _, s := range streams[:min(n, len(streams))] {
+		var ex tunnelctl.Explanation
+		out := kubectlTunnel(t, "explain", service.String(), "--from", fmt.Sprintf("%s:%d", clientIP, s.LocalPort()), "-o", "json")
+		if err := json.Unmarshal([]byte(out), &ex); err != nil {
+			t.Fatalf("explain: %v\n%s", err, out)
+		}
+		if want := exampleNamespace + "/" + greetedPod(s); ex.Endpoint.Pod != want {
+			t.Errorf("flow from %s:%d: kubectl tunnel explain names %s, %s answered", clientIP, s.LocalPort(), ex.Endpoint.Pod, want)
+			continue
+		}
+		right++
+	}
+	t.Logf("kubectl tunnel explain named the answering pod of %d of %d flows (seed from %s)", right, min(n, len(streams)), "the Secret the router created")
+}
+
+// routerStatusOwner waits until the router's status shows the example's
+// tunnel IP with the current table, and returns the UID owning the
+// router's status ConfigMap.
+func (c *cluster) routerStatusOwner(t *testing.T) string {
+	t.Helper()
+	c.waitFor(t, "kubectl tunnel status showing the router's current table", time.Minute, func() (bool, error) {
+		var rep tunnelctl.StatusReport
+		if err := json.Unmarshal([]byte(kubectlTunnel(t, "status", tunnelIP.String(), "-o", "json")), &rep); err != nil {
+			return false, err
+		}
+		if len(rep.Tunnels) != 1 || len(rep.Tunnels[0].Routers) != 1 || !rep.Tunnels[0].Routers[0].Current() {
+			return false, fmt.Errorf("status %+v", rep.Tunnels)
+		}
+		return true, nil
+	})
+	cm, err := c.kube.CoreV1().ConfigMaps(daemonNamespace).Get(context.Background(), routerstatus.Name(routerNode.name), metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(cm.OwnerReferences) != 1 || cm.OwnerReferences[0].Kind != "Pod" {
+		t.Fatalf("the router's status ConfigMap is owned by %v, want its pod", cm.OwnerReferences)
+	}
+	return string(cm.OwnerReferences[0].UID)
+}
