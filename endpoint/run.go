@@ -1,6 +1,7 @@
 package endpoint
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -70,8 +71,9 @@ func Main(args []string) error {
 		if err != nil {
 			return err
 		}
-		cms.Start(ctx.Done())
-		defer cms.Shutdown()
+		watchCtx, stopWatch := context.WithCancel(ctx)
+		cms.Start(watchCtx.Done())
+		defer func() { stopWatch(); cms.Shutdown() }()
 	}
 	reg := daemon.NewRegistry()
 	// Only gre mode has a decapsulation device (and its counters) per pod;

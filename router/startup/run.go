@@ -140,8 +140,9 @@ func Main(args []string) error {
 		if err != nil {
 			return err
 		}
-		cms.Start(ctx.Done())
-		defer cms.Shutdown()
+		watchCtx, stopWatch := context.WithCancel(ctx)
+		cms.Start(watchCtx.Done())
+		defer func() { stopWatch(); cms.Shutdown() }()
 	}
 	ctrl.SetMetrics(meter)
 	ctrl.SetAfterResync(debug.FreeOSMemory)

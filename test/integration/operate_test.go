@@ -16,8 +16,10 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
+	"github.com/cmdnu/kube-service-tunnel/internal/livepolicy"
 	"github.com/cmdnu/kube-service-tunnel/internal/routerstatus"
 	"github.com/cmdnu/kube-service-tunnel/internal/seedsecret"
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelctl"
 	"github.com/cmdnu/kube-service-tunnel/router"
 )
@@ -293,4 +295,127 @@ func TestOneEventPerChangeNotPerRouter(t *testing.T) {
 	})
 	oneEvent("bad-2", second)
 	t.Logf("events recorded once, by %s, then by %s after it stopped", first.node, second.node)
+}
+
+// A change of KST_POOLS in the daemons' ConfigMap, watched with the
+// manifest's RBAC, applies without a restart: a tunnel IP the new pools no
+// longer admit is withdrawn with a TunnelIPRefused Warning, one they newly
+// admit is served, and an unaffected one keeps its table untouched.
+func TestPoolChangeAppliesWithoutRestart(t *testing.T) {
+	routerRest := routerConfig(t)
+	admin := adminClient(t)
+	ctx := context.Background()
+	cms := admin.CoreV1().ConfigMaps(seedRef.Namespace)
+	orig, err := cms.Get(ctx, tunnelctl.ConfigMapName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cur, err := cms.Get(context.Background(), tunnelctl.ConfigMapName, metav1.GetOptions{})
+		if err == nil {
+			cur.Data = orig.Data
+			_, err = cms.Update(context.Background(), cur, metav1.UpdateOptions{})
+		}
+		if err != nil {
+			t.Errorf("restoring the ConfigMap: %v", err)
+		}
+	})
+	setPools := func(pools string) {
+		t.Helper()
+		cur, err := cms.Get(ctx, tunnelctl.ConfigMapName, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		cur.Data["KST_POOLS"] = pools
+		if _, err := cms.Update(ctx, cur, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	setPools("192.0.2.0/24")
+
+	ns := freshNamespace(t, admin)
+	keep, drop, add := "192.0.2.81", "192.0.2.250", "203.0.113.181"
+	for name, ip := range map[string]string{"keep": keep, "drop": drop, "add": add} {
+		createService(t, admin, ns, name, ip)
+		applySlice(t, admin, ns, name, name+"-1", ep{addr: "10.244.1.5", node: "n1"}, ep{addr: "10.244.2.5", node: "n2"})
+	}
+
+	client, err := kubernetes.NewForConfig(routerRest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	runCtx, cancel := context.WithCancel(ctx)
+	factory := informers.NewSharedInformerFactory(client, 0)
+	rec := newRecorder()
+	cfg := routerCfg(encap.GRE, 8)
+	cfg.Policy = tunnelclaim.Policy{Pools: mustPools(t, "192.0.2.0/24")}
+	ctrl, err := router.NewController(cfg, client, factory, rec, router.NewEventRecorder(runCtx, client, "tunnel-router", ns+"-router"), quietLogger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	watch, err := livepolicy.Watch(client, livepolicy.Ref{Namespace: seedRef.Namespace, Name: tunnelctl.ConfigMapName}, ctrl.Policy(), nil, ctrl.PolicyChanged, quietLogger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The endpoint agent watches the same ConfigMap with its own RBAC.
+	agentClient, err := kubernetes.NewForConfig(serviceAccountConfig(t, "tunnel-endpoint"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	agentPolicy := livepolicy.New(cfg.Policy)
+	agentWatch, err := livepolicy.Watch(agentClient, livepolicy.Ref{Namespace: seedRef.Namespace, Name: tunnelctl.ConfigMapName}, agentPolicy, nil, func(tunnelclaim.Policy) {}, quietLogger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	agentWatch.Start(runCtx.Done())
+	t.Cleanup(agentWatch.Shutdown)
+	factory.Start(runCtx.Done())
+	watch.Start(runCtx.Done())
+	done := make(chan error, 1)
+	go func() { done <- ctrl.Run(runCtx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("controller: %v", err)
+		}
+		factory.Shutdown()
+		watch.Shutdown()
+	})
+	waitTable(t, rec, keep, 8, addrs("10.244.1.5", "10.244.2.5"))
+	waitTable(t, rec, drop, 8, addrs("10.244.1.5", "10.244.2.5"))
+	if _, ok := rec.get(add); ok {
+		t.Fatalf("%s served before its pool exists", add)
+	}
+	keepBefore, _ := rec.get(keep)
+
+	setPools("192.0.2.0/25;203.0.113.0/24")
+	waitTable(t, rec, add, 8, addrs("10.244.1.5", "10.244.2.5"))
+	waitRemoved(t, rec, drop, "the new pools no longer admit it")
+	dropSvc, err := admin.CoreV1().Services(ns).Get(ctx, "drop", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitEvent(t, admin, dropSvc, corev1.EventTypeWarning, router.ReasonRefused, "no address pool")
+	eventually(t, 10*time.Second, "the endpoint agent's policy following the ConfigMap", func() error {
+		if got := agentPolicy.Get().Pools.String(); got != "192.0.2.0/25;203.0.113.0/24" {
+			return fmt.Errorf("agent pools %s", got)
+		}
+		return nil
+	})
+	keepAfter, _ := rec.get(keep)
+	// The datapath is handed the same table, so it writes nothing for it
+	// (a resync of an unchanged table is write-free: see router/datapath).
+	if fmt.Sprint(tableAddrs(keepAfter)) != fmt.Sprint(tableAddrs(keepBefore)) {
+		t.Errorf("%s, in both the old and the new pools, changed table: %v -> %v", keep, tableAddrs(keepBefore), tableAddrs(keepAfter))
+	}
+	t.Logf("pools changed in the ConfigMap: %s withdrawn with a Warning, %s served, %s untouched; no restart", drop, add, keep)
+}
+
+func mustPools(t *testing.T, s string) tunnelclaim.Pools {
+	t.Helper()
+	p, err := tunnelclaim.ParsePools(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
 }
