@@ -5,6 +5,8 @@
 package bgp
 
 import (
+	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -12,6 +14,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/sirupsen/logrus"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"sigs.k8s.io/yaml"
@@ -258,4 +261,37 @@ func (p *Peer) Selects(nodeLabels map[string]string) bool {
 		return false // rejected by Validate
 	}
 	return sel.Matches(labels.Set(nodeLabels))
+}
+
+// ConfigWatchPeriod is how often WatchFile reads the configuration file.
+// kubelet itself refreshes a mounted ConfigMap within about a minute.
+const ConfigWatchPeriod = 5 * time.Second
+
+// WatchFile reads path every period until ctx ends and hands each new
+// valid configuration to apply (the speaker's SetConfig). A file that
+// does not parse or validate is logged, naming the file and the field,
+// once per content, and the running configuration stays.
+func WatchFile(ctx context.Context, path string, period time.Duration, apply func(Config), log logrus.FieldLogger) {
+	last, _ := os.ReadFile(path)
+	ticker := time.NewTicker(period)
+	defer ticker.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-ticker.C:
+		}
+		data, err := os.ReadFile(path)
+		if err != nil || bytes.Equal(data, last) {
+			continue
+		}
+		last = data
+		cfg, err := Parse(data)
+		if err != nil {
+			log.WithError(err).WithField("file", path).Error("BGP configuration not changed: the new file is refused")
+			continue
+		}
+		log.WithField("file", path).Info("BGP configuration file changed: applying it")
+		apply(*cfg)
+	}
 }

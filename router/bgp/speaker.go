@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"net/netip"
+	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -44,6 +45,7 @@ type Speaker struct {
 	server  *server.BgpServer
 
 	mu        sync.Mutex
+	pending   *Config // a new configuration for Run to apply (SetConfig)
 	desired   map[netip.Addr]bool
 	announces bool // Announce was called at least once
 	node      *Node
@@ -81,6 +83,19 @@ func (s *Speaker) Announce(vips []netip.Addr) {
 	}
 	s.mu.Lock()
 	s.desired, s.announces = want, true
+	s.mu.Unlock()
+	s.poke()
+}
+
+// SetConfig hands the speaker a new validated configuration, applied by
+// Run without a restart of the router: peers added, removed, or (when their
+// settings changed) reset one by one; a change of the speaker's own
+// settings (asn, routerID, nextHop, listenPort, gracefulRestart) restarts
+// BGP, closing every session, as a router restart would. withdrawDelay
+// applies at the next exit.
+func (s *Speaker) SetConfig(cfg Config) {
+	s.mu.Lock()
+	s.pending = &cfg
 	s.mu.Unlock()
 	s.poke()
 }
@@ -151,8 +166,19 @@ func (s *Speaker) warnIfNotStarted() {
 
 func (s *Speaker) reconcile() error {
 	s.mu.Lock()
-	desired, announces, node := maps.Clone(s.desired), s.announces, s.node
+	desired, announces, node, pending := maps.Clone(s.desired), s.announces, s.node, s.pending
+	s.pending = nil
 	s.mu.Unlock()
+	if pending != nil {
+		if err := s.applyConfig(*pending); err != nil {
+			s.mu.Lock()
+			if s.pending == nil {
+				s.pending = pending // retried with the next reconcile
+			}
+			s.mu.Unlock()
+			return err
+		}
+	}
 	if node == nil || !announces {
 		return nil // not before the node and the first full sync are known
 	}
@@ -197,6 +223,38 @@ func (s *Speaker) start(node Node) error {
 	s.started = true
 	s.log.WithFields(logrus.Fields{"asn": s.cfg.ASN, "router_id": routerID, "next_hop": s.nextHop, "listen_port": s.cfg.ListenPort,
 		"graceful_restart": s.gracefulRestart()}).Info("BGP speaker started")
+	return nil
+}
+
+// applyConfig makes cfg the speaker's configuration. A change of its own
+// settings stops BGP (the next reconcile starts it with cfg); a change of
+// the peers is left to syncPeers.
+func (s *Speaker) applyConfig(cfg Config) error {
+	old := s.cfg
+	s.cfg = cfg
+	if !s.started {
+		return nil
+	}
+	if old.ASN == cfg.ASN && old.RouterID == cfg.RouterID && old.NextHop == cfg.NextHop && old.ListenPort == cfg.ListenPort &&
+		reflect.DeepEqual(old.GracefulRestart, cfg.GracefulRestart) {
+		s.log.Info("BGP configuration changed: updating the peers")
+		return nil
+	}
+	s.log.WithFields(logrus.Fields{"asn": cfg.ASN, "router_id": cfg.RouterID, "next_hop": cfg.NextHop, "listen_port": cfg.ListenPort}).
+		Warn("BGP configuration changed the speaker's own settings: restarting BGP, every session closes and reopens")
+	if err := s.server.StopBgp(context.Background(), &api.StopBgpRequest{}); err != nil {
+		s.cfg = old
+		return fmt.Errorf("stopping BGP to apply the new configuration: %w", err)
+	}
+	for addr := range s.peers {
+		s.metrics.sessionUp.DeleteLabelValues(addr.String())
+	}
+	// A stopped GoBGP server does not start again: the next reconcile
+	// starts a new one.
+	s.server = server.NewBgpServer(server.LoggerOption(gobgpLogger(s.log)))
+	go s.server.Serve()
+	s.started, s.peers, s.announced = false, map[netip.Addr]Peer{}, map[netip.Addr]bool{}
+	s.metrics.announced.Set(0)
 	return nil
 }
 
@@ -313,8 +371,8 @@ func (s *Speaker) syncPeers(node Node) error {
 		}
 	}
 	var errs []error
-	for addr := range s.peers {
-		if _, ok := want[addr]; ok {
+	for addr, have := range s.peers {
+		if p, ok := want[addr]; ok && reflect.DeepEqual(p, have) {
 			continue
 		}
 		if err := s.server.DeletePeer(context.Background(), &api.DeletePeerRequest{Address: addr.String()}); err != nil {
@@ -323,7 +381,11 @@ func (s *Speaker) syncPeers(node Node) error {
 		}
 		delete(s.peers, addr)
 		s.metrics.sessionUp.DeleteLabelValues(addr.String())
-		s.log.WithField("peer", addr).Info("BGP peer removed (its nodeSelector no longer matches this node)")
+		why := "its nodeSelector no longer matches this node, or the configuration dropped it"
+		if _, ok := want[addr]; ok {
+			why = "its settings changed: added again with the new ones"
+		}
+		s.log.WithFields(logrus.Fields{"peer": addr, "why": why}).Info("BGP peer removed")
 	}
 	for _, addr := range slices.SortedFunc(maps.Keys(want), netip.Addr.Compare) {
 		if _, ok := s.peers[addr]; ok {

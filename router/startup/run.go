@@ -151,6 +151,9 @@ func Main(args []string) error {
 	if bgpCfg != nil {
 		speaker = bgp.NewSpeaker(*bgpCfg, entry.WithField("component", "bgp"), bgp.NewMetrics(reg))
 		ctrl.SetAnnouncer(speaker)
+		// A change of the file (kubelet refreshes the mounted ConfigMap)
+		// applies without a restart.
+		go bgp.WatchFile(ctx, o.BGPConfig, bgp.ConfigWatchPeriod, speaker.SetConfig, entry.WithField("component", "bgp"))
 		if err := followNode(factory, o.NodeName, speaker); err != nil {
 			return err
 		}

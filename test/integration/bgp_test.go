@@ -28,6 +28,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
+	"github.com/cmdnu/kube-service-tunnel/router/bgp"
 	"github.com/cmdnu/kube-service-tunnel/test/bgppeer"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
@@ -256,6 +257,8 @@ type routerProcess struct {
 	log  *syncBuffer
 	done chan error
 	ns   *testnetns.NS
+	// cfgPath is the router's BGP configuration file.
+	cfgPath string
 }
 
 // startRouterProcess runs tunnel-router in the router's namespace, on a
@@ -268,7 +271,7 @@ func (l *bgpLab) startRouterProcess(t *testing.T, router, bgpYAML string) *route
 	if err := os.WriteFile(cfgPath, []byte(bgpYAML), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	p := &routerProcess{name: router, log: &syncBuffer{}, done: make(chan error, 1), ns: l.routers[router]}
+	p := &routerProcess{name: router, log: &syncBuffer{}, done: make(chan error, 1), ns: l.routers[router], cfgPath: cfgPath}
 	p.cmd = exec.Command(buildRouter(t), "--kubeconfig", l.kubeconfig, "--node-name", l.nodes[router], "--seed", "7",
 		"--gre-device-create=false", "--gre-device", l.links[router], "--generations", "1", "--pools", "192.0.2.0/24",
 		"--bgp-config", cfgPath, "--metrics-address", "127.0.0.1:9641", "--log-level", "debug")
@@ -589,5 +592,52 @@ func TestBGPPasswordFromFile(t *testing.T) {
 	}
 	if nh, err := lab.peer.KernelNextHops(vip); err != nil || len(nh) != 1 {
 		t.Fatalf("peer's next hops %v %v, want router a only", nh, err)
+	}
+}
+
+// The BGP configuration file changes under a running router (as kubelet
+// refreshes the mounted ConfigMap): a peer's corrected AS number brings the
+// session up, and a new router ID restarts BGP, without a restart of the
+// router; a file that does not validate changes nothing.
+func TestBGPConfigChangeAppliesWithoutRestart(t *testing.T) {
+	lab := newBGPLab(t, peerOptions{}, "192.0.2.66", nil)
+	vip := lab.vip
+	lab.setEndpoint(t, "10.244.1.8", true)
+	wrongASN := strings.Replace(routerBGPConfig(""), fmt.Sprintf("  asn: %d\n", bgpPeerASN), fmt.Sprintf("  asn: %d\n", bgpPeerASN+1), 1)
+	a := lab.startRouterProcess(t, "a", wrongASN)
+	bgppeer.Poll(t, time.Now(), 20*time.Second, "router a ready", func() (bool, string) {
+		return strings.Contains(a.log.String(), "resynced datapath"), lastLines(a.log.String(), 5)
+	})
+	time.Sleep(3 * time.Second)
+	if up, state, err := lab.peer.Established("router_a"); err != nil || up {
+		t.Fatalf("a session came up with the wrong peer AS: %v %v", state, err)
+	}
+	pid := a.cmd.Process.Pid
+
+	// A file that does not validate: refused, logged, nothing changes.
+	if err := os.WriteFile(a.cfgPath, []byte("asn: 0\npeers: []\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	bgppeer.Poll(t, time.Now(), 20*time.Second, "the bad file refused", func() (bool, string) {
+		return strings.Contains(a.log.String(), "BGP configuration not changed"), lastLines(a.log.String(), 5)
+	})
+
+	start := time.Now()
+	if err := os.WriteFile(a.cfgPath, []byte(routerBGPConfig("")), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("bgp: peer AS corrected in the file -> route via router a took %v (the file is read every %v)",
+		lab.peer.WaitKernelNextHops(t, vip, start, 30*time.Second, bgpRouterA), bgp.ConfigWatchPeriod)
+
+	start = time.Now()
+	if err := os.WriteFile(a.cfgPath, []byte(routerBGPConfig("routerID: 10.99.0.1\n")), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	bgppeer.Poll(t, start, 30*time.Second, "BGP restarted with the new router ID", func() (bool, string) {
+		return strings.Contains(a.log.String(), "restarting BGP") && strings.Contains(a.log.String(), `router_id=10.99.0.1`), lastLines(a.log.String(), 5)
+	})
+	t.Logf("bgp: router ID changed -> route via router a again after %v", lab.peer.WaitKernelNextHops(t, vip, start, 30*time.Second, bgpRouterA))
+	if a.cmd.ProcessState != nil || a.cmd.Process.Pid != pid {
+		t.Errorf("the router restarted")
 	}
 }
