@@ -1,7 +1,6 @@
 package endpoint
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -67,13 +66,11 @@ func Main(args []string) error {
 	}
 	if o.ConfigMap.Name != "" {
 		// The pools change without a restart.
-		cms, err := livepolicy.Watch(client, livepolicy.Ref(o.ConfigMap), ctrl.Policy(), o.CommandLine, ctrl.PolicyChanged, entry.WithField("component", "config"))
+		stopWatch, err := livepolicy.Start(ctx, client, livepolicy.Ref(o.ConfigMap), ctrl, o.CommandLine, entry.WithField("component", "config"))
 		if err != nil {
 			return err
 		}
-		watchCtx, stopWatch := context.WithCancel(ctx)
-		cms.Start(watchCtx.Done())
-		defer func() { stopWatch(); cms.Shutdown() }()
+		defer stopWatch()
 	}
 	reg := daemon.NewRegistry()
 	// Only gre mode has a decapsulation device (and its counters) per pod;

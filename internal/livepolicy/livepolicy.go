@@ -7,6 +7,7 @@
 package livepolicy
 
 import (
+	"context"
 	"flag"
 	"fmt"
 	"reflect"
@@ -115,6 +116,26 @@ func Watch(client kubernetes.Interface, ref Ref, p *Policy, given map[string]boo
 		return nil, fmt.Errorf("watching configmap %s: %w", ref, err)
 	}
 	return factory, nil
+}
+
+// Controller is what a daemon's controller offers Start: its Policy and
+// what to do when it changed.
+type Controller interface {
+	Policy() *Policy
+	PolicyChanged(tunnelclaim.Policy)
+}
+
+// Start watches ref for ctrl (see Watch) until ctx ends or stop is called;
+// stop returns once the watch has ended.
+func Start(ctx context.Context, client kubernetes.Interface, ref Ref, ctrl Controller, given map[string]bool, log logrus.FieldLogger) (stop func(), err error) {
+	factory, err := Watch(client, ref, ctrl.Policy(), given, ctrl.PolicyChanged, log)
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	factory.Start(ctx.Done())
+	// Shutdown waits for the informer, which stops once ctx is cancelled.
+	return func() { cancel(); factory.Shutdown() }, nil
 }
 
 // GivenFlags returns the names of fs's flags set on the command line
