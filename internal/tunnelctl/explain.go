@@ -192,7 +192,7 @@ func (inv *Inventory) Explain(ctx context.Context, f Flow, seed Seed) (*Explanat
 		}
 	}
 	for _, r := range inv.Routers {
-		rt := routerTunnel(r, s)
+		rt := inv.routerTunnel(r, s)
 		p := RouterPath{Router: r.Node, Generation: rt.Generation, Announced: rt.Announced}
 		switch {
 		case !rt.Programmed:

@@ -135,14 +135,23 @@ func (inv *Inventory) readConfig(cm *corev1.ConfigMap) error {
 }
 
 // routerConfig prefers the mode and bucket count the routers say they run
-// with, and notes when they disagree with each other.
+// with (the router that wrote its status last: a router that is gone
+// stops refreshing its status), and notes when they disagree.
 func (inv *Inventory) routerConfig() {
 	if len(inv.Routers) == 0 {
 		return
 	}
 	first := inv.Routers[0]
-	inv.Mode, inv.Buckets, inv.ConfigFrom = first.Mode, first.Buckets, "router "+first.Node
 	for _, r := range inv.Routers[1:] {
+		if r.Updated.After(first.Updated) {
+			first = r
+		}
+	}
+	inv.Mode, inv.Buckets, inv.ConfigFrom = first.Mode, first.Buckets, "router "+first.Node
+	for _, r := range inv.Routers {
+		if r.Node == first.Node {
+			continue
+		}
 		if r.Mode != first.Mode || r.Buckets != first.Buckets || r.SeedFingerprint != first.SeedFingerprint || r.Generations != first.Generations {
 			inv.Notes = append(inv.Notes, fmt.Sprintf("routers disagree: %s runs %s, %d buckets, %d generations, seed %s; %s runs %s, %d buckets, %d generations, seed %s",
 				first.Node, first.Mode, first.Buckets, first.Generations, first.SeedFingerprint, r.Node, r.Mode, r.Buckets, r.Generations, r.SeedFingerprint))
@@ -171,6 +180,29 @@ type Served struct {
 	// Table is routerstatus.TableDigest of Tunnel's table.
 	Table    string
 	Problems []string
+	// eps are the endpoints the table is built from (for TableFor).
+	eps []datapath.Endpoint
+}
+
+// TableFor is the digest of the table a router with buckets and mode
+// computes: a router that runs other settings than Inventory's (during a
+// rolling change of them) is compared with its own.
+func (s *Served) TableFor(buckets int, mode encap.Mode, inventoryMode encap.Mode) string {
+	if buckets == len(s.Tunnel.Table) && mode == inventoryMode {
+		return s.Table
+	}
+	eps := s.eps
+	if mode != encap.MPLS {
+		eps = make([]datapath.Endpoint, len(s.eps))
+		for i, ep := range s.eps {
+			ep.NodeIP = netip.Addr{}
+			eps[i] = ep
+		}
+	}
+	if buckets < 1 {
+		return ""
+	}
+	return routerstatus.TableDigest(router.TableAddrs(router.NewTunnel(s.VIP, eps, buckets)))
 }
 
 // Served computes the desired state of vip, which must have a winner.
@@ -217,6 +249,7 @@ func (inv *Inventory) Served(ctx context.Context, vip netip.Addr) (*Served, erro
 		})
 	}
 	s.Problems = append(s.Problems, problems...)
+	s.eps = eps
 	s.Tunnel = router.NewTunnel(vip, eps, inv.Buckets)
 	s.Tunnel.ClientAffinity = router.ClientAffinity(svc)
 	addrs, nodeIPs := router.TableAddrs(s.Tunnel)

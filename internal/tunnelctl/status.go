@@ -182,7 +182,7 @@ func (inv *Inventory) tunnelStatus(s *Served) TunnelStatus {
 		ts.Endpoints = append(ts.Endpoints, endpointStatus(ep))
 	}
 	for _, r := range inv.Routers {
-		ts.Routers = append(ts.Routers, routerTunnel(r, s))
+		ts.Routers = append(ts.Routers, inv.routerTunnel(r, s))
 	}
 	return ts
 }
@@ -198,7 +198,7 @@ func endpointStatus(ep Endpoint) EndpointStatus {
 	return es
 }
 
-func routerTunnel(r routerstatus.Router, s *Served) RouterTunnel {
+func (inv *Inventory) routerTunnel(r routerstatus.Router, s *Served) RouterTunnel {
 	rt := RouterTunnel{Router: r.Node, BGP: r.BGP, Updated: r.Updated}
 	t, ok := r.Tunnel(s.VIP)
 	if !ok {
@@ -208,7 +208,7 @@ func routerTunnel(r routerstatus.Router, s *Served) RouterTunnel {
 	switch {
 	case t.Table == "":
 		rt.Table = "none"
-	case t.Table == s.Table && t.ClientAffinity == s.Tunnel.ClientAffinity:
+	case t.Table == s.TableFor(r.Buckets, r.Mode, inv.Mode) && t.ClientAffinity == s.Tunnel.ClientAffinity:
 		rt.Table = "current"
 	default:
 		rt.Table = "outdated"

@@ -131,6 +131,7 @@ func TestRouterStatusShowsWhatEachRouterProgrammed(t *testing.T) {
 		})
 	}
 	createService(t, admin, ns, "web", vip)
+	deleteAtCleanup(t, admin, ns, "web")
 	applySlice(t, admin, ns, "web", "web-1", ep{addr: "10.244.1.5", node: "n1"}, ep{addr: "10.244.2.5", node: "n2"})
 
 	status := func() (tunnelctl.TunnelStatus, error) {
@@ -261,6 +262,7 @@ func TestOneEventPerChangeNotPerRouter(t *testing.T) {
 	oneEvent := func(svc string, from *running) {
 		t.Helper()
 		createService(t, admin, ns, svc, "not-an-ip")
+		deleteAtCleanup(t, admin, ns, svc)
 		eventually(t, 20*time.Second, "the InvalidTunnelIP event of "+svc, func() error {
 			evs, err := events(svc)
 			if err != nil || len(evs) == 0 {
@@ -334,9 +336,10 @@ func TestPoolChangeAppliesWithoutRestart(t *testing.T) {
 	setPools("192.0.2.0/24")
 
 	ns := freshNamespace(t, admin)
-	keep, drop, add := "192.0.2.81", "192.0.2.250", "203.0.113.181"
+	keep, drop, add := "192.0.2.81", "192.0.2.201", "203.0.113.181"
 	for name, ip := range map[string]string{"keep": keep, "drop": drop, "add": add} {
 		createService(t, admin, ns, name, ip)
+		deleteAtCleanup(t, admin, ns, name)
 		applySlice(t, admin, ns, name, name+"-1", ep{addr: "10.244.1.5", node: "n1"}, ep{addr: "10.244.2.5", node: "n2"})
 	}
 
@@ -418,4 +421,17 @@ func mustPools(t *testing.T, s string) tunnelclaim.Pools {
 		t.Fatal(err)
 	}
 	return p
+}
+
+// deleteAtCleanup deletes the Services names of ns when the test ends, so
+// that their tunnel IPs take no part in the tests after it (namespaces are
+// never deleted here: see freshNamespace).
+func deleteAtCleanup(t *testing.T, cs kubernetes.Interface, ns string, names ...string) {
+	t.Cleanup(func() {
+		for _, name := range names {
+			if err := cs.CoreV1().Services(ns).Delete(context.Background(), name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+				t.Errorf("deleting Service %s/%s: %v", ns, name, err)
+			}
+		}
+	})
 }
