@@ -364,3 +364,33 @@ func TestExplainClientAffinity(t *testing.T) {
 		t.Errorf("20 flows of one client got buckets %v, want only %d", buckets, want)
 	}
 }
+
+// A router running another bucket count than the inventory's (a rolling
+// change of --buckets) is compared with the table its own count gives.
+func TestRouterComparedWithItsOwnSettings(t *testing.T) {
+	client, ready := cluster(t, encap.GRE)
+	ctx := context.Background()
+	eps := []datapath.Endpoint{{Addr: ready[0], NodeName: "worker-1"}, {Addr: ready[1], NodeName: "worker-2"}}
+	r := routerstatus.Router{Node: "router-c", Mode: encap.GRE, Buckets: 32, Generations: 4, MarkOffset: 0x1000, TableBase: 7600,
+		SeedFingerprint: hmark.SeedFingerprint(seed), Updated: now.Add(-time.Hour),
+		Tunnels: []routerstatus.Tunnel{{VIP: vip, Table: routerstatus.TableDigest(router.TableAddrs(router.NewTunnel(vip, eps, 32)))}}}
+	if _, err := client.CoreV1().ConfigMaps(ns).Create(ctx, r.ConfigMap(ns, nil), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	inv, err := Load(ctx, client, ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if inv.Buckets != 16 {
+		t.Errorf("inventory took %d buckets from the router that wrote its status longest ago", inv.Buckets)
+	}
+	rep, err := inv.Status(ctx, StatusFilter{Target: vip.String()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, rt := range rep.Tunnels[0].Routers {
+		if rt.Router == "router-c" && !rt.Current() {
+			t.Errorf("router-c, with 32 buckets and the table they give, shows %+v", rt)
+		}
+	}
+}
