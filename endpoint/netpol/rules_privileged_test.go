@@ -1,0 +1,153 @@
+package netpol
+
+// Privileged test: the rendered rules on the real kernel, in a fresh
+// network namespace standing in for a served pod, with the tunnel IP and
+// the clients' addresses on lo (local packets to a local address cross
+// INPUT like decapsulated ones).
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	networkingv1 "k8s.io/api/networking/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+
+	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
+)
+
+var (
+	vip        = netip.MustParseAddr("192.0.2.10")
+	officeA    = netip.MustParseAddr("203.0.113.1")
+	officeExcl = netip.MustParseAddr("203.0.113.4")
+	elsewhere  = netip.MustParseAddr("198.51.100.10")
+)
+
+func apply(t *testing.T, ns *testnetns.NS, in Ingress) {
+	t.Helper()
+	err := ns.Do(func() error {
+		cmd := exec.Command("iptables-restore", "--noflush")
+		cmd.Stdin = strings.NewReader(string(RestorePayload(in, []netip.Addr{vip})))
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("iptables-restore: %v: %s", err, out)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// dial connects from src to vip:port inside ns; a dropped SYN times out.
+func dial(ns *testnetns.NS, src netip.Addr, port int) (net.Conn, error) {
+	var c net.Conn
+	err := ns.Do(func() error {
+		d := net.Dialer{LocalAddr: &net.TCPAddr{IP: src.AsSlice()}, Timeout: 400 * time.Millisecond}
+		var err error
+		c, err = d.DialContext(context.Background(), "tcp4", netip.AddrPortFrom(vip, uint16(port)).String())
+		return err
+	})
+	return c, err
+}
+
+func TestRulesOnTheKernel(t *testing.T) {
+	ns := testnetns.New(t, netip.MustParsePrefix("192.0.2.10/32"), netip.MustParsePrefix("203.0.113.1/32"),
+		netip.MustParsePrefix("203.0.113.4/32"), netip.MustParsePrefix("198.51.100.10/32"))
+	if _, err := exec.LookPath("iptables-restore"); err != nil {
+		t.Skip("no iptables-restore")
+	}
+	// Echo servers on the tunnel IP, ports 80 and 443.
+	for _, port := range []int{80, 443} {
+		var l net.Listener
+		if err := ns.Do(func() (err error) { l, err = net.Listen("tcp4", fmt.Sprintf("%v:%d", vip, port)); return err }); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { l.Close() })
+		go func() {
+			for {
+				c, err := l.Accept()
+				if err != nil {
+					return
+				}
+				go func() { _, _ = io.Copy(c, c); c.Close() }()
+			}
+		}()
+	}
+
+	office := &networkingv1.NetworkPolicy{Spec: networkingv1.NetworkPolicySpec{Ingress: []networkingv1.NetworkPolicyIngressRule{{
+		From:  []networkingv1.NetworkPolicyPeer{{IPBlock: &networkingv1.IPBlock{CIDR: "203.0.113.0/29", Except: []string{"203.0.113.4/32"}}}},
+		Ports: []networkingv1.NetworkPolicyPort{{Port: ptr(intstr.FromInt32(80))}},
+	}}}}
+	office.Namespace = served.Namespace
+	in, problems := ForPod(served, []*networkingv1.NetworkPolicy{office}, cluster)
+	if len(problems) > 0 {
+		t.Fatal(problems)
+	}
+	apply(t, ns, in)
+	ns.Run("iptables", append([]string{"-A", "INPUT"}, Jump(vip)...)...)
+	t.Logf("rules:\n%s", ns.Run("iptables", "-S", Chain)+ns.Run("iptables", "-S", Chain+"-0"))
+	for _, c := range []struct {
+		src  netip.Addr
+		port int
+		want bool
+	}{
+		{officeA, 80, true}, {officeA, 443, false}, {officeExcl, 80, false}, {elsewhere, 80, false},
+	} {
+		conn, err := dial(ns, c.src, c.port)
+		if conn != nil {
+			conn.Close()
+		}
+		if got := err == nil; got != c.want {
+			t.Errorf("%v -> %v:%d: connected %t (%v), want %t", c.src, vip, c.port, got, err, c.want)
+		}
+		if got := in.Allows(c.src, "TCP", uint16(c.port)); got != c.want {
+			t.Errorf("Ingress.Allows(%v, %d) = %t, the kernel's verdict is to be %t", c.src, c.port, got, c.want)
+		}
+	}
+
+	// An open connection survives a change to deny-all; a new one does not.
+	conn, err := dial(ns, officeA, 80)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	apply(t, ns, Ingress{Isolated: true})
+	if err := echo(conn); err != nil {
+		t.Errorf("the open connection broke when the policy changed: %v", err)
+	}
+	if c, err := dial(ns, officeA, 80); err == nil {
+		c.Close()
+		t.Error("a new connection passed a deny-all policy")
+	}
+	// Not isolated any more: everything passes.
+	apply(t, ns, Ingress{})
+	if c, err := dial(ns, elsewhere, 443); err != nil {
+		t.Errorf("without isolation: %v", err)
+	} else {
+		c.Close()
+	}
+	drops := ns.Run("iptables", "-L", Chain, "-v", "-x", "-n")
+	t.Logf("after the changes:\n%s", drops)
+}
+
+func echo(c net.Conn) error {
+	_ = c.SetDeadline(time.Now().Add(2 * time.Second))
+	if _, err := c.Write([]byte("ping\n")); err != nil {
+		return err
+	}
+	buf := make([]byte, 5)
+	if _, err := io.ReadFull(c, buf); err != nil {
+		return err
+	}
+	if string(buf) != "ping\n" {
+		return errors.New("garbled echo")
+	}
+	return nil
+}
