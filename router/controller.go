@@ -398,8 +398,11 @@ func drainAnnotated(obj any) bool {
 		obj = d.Obj
 	}
 	pod, ok := obj.(*corev1.Pod)
-	return ok && pod.Annotations[DrainAnnotation] == "true"
+	return ok && Drained(pod)
 }
+
+// Drained reports whether pod is drained by its DrainAnnotation.
+func Drained(pod *corev1.Pod) bool { return pod.Annotations[DrainAnnotation] == "true" }
 
 // enqueuePodServices queues the Services whose EndpointSlices list the Pod.
 // It looks through every cached slice: a Pod's drain annotation changes

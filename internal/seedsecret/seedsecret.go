@@ -43,11 +43,7 @@ func (r Ref) String() string { return r.Namespace + "/" + r.Name }
 func Parse(s *corev1.Secret) (uint32, error) {
 	raw, ok := s.Data[Key]
 	if !ok {
-		if v, ok := s.StringData[Key]; ok { // objects built in code, never from the API
-			raw = []byte(v)
-		} else {
-			return 0, fmt.Errorf("secret %s/%s has no data key %q", s.Namespace, s.Name, Key)
-		}
+		return 0, fmt.Errorf("secret %s/%s has no data key %q", s.Namespace, s.Name, Key)
 	}
 	v, err := ParseSeed(strings.TrimSpace(string(raw)))
 	if err != nil {

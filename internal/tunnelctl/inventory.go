@@ -8,7 +8,6 @@ package tunnelctl
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -20,9 +19,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
-	"github.com/cmdnu/kube-service-tunnel/internal/flagenv"
+	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
+	"github.com/cmdnu/kube-service-tunnel/internal/livepolicy"
 	"github.com/cmdnu/kube-service-tunnel/internal/routerstatus"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/router"
@@ -48,14 +47,15 @@ type Inventory struct {
 	// in words for the operator.
 	Notes []string
 
-	client kubernetes.Interface
-	nodes  map[string]*corev1.Node
+	client  kubernetes.Interface
+	nodes   map[string]*corev1.Node
+	drained map[string]map[string]bool // by namespace: drainedPods' answers
 }
 
 // Load reads the inventory. Only the Services and Nodes are required; the
 // configuration and the routers' status are reported in Notes when missing.
 func Load(ctx context.Context, client kubernetes.Interface, namespace string) (*Inventory, error) {
-	inv := &Inventory{Namespace: namespace, client: client, Mode: encap.GRE, Buckets: datapath.DefaultBuckets, ConfigFrom: "defaults", nodes: map[string]*corev1.Node{}}
+	inv := &Inventory{Namespace: namespace, client: client, Mode: encap.GRE, Buckets: datapath.DefaultBuckets, ConfigFrom: "defaults", nodes: map[string]*corev1.Node{}, drained: map[string]map[string]bool{}}
 	cfg, err := client.CoreV1().ConfigMaps(namespace).Get(ctx, ConfigMapName, metav1.GetOptions{})
 	switch {
 	case err == nil:
@@ -108,19 +108,11 @@ func Load(ctx context.Context, client kubernetes.Interface, namespace string) (*
 // readConfig takes the pools, the cluster ranges, the mode and the bucket
 // count from the daemons' ConfigMap, parsed by the daemons' own flags.
 func (inv *Inventory) readConfig(cm *corev1.ConfigMap) error {
-	fs := flag.NewFlagSet(ConfigMapName, flag.ContinueOnError)
-	daemon.AddPolicyFlags(fs, &inv.Policy)
-	var err error
-	fs.VisitAll(func(f *flag.Flag) {
-		if v, ok := cm.Data[flagenv.Name(daemon.EnvPrefix, f.Name)]; ok && err == nil {
-			if e := fs.Set(f.Name, v); e != nil {
-				err = fmt.Errorf("ConfigMap %s/%s, key %s: %w", cm.Namespace, cm.Name, flagenv.Name(daemon.EnvPrefix, f.Name), e)
-			}
-		}
-	})
+	policy, err := livepolicy.Parse(cm.Data, tunnelclaim.Policy{}, nil)
 	if err != nil {
-		return err
+		return fmt.Errorf("ConfigMap %s/%s, %w", cm.Namespace, cm.Name, err)
 	}
+	inv.Policy = policy
 	if v, ok := cm.Data["KST_MODE"]; ok {
 		inv.Mode, inv.ConfigFrom = encap.Mode(v), "ConfigMap "+cm.Name
 	}
@@ -228,9 +220,9 @@ func (inv *Inventory) Served(ctx context.Context, vip netip.Addr) (*Served, erro
 		es := &slices.Items[i]
 		esl[i] = es
 		for _, ep := range es.Endpoints {
-			if ep.TargetRef != nil && ep.TargetRef.Kind == "Pod" && len(ep.Addresses) > 0 {
+			if pod, ok := kubeobj.EndpointPod(es, ep); ok && len(ep.Addresses) > 0 {
 				if a, err := netip.ParseAddr(ep.Addresses[0]); err == nil {
-					podOf[a] = ep.TargetRef.Namespace + "/" + ep.TargetRef.Name
+					podOf[a] = pod.Key()
 				}
 			}
 		}
@@ -265,18 +257,22 @@ func (inv *Inventory) Served(ctx context.Context, vip netip.Addr) (*Served, erro
 }
 
 // drainedPods returns the pods of namespace marked with the drain
-// annotation, as "namespace/name".
+// annotation, as "namespace/name"; each namespace is listed once.
 func (inv *Inventory) drainedPods(ctx context.Context, namespace string) (map[string]bool, error) {
+	if out, ok := inv.drained[namespace]; ok {
+		return out, nil
+	}
 	pods, err := inv.client.CoreV1().Pods(namespace).List(ctx, metav1.ListOptions{})
 	if err != nil {
 		return nil, fmt.Errorf("cannot list the pods of namespace %s, so pods drained with the %s annotation show as ready: %v", namespace, router.DrainAnnotation, err)
 	}
 	out := map[string]bool{}
-	for _, p := range pods.Items {
-		if p.Annotations[router.DrainAnnotation] == "true" {
-			out[p.Namespace+"/"+p.Name] = true
+	for i := range pods.Items {
+		if router.Drained(&pods.Items[i]) {
+			out[pods.Items[i].Namespace+"/"+pods.Items[i].Name] = true
 		}
 	}
+	inv.drained[namespace] = out
 	return out, nil
 }
 
