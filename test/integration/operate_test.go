@@ -11,7 +11,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
@@ -102,31 +101,20 @@ func TestRouterStatusShowsWhatEachRouterProgrammed(t *testing.T) {
 	vip := "192.0.2.171"
 	nodes := []string{ns + "-router-a", ns + "-router-b"}
 	cfg := routerCfg(encap.GRE, 16)
-	var cancels []context.CancelFunc
+	var stops []func()
 	for _, node := range nodes {
 		client, err := kubernetes.NewForConfig(routerRest)
 		if err != nil {
 			t.Fatal(err)
 		}
-		ctx, cancel := context.WithCancel(context.Background())
-		cancels = append(cancels, cancel)
-		factory := informers.NewSharedInformerFactory(client, 0)
-		ctrl, err := router.NewController(cfg, client, factory, newRecorder(), router.NewEventRecorder(ctx, client, "tunnel-router", node), quietLogger())
-		if err != nil {
-			t.Fatal(err)
-		}
-		pub := routerstatus.NewPublisher(client, seedRef.Namespace, routerstatus.Router{Node: node, Mode: cfg.Mode, Buckets: cfg.Buckets, Generations: 1, MarkOffset: cfg.MarkOffset, TableBase: cfg.TableBase}, "", "", quietLogger())
-		ctrl.SetStatusPublisher(pub)
-		factory.Start(ctx.Done())
-		done := make(chan error, 1)
-		go pub.Run(ctx)
-		go func() { done <- ctrl.Run(ctx) }()
+		_, stop := startController(t, client, cfg, node, newRecorder(), nil, func(ctrl *router.Controller) []func(context.Context) {
+			pub := routerstatus.NewPublisher(client, seedRef.Namespace, routerstatus.Router{Node: node, Mode: cfg.Mode, Buckets: cfg.Buckets, Generations: 1, MarkOffset: cfg.MarkOffset, TableBase: cfg.TableBase}, "", "", quietLogger())
+			ctrl.SetStatusPublisher(pub)
+			return []func(context.Context){pub.Run}
+		})
+		stops = append(stops, stop)
+		// No pod owns the status ConfigMap here.
 		t.Cleanup(func() {
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("controller: %v", err)
-			}
-			factory.Shutdown()
 			_ = admin.CoreV1().ConfigMaps(seedRef.Namespace).Delete(context.Background(), routerstatus.Name(node), metav1.DeleteOptions{})
 		})
 	}
@@ -168,7 +156,7 @@ func TestRouterStatusShowsWhatEachRouterProgrammed(t *testing.T) {
 
 	// router-b stops; a third endpoint changes the table: router-a
 	// publishes it, router-b's status shows the table it had.
-	cancels[1]()
+	stops[1]()
 	applySlice(t, admin, ns, "web", "web-1", ep{addr: "10.244.1.5", node: "n1"}, ep{addr: "10.244.2.5", node: "n2"}, ep{addr: "10.244.3.5", node: "n3"})
 	eventually(t, 30*time.Second, "router-a current, the stopped router-b outdated", func() error {
 		ts, err := status()
@@ -191,10 +179,9 @@ func TestOneEventPerChangeNotPerRouter(t *testing.T) {
 	admin := adminClient(t)
 	ns := freshNamespace(t, admin)
 	type running struct {
-		node   string
-		gate   *router.EventGate
-		cancel context.CancelFunc
-		done   chan struct{}
+		node string
+		gate *router.EventGate
+		stop func()
 	}
 	var routers []*running
 	for _, node := range []string{ns + "-router-a", ns + "-router-b"} {
@@ -202,29 +189,12 @@ func TestOneEventPerChangeNotPerRouter(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		ctx, cancel := context.WithCancel(context.Background())
-		factory := informers.NewSharedInformerFactory(client, 0)
 		gate := router.NewEventGate(quietLogger())
 		gate.LeaseDuration, gate.RenewDeadline, gate.RetryPeriod = 4*time.Second, 3*time.Second, 500*time.Millisecond
-		ctrl, err := router.NewController(routerCfg(encap.GRE, 8), client, factory, newRecorder(),
-			gate.Recorder(router.NewEventRecorder(ctx, client, "tunnel-router", node)), quietLogger())
-		if err != nil {
-			t.Fatal(err)
-		}
-		factory.Start(ctx.Done())
-		r := &running{node: node, gate: gate, cancel: cancel, done: make(chan struct{})}
-		ctrlDone := make(chan error, 1)
-		go func() { ctrlDone <- ctrl.Run(ctx) }()
-		go func() { gate.Run(ctx, client, seedRef.Namespace, node, ctrl.Ready); close(r.done) }()
-		t.Cleanup(func() {
-			cancel()
-			<-r.done
-			if err := <-ctrlDone; err != nil {
-				t.Errorf("controller: %v", err)
-			}
-			factory.Shutdown()
+		_, stop := startController(t, client, routerCfg(encap.GRE, 8), node, newRecorder(), gate.Recorder, func(ctrl *router.Controller) []func(context.Context) {
+			return []func(context.Context){func(ctx context.Context) { gate.Run(ctx, client, seedRef.Namespace, node, ctrl.Ready) }}
 		})
-		routers = append(routers, r)
+		routers = append(routers, &running{node: node, gate: gate, stop: stop})
 	}
 	leader := func() *running {
 		var held []*running
@@ -286,8 +256,7 @@ func TestOneEventPerChangeNotPerRouter(t *testing.T) {
 	oneEvent("bad-1", first)
 
 	// The leader stops and releases the Lease: the other router records.
-	first.cancel()
-	<-first.done
+	first.stop() // returns once its gate released the Lease
 	var second *running
 	eventually(t, 20*time.Second, "the other router holding the Lease", func() error {
 		if second = leader(); second == nil || second == first {
@@ -347,43 +316,34 @@ func TestPoolChangeAppliesWithoutRestart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	runCtx, cancel := context.WithCancel(ctx)
-	factory := informers.NewSharedInformerFactory(client, 0)
 	rec := newRecorder()
 	cfg := routerCfg(encap.GRE, 8)
 	cfg.Policy = tunnelclaim.Policy{Pools: mustPools(t, "192.0.2.0/24")}
-	ctrl, err := router.NewController(cfg, client, factory, rec, router.NewEventRecorder(runCtx, client, "tunnel-router", ns+"-router"), quietLogger())
-	if err != nil {
-		t.Fatal(err)
-	}
-	watch, err := livepolicy.Watch(client, livepolicy.Ref{Namespace: seedRef.Namespace, Name: tunnelctl.ConfigMapName}, ctrl.Policy(), nil, ctrl.PolicyChanged, quietLogger())
-	if err != nil {
-		t.Fatal(err)
-	}
+	configMap := livepolicy.Ref{Namespace: seedRef.Namespace, Name: tunnelctl.ConfigMapName}
+	startController(t, client, cfg, ns+"-router", rec, nil, func(ctrl *router.Controller) []func(context.Context) {
+		return []func(context.Context){func(ctx context.Context) {
+			stop, err := livepolicy.Start(ctx, client, configMap, ctrl, nil, quietLogger())
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			<-ctx.Done()
+			stop()
+		}}
+	})
 	// The endpoint agent watches the same ConfigMap with its own RBAC.
 	agentClient, err := kubernetes.NewForConfig(serviceAccountConfig(t, "tunnel-endpoint"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	agentPolicy := livepolicy.New(cfg.Policy)
-	agentWatch, err := livepolicy.Watch(agentClient, livepolicy.Ref{Namespace: seedRef.Namespace, Name: tunnelctl.ConfigMapName}, agentPolicy, nil, func(tunnelclaim.Policy) {}, quietLogger())
+	agentWatch, err := livepolicy.Watch(agentClient, configMap, agentPolicy, nil, func(tunnelclaim.Policy) {}, quietLogger())
 	if err != nil {
 		t.Fatal(err)
 	}
-	agentWatch.Start(runCtx.Done())
-	t.Cleanup(agentWatch.Shutdown)
-	factory.Start(runCtx.Done())
-	watch.Start(runCtx.Done())
-	done := make(chan error, 1)
-	go func() { done <- ctrl.Run(runCtx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("controller: %v", err)
-		}
-		factory.Shutdown()
-		watch.Shutdown()
-	})
+	watchCtx, stopWatch := context.WithCancel(ctx)
+	agentWatch.Start(watchCtx.Done())
+	t.Cleanup(func() { stopWatch(); agentWatch.Shutdown() })
 	waitTable(t, rec, keep, 8, addrs("10.244.1.5", "10.244.2.5"))
 	waitTable(t, rec, drop, 8, addrs("10.244.1.5", "10.244.2.5"))
 	if _, ok := rec.get(add); ok {

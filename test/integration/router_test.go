@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net/netip"
 	"slices"
 	"strings"
@@ -12,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/sirupsen/logrus"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -20,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/record"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
@@ -76,30 +75,12 @@ func (r *recorder) get(vip string) (datapath.Tunnel, bool) {
 // test ends.
 func startRouter(t *testing.T, cfg router.Config) *recorder {
 	t.Helper()
-	restCfg := routerConfig(t)
-	client, err := kubernetes.NewForConfig(restCfg)
+	client, err := kubernetes.NewForConfig(routerConfig(t))
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	factory := informers.NewSharedInformerFactory(client, 0)
 	rec := newRecorder()
-	log := logrus.New()
-	log.Out = io.Discard
-	ctrl, err := router.NewController(cfg, client, factory, rec, router.NewEventRecorder(ctx, client, "tunnel-router", "test-node"), log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	factory.Start(ctx.Done())
-	done := make(chan error, 1)
-	go func() { done <- ctrl.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("controller: %v", err)
-		}
-		factory.Shutdown()
-	})
+	ctrl, _ := startController(t, client, cfg, "test-node", rec, nil, nil)
 	eventually(t, 20*time.Second, "router ready (informers synced as the tunnel-router ServiceAccount)", func() error {
 		if !ctrl.Ready() {
 			return fmt.Errorf("not ready")
@@ -107,6 +88,52 @@ func startRouter(t *testing.T, cfg router.Config) *recorder {
 		return nil
 	})
 	return rec
+}
+
+// startController runs a router controller through client, recording its
+// events as node (through wrap, when not nil), until the test ends or stop
+// is called. setup, when not nil, wires the controller before its
+// informers start and returns what runs beside it (a status publisher, an
+// event gate, a ConfigMap watch); stop cancels them all and returns once
+// every one of them and the controller have ended.
+func startController(t *testing.T, client kubernetes.Interface, cfg router.Config, node string, dp router.Programmer,
+	wrap func(record.EventRecorder) record.EventRecorder, setup func(*router.Controller) []func(context.Context)) (ctrl *router.Controller, stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	factory := informers.NewSharedInformerFactory(client, 0)
+	recorder := router.NewEventRecorder(ctx, client, "tunnel-router", node)
+	if wrap != nil {
+		recorder = wrap(recorder)
+	}
+	ctrl, err := router.NewController(cfg, client, factory, dp, recorder, quietLogger())
+	if err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	var beside []func(context.Context)
+	if setup != nil {
+		beside = setup(ctrl)
+	}
+	factory.Start(ctx.Done())
+	var wg sync.WaitGroup
+	for _, run := range beside {
+		wg.Go(func() { run(ctx) })
+	}
+	done := make(chan error, 1)
+	go func() { done <- ctrl.Run(ctx) }()
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			wg.Wait()
+			if err := <-done; err != nil {
+				t.Errorf("controller of %s: %v", node, err)
+			}
+			factory.Shutdown()
+		})
+	}
+	t.Cleanup(stop)
+	return ctrl, stop
 }
 
 func routerCfg(mode encap.Mode, buckets int) router.Config {
