@@ -1,6 +1,7 @@
 package tunnelctl
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -149,4 +150,15 @@ func readSeed(ctx context.Context, client kubernetes.Interface, given string, re
 		return Seed{}, err
 	}
 	return Seed{Value: v, From: "secret " + ref.String()}, nil
+}
+
+// Output runs kubectl tunnel with args, as the plugin binary does, and
+// returns its standard output; its error carries the command line and
+// what it wrote to standard error.
+func Output(ctx context.Context, args ...string) (string, error) {
+	var stdout, stderr bytes.Buffer
+	if err := Main(ctx, args, &stdout, &stderr); err != nil {
+		return "", fmt.Errorf("kubectl tunnel %s: %w\n%s", strings.Join(args, " "), err, stderr.String())
+	}
+	return stdout.String(), nil
 }

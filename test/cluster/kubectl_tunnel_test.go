@@ -1,11 +1,9 @@
 package cluster
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
-	"strings"
 	"testing"
 	"time"
 
@@ -22,12 +20,11 @@ func kubectlTunnel(t *testing.T, args ...string) string {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	var stdout, stderr bytes.Buffer
-	args = append([]string{"--kubeconfig", adminKubeconfig}, args...)
-	if err := tunnelctl.Main(ctx, args, &stdout, &stderr); err != nil {
-		t.Fatalf("kubectl tunnel %s: %v\n%s", strings.Join(args, " "), err, stderr.String())
+	stdout, err := tunnelctl.Output(ctx, append([]string{"--kubeconfig", adminKubeconfig}, args...)...)
+	if err != nil {
+		t.Fatal(err)
 	}
-	return stdout.String()
+	return stdout
 }
 
 // explainStreams checks, for up to n of the streams, that the pod kubectl

@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -21,13 +20,12 @@ func (e *env) kubectlTunnel(t *testing.T, out any, args ...string) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	args = append([]string{"--kubeconfig", filepath.Join(e.Opts.KubeDir, "admin.kubeconfig"), "-o", "json"}, args...)
-	var stdout, stderr bytes.Buffer
-	if err := tunnelctl.Main(ctx, args, &stdout, &stderr); err != nil {
-		t.Fatalf("kubectl tunnel %v: %v\n%s", args, err, stderr.String())
+	stdout, err := tunnelctl.Output(ctx, append([]string{"--kubeconfig", filepath.Join(e.Opts.KubeDir, "admin.kubeconfig"), "-o", "json"}, args...)...)
+	if err != nil {
+		t.Fatal(err)
 	}
-	if err := json.Unmarshal(stdout.Bytes(), out); err != nil {
-		t.Fatalf("kubectl tunnel %v: %v\n%s", args, err, stdout.String())
+	if err := json.Unmarshal([]byte(stdout), out); err != nil {
+		t.Fatalf("kubectl tunnel %v: %v\n%s", args, err, stdout)
 	}
 }
 

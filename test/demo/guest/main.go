@@ -658,12 +658,7 @@ func printTable(l *topology.Lab, table []netip.Addr) {
 func askTheCluster(ctx context.Context, l *topology.Lab, client netns.NsHandle, svc *corev1.Service, dst netip.AddrPort) error {
 	step("Asking the cluster: kubectl tunnel status, and where one flow goes")
 	kubectl := func(args ...string) (string, error) {
-		var out, errOut bytes.Buffer
-		args = append([]string{"--kubeconfig", filepath.Join(l.Opts.KubeDir, "admin.kubeconfig")}, args...)
-		if err := tunnelctl.Main(ctx, args, &out, &errOut); err != nil {
-			return "", fmt.Errorf("kubectl tunnel %s: %w\n%s", strings.Join(args[2:], " "), err, errOut.String())
-		}
-		return out.String(), nil
+		return tunnelctl.Output(ctx, append([]string{"--kubeconfig", filepath.Join(l.Opts.KubeDir, "admin.kubeconfig")}, args...)...)
 	}
 	// The routers publish their status at most once a second.
 	var status string
