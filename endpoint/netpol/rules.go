@@ -1,9 +1,13 @@
 package netpol
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"net/netip"
+	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
@@ -11,82 +15,287 @@ import (
 
 // Chain is the filter chain, in a served pod's network namespace, that
 // holds its tunneled ingress policy; INPUT jumps to it for packets to the
-// pod's tunnel IPs.
+// pod's tunnel IPs. Sources with excepts get subchains Chain-0, Chain-1...
 const Chain = "KST-POLICY"
 
-// comment marks every rule the agent writes.
-const comment = "kube-service-tunnel"
+// Comment marks every rule the agent writes; the first rule of Chain
+// carries Comment + ":" + the digest of the whole chain.
+const Comment = "kube-service-tunnel"
 
-// RestorePayload renders in, for the pod's tunnel IPs vips, as an
-// iptables-restore --noflush payload of the filter table: Chain (and one
-// subchain per source with excepts) replaced whole, and the INPUT jumps
-// to Chain for each tunnel IP (the caller removes stale jumps). Packets of
-// established connections are admitted first (as network plugins do), so
-// that a policy change cuts no open connection; then the rules; then a
-// DROP. A pod that no policy isolates gets a Chain that returns at once.
-// Subchains a previous payload declared and this one does not are left
-// (unreferenced): the caller deletes them.
-func RestorePayload(in Ingress, vips []netip.Addr) []byte {
-	var chains []string
-	var rules []string
-	add := func(chain string, words ...string) {
-		rules = append(rules, "-A "+chain+" "+strings.Join(words, " ")+" -m comment --comment "+comment)
+// Rules are a pod's tunneled ingress policy rendered for the filter
+// table. A pod that no policy isolates has none (nil).
+type Rules struct {
+	// VIPs are the pod's tunnel IPs, each with a jump from INPUT.
+	VIPs []netip.Addr
+	// Chains are Chain and its subchains, in order.
+	Chains []string
+	// Body is the "-A chain ..." lines of every chain.
+	Body []string
+	// Counts is the number of rules of each chain.
+	Counts map[string]int
+	// Digest identifies Body; the kernel's copy carries it in a comment.
+	Digest string
+}
+
+// Equal reports whether r and o render the same kernel state.
+func (r *Rules) Equal(o *Rules) bool {
+	if r == nil || o == nil {
+		return r == o
 	}
-	chains = append(chains, Chain)
-	if !in.Isolated {
-		add(Chain, "-j", "RETURN")
-	} else {
-		add(Chain, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
-		sub := 0
-		for _, r := range in.Rules {
-			ports := portMatches(r)
-			if len(ports) == 0 {
-				continue // a rule whose every port was refused admits nothing
+	return r.Digest == o.Digest && slices.Equal(r.VIPs, o.VIPs)
+}
+
+// Render renders in for the pod's tunnel IPs vips (sorted): nil when in
+// does not isolate the pod or there is no tunnel IP. Packets of
+// established connections are admitted first (as network plugins do), so
+// that a policy change cuts no open connection; then the rules; then one
+// DROP per tunnel IP, whose counters count what the policy dropped.
+func Render(in Ingress, vips []netip.Addr) *Rules {
+	if !in.Isolated || len(vips) == 0 {
+		return nil
+	}
+	r := &Rules{VIPs: slices.Clone(vips), Chains: []string{Chain}, Counts: map[string]int{}}
+	add := func(chain string, words ...string) {
+		r.Body = append(r.Body, "-A "+chain+" "+strings.Join(words, " ")+" -m comment --comment "+Comment)
+		r.Counts[chain]++
+	}
+	add(Chain, "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT")
+	sub := 0
+	for _, rule := range in.Rules {
+		ports := portMatches(rule)
+		if len(ports) == 0 {
+			continue // a rule whose every port was refused admits nothing
+		}
+		sources := []Source{{}} // any source
+		if !rule.AllSources {
+			sources = rule.Sources
+		}
+		for _, s := range sources {
+			var from []string
+			if s.Prefix.IsValid() {
+				from = []string{"-s", s.Prefix.String()}
 			}
-			sources := []Source{{}} // any source
-			if !r.AllSources {
-				sources = r.Sources
-			}
-			for _, s := range sources {
-				from := []string{}
-				if s.Prefix.IsValid() {
-					from = []string{"-s", s.Prefix.String()}
-				}
-				if len(s.Except) == 0 {
-					for _, p := range ports {
-						add(Chain, slices.Concat(from, p, []string{"-j", "ACCEPT"})...)
-					}
-					continue
-				}
-				name := fmt.Sprintf("%s-%d", Chain, sub)
-				sub++
-				chains = append(chains, name)
-				add(Chain, slices.Concat(from, []string{"-j", name})...)
-				for _, e := range s.Except {
-					add(name, "-s", e.String(), "-j", "RETURN")
-				}
+			if len(s.Except) == 0 {
 				for _, p := range ports {
-					add(name, slices.Concat(p, []string{"-j", "ACCEPT"})...)
+					add(Chain, slices.Concat(from, p, []string{"-j", "ACCEPT"})...)
 				}
+				continue
+			}
+			name := Chain + "-" + strconv.Itoa(sub)
+			sub++
+			r.Chains = append(r.Chains, name)
+			add(Chain, slices.Concat(from, []string{"-j", name})...)
+			for _, e := range s.Except {
+				add(name, "-s", e.String(), "-j", "RETURN")
+			}
+			for _, p := range ports {
+				add(name, slices.Concat(p, []string{"-j", "ACCEPT"})...)
 			}
 		}
-		add(Chain, "-j", "DROP")
 	}
-	var b strings.Builder
-	b.WriteString("*filter\n")
-	for _, c := range chains {
-		fmt.Fprintf(&b, ":%s - [0:0]\n", c)
+	for _, vip := range r.VIPs {
+		add(Chain, "-d", host(vip), "-j", "DROP")
 	}
-	for _, r := range rules {
-		b.WriteString(r + "\n")
-	}
-	b.WriteString("COMMIT\n")
-	return []byte(b.String())
+	sum := sha256.Sum256([]byte(strings.Join(r.Body, "\n")))
+	r.Digest = hex.EncodeToString(sum[:4])
+	// The first rule (the conntrack one) carries the digest.
+	r.Body[0] = strings.TrimSuffix(r.Body[0], Comment) + Comment + ":" + r.Digest
+	return r
 }
 
 // Jump is the INPUT rule sending packets to tunnel IP vip to Chain.
 func Jump(vip netip.Addr) []string {
-	return []string{"-d", netip.PrefixFrom(vip, vip.BitLen()).String(), "-m", "comment", "--comment", comment, "-j", Chain}
+	return []string{"-d", host(vip), "-m", "comment", "--comment", Comment, "-j", Chain}
+}
+
+func host(a netip.Addr) string { return netip.PrefixFrom(a, a.BitLen()).String() }
+
+// Observed is what a pod's filter table holds of the agent's, read from
+// iptables-save (ParseSave).
+type Observed struct {
+	// Counts is the number of rules of each of the agent's chains (Chain
+	// and its subchains) present.
+	Counts map[string]int
+	// Digest is the one the first rule of Chain carries ("" if none).
+	Digest string
+	// Jumps are the INPUT rules jumping to Chain: their tunnel IP and the
+	// rule as saved (without "-A INPUT").
+	Jumps []ObservedJump
+	// Dropped are the counters of each tunnel IP's DROP rule (when saved
+	// with -c).
+	Dropped map[netip.Addr]Counter
+}
+
+// ObservedJump is one INPUT jump to Chain.
+type ObservedJump struct {
+	VIP  netip.Addr
+	Spec string
+}
+
+// Counter is a rule's packet and byte counters.
+type Counter struct{ Packets, Bytes uint64 }
+
+// Empty reports whether the table holds nothing of the agent's.
+func (o Observed) Empty() bool { return len(o.Counts) == 0 && len(o.Jumps) == 0 }
+
+var (
+	counterPrefix = regexp.MustCompile(`^\[(\d+):(\d+)\] `)
+	digestComment = regexp.MustCompile(`--comment "?` + regexp.QuoteMeta(Comment) + `:([0-9a-f]+)"?`)
+	destination   = regexp.MustCompile(`-d (\S+)`)
+	target        = regexp.MustCompile(`(?:^| )-j (\S+)`)
+)
+
+// jumpsTo returns the target of a saved rule.
+func jumpsTo(spec string) string {
+	if m := target.FindStringSubmatch(spec); m != nil {
+		return m[1]
+	}
+	return ""
+}
+
+// ours reports whether chain is Chain or one of its subchains.
+func ours(chain string) bool {
+	if chain == Chain {
+		return true
+	}
+	n, ok := strings.CutPrefix(chain, Chain+"-")
+	_, err := strconv.Atoi(n)
+	return ok && err == nil
+}
+
+// ParseSave reads the filter table of iptables-save's output (with or
+// without -c; other tables are skipped).
+func ParseSave(save string) Observed {
+	o := Observed{Counts: map[string]int{}, Dropped: map[netip.Addr]Counter{}}
+	table := ""
+	for line := range strings.Lines(save) {
+		line = strings.TrimSpace(line)
+		switch {
+		case strings.HasPrefix(line, "*"):
+			table = line[1:]
+			continue
+		case table != "filter":
+			continue
+		case strings.HasPrefix(line, ":"):
+			if name, _, _ := strings.Cut(line[1:], " "); ours(name) {
+				o.Counts[name] += 0
+			}
+			continue
+		}
+		var counter Counter
+		if m := counterPrefix.FindStringSubmatch(line); m != nil {
+			counter.Packets, _ = strconv.ParseUint(m[1], 10, 64)
+			counter.Bytes, _ = strconv.ParseUint(m[2], 10, 64)
+			line = line[len(m[0]):]
+		}
+		rest, ok := strings.CutPrefix(line, "-A ")
+		if !ok {
+			continue
+		}
+		chain, spec, _ := strings.Cut(rest, " ")
+		switch {
+		case chain == "INPUT" && jumpsTo(spec) == Chain:
+			var vip netip.Addr
+			if m := destination.FindStringSubmatch(spec); m != nil {
+				if p, err := netip.ParsePrefix(m[1]); err == nil && p.IsSingleIP() {
+					vip = p.Addr()
+				}
+			}
+			o.Jumps = append(o.Jumps, ObservedJump{VIP: vip, Spec: spec})
+		case ours(chain):
+			if o.Counts[chain] == 0 && chain == Chain {
+				if m := digestComment.FindStringSubmatch(spec); m != nil {
+					o.Digest = m[1]
+				}
+			}
+			o.Counts[chain]++
+			if chain == Chain && jumpsTo(spec) == "DROP" {
+				if m := destination.FindStringSubmatch(spec); m != nil {
+					if p, err := netip.ParsePrefix(m[1]); err == nil && p.IsSingleIP() {
+						o.Dropped[p.Addr()] = counter
+					}
+				}
+			}
+		}
+	}
+	return o
+}
+
+// Update returns the iptables-restore --noflush payload that turns have
+// into want (want nil: remove everything of the agent's), or nil when the
+// table already holds exactly want. Chains are replaced whole in one
+// transaction; jumps are added at the top of INPUT and only the missing
+// ones are; stale jumps and chains are deleted.
+func Update(want *Rules, have Observed) []byte {
+	var wantVIPs []netip.Addr
+	wantCounts := map[string]int{}
+	if want != nil {
+		wantVIPs, wantCounts = want.VIPs, want.Counts
+	}
+	var staleJumps []string
+	var haveVIPs []netip.Addr
+	for _, j := range have.Jumps {
+		if !j.VIP.IsValid() || !slices.Contains(wantVIPs, j.VIP) || slices.Contains(haveVIPs, j.VIP) {
+			staleJumps = append(staleJumps, j.Spec)
+			continue
+		}
+		haveVIPs = append(haveVIPs, j.VIP)
+	}
+	var missing []netip.Addr
+	for _, vip := range wantVIPs {
+		if !slices.Contains(haveVIPs, vip) {
+			missing = append(missing, vip)
+		}
+	}
+	sameChains := len(have.Counts) == len(wantCounts)
+	for c, n := range wantCounts {
+		if have.Counts[c] != n {
+			sameChains = false
+		}
+	}
+	if want != nil && sameChains && have.Digest == want.Digest && len(staleJumps) == 0 && len(missing) == 0 {
+		return nil
+	}
+	if want == nil && have.Empty() {
+		return nil
+	}
+
+	var b strings.Builder
+	b.WriteString("*filter\n")
+	var stale []string
+	for c := range have.Counts {
+		if _, ok := wantCounts[c]; !ok {
+			stale = append(stale, c)
+		}
+	}
+	slices.Sort(stale)
+	// Declaring a chain flushes it. Ours are rewritten whole unless they
+	// are right already (only jumps to add or remove).
+	rewrite := want != nil && !(sameChains && have.Digest == want.Digest)
+	if rewrite {
+		for _, c := range want.Chains {
+			fmt.Fprintf(&b, ":%s - [0:0]\n", c)
+		}
+	}
+	for _, c := range stale {
+		fmt.Fprintf(&b, ":%s - [0:0]\n", c)
+	}
+	for _, spec := range staleJumps {
+		b.WriteString("-D INPUT " + spec + "\n")
+	}
+	if rewrite {
+		for _, line := range want.Body {
+			b.WriteString(line + "\n")
+		}
+	}
+	for _, vip := range missing {
+		b.WriteString("-I INPUT 1 " + strings.Join(Jump(vip), " ") + "\n")
+	}
+	for _, c := range stale {
+		b.WriteString("-X " + c + "\n")
+	}
+	b.WriteString("COMMIT\n")
+	return []byte(b.String())
 }
 
 // portMatches are the iptables matches of a rule's ports: one empty match

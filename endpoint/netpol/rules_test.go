@@ -1,0 +1,100 @@
+package netpol
+
+import (
+	"net/netip"
+	"strings"
+	"testing"
+)
+
+// saved renders what iptables-save prints for r (with the agent's jumps
+// and a foreign rule), for the pure tests.
+func saved(r *Rules, extraJumps ...string) string {
+	var b strings.Builder
+	b.WriteString("*nat\n:PREROUTING ACCEPT [0:0]\n-A PREROUTING -j KST-POLICY\nCOMMIT\n*filter\n:INPUT ACCEPT [0:0]\n")
+	for _, c := range r.Chains {
+		b.WriteString(":" + c + " - [0:0]\n")
+	}
+	b.WriteString("[5:300] -A INPUT -s 10.9.9.9/32 -j ACCEPT\n")
+	for _, vip := range r.VIPs {
+		b.WriteString("[0:0] -A INPUT " + strings.Join(Jump(vip), " ") + "\n")
+	}
+	for _, j := range extraJumps {
+		b.WriteString("[0:0] -A INPUT " + j + "\n")
+	}
+	for _, l := range r.Body {
+		if strings.Contains(l, "-j DROP") {
+			b.WriteString("[7:420] ")
+		}
+		b.WriteString(strings.Replace(l, Comment+":"+r.Digest, `"`+Comment+":"+r.Digest+`"`, 1) + "\n")
+	}
+	b.WriteString("COMMIT\n")
+	return b.String()
+}
+
+func TestUpdate(t *testing.T) {
+	a, b := netip.MustParseAddr("192.0.2.10"), netip.MustParseAddr("192.0.2.11")
+	office := Ingress{Isolated: true, Rules: []Rule{{
+		Sources: []Source{{Prefix: netip.MustParsePrefix("203.0.113.0/24"), Except: []netip.Prefix{netip.MustParsePrefix("203.0.113.4/32")}}},
+		Ports:   []Port{{Protocol: "TCP", First: 80, Last: 80}},
+	}}}
+	denyAll := Ingress{Isolated: true}
+	one := Render(office, []netip.Addr{a})
+	two := Render(office, []netip.Addr{a, b})
+
+	if Render(Ingress{}, []netip.Addr{a}) != nil || Render(office, nil) != nil {
+		t.Fatal("a pod that is not isolated, or serves nothing, must get no rules")
+	}
+	if one.Digest == two.Digest || one.Digest == Render(denyAll, []netip.Addr{a}).Digest {
+		t.Fatal("different rules got the same digest")
+	}
+	have := ParseSave(saved(one))
+	if have.Digest != one.Digest || have.Counts[Chain] != one.Counts[Chain] || have.Counts[Chain+"-0"] != 2 || len(have.Jumps) != 1 {
+		t.Fatalf("ParseSave: %+v", have)
+	}
+	if d := have.Dropped[a]; d.Packets != 7 || d.Bytes != 420 {
+		t.Errorf("dropped counters of %v: %+v, want 7 packets, 420 bytes", a, d)
+	}
+	if p := Update(one, have); p != nil {
+		t.Errorf("the table holds the policy already, but Update writes:\n%s", p)
+	}
+
+	for _, c := range []struct {
+		name       string
+		want       *Rules
+		have       Observed
+		contains   []string
+		notContain []string
+	}{
+		{"from empty", one, ParseSave("*filter\n:INPUT ACCEPT [0:0]\nCOMMIT\n"),
+			[]string{":KST-POLICY - [0:0]", ":KST-POLICY-0 - [0:0]", "-I INPUT 1 -d 192.0.2.10/32", "-j DROP"}, []string{"-D ", "-X "}},
+		{"second tunnel IP", two, have,
+			[]string{":KST-POLICY - [0:0]", "-I INPUT 1 -d 192.0.2.11/32", "-A KST-POLICY -d 192.0.2.11/32"}, []string{"-I INPUT 1 -d 192.0.2.10/32", "-D "}},
+		{"deny all drops the subchain", Render(denyAll, []netip.Addr{a}), have,
+			[]string{":KST-POLICY - [0:0]", ":KST-POLICY-0 - [0:0]", "-X KST-POLICY-0"}, []string{"-I INPUT"}},
+		{"removal", nil, ParseSave(saved(two)),
+			[]string{"-D INPUT -d 192.0.2.10/32", "-D INPUT -d 192.0.2.11/32", "-X KST-POLICY\n", "-X KST-POLICY-0"}, []string{"-A ", "10.9.9.9"}},
+		{"duplicate and stray jumps", one, ParseSave(saved(one, strings.Join(Jump(a), " "), "-d 192.0.2.99/32 -m comment --comment kube-service-tunnel -j KST-POLICY")),
+			[]string{"-D INPUT -d 192.0.2.10/32", "-D INPUT -d 192.0.2.99/32"}, []string{":KST-POLICY", "-I INPUT", "10.9.9.9"}},
+		{"drift in the chain", one, func() Observed { o := have; o.Counts = map[string]int{Chain: 2, Chain + "-0": 2}; return o }(),
+			[]string{":KST-POLICY - [0:0]"}, nil},
+	} {
+		p := string(Update(c.want, c.have))
+		if p == "" {
+			t.Errorf("%s: Update wrote nothing", c.name)
+			continue
+		}
+		for _, s := range c.contains {
+			if !strings.Contains(p, s) {
+				t.Errorf("%s: payload lacks %q:\n%s", c.name, s, p)
+			}
+		}
+		for _, s := range c.notContain {
+			if strings.Contains(p, s) {
+				t.Errorf("%s: payload has %q:\n%s", c.name, s, p)
+			}
+		}
+	}
+	if p := Update(nil, ParseSave("*filter\n:INPUT ACCEPT [0:0]\n-A INPUT -j ACCEPT\nCOMMIT\n")); p != nil {
+		t.Errorf("nothing of ours, nothing wanted, yet Update writes:\n%s", p)
+	}
+}
