@@ -71,6 +71,9 @@ type Config struct {
 	Policy tunnelclaim.Policy
 	// ProcSys is the sysctl directory (--proc-sys); empty means /proc/sys.
 	ProcSys string
+	// NetworkPolicy enforces the ingress NetworkPolicies of each served
+	// pod on its tunneled traffic, in the pod's filter table.
+	NetworkPolicy bool
 }
 
 // Validate checks the configuration for mistakes an operator can make.

@@ -121,6 +121,8 @@ type Controller struct {
 	nodeSynced bool
 	ready      atomic.Bool
 	metrics    *Metrics
+	// policy reads what network policy needs; nil when it is off.
+	policy *policyWatch
 }
 
 // errDesiredStale: the pod changed since its desired state was computed; it
@@ -224,6 +226,11 @@ func NewController(cfg Config, inf Informers, locator runtime.Locator, podNet Po
 	for _, h := range handlers {
 		if _, err := h.inf.AddEventHandler(h.h); err != nil {
 			return nil, fmt.Errorf("adding event handler: %w", err)
+		}
+	}
+	if cfg.NetworkPolicy {
+		if err := c.watchPolicies(inf); err != nil {
+			return nil, err
 		}
 	}
 	return c, nil
@@ -422,6 +429,13 @@ func (c *Controller) recompute() error {
 	}
 	policy := c.live.Get()
 	desired, problems, refused := Desired(c.cfg.NodeName, policy.Pools, policy.Networks(nodes), svcs, esl, pods)
+	if c.policy != nil {
+		p, err := c.policy.withPolicies(desired, pods)
+		if err != nil {
+			return err
+		}
+		problems = append(problems, p...)
+	}
 
 	c.mu.Lock()
 	// The routers record a TunnelIPRefused event; the agent logs the same
@@ -540,10 +554,11 @@ func (c *Controller) syncPod(ctx context.Context, key string) error {
 	if err != nil {
 		return fmt.Errorf("pod %s (netns %s): %w", key, podNS.Path, err)
 	}
-	// In gre mode the pod's decapsulation device counts what it receives;
-	// the metrics read it through this namespace at each scrape.
-	if c.cfg.Mode == encap.GRE {
-		kept = c.metrics.keepNamespace(key, want.TunnelIPs, podNS.Handle)
+	// In gre mode the pod's decapsulation device counts what it receives,
+	// and the policy rules count what they drop: the metrics read them
+	// through this namespace at each scrape.
+	if c.cfg.Mode == encap.GRE || want.Policy != nil {
+		kept = c.metrics.keepNamespace(key, want, podNS.Handle)
 	}
 	if len(acts) > 0 {
 		log.WithField("tunnel_ips", want.TunnelIPs).Info("pod converged")

@@ -4,6 +4,8 @@ import (
 	"context"
 	"io"
 	"net/netip"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -11,6 +13,7 @@ import (
 	"github.com/sirupsen/logrus"
 	"github.com/vishvananda/netns"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes/fake"
@@ -95,11 +98,17 @@ func startController(t *testing.T, loc *fakeLocator, pods *fakePods, objects ...
 // (nil: none), and returns it with its client.
 func startControllerWith(t *testing.T, loc *fakeLocator, pods PodSyncer, node NodeSyncer, metrics *Metrics, objects ...k8sruntime.Object) (*fake.Clientset, *Controller) {
 	t.Helper()
+	return startControllerConfig(t, testConfig(encap.GRE), loc, pods, node, metrics, objects...)
+}
+
+// startControllerConfig is startControllerWith with the configuration cfg.
+func startControllerConfig(t *testing.T, cfg Config, loc *fakeLocator, pods PodSyncer, node NodeSyncer, metrics *Metrics, objects ...k8sruntime.Object) (*fake.Clientset, *Controller) {
+	t.Helper()
 	client := fake.NewClientset(objects...)
 	inf := NewInformers(client, "n1")
 	log := logrus.New()
 	log.Out = io.Discard
-	c, err := NewController(testConfig(encap.GRE), inf, loc, pods, node, log)
+	c, err := NewController(cfg, inf, loc, pods, node, log)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -217,4 +226,57 @@ func TestControllerReevaluatesWhenNodesChange(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor(t, "tunnel IP served again once the Node is gone", func() bool { return len(pods.history("p")) >= 3 && len(last()) == 1 })
+}
+
+func TestControllerFollowsNetworkPolicies(t *testing.T) {
+	svc := tunnelService("a", "web", "192.0.2.10", time.Hour)
+	pod := testPod("a", "p", "n1", "10.1.0.11")
+	pod.Labels = map[string]string{"app": "web"}
+	client := testPod("b", "c", "n2", "10.2.0.5") // on another node
+	client.Labels = map[string]string{"role": "client"}
+	es := slice("a", "web", ep{"10.1.0.11", "n1", "p", true})
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "b", Labels: map[string]string{"team": "b"}}}
+	loc := &fakeLocator{found: map[netip.Addr]bool{netip.MustParseAddr("10.1.0.11"): true}, lookups: map[string]int{}}
+	pods := &fakePods{wants: map[string][]PodTunnels{}}
+	cfg := testConfig(encap.GRE)
+	cfg.NetworkPolicy = true
+	cs, _ := startControllerConfig(t, cfg, loc, pods, fakeNode{}, nil, svc, pod, client, es, ns)
+	last := func() PodTunnels {
+		h := pods.history("p")
+		if len(h) == 0 {
+			return PodTunnels{}
+		}
+		return h[len(h)-1]
+	}
+	waitFor(t, "pod served, not isolated", func() bool { return len(last().TunnelIPs) == 1 && last().Policy == nil })
+
+	ctx := context.Background()
+	np := &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: "a", Name: "from-team-b"},
+		Spec: networkingv1.NetworkPolicySpec{
+			PodSelector: metav1.LabelSelector{MatchLabels: map[string]string{"app": "web"}},
+			Ingress: []networkingv1.NetworkPolicyIngressRule{{From: []networkingv1.NetworkPolicyPeer{{
+				NamespaceSelector: &metav1.LabelSelector{MatchLabels: map[string]string{"team": "b"}},
+				PodSelector:       &metav1.LabelSelector{MatchLabels: map[string]string{"role": "client"}},
+			}}}},
+		}}
+	if _, err := cs.NetworkingV1().NetworkPolicies("a").Create(ctx, np, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	admits := func(src string) bool {
+		p := last().Policy
+		return p != nil && slices.ContainsFunc(p.Body, func(l string) bool { return strings.Contains(l, "-s "+src+"/32 ") })
+	}
+	waitFor(t, "the client pod of team b admitted", func() bool { return admits("10.2.0.5") })
+
+	// The namespace loses its label: the client is no longer a peer.
+	ns.Labels = nil
+	if _, err := cs.CoreV1().Namespaces().Update(ctx, ns, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "isolated, admitting no one", func() bool { return last().Policy != nil && !admits("10.2.0.5") })
+
+	if err := cs.NetworkingV1().NetworkPolicies("a").Delete(ctx, np.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "not isolated once the policy is gone", func() bool { return last().Policy == nil && len(last().TunnelIPs) == 1 })
 }

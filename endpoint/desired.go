@@ -7,6 +7,9 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
+	networkingv1 "k8s.io/api/networking/v1"
+
+	"github.com/cmdnu/kube-service-tunnel/endpoint/netpol"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
@@ -19,11 +22,39 @@ type PodTunnels struct {
 	// TunnelIPs is sorted and free of duplicates; empty means the pod must
 	// hold nothing of the agent's.
 	TunnelIPs []netip.Addr
+	// Policy is the pod's tunneled ingress policy rules (WithPolicies);
+	// nil when no NetworkPolicy isolates the pod: it accepts everything.
+	Policy *netpol.Rules
 }
 
 // Equal reports whether two desired states are the same.
 func (p PodTunnels) Equal(o PodTunnels) bool {
-	return p.Pod == o.Pod && slices.Equal(p.TunnelIPs, o.TunnelIPs)
+	return p.Pod == o.Pod && slices.Equal(p.TunnelIPs, o.TunnelIPs) && p.Policy.Equal(o.Policy)
+}
+
+// WithPolicies sets the Policy of every pod in desired from the ingress
+// NetworkPolicies that select it (netpol.ForPod, resolved against
+// cluster); localPods are the node's pods by "namespace/name". problems
+// name each policy field that could not be used, once.
+func WithPolicies(desired map[string]PodTunnels, localPods map[string]*corev1.Pod, policies []*networkingv1.NetworkPolicy, cluster netpol.Cluster) (problems []string) {
+	seen := map[string]bool{}
+	for key, pt := range desired {
+		pod := localPods[key]
+		if pod == nil {
+			continue
+		}
+		in, p := netpol.ForPod(pod, policies, cluster)
+		for _, msg := range p {
+			if !seen[msg] {
+				seen[msg] = true
+				problems = append(problems, msg)
+			}
+		}
+		pt.Policy = netpol.Render(in, pt.TunnelIPs)
+		desired[key] = pt
+	}
+	slices.Sort(problems)
+	return problems
 }
 
 // Desired computes, for every pod of this node that backs a tunnel Service,

@@ -1,12 +1,14 @@
 package endpoint
 
 import (
+	"maps"
 	"net/netip"
 	"slices"
 	"strings"
 	"sync"
 	"time"
 
+	"github.com/cmdnu/kube-service-tunnel/endpoint/netpol"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/vishvananda/netns"
@@ -34,11 +36,18 @@ type DecapCounterReader interface {
 	DecapCounters(ns netns.NsHandle) (DecapCounters, error)
 }
 
+// PolicyCounterReader reads, in a pod's namespace, the counters of what
+// each tunnel IP's network policy dropped (*PodNetwork).
+type PolicyCounterReader interface {
+	PolicyDrops(ns netns.NsHandle) (map[netip.Addr]netpol.Counter, error)
+}
+
 // Metrics are the endpoint agent's Prometheus metrics. A nil *Metrics
 // records nothing, so the controller runs without them.
 type Metrics struct {
 	tunnelIPs    prometheus.Gauge
 	refused      prometheus.Gauge
+	isolated     prometheus.Gauge
 	endpoints    *prometheus.GaugeVec
 	syncDuration *prometheus.HistogramVec
 	syncErrors   *prometheus.CounterVec
@@ -53,8 +62,9 @@ type Metrics struct {
 
 // NewMetrics registers the agent's metrics on reg (nil: not exported). The
 // decapsulation devices' counters are read through decap at each scrape;
-// nil leaves them out (mpls mode has no such device).
-func NewMetrics(reg prometheus.Registerer, decap DecapCounterReader) *Metrics {
+// nil leaves them out (mpls mode has no such device). So are the network
+// policy's drop counters, through drops (nil: network policy is off).
+func NewMetrics(reg prometheus.Registerer, decap DecapCounterReader, drops PolicyCounterReader) *Metrics {
 	m := &Metrics{
 		tunnelIPs: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kube_service_tunnel_endpoint_tunnel_ips",
@@ -63,6 +73,10 @@ func NewMetrics(reg prometheus.Registerer, decap DecapCounterReader) *Metrics {
 		refused: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kube_service_tunnel_endpoint_refused_tunnel_ips",
 			Help: "Tunnel IPs of annotated Services that the address pools or the cluster's networks refuse: not served in any pod.",
+		}),
+		isolated: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kube_service_tunnel_endpoint_isolated_pods",
+			Help: "Served pods of this node whose tunneled traffic a NetworkPolicy restricts (desired state).",
 		}),
 		endpoints: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kube_service_tunnel_endpoint_local_endpoints",
@@ -83,13 +97,13 @@ func NewMetrics(reg prometheus.Registerer, decap DecapCounterReader) *Metrics {
 		}, []string{"netns", "object", "operation"}),
 		vips: map[netip.Addr]bool{},
 	}
-	m.decap = newDecapCollector(decap)
+	m.decap = newDecapCollector(decap, drops)
 	for _, kind := range []string{syncKindPod, syncKindNode, syncKindDesired, syncKindResync} {
 		m.syncErrors.WithLabelValues(kind)
 	}
 	if reg != nil {
-		reg.MustRegister(m.tunnelIPs, m.refused, m.endpoints, m.syncDuration, m.syncErrors, m.kernelOps, m.decap.errors)
-		if decap != nil {
+		reg.MustRegister(m.tunnelIPs, m.refused, m.isolated, m.endpoints, m.syncDuration, m.syncErrors, m.kernelOps, m.decap.errors)
+		if decap != nil || drops != nil {
 			reg.MustRegister(m.decap)
 		}
 	}
@@ -136,7 +150,11 @@ func (m *Metrics) desiredState(desired map[string]PodTunnels, refused []tunnelcl
 		return
 	}
 	counts := map[netip.Addr]int{}
+	isolated := 0
 	for _, pt := range desired {
+		if pt.Policy != nil {
+			isolated++
+		}
 		for _, vip := range pt.TunnelIPs {
 			counts[vip]++
 		}
@@ -148,6 +166,7 @@ func (m *Metrics) desiredState(desired map[string]PodTunnels, refused []tunnelcl
 	m.mu.Lock()
 	m.tunnelIPs.Set(float64(len(counts)))
 	m.refused.Set(float64(len(refusedVIPs)))
+	m.isolated.Set(float64(isolated))
 	for vip := range m.vips {
 		if counts[vip] == 0 {
 			m.endpoints.DeleteLabelValues(vip.String())
@@ -162,15 +181,19 @@ func (m *Metrics) desiredState(desired map[string]PodTunnels, refused []tunnelcl
 	m.decap.retain(func(pod string) bool { return len(desired[pod].TunnelIPs) > 0 })
 }
 
-// keepNamespace hands the namespace of a pod just converged to serve
-// tunnelIPs to the counters' collector, which owns it from then on (and
-// closes the one it had for the pod). It reports whether it took it; when not,
-// the caller closes it.
-func (m *Metrics) keepNamespace(pod string, tunnelIPs []netip.Addr, ns netns.NsHandle) bool {
-	if m == nil || m.decap.reader == nil || len(tunnelIPs) == 0 {
+// keepNamespace hands the namespace of a pod just converged to want to the
+// counters' collector, which owns it from then on (and closes the one it
+// had for the pod). It reports whether it took it; when not, the caller
+// closes it.
+func (m *Metrics) keepNamespace(pod string, want PodTunnels, ns netns.NsHandle) bool {
+	if m == nil || len(want.TunnelIPs) == 0 {
 		return false
 	}
-	m.decap.keep(pod, tunnelIPs, ns)
+	policy := want.Policy != nil && m.decap.drops != nil
+	if m.decap.reader == nil && !policy {
+		return false
+	}
+	m.decap.keep(pod, want.TunnelIPs, policy, ns)
 	return true
 }
 
@@ -191,11 +214,14 @@ func (m *Metrics) release() {
 }
 
 // decapCollector exports the receive counters of every served pod's
-// decapsulation device, read from the kernel at each scrape.
+// decapsulation device, and what its network policy dropped, read from the
+// kernel at each scrape.
 type decapCollector struct {
-	reader         DecapCounterReader
-	packets, bytes *prometheus.Desc
-	errors         prometheus.Counter
+	reader                 DecapCounterReader
+	drops                  PolicyCounterReader
+	packets, bytes         *prometheus.Desc
+	dropPackets, dropBytes *prometheus.Desc
+	errors                 prometheus.Counter
 
 	// mu is held during a whole scrape, so that a namespace is never closed
 	// while it is read.
@@ -203,32 +229,39 @@ type decapCollector struct {
 	pods map[string]decapPod
 }
 
-// decapPod is a served pod's namespace and the tunnel IPs its device holds.
+// decapPod is a served pod's namespace and the tunnel IPs its device
+// holds; policy: a NetworkPolicy isolates it (its drops are read).
 type decapPod struct {
-	ns  netns.NsHandle
-	vip string
+	ns     netns.NsHandle
+	vip    string
+	policy bool
 }
 
-func newDecapCollector(reader DecapCounterReader) *decapCollector {
+func newDecapCollector(reader DecapCounterReader, drops PolicyCounterReader) *decapCollector {
 	// A pod's device holds all its tunnel IPs and the kernel counts per
 	// device: vip is the pod's tunnel IP, or all of them comma-separated when
 	// it serves several.
 	labels := []string{"vip", "pod"}
 	return &decapCollector{
 		reader: reader,
+		drops:  drops,
+		dropPackets: prometheus.NewDesc("kube_service_tunnel_endpoint_policy_dropped_packets_total",
+			"Tunneled packets to the tunnel IP that the pod's NetworkPolicies do not admit, dropped in the pod (read from the pod's filter table at scrape time).", []string{"vip", "pod"}, nil),
+		dropBytes: prometheus.NewDesc("kube_service_tunnel_endpoint_policy_dropped_bytes_total",
+			"Bytes of the tunneled packets the pod's NetworkPolicies dropped (read from the pod's filter table at scrape time).", []string{"vip", "pod"}, nil),
 		packets: prometheus.NewDesc("kube_service_tunnel_endpoint_decap_received_packets_total",
 			"Packets the pod's decapsulation device received (gre mode; read from the kernel's link statistics at scrape time).", labels, nil),
 		bytes: prometheus.NewDesc("kube_service_tunnel_endpoint_decap_received_bytes_total",
 			"Bytes of the decapsulated packets the pod's decapsulation device received (gre mode; read from the kernel's link statistics at scrape time).", labels, nil),
 		errors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kube_service_tunnel_endpoint_decap_counter_errors_total",
-			Help: "Failures to read a pod's decapsulation device counters during a scrape; the pod's series is left out of that scrape.",
+			Help: "Failures to read a pod's decapsulation device counters or network policy drop counters during a scrape; the pod's series is left out of that scrape.",
 		}),
 		pods: map[string]decapPod{},
 	}
 }
 
-func (d *decapCollector) keep(pod string, tunnelIPs []netip.Addr, ns netns.NsHandle) {
+func (d *decapCollector) keep(pod string, tunnelIPs []netip.Addr, policy bool, ns netns.NsHandle) {
 	ips := make([]string, len(tunnelIPs))
 	for i, ip := range tunnelIPs {
 		ips[i] = ip.String()
@@ -238,7 +271,7 @@ func (d *decapCollector) keep(pod string, tunnelIPs []netip.Addr, ns netns.NsHan
 	if old, ok := d.pods[pod]; ok && old.ns != ns {
 		old.ns.Close()
 	}
-	d.pods[pod] = decapPod{ns: ns, vip: strings.Join(ips, ",")}
+	d.pods[pod] = decapPod{ns: ns, vip: strings.Join(ips, ","), policy: policy}
 }
 
 // retain keeps the pods for which keep is true and closes the others'
@@ -258,6 +291,8 @@ func (d *decapCollector) retain(keep func(pod string) bool) {
 func (d *decapCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- d.packets
 	ch <- d.bytes
+	ch <- d.dropPackets
+	ch <- d.dropBytes
 }
 
 // Collect implements prometheus.Collector: a pod whose counters cannot be
@@ -272,12 +307,27 @@ func (d *decapCollector) Collect(ch chan<- prometheus.Metric) {
 	slices.Sort(pods)
 	for _, pod := range pods {
 		p := d.pods[pod]
-		c, err := d.reader.DecapCounters(p.ns)
-		if err != nil {
-			d.errors.Inc()
-			continue
+		if d.reader != nil {
+			c, err := d.reader.DecapCounters(p.ns)
+			if err != nil {
+				d.errors.Inc()
+			} else {
+				ch <- prometheus.MustNewConstMetric(d.packets, prometheus.CounterValue, float64(c.Packets), p.vip, pod)
+				ch <- prometheus.MustNewConstMetric(d.bytes, prometheus.CounterValue, float64(c.Bytes), p.vip, pod)
+			}
 		}
-		ch <- prometheus.MustNewConstMetric(d.packets, prometheus.CounterValue, float64(c.Packets), p.vip, pod)
-		ch <- prometheus.MustNewConstMetric(d.bytes, prometheus.CounterValue, float64(c.Bytes), p.vip, pod)
+		if d.drops != nil && p.policy {
+			dropped, err := d.drops.PolicyDrops(p.ns)
+			if err != nil {
+				d.errors.Inc()
+				continue
+			}
+			vips := slices.SortedFunc(maps.Keys(dropped), netip.Addr.Compare)
+			for _, vip := range vips {
+				c := dropped[vip]
+				ch <- prometheus.MustNewConstMetric(d.dropPackets, prometheus.CounterValue, float64(c.Packets), vip.String(), pod)
+				ch <- prometheus.MustNewConstMetric(d.dropBytes, prometheus.CounterValue, float64(c.Bytes), vip.String(), pod)
+			}
+		}
 	}
 }

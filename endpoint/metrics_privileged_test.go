@@ -65,13 +65,13 @@ func TestDecapCountersFromKernel(t *testing.T) {
 	}
 
 	reg := prometheus.NewRegistry()
-	m := NewMetrics(reg, pn)
+	m := NewMetrics(reg, pn, nil)
 	t.Cleanup(m.release)
 	fd, err := unix.Dup(int(pod.Handle))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !m.keepNamespace("a/web-1", w.TunnelIPs, netns.NsHandle(fd)) {
+	if !m.keepNamespace("a/web-1", w, netns.NsHandle(fd)) {
 		unix.Close(fd)
 		t.Fatal("the metrics did not take the pod's namespace")
 	}

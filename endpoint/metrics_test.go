@@ -139,7 +139,7 @@ func TestControllerMetrics(t *testing.T) {
 	node := &scriptedNode{}
 	counters := &fixedCounters{c: DecapCounters{Packets: 42, Bytes: 4200}}
 	reg := prometheus.NewRegistry()
-	client, ctrl := startControllerWith(t, loc, pods, node, NewMetrics(reg, counters), objects...)
+	client, ctrl := startControllerWith(t, loc, pods, node, NewMetrics(reg, counters, nil), objects...)
 
 	waitFor(t, "first full sync", ctrl.Ready)
 	if got := promtest.Series(t, reg, "kube_service_tunnel_endpoint_tunnel_ips")[""]; got != 2 {
@@ -238,7 +238,7 @@ func TestReadyAfterFirstFullSync(t *testing.T) {
 	pods := &scriptedPods{held: map[string][]netip.Addr{}}
 	node := &scriptedNode{}
 	reg := daemon.NewRegistry()
-	_, ctrl := startControllerWith(t, loc, pods, node, NewMetrics(reg, nil), objects...)
+	_, ctrl := startControllerWith(t, loc, pods, node, NewMetrics(reg, nil, nil), objects...)
 
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)

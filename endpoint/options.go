@@ -7,6 +7,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
+	"github.com/cmdnu/kube-service-tunnel/internal/iptbackend"
 )
 
 // Options are the endpoint agent's command-line options.
@@ -22,6 +23,9 @@ type Options struct {
 	Cleanup bool
 	// WaitAfterCleanup makes a successful Cleanup wait for SIGTERM.
 	WaitAfterCleanup bool
+	// IPTablesBackend writes the network policy rules (auto, nft, legacy
+	// or system).
+	IPTablesBackend iptbackend.Backend
 	// MetricsAddress is where /metrics, /healthz and /readyz are served; empty: nowhere.
 	MetricsAddress string
 }
@@ -35,8 +39,9 @@ const DefaultMetricsAddress = ":9642"
 func (o *Options) AddFlags(fs *flag.FlagSet) {
 	o.Config = Config{
 		Mode: encap.GRE, Device: DefaultDevice, RouteProtocol: encap.DefaultRouteProtocol,
-		ResyncPeriod: DefaultResyncPeriod, Workers: 4,
+		ResyncPeriod: DefaultResyncPeriod, Workers: 4, NetworkPolicy: true,
 	}
+	o.IPTablesBackend = iptbackend.Auto
 	fs.Func("mode", `encapsulation the routers use: "gre" or "mpls" (default "gre")`, func(s string) error { o.Mode = encap.Mode(s); return nil })
 	fs.StringVar(&o.NodeName, "node-name", "", "name of this node: only its endpoints are handled (env NODE_NAME)")
 	fs.StringVar(&o.Device, "device", o.Device, "name of the GRE decapsulation device created in each pod (gre mode)")
@@ -58,6 +63,12 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.ResyncPeriod, "resync-period", o.ResyncPeriod, "how often every local pod's namespace is checked and repaired (0 disables)")
 	fs.IntVar(&o.Workers, "workers", o.Workers, "pods configured in parallel")
 	daemon.AddPolicyFlags(fs, &o.Policy)
+	fs.BoolVar(&o.NetworkPolicy, "network-policy", o.NetworkPolicy, "enforce each served pod's ingress NetworkPolicies on its tunneled traffic, with iptables rules in the pod's network namespace (false: tunneled traffic bypasses them, and rules of an earlier run are removed)")
+	fs.Func("iptables-backend", `iptables backend for the network policy rules in pods: "auto" (the node's, as the router chooses it), "nft", "legacy", or "system" (the iptables command on PATH) (default "auto")`, func(s string) error {
+		b, err := iptbackend.Parse(s)
+		o.IPTablesBackend = b
+		return err
+	})
 	fs.StringVar(&o.Runtime, "runtime", "auto", "how pods' network namespaces are found: auto, docker, cri (containerd, CRI-O) or netns (search by pod IP)")
 	fs.StringVar(&o.RuntimeEndpoint, "runtime-endpoint", "", "runtime socket, e.g. unix:///run/containerd/containerd.sock (default: the runtime's usual socket)")
 	o.Common.AddFlags(fs)

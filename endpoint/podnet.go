@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"slices"
 
+	"github.com/cmdnu/kube-service-tunnel/endpoint/netpol"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
@@ -54,6 +55,9 @@ type PodNetwork struct {
 	cfg    Config
 	kind   DecapDevice
 	sysctl Sysctls
+	// tables reads and writes pods' filter tables (network policy); nil:
+	// the agent never looks at them.
+	tables PolicyTables
 	// node is the node's own namespace, which is never treated as a pod's.
 	node netns.NsHandle
 }
@@ -62,6 +66,14 @@ type PodNetwork struct {
 // namespace node.
 func NewPodNetwork(cfg Config, node netns.NsHandle) *PodNetwork {
 	return &PodNetwork{cfg: cfg, kind: GRE{}, sysctl: ProcSysctls{Dir: cfg.ProcSys}, node: node}
+}
+
+// WithPolicyTables returns a copy of p that enforces pods' network
+// policy through tables (nil: never reads nor writes a filter table).
+func (p *PodNetwork) WithPolicyTables(tables PolicyTables) *PodNetwork {
+	c := *p
+	c.tables = tables
+	return &c
 }
 
 // WithDevice returns a copy of p that creates device instead of GRE.
@@ -191,6 +203,13 @@ func (p *PodNetwork) observe(nl *netlink.Handle, ns netns.NsHandle, podIP netip.
 	if err != nil {
 		return st, err
 	}
+	if p.tables != nil {
+		if save, err := p.tables.Save(ns); err != nil {
+			st.PolicyErr = err
+		} else {
+			st.Policy = netpol.ParseSave(save)
+		}
+	}
 	slices.SortFunc(st.DeviceIPs, netip.Addr.Compare)
 	slices.SortFunc(st.LoopbackIPs, netip.Addr.Compare)
 	return st, nil
@@ -239,6 +258,19 @@ func (p *PodNetwork) DecapCounters(ns netns.NsHandle) (DecapCounters, error) {
 		return DecapCounters{}, fmt.Errorf("device %s: the kernel gave no statistics", p.cfg.Device)
 	}
 	return DecapCounters{Packets: stats.RxPackets, Bytes: stats.RxBytes}, nil
+}
+
+// PolicyDrops reads, in the pod namespace ns, the counters of the packets
+// each tunnel IP's network policy dropped.
+func (p *PodNetwork) PolicyDrops(ns netns.NsHandle) (map[netip.Addr]netpol.Counter, error) {
+	if p.tables == nil {
+		return nil, errors.New("network policy is off")
+	}
+	save, err := p.tables.Save(ns)
+	if err != nil {
+		return nil, err
+	}
+	return netpol.ParseSave(save).Dropped, nil
 }
 
 // defaultRoute returns the IPv4 default route of the main table.
@@ -323,6 +355,11 @@ func (p *PodNetwork) apply(nl *netlink.Handle, ns netns.NsHandle, a PodChange) e
 			return err
 		}
 		return nil
+	case actSyncPolicy:
+		if p.tables == nil {
+			return errors.New("no iptables to write the network policy rules with")
+		}
+		return p.tables.Restore(ns, a.Payload)
 	case actSetAdvMSS:
 		r, ok, err := defaultRoute(nl)
 		if err != nil || !ok {

@@ -5,6 +5,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"os/exec"
 	"slices"
 	"strings"
 	"testing"
@@ -293,7 +294,7 @@ func TestCleanupRemovesOnlyWhatTheAgentOwns(t *testing.T) {
 	nss := []runtime.Netns{{Handle: podA.Handle, Path: "podA"}, {Handle: podB.Handle, Path: "podB"}}
 	log := logrus.New()
 	log.Out = io.Discard
-	if err := CleanupNamespaces(cfg, nss, node.Handle, log); err != nil {
+	if err := CleanupNamespaces(cfg, nil, nss, node.Handle, log); err != nil {
 		t.Fatal(err)
 	}
 	if after := snapshot(podA); after != beforeA {
@@ -304,5 +305,94 @@ func TestCleanupRemovesOnlyWhatTheAgentOwns(t *testing.T) {
 	}
 	if _, err := podB.Netlink().LinkByName("other"); err != nil {
 		t.Errorf("foreign device removed: %v", err)
+	}
+}
+
+func TestPodNetworkPolicyLifecycle(t *testing.T) {
+	if _, err := exec.LookPath("iptables-save"); err != nil {
+		t.Skip("no iptables-save")
+	}
+	ip := netip.MustParseAddr("198.18.10.21")
+	pod, _ := podAndNode(t, ip)
+	pod.Run("iptables", "-A", "INPUT", "-s", "192.0.2.99/32", "-j", "ACCEPT") // the pod's own
+	tables := NamespaceIPTables{Binary: "iptables"}
+	pn := standInPodNetwork(testConfig(encap.GRE)).WithPolicyTables(tables)
+	w := isolated(want(vip1))
+	w.Pod.IP = ip
+
+	acts, err := pn.Sync(pod.Handle, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(render(acts), "write network policy rules "+w.Policy.Digest+";") {
+		t.Fatalf("first sync: %q; want the policy written first", render(acts))
+	}
+	rules := pod.Run("iptables", "-S")
+	for _, s := range []string{"-A INPUT -d 192.0.2.10/32 -m comment --comment kube-service-tunnel -j KST-POLICY", "-A KST-POLICY -d 192.0.2.10/32 -m comment --comment kube-service-tunnel -j DROP"} {
+		if !strings.Contains(rules, s) {
+			t.Fatalf("the pod's rules lack %q:\n%s", s, rules)
+		}
+	}
+	// A restarted agent adopts the rules without a write.
+	if acts, err := standInPodNetwork(testConfig(encap.GRE)).WithPolicyTables(tables).Sync(pod.Handle, w); err != nil || len(acts) != 0 {
+		t.Fatalf("re-sync after restart: %q, %v; want no change", render(acts), err)
+	}
+	// A second tunnel IP: the rules are rewritten before it is added.
+	w.TunnelIPs = []netip.Addr{vip1, vip2}
+	w = isolated(w)
+	if acts, err := pn.Sync(pod.Handle, w); err != nil || render(acts) != "write network policy rules "+w.Policy.Digest+"; add tunnel IP 192.0.2.11 on device" {
+		t.Fatalf("second tunnel IP: %q, %v", render(acts), err)
+	}
+	// Drift: someone deleted a jump; it is put back.
+	pod.Run("iptables", "-D", "INPUT", "-d", "192.0.2.11/32", "-m", "comment", "--comment", "kube-service-tunnel", "-j", "KST-POLICY")
+	if acts, err := pn.Sync(pod.Handle, w); err != nil || render(acts) != "write network policy rules "+w.Policy.Digest {
+		t.Fatalf("repairing a deleted jump: %q, %v", render(acts), err)
+	}
+	if drops, err := pn.PolicyDrops(pod.Handle); err != nil || len(drops) != 2 {
+		t.Fatalf("PolicyDrops = %v, %v; want a counter for each tunnel IP", drops, err)
+	}
+	// No longer served: the rules go with the tunnel IPs; the pod's own rule stays.
+	w = want()
+	w.Pod.IP = ip
+	if _, err := pn.Sync(pod.Handle, w); err != nil {
+		t.Fatal(err)
+	}
+	after := pod.Run("iptables-save")
+	if strings.Contains(after, "KST-POLICY") || !strings.Contains(after, "-A INPUT -s 192.0.2.99/32 -j ACCEPT") {
+		t.Fatalf("after the last tunnel IP went:\n%s", after)
+	}
+}
+
+func TestCleanupRemovesPolicyRules(t *testing.T) {
+	if _, err := exec.LookPath("iptables-save"); err != nil {
+		t.Skip("no iptables-save")
+	}
+	ip := netip.MustParseAddr("198.18.10.31")
+	pod, node := podAndNode(t, ip)
+	pod.Run("iptables", "-A", "INPUT", "-s", "192.0.2.99/32", "-j", "ACCEPT")
+	before := pod.Run("iptables-save")
+	tables := NamespaceIPTables{Binary: "iptables"}
+	cfg := testConfig(encap.GRE)
+	w := isolated(want(vip1))
+	w.Pod.IP = ip
+	if _, err := standInPodNetwork(cfg).WithPolicyTables(tables).Sync(pod.Handle, w); err != nil {
+		t.Fatal(err)
+	}
+	log := logrus.New()
+	log.Out = io.Discard
+	if err := CleanupNamespaces(cfg, tables, []runtime.Netns{{Handle: pod.Handle, Path: "pod"}}, node.Handle, log); err != nil {
+		t.Fatal(err)
+	}
+	strip := func(s string) string { // iptables-save's header and footer name the time
+		var keep []string
+		for l := range strings.Lines(s) {
+			if !strings.HasPrefix(l, "#") {
+				keep = append(keep, l)
+			}
+		}
+		return strings.Join(keep, "")
+	}
+	if after := pod.Run("iptables-save"); strip(after) != strip(before) {
+		t.Errorf("filter table after cleanup:\n%s\nbefore:\n%s", after, before)
 	}
 }

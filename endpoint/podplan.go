@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strconv"
 
+	"github.com/cmdnu/kube-service-tunnel/endpoint/netpol"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 )
 
@@ -33,6 +34,10 @@ type podState struct {
 	// has one, with its advmss (0 = unset).
 	DefaultRoute bool
 	AdvMSS       int
+	// Policy is what the pod's filter table holds of the agent's policy
+	// rules; PolicyErr is set instead when the table could not be read.
+	Policy    netpol.Observed
+	PolicyErr error
 }
 
 // deviceState describes the agent's GRE device in a pod.
@@ -59,6 +64,7 @@ const (
 	actAddPopRoute
 	actDelPopRoute
 	actSetAdvMSS
+	actSyncPolicy
 )
 
 // PodChange is one change to a pod's namespace, as planned and made.
@@ -70,6 +76,10 @@ type PodChange struct {
 	Sysctl   string // actSetSysctl: name relative to /proc/sys
 	Value    string // actSetSysctl: value
 	MSS      int    // actSetAdvMSS: 0 removes it
+	// Payload is actSyncPolicy's iptables-restore input; Digest names the
+	// policy it writes ("" when it removes the agent's rules).
+	Payload []byte
+	Digest  string
 }
 
 func (a PodChange) String() string {
@@ -94,6 +104,11 @@ func (a PodChange) String() string {
 		return "remove mpls route " + strconv.Itoa(PodLabel) + " dev lo"
 	case actSetAdvMSS:
 		return "default route advmss " + strconv.Itoa(a.MSS)
+	case actSyncPolicy:
+		if a.Digest == "" {
+			return "remove network policy rules"
+		}
+		return "write network policy rules " + a.Digest
 	}
 	return fmt.Sprintf("action %d", a.Kind)
 }
@@ -122,6 +137,11 @@ func (a PodChange) Operation() (object, operation string) {
 		return "mpls_route", "delete"
 	case actSetAdvMSS:
 		return "default_route", "set_advmss"
+	case actSyncPolicy:
+		if a.Digest == "" {
+			return "policy_rules", "remove"
+		}
+		return "policy_rules", "restore"
 	}
 	return "unknown", strconv.Itoa(int(a.Kind))
 }
@@ -192,6 +212,20 @@ func planPod(cfg Config, want PodTunnels, have podState) ([]PodChange, error) {
 	}
 	if have.PopRoute && len(wantLoopback) == 0 {
 		acts = append(acts, PodChange{Kind: actDelPopRoute})
+	}
+	// The policy rules change after the tunnel IPs that leave and before
+	// those that come, so that no tunnel IP is ever served unfiltered.
+	switch {
+	case have.PolicyErr != nil && want.Policy != nil:
+		return nil, fmt.Errorf("reading the pod's filter table for its network policy: %w", have.PolicyErr)
+	case have.PolicyErr == nil:
+		if payload := netpol.Update(want.Policy, have.Policy); payload != nil {
+			a := PodChange{Kind: actSyncPolicy, Payload: payload}
+			if want.Policy != nil {
+				a.Digest = want.Policy.Digest
+			}
+			acts = append(acts, a)
+		}
 	}
 	if !serve {
 		if cfg.PodAdvMSS != 0 && have.DefaultRoute && have.AdvMSS == cfg.PodAdvMSS {

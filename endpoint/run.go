@@ -10,6 +10,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
+	"github.com/cmdnu/kube-service-tunnel/internal/iptbackend"
 	"github.com/cmdnu/kube-service-tunnel/internal/kernelcheck"
 	"github.com/cmdnu/kube-service-tunnel/internal/livepolicy"
 	"github.com/cmdnu/kube-service-tunnel/internal/version"
@@ -30,8 +31,14 @@ func Main(args []string) error {
 		return fmt.Errorf("opening this node's network namespace: %w", err)
 	}
 	defer nodeNS.Close()
+	backend, err := iptbackend.Choose(o.IPTablesBackend, "", iptbackend.Host)
+	if err != nil {
+		return err
+	}
+	tables := NamespaceIPTables{Binary: backend.Backend.Binary("iptables")}
+	entry.WithFields(logrus.Fields{"backend": backend.Backend, "iptables": tables.Binary, "why": backend.Reason}).Info("iptables backend chosen for the network policy rules in pods")
 	if o.Cleanup {
-		if err := Cleanup(o.Config, nodeNS, entry); err != nil || !o.WaitAfterCleanup {
+		if err := Cleanup(o.Config, tables, nodeNS, entry); err != nil || !o.WaitAfterCleanup {
 			return err
 		}
 		entry.Info("node clean: waiting for SIGTERM (--wait-after-cleanup)")
@@ -39,7 +46,7 @@ func Main(args []string) error {
 		return nil
 	}
 	// Before any kernel state is touched; cleanup must work on any kernel.
-	if err := kernelcheck.Verify(kernelcheck.Endpoint(o.Mode), entry, kernelcheck.WithProcSys(o.ProcSys)); err != nil {
+	if err := kernelcheck.Verify(kernelcheck.Endpoint(o.Mode, o.NetworkPolicy), entry, kernelcheck.WithProcSys(o.ProcSys), kernelcheck.WithIPTables(tables.Binary)); err != nil {
 		return fmt.Errorf("kernel check (--mode %s): %w", o.Mode, err)
 	}
 
@@ -50,7 +57,7 @@ func Main(args []string) error {
 	defer locator.Close()
 	entry.WithFields(logrus.Fields{
 		"version": version.String(), "mode": o.Mode, "node": o.NodeName, "runtime": how, "device": o.Device,
-		"pod_advmss": o.PodAdvMSS, "route_protocol": o.RouteProtocol,
+		"pod_advmss": o.PodAdvMSS, "route_protocol": o.RouteProtocol, "network_policy": o.NetworkPolicy,
 	}).Info("starting endpoint agent")
 	daemon.LogPolicy(entry, o.Policy)
 
@@ -59,7 +66,9 @@ func Main(args []string) error {
 		return err
 	}
 	inf := NewInformers(client, o.NodeName)
-	podNet := NewPodNetwork(o.Config, nodeNS)
+	// The filter tables are read even with network policy off, so that the
+	// rules of an earlier run are removed.
+	podNet := NewPodNetwork(o.Config, nodeNS).WithPolicyTables(tables)
 	ctrl, err := NewController(o.Config, inf, locator, podNet, NewNodeNetwork(o.Config, nodeNS), entry)
 	if err != nil {
 		return err
@@ -79,7 +88,11 @@ func Main(args []string) error {
 	if o.Mode == encap.GRE {
 		decap = podNet
 	}
-	ctrl.SetMetrics(NewMetrics(reg, decap))
+	var drops PolicyCounterReader
+	if o.NetworkPolicy {
+		drops = podNet
+	}
+	ctrl.SetMetrics(NewMetrics(reg, decap, drops))
 	if o.MetricsAddress != "" {
 		if err := daemon.ServeHTTP(ctx, o.MetricsAddress, reg, nil, ctrl.Ready, ctrl.Healthy, entry); err != nil {
 			return err
@@ -94,9 +107,10 @@ func Main(args []string) error {
 
 // Cleanup removes everything the agent created on this node: in every
 // network namespace it can find (pods' included, whether or not their pods
-// still exist), and the MPLS routes in the node's own namespace nodeNS. It
-// needs no API server. Sysctls it raised are left as they are.
-func Cleanup(cfg Config, nodeNS netns.NsHandle, log logrus.FieldLogger) error {
+// still exist; network policy rules through tables), and the MPLS routes
+// in the node's own namespace nodeNS. It needs no API server. Sysctls it
+// raised are left as they are.
+func Cleanup(cfg Config, tables PolicyTables, nodeNS netns.NsHandle, log logrus.FieldLogger) error {
 	all, err := runtime.AllNamespaces()
 	if err != nil {
 		return err
@@ -106,14 +120,14 @@ func Cleanup(cfg Config, nodeNS netns.NsHandle, log logrus.FieldLogger) error {
 			ns.Close()
 		}
 	}()
-	return CleanupNamespaces(cfg, all, nodeNS, log)
+	return CleanupNamespaces(cfg, tables, all, nodeNS, log)
 }
 
 // CleanupNamespaces removes what the agent owns from the given namespaces and
 // from the node's. A namespace that cannot be cleaned (a foreign device of
 // the agent's name) is reported; the others are still cleaned.
-func CleanupNamespaces(cfg Config, namespaces []runtime.Netns, nodeNS netns.NsHandle, log logrus.FieldLogger) error {
-	pn := NewPodNetwork(cfg, nodeNS)
+func CleanupNamespaces(cfg Config, tables PolicyTables, namespaces []runtime.Netns, nodeNS netns.NsHandle, log logrus.FieldLogger) error {
+	pn := NewPodNetwork(cfg, nodeNS).WithPolicyTables(tables)
 	var errs []error
 	for _, ns := range namespaces {
 		acts, err := pn.Cleanup(ns.Handle)

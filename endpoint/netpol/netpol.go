@@ -1,8 +1,8 @@
 // Package netpol computes which tunneled packets the ingress
 // NetworkPolicies of a pod admit, as pure data, with the semantics of the
 // NetworkPolicy API (networking.k8s.io/v1): the first step of enforcing
-// them on the decapsulated packets inside the pod (issue 18). It is not
-// wired into the endpoint agent yet.
+// them on the decapsulated packets inside the pod. The endpoint agent
+// renders the result (Render) into each served pod's filter table.
 //
 // A pod that no policy with Ingress in its policyTypes selects is not
 // isolated: every packet is admitted. Once one selects it, a packet is
@@ -185,8 +185,12 @@ func peerPods(ns string, peer networkingv1.NetworkPolicyPeer, cluster Cluster) (
 		if p.Spec.HostNetwork || !inNamespace(p.Namespace) || !podSel.Matches(labels.Set(p.Labels)) {
 			continue
 		}
+		ips := []string{p.Status.PodIP}
 		for _, ip := range p.Status.PodIPs {
-			if a, err := netip.ParseAddr(ip.IP); err == nil {
+			ips = append(ips, ip.IP)
+		}
+		for _, ip := range ips {
+			if a, err := netip.ParseAddr(ip); err == nil {
 				out = append(out, a.Unmap())
 			}
 		}

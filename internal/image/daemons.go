@@ -28,13 +28,14 @@ var Router = Daemon{
 	Paths: append(iptablesPaths(), append([]string{"/usr/lib/x86_64-linux-gnu/xtables", "/etc/protocols"}, modprobePaths...)...),
 }
 
-// Endpoint is the endpoint agent's image: it executes only modprobe (it
-// talks to the kernel through netlink and to the runtimes through their
-// sockets).
+// Endpoint is the endpoint agent's image: iptables, as the router's (it
+// writes the network policy rules inside pods with the node's backend),
+// and modprobe. It talks to the kernel otherwise through netlink and to
+// the runtimes through their sockets.
 var Endpoint = Daemon{
 	Name:     "tunnel-endpoint",
-	Packages: modprobePackages,
-	Paths:    modprobePaths,
+	Packages: Router.Packages,
+	Paths:    Router.Paths,
 }
 
 func iptablesPaths() []string {

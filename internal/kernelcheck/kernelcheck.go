@@ -72,6 +72,7 @@ var (
 	IPTablesCommand    = Feature{Name: "the iptables command", Package: "iptables"}
 	MangleTable        = Feature{Name: "the iptables mangle table", Option: "CONFIG_IP_NF_MANGLE", Module: "iptable_mangle"}
 	RawTable           = Feature{Name: "the iptables raw table", Option: "CONFIG_IP_NF_RAW", Module: "iptable_raw"}
+	FilterTable        = Feature{Name: "the iptables filter table", Option: "CONFIG_IP_NF_FILTER", Module: "iptable_filter"}
 	HMARK              = Feature{Name: "the iptables HMARK target", Option: "CONFIG_NETFILTER_XT_TARGET_HMARK", Module: "xt_HMARK"}
 	CommentMatch       = Feature{Name: "the iptables comment match", Option: "CONFIG_NETFILTER_XT_MATCH_COMMENT", Module: "xt_comment"}
 	ConntrackMatch     = Feature{Name: "the iptables conntrack match", Option: "CONFIG_NETFILTER_XT_MATCH_CONNTRACK", Module: "xt_conntrack"}
@@ -263,13 +264,23 @@ func Router(p RouterParams) []Check {
 }
 
 // Endpoint returns the checks of the endpoint agent in mode: a GRE device
-// in each pod (gre), or MPLS routes in pods and on the node (mpls).
-func Endpoint(mode encap.Mode) []Check {
+// in each pod (gre), or MPLS routes in pods and on the node (mpls); with
+// networkPolicy, the filter table and the matches of the policy rules it
+// writes in pods.
+func Endpoint(mode encap.Mode, networkPolicy bool) []Check {
+	var checks []Check
 	switch mode {
 	case encap.GRE:
-		return []Check{{Feature: GRE, Probe: Kernel.GRE}}
+		checks = []Check{{Feature: GRE, Probe: Kernel.GRE}}
 	case encap.MPLS:
-		return []Check{{Feature: MPLSRouting, Probe: Kernel.MPLSRouting}}
+		checks = []Check{{Feature: MPLSRouting, Probe: Kernel.MPLSRouting}}
 	}
-	return nil
+	if networkPolicy {
+		checks = append(checks,
+			Check{Feature: IPTablesCommand, Probe: Kernel.IPTables},
+			Check{Feature: FilterTable, Requires: []Feature{IPTablesCommand}, Probe: func(k Kernel) error { return k.IPTablesChain("filter") }},
+			ruleCheck(CommentMatch, FilterTable, "filter", commentRule),
+			ruleCheck(ConntrackMatch, FilterTable, "filter", conntrackRule))
+	}
+	return checks
 }

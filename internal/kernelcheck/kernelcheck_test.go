@@ -107,11 +107,18 @@ func TestEndpointChecksFollowMode(t *testing.T) {
 		"vxlan":    nil,
 	} {
 		var got []Feature
-		for _, c := range Endpoint(mode) {
+		for _, c := range Endpoint(mode, false) {
 			got = append(got, c.Feature)
 		}
 		if !slices.Equal(got, want) {
-			t.Errorf("Endpoint(%q) = %v, want %v", mode, got, want)
+			t.Errorf("Endpoint(%q, false) = %v, want %v", mode, got, want)
+		}
+		got = nil
+		for _, c := range Endpoint(mode, true) {
+			got = append(got, c.Feature)
+		}
+		if want = append(want, IPTablesCommand, FilterTable, CommentMatch, ConntrackMatch); !slices.Equal(got, want) {
+			t.Errorf("Endpoint(%q, true) = %v, want %v", mode, got, want)
 		}
 	}
 }
@@ -120,7 +127,7 @@ func TestEveryCheckProbesWhatItNames(t *testing.T) {
 	// Each probe of the most demanding router and of both agents fails
 	// alone, and only its own feature is reported.
 	checks := slices.Concat(Router(RouterParams{Mode: encap.MPLS, Generations: 2}),
-		Router(RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 1}), Endpoint(encap.GRE))
+		Router(RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 1}), Endpoint(encap.GRE, false))
 	probes := map[Feature][]string{
 		PolicyRouting: {"rules"}, LightweightTunnels: {"encap-ip"}, FlowBasedGRE: {"flow-gre"}, GRE: {"gre"},
 		MPLSRouting: {"mpls"}, MPLSEncap: {"encap-mpls"}, IPTablesCommand: {"iptables"},

@@ -32,7 +32,7 @@ func everyCheck() []Check {
 	var out []Check
 	seen := map[Feature]bool{}
 	for _, c := range slices.Concat(Router(RouterParams{Mode: encap.MPLS, Generations: 2}),
-		Router(RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 1}), Endpoint(encap.GRE)) {
+		Router(RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 1}), Endpoint(encap.GRE, true)) {
 		if !seen[c.Feature] {
 			seen[c.Feature] = true
 			out = append(out, c)
@@ -95,6 +95,8 @@ func groundTruth(t *testing.T, f Feature) error {
 		return iptables("mangle")
 	case RawTable:
 		return iptables("raw")
+	case FilterTable:
+		return iptables("filter")
 	case HMARK:
 		return iptables("mangle", "-j", "HMARK", "--hmark-tuple", "src,dst", "--hmark-mod", "3", "--hmark-rnd", "0x7")
 	case CommentMatch:

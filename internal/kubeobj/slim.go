@@ -83,6 +83,22 @@ func SlimPod(obj any) (any, error) {
 	return &corev1.Pod{ObjectMeta: slimMeta(pod.ObjectMeta)}, nil
 }
 
+// SlimPeerPod keeps what a NetworkPolicy peer is matched by: a Pod's
+// identity, labels, host-network flag, phase and addresses (the endpoint
+// agent's cache of every pod of the cluster, with network policy on).
+func SlimPeerPod(obj any) (any, error) {
+	pod, ok := obj.(*corev1.Pod)
+	if !ok {
+		return obj, nil
+	}
+	slim := &corev1.Pod{ObjectMeta: slimMeta(pod.ObjectMeta)}
+	slim.Labels = pod.Labels
+	slim.Spec.HostNetwork = pod.Spec.HostNetwork
+	slim.Status.Phase = pod.Status.Phase
+	slim.Status.PodIP, slim.Status.PodIPs = pod.Status.PodIP, pod.Status.PodIPs
+	return slim, nil
+}
+
 // SlimNode keeps a Node's identity, labels (BGP peer selectors), pod ranges
 // and addresses: not its images, conditions or capacity.
 func SlimNode(obj any) (any, error) {
