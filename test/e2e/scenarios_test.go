@@ -36,6 +36,7 @@ var scenarios = []scenario{
 	{"10_bgp_routes_tunnel_ip_to_routers", bgpRouting},
 	{"11_kubectl_tunnel_explain_names_answering_pod", explainNamesAnsweringPod},
 	{"12_client_affinity_keeps_a_client_on_one_pod", clientAffinity},
+	{"13_network_policy_holds_for_tunneled_traffic", networkPolicy},
 }
 
 const (

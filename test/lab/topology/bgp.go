@@ -24,6 +24,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/yaml"
 
+	"github.com/cmdnu/kube-service-tunnel/endpoint"
 	"github.com/cmdnu/kube-service-tunnel/router/bgp"
 	"github.com/cmdnu/kube-service-tunnel/router/startup"
 	"github.com/cmdnu/kube-service-tunnel/test/bgppeer/birdconf"
@@ -276,8 +277,18 @@ func (l *Lab) WaitGatewayNextHops(ctx context.Context, vip netip.Addr, since tim
 // startup.DefaultMetricsAddress in its namespace) that start with one of
 // prefixes, e.g. "kube_service_tunnel_bgp_".
 func (l *Lab) RouterMetrics(ctx context.Context, r *Node, prefixes ...string) ([]string, error) {
-	_, port, _ := strings.Cut(startup.DefaultMetricsAddress, ":")
-	out, err := InNS(ctx, r.Name, "wget", "-q", "-O", "-", "http://127.0.0.1:"+port+"/metrics")
+	return nodeMetrics(ctx, r, startup.DefaultMetricsAddress, prefixes)
+}
+
+// AgentMetrics returns the lines of node n's endpoint agent's /metrics
+// (endpoint.DefaultMetricsAddress) that start with one of prefixes.
+func (l *Lab) AgentMetrics(ctx context.Context, n *Node, prefixes ...string) ([]string, error) {
+	return nodeMetrics(ctx, n, endpoint.DefaultMetricsAddress, prefixes)
+}
+
+func nodeMetrics(ctx context.Context, n *Node, address string, prefixes []string) ([]string, error) {
+	_, port, _ := strings.Cut(address, ":")
+	out, err := InNS(ctx, n.Name, "wget", "-q", "-O", "-", "http://127.0.0.1:"+port+"/metrics")
 	if err != nil {
 		return nil, err
 	}

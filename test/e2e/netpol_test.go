@@ -1,0 +1,203 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+
+	"github.com/cmdnu/kube-service-tunnel/test/lab/topology"
+	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
+)
+
+// policyName is the lab's NetworkPolicy.
+const policyName = "tunnel-ingress"
+
+// 13. The pods' ingress NetworkPolicy holds for tunneled traffic: a policy
+// admitting only the client's /32 on the TCP port lets the client in, and
+// drops (and counts) a second client address and the client's UDP; a
+// policy change during an open connection does not cut it but refuses new
+// ones; without a policy both addresses connect again.
+func networkPolicy(t *testing.T, e *env) {
+	ctx := context.Background()
+	vip := topology.TunnelIP(13)
+	e.deploy(t, "policy", vip, e.Pods...)
+	others, err := e.AddClientAddrs(ctx, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := e.RemoveClientAddrs(ctx, others); err != nil {
+			t.Error(err)
+		}
+	})
+	stranger := others[0]
+	policies := e.Kube.NetworkingV1().NetworkPolicies(e.Opts.Namespace)
+	t.Cleanup(func() {
+		if err := policies.Delete(ctx, policyName, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+			t.Errorf("deleting the policy: %v", err)
+		}
+	})
+	// Both reach the pods before any policy.
+	for _, src := range []netip.Addr{topology.ClientAddr, stranger} {
+		if !e.connects(src, vip, 41000) {
+			t.Fatalf("%v cannot reach %v before any policy", src, vip)
+		}
+	}
+
+	onlyClient := policy(ipBlockRule(topology.ClientAddr, corev1.ProtocolTCP, tcpPort))
+	start := time.Now()
+	if _, err := policies.Create(ctx, onlyClient, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.poll(30*time.Second, func() (bool, string) {
+		return !e.connects(stranger, vip, 41001), "the second client address still connects"
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("policy created: new connections from %v refused after %v", stranger, time.Since(start).Round(time.Millisecond))
+
+	// The client reaches every pod (the buckets spread its flows); the
+	// stranger reaches none; UDP is not in the policy.
+	reached := map[string]int{}
+	for _, port := range portRange(41100, 20) {
+		reached[e.whoFrom(t, netip.AddrPortFrom(topology.ClientAddr, port), vip).Pod]++
+	}
+	if len(reached) < 2 {
+		t.Errorf("20 flows of the admitted client reached %v: the test should cover several pods", reached)
+	}
+	refused := 0
+	for _, port := range portRange(41200, 10) {
+		if !e.connects(stranger, vip, port) {
+			refused++
+		}
+	}
+	if refused != 10 {
+		t.Errorf("%d of 10 connections from %v refused, want 10", refused, stranger)
+	}
+	udpCtx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	_, udpErr := workload.Who(udpCtx, e.client, "udp", netip.AddrPortFrom(vip, udpPort), 41300)
+	cancel()
+	if udpErr == nil {
+		t.Error("UDP from the admitted client was answered, but the policy admits TCP only")
+	}
+	t.Logf("admitted client: 20 of 20 TCP flows answered by %d pods %v; %v: 0 of 10 answered; UDP from the client: refused", len(reached), reached, stranger)
+
+	// What the agents counted as dropped, per pod.
+	var drops int
+	var lines []string
+	if err := e.poll(20*time.Second, func() (bool, string) {
+		drops, lines = e.policyDrops(t, vip)
+		return drops >= 10, fmt.Sprintf("%d dropped packets counted: %v", drops, lines)
+	}); err != nil {
+		t.Error(err)
+	}
+	t.Logf("agents count %d dropped packets for %v: %s", drops, vip, strings.Join(lines, "; "))
+
+	// A change to deny-all keeps the open connection and refuses new ones.
+	stream := startStream(t, e, vip, 41400)
+	waitVerified(t, stream, 1000, "before the policy change")
+	denyAll := policy()
+	current, err := policies.Get(ctx, policyName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	denyAll.ResourceVersion = current.ResourceVersion
+	start = time.Now()
+	if _, err := policies.Update(ctx, denyAll, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.poll(30*time.Second, func() (bool, string) {
+		return !e.connects(topology.ClientAddr, vip, 41401), "the client still opens new connections"
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("policy changed to deny all: the client's new connections refused after %v", time.Since(start).Round(time.Millisecond))
+	before := stream.Stats().Verified
+	waitVerified(t, stream, before+1000, "after the change to deny all")
+	stats := stopStream(t, stream)
+	t.Logf("the connection open across the change kept echoing: %d bytes verified", stats.Verified)
+
+	// No policy: both connect again.
+	start = time.Now()
+	if err := policies.Delete(ctx, policyName, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.poll(30*time.Second, func() (bool, string) {
+		return e.connects(stranger, vip, 41500) && e.connects(topology.ClientAddr, vip, 41501), "a client is still refused"
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("policy deleted: both addresses connect again after %v", time.Since(start).Round(time.Millisecond))
+}
+
+// connects reports whether a TCP connection from src:port to vip is
+// answered within 2 s.
+func (e *env) connects(src, vip netip.Addr, port uint16) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	_, err := workload.WhoFrom(ctx, e.client, "tcp", netip.AddrPortFrom(vip, tcpPort), netip.AddrPortFrom(src, port))
+	return err == nil
+}
+
+// policyDrops sums the agents' policy drop counters of vip over the pods.
+func (e *env) policyDrops(t *testing.T, vip netip.Addr) (int, []string) {
+	t.Helper()
+	seen := map[*topology.Node]bool{}
+	total := 0
+	var lines []string
+	for _, p := range e.Pods {
+		if seen[p.Node] {
+			continue
+		}
+		seen[p.Node] = true
+		ms, err := e.AgentMetrics(context.Background(), p.Node, "kube_service_tunnel_endpoint_policy_dropped_packets_total{")
+		if err != nil {
+			t.Fatalf("metrics of the agent on %s: %v", p.Node.Name, err)
+		}
+		for _, m := range ms {
+			if !strings.Contains(m, `vip="`+vip.String()+`"`) {
+				continue
+			}
+			fields := strings.Fields(m)
+			n, err := strconv.ParseFloat(fields[len(fields)-1], 64)
+			if err != nil {
+				t.Fatalf("metric line %q: %v", m, err)
+			}
+			total += int(n)
+			lines = append(lines, m)
+		}
+	}
+	return total, lines
+}
+
+// policy is the lab's NetworkPolicy selecting every lab pod, with rules
+// (none: deny all ingress).
+func policy(rules ...networkingv1.NetworkPolicyIngressRule) *networkingv1.NetworkPolicy {
+	return &networkingv1.NetworkPolicy{
+		ObjectMeta: metav1.ObjectMeta{Name: policyName},
+		Spec: networkingv1.NetworkPolicySpec{
+			PodSelector: metav1.LabelSelector{},
+			PolicyTypes: []networkingv1.PolicyType{networkingv1.PolicyTypeIngress},
+			Ingress:     rules,
+		},
+	}
+}
+
+// ipBlockRule admits src/32 on one port.
+func ipBlockRule(src netip.Addr, proto corev1.Protocol, port int) networkingv1.NetworkPolicyIngressRule {
+	p := intstr.FromInt32(int32(port))
+	return networkingv1.NetworkPolicyIngressRule{
+		From:  []networkingv1.NetworkPolicyPeer{{IPBlock: &networkingv1.IPBlock{CIDR: netip.PrefixFrom(src, 32).String()}}},
+		Ports: []networkingv1.NetworkPolicyPort{{Protocol: &proto, Port: &p}},
+	}
+}
