@@ -55,16 +55,17 @@ func networkPolicy(t *testing.T, e *env) {
 	}
 
 	onlyClient := policy(ipBlockRule(topology.ClientAddr, corev1.ProtocolTCP, tcpPort))
+	writes := e.policyWrites(t)
 	start := time.Now()
 	if _, err := policies.Create(ctx, onlyClient, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	t.Logf("policy created: the rules were in the %d pods' kernels %v after the write to the API server", len(e.Pods), e.timeToRules(t, writes, start).Round(time.Millisecond))
 	if err := e.poll(30*time.Second, func() (bool, string) {
 		return !e.connects(stranger, vip, 41001), "the second client address still connects"
 	}); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("policy created: new connections from %v refused after %v", stranger, time.Since(start).Round(time.Millisecond))
 
 	// The client reaches every pod (the buckets spread its flows); the
 	// stranger reaches none; UDP is not in the policy.
@@ -112,32 +113,34 @@ func networkPolicy(t *testing.T, e *env) {
 		t.Fatal(err)
 	}
 	denyAll.ResourceVersion = current.ResourceVersion
+	writes = e.policyWrites(t)
 	start = time.Now()
 	if _, err := policies.Update(ctx, denyAll, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	t.Logf("policy changed: the new rules were in the %d pods' kernels %v after the write", len(e.Pods), e.timeToRules(t, writes, start).Round(time.Millisecond))
 	if err := e.poll(30*time.Second, func() (bool, string) {
 		return !e.connects(topology.ClientAddr, vip, 41401), "the client still opens new connections"
 	}); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("policy changed to deny all: the client's new connections refused after %v", time.Since(start).Round(time.Millisecond))
 	before := stream.Stats().Verified
 	waitVerified(t, stream, before+1000, "after the change to deny all")
 	stats := stopStream(t, stream)
 	t.Logf("the connection open across the change kept echoing: %d bytes verified", stats.Verified)
 
 	// No policy: both connect again.
+	writes = e.policyWrites(t)
 	start = time.Now()
 	if err := policies.Delete(ctx, policyName, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	t.Logf("policy deleted: the rules were gone from the %d pods' kernels %v after the delete", len(e.Pods), e.timeToRules(t, writes, start).Round(time.Millisecond))
 	if err := e.poll(30*time.Second, func() (bool, string) {
 		return e.connects(stranger, vip, 41500) && e.connects(topology.ClientAddr, vip, 41501), "a client is still refused"
 	}); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("policy deleted: both addresses connect again after %v", time.Since(start).Round(time.Millisecond))
 }
 
 // connects reports whether a TCP connection from src:port to vip is
@@ -152,6 +155,20 @@ func (e *env) connects(src, vip netip.Addr, port uint16) bool {
 // policyDrops sums the agents' policy drop counters of vip over the pods.
 func (e *env) policyDrops(t *testing.T, vip netip.Addr) (int, []string) {
 	t.Helper()
+	return e.agentSum(t, "kube_service_tunnel_endpoint_policy_dropped_packets_total{", `vip="`+vip.String()+`"`)
+}
+
+// policyWrites counts the pods' filter table writes the agents made.
+func (e *env) policyWrites(t *testing.T) int {
+	t.Helper()
+	n, _ := e.agentSum(t, "kube_service_tunnel_endpoint_kernel_operations_total{", `object="policy_rules"`)
+	return n
+}
+
+// agentSum sums, over the agents of the pods' nodes, the metric lines
+// starting with prefix that contain label.
+func (e *env) agentSum(t *testing.T, prefix, label string) (int, []string) {
+	t.Helper()
 	seen := map[*topology.Node]bool{}
 	total := 0
 	var lines []string
@@ -160,12 +177,12 @@ func (e *env) policyDrops(t *testing.T, vip netip.Addr) (int, []string) {
 			continue
 		}
 		seen[p.Node] = true
-		ms, err := e.AgentMetrics(context.Background(), p.Node, "kube_service_tunnel_endpoint_policy_dropped_packets_total{")
+		ms, err := e.AgentMetrics(context.Background(), p.Node, prefix)
 		if err != nil {
 			t.Fatalf("metrics of the agent on %s: %v", p.Node.Name, err)
 		}
 		for _, m := range ms {
-			if !strings.Contains(m, `vip="`+vip.String()+`"`) {
+			if !strings.Contains(m, label) {
 				continue
 			}
 			fields := strings.Fields(m)
@@ -178,6 +195,19 @@ func (e *env) policyDrops(t *testing.T, vip netip.Addr) (int, []string) {
 		}
 	}
 	return total, lines
+}
+
+// timeToRules waits until the agents have written every pod's filter
+// table once more than writes, and returns how long that took from start.
+func (e *env) timeToRules(t *testing.T, writes int, start time.Time) time.Duration {
+	t.Helper()
+	for e.policyWrites(t) < writes+len(e.Pods) {
+		if time.Since(start) > 30*time.Second {
+			t.Fatalf("the agents did not write the %d pods' rules within 30 s", len(e.Pods))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return time.Since(start)
 }
 
 // policy is the lab's NetworkPolicy selecting every lab pod, with rules

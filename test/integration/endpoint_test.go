@@ -17,8 +17,10 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/cmdnu/kube-service-tunnel/endpoint"
@@ -94,10 +96,14 @@ func startAgentWithPolicy(t *testing.T, nodeName string, node *testnetns.NS, pol
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Network policy on, as the agent defaults to: its informers run
+	// under the manifest's RBAC, and pods' filter tables are real.
 	cfg := endpoint.Config{Mode: encap.GRE, NodeName: nodeName, Device: endpoint.DefaultDevice,
-		RouteProtocol: encap.DefaultRouteProtocol, ResyncPeriod: time.Minute, Workers: 2, Policy: policy}
+		RouteProtocol: encap.DefaultRouteProtocol, ResyncPeriod: time.Minute, Workers: 2, Policy: policy, NetworkPolicy: true}
+	podNet := endpoint.NewPodNetwork(cfg, node.Handle).WithDevice(testnetns.VXLANDecap{}).
+		WithPolicyTables(endpoint.NamespaceIPTables{Binary: "iptables"})
 	a := &agent{
-		pods: &countingPods{inner: endpoint.NewPodNetwork(cfg, node.Handle).WithDevice(testnetns.VXLANDecap{}),
+		pods: &countingPods{inner: podNet,
 			syncs: map[string]int{}, changes: map[string]int{}},
 		log: &syncBuffer{},
 	}
@@ -365,4 +371,119 @@ func TestEndpointAgentMissingNamespaceHoldsUpNothing(t *testing.T) {
 	})
 	lateNS := newPodNetns(t, node, ipLate, "veth-late")
 	waitTunnelIPs(t, lateNS, "192.0.2.41", "configured once its namespace appears (retry with back-off)")
+}
+
+// TestEndpointAgentNetworkPolicy: the agent, as its ServiceAccount, writes
+// a served pod's ingress NetworkPolicies into the pod's filter table (an
+// ipBlock, and a pod peer of another namespace by its IP), adopts them
+// after a restart without a write, and removes them when the policies go,
+// keeping the tunnel IP.
+func TestEndpointAgentNetworkPolicy(t *testing.T) {
+	testnetns.RequireRoot(t)
+	if _, err := exec.LookPath("iptables-save"); err != nil {
+		t.Skip("no iptables-save")
+	}
+	cs := adminClient(t)
+	ns := freshNamespace(t, cs)
+	clients := freshNamespace(t, cs)
+	ctx := context.Background()
+	if _, err := cs.CoreV1().Namespaces().Patch(ctx, clients, types.MergePatchType, []byte(`{"metadata":{"labels":{"role":"clients"}}}`), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	node := testnetns.New(t)
+	nodeName := "node-" + ns
+	ip := netip.MustParseAddr("198.18.31.11")
+	podNS := newPodNetns(t, node, ip, "veth-np")
+	pod := createPod(t, cs, ns, "web-1", nodeName, ip)
+	createPod(t, cs, clients, "client", "elsewhere", netip.MustParseAddr("198.18.31.99"))
+	a := startAgent(t, nodeName, node)
+	createService(t, cs, ns, "web", "192.0.2.41")
+	applyPodSlice(t, cs, "web", pod)
+	waitTunnelIPs(t, podNS, "192.0.2.41", "tunnel IP added in the pod")
+	filter := func() string {
+		out, err := exec.Command("ip", "netns", "exec", podNS.name, "iptables-save", "-t", "filter").CombinedOutput()
+		if err != nil {
+			t.Fatalf("iptables-save in the pod: %v: %s", err, out)
+		}
+		return string(out)
+	}
+	if strings.Contains(filter(), "KST-POLICY") {
+		t.Fatal("rules in a pod that no policy isolates")
+	}
+
+	tcp := corev1.ProtocolTCP
+	port := intstr.FromInt32(80)
+	policies := cs.NetworkingV1().NetworkPolicies(ns)
+	for _, np := range []*networkingv1.NetworkPolicy{
+		{ObjectMeta: metav1.ObjectMeta{Name: "office"}, Spec: networkingv1.NetworkPolicySpec{
+			PodSelector: metav1.LabelSelector{MatchLabels: map[string]string{"app": "web-1"}},
+			Ingress: []networkingv1.NetworkPolicyIngressRule{{
+				From:  []networkingv1.NetworkPolicyPeer{{IPBlock: &networkingv1.IPBlock{CIDR: "203.0.113.0/24", Except: []string{"203.0.113.128/25"}}}},
+				Ports: []networkingv1.NetworkPolicyPort{{Protocol: &tcp, Port: &port}},
+			}}}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "clients"}, Spec: networkingv1.NetworkPolicySpec{
+			PodSelector: metav1.LabelSelector{},
+			Ingress: []networkingv1.NetworkPolicyIngressRule{{From: []networkingv1.NetworkPolicyPeer{{
+				NamespaceSelector: &metav1.LabelSelector{MatchLabels: map[string]string{"role": "clients"}},
+			}}}}}},
+	} {
+		if _, err := policies.Create(ctx, np, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := []string{
+		"-A INPUT -d 192.0.2.41/32 -m comment --comment kube-service-tunnel -j KST-POLICY",
+		"-A KST-POLICY -s 203.0.113.0/24 -m comment --comment kube-service-tunnel -j KST-POLICY-0",
+		"-A KST-POLICY-0 -s 203.0.113.128/25 -m comment --comment kube-service-tunnel -j RETURN",
+		"-A KST-POLICY-0 -p tcp -m tcp --dport 80 -m comment --comment kube-service-tunnel -j ACCEPT",
+		"-A KST-POLICY -s 198.18.31.99/32 -m comment --comment kube-service-tunnel -j ACCEPT",
+		"-A KST-POLICY -d 192.0.2.41/32 -m comment --comment kube-service-tunnel -j DROP",
+	}
+	eventually(t, 20*time.Second, "the pod's policies in its filter table", func() error {
+		got := filter()
+		for _, w := range want {
+			if !strings.Contains(got, w) {
+				return fmt.Errorf("lacks %q:\n%s", w, got)
+			}
+		}
+		return nil
+	})
+
+	// A restarted agent adopts the rules without a write.
+	a.stop()
+	b := startAgent(t, nodeName, node)
+	key := ns + "/web-1"
+	eventually(t, 20*time.Second, "restarted agent checked the pod", func() error {
+		if syncs, _ := b.pods.counts(key); syncs == 0 {
+			return fmt.Errorf("not synced yet")
+		}
+		return nil
+	})
+	if _, changes := b.pods.counts(key); changes != 0 {
+		t.Fatalf("restarted agent made %d changes to a pod whose rules were right; log:\n%s", changes, b.log.String())
+	}
+
+	// The client's namespace loses its label: the pod peer goes.
+	if _, err := cs.CoreV1().Namespaces().Patch(ctx, clients, types.MergePatchType, []byte(`{"metadata":{"labels":{"role":null}}}`), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 20*time.Second, "the client pod no longer admitted", func() error {
+		if got := filter(); strings.Contains(got, "198.18.31.99") || !strings.Contains(got, want[0]) {
+			return fmt.Errorf("filter table:\n%s", got)
+		}
+		return nil
+	})
+
+	for _, name := range []string{"office", "clients"} {
+		if err := policies.Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	eventually(t, 20*time.Second, "rules removed with the policies", func() error {
+		if got := filter(); strings.Contains(got, "KST-POLICY") {
+			return fmt.Errorf("filter table:\n%s", got)
+		}
+		return nil
+	})
+	waitTunnelIPs(t, podNS, "192.0.2.41", "the tunnel IP stays")
 }

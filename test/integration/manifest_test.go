@@ -301,7 +301,7 @@ func TestManifestProperties(t *testing.T) {
 		t.Errorf("tunnel-router nodeSelector %v, want node=tunnel", sel)
 	}
 
-	endpointDS, c := checkDaemon(t, m, "tunnel-endpoint", endpoint.DefaultMetricsAddress, "SYS_ADMIN", "SYS_PTRACE", "SYS_MODULE")
+	endpointDS, c := checkDaemon(t, m, "tunnel-endpoint", endpoint.DefaultMetricsAddress, "NET_RAW", "SYS_ADMIN", "SYS_PTRACE", "SYS_MODULE")
 	spec := endpointDS.Spec.Template.Spec
 	if !spec.HostPID {
 		t.Error("tunnel-endpoint: hostPID is off; the pods' namespaces are opened through their processes")
