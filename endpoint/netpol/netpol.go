@@ -15,6 +15,7 @@
 package netpol
 
 import (
+	"cmp"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -73,6 +74,13 @@ type Cluster struct {
 // (an invalid selector or CIDR), each naming the policy and the field; a
 // rule with such a part admits less, never more.
 func ForPod(pod *corev1.Pod, policies []*networkingv1.NetworkPolicy, cluster Cluster) (in Ingress, problems []string) {
+	// In name order: the same policies give the same rules, whatever order
+	// a lister returns them in (a restarted agent must find its rules
+	// unchanged).
+	policies = slices.Clone(policies)
+	slices.SortFunc(policies, func(a, b *networkingv1.NetworkPolicy) int {
+		return cmp.Or(cmp.Compare(a.Namespace, b.Namespace), cmp.Compare(a.Name, b.Name))
+	})
 	for _, np := range policies {
 		if np.Namespace != pod.Namespace || !hasIngress(np) {
 			continue

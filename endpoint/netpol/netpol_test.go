@@ -1,7 +1,9 @@
 package netpol
 
 import (
+	"fmt"
 	"net/netip"
+	"slices"
 	"strings"
 	"testing"
 
@@ -150,5 +152,21 @@ func TestForPodProblems(t *testing.T) {
 	}
 	if !in.Isolated || in.Allows(office, "TCP", 85) || in.Allows(outside, "TCP", 90) {
 		t.Errorf("a policy with bad parts admits %+v: it must isolate and admit nothing through them", in)
+	}
+}
+
+func TestForPodIgnoresPolicyOrder(t *testing.T) {
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "a", Name: "web"}}
+	var policies []*networkingv1.NetworkPolicy
+	for i, cidr := range []string{"203.0.113.0/24", "198.51.100.0/24", "192.0.2.0/24"} {
+		policies = append(policies, &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: "a", Name: fmt.Sprint("p", i)},
+			Spec: networkingv1.NetworkPolicySpec{Ingress: []networkingv1.NetworkPolicyIngressRule{{From: []networkingv1.NetworkPolicyPeer{{IPBlock: &networkingv1.IPBlock{CIDR: cidr}}}}}}})
+	}
+	vips := []netip.Addr{netip.MustParseAddr("192.0.2.10")}
+	in, _ := ForPod(pod, policies, Cluster{})
+	want := Render(in, vips).Digest
+	slices.Reverse(policies)
+	if in, _ := ForPod(pod, policies, Cluster{}); Render(in, vips).Digest != want {
+		t.Error("the same policies in another order render other rules: a restarted agent would rewrite them")
 	}
 }

@@ -397,9 +397,14 @@ func TestEndpointAgentNetworkPolicy(t *testing.T) {
 	pod := createPod(t, cs, ns, "web-1", nodeName, ip)
 	createPod(t, cs, clients, "client", "elsewhere", netip.MustParseAddr("198.18.31.99"))
 	a := startAgent(t, nodeName, node)
-	createService(t, cs, ns, "web", "192.0.2.41")
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("agent log:\n%s", a.log.String())
+		}
+	})
+	createService(t, cs, ns, "web", "192.0.2.157")
 	applyPodSlice(t, cs, "web", pod)
-	waitTunnelIPs(t, podNS, "192.0.2.41", "tunnel IP added in the pod")
+	waitTunnelIPs(t, podNS, "192.0.2.157", "tunnel IP added in the pod")
 	filter := func() string {
 		out, err := exec.Command("ip", "netns", "exec", podNS.name, "iptables-save", "-t", "filter").CombinedOutput()
 		if err != nil {
@@ -432,12 +437,12 @@ func TestEndpointAgentNetworkPolicy(t *testing.T) {
 		}
 	}
 	want := []string{
-		"-A INPUT -d 192.0.2.41/32 -m comment --comment kube-service-tunnel -j KST-POLICY",
+		"-A INPUT -d 192.0.2.157/32 -m comment --comment kube-service-tunnel -j KST-POLICY",
 		"-A KST-POLICY -s 203.0.113.0/24 -m comment --comment kube-service-tunnel -j KST-POLICY-0",
 		"-A KST-POLICY-0 -s 203.0.113.128/25 -m comment --comment kube-service-tunnel -j RETURN",
 		"-A KST-POLICY-0 -p tcp -m tcp --dport 80 -m comment --comment kube-service-tunnel -j ACCEPT",
 		"-A KST-POLICY -s 198.18.31.99/32 -m comment --comment kube-service-tunnel -j ACCEPT",
-		"-A KST-POLICY -d 192.0.2.41/32 -m comment --comment kube-service-tunnel -j DROP",
+		"-A KST-POLICY -d 192.0.2.157/32 -m comment --comment kube-service-tunnel -j DROP",
 	}
 	eventually(t, 20*time.Second, "the pod's policies in its filter table", func() error {
 		got := filter()
@@ -485,5 +490,5 @@ func TestEndpointAgentNetworkPolicy(t *testing.T) {
 		}
 		return nil
 	})
-	waitTunnelIPs(t, podNS, "192.0.2.41", "the tunnel IP stays")
+	waitTunnelIPs(t, podNS, "192.0.2.157", "the tunnel IP stays")
 }
