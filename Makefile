@@ -58,7 +58,7 @@ test: deps assets lint build image manifest ## everything: the images and manife
 unit: ## unit tests only (no root, no API server)
 	KST_SKIP_PRIVILEGED=1 $(GO) test -count=1 -short $(PKGS)
 
-e2e: deps assets ## the end-to-end lab: 12 scenarios x gre, mpls in the VM (KST_E2E_RUN=gre/4_ for one)
+e2e: deps assets ## the end-to-end lab: 13 scenarios x gre, mpls in the VM (KST_E2E_RUN=gre/4_ for one)
 	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 40m -run TestE2E -v ./test/e2e
 
 cluster: deps assets ## the two-node lab cluster run by real kubelets: install, example, client traffic, rollout restart, router pod deletion, uninstall, in gre and mpls

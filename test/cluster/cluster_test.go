@@ -61,6 +61,7 @@ const (
 	manifestFile      = vmDir + "/tunnel-router.yaml"
 	uninstallFile     = vmDir + "/tunnel-uninstall.yaml"
 	exampleFile       = vmDir + "/echo.yaml"
+	policyFile        = vmDir + "/allow-tunnel-routers.yaml"
 	adminKubeconfig   = "/lab/kubelet/kubeconfig"
 	clientNS          = "client"
 	clientAddr        = "198.51.100.10"
@@ -100,7 +101,10 @@ func TestCluster(t *testing.T) {
 		t.Fatal(err)
 	}
 	archives = append(archives, example)
-	vmFiles := map[string]string{exampleFile: filepath.Join(lab.RepoRoot(), "examples", "echo.yaml")}
+	vmFiles := map[string]string{
+		exampleFile: filepath.Join(lab.RepoRoot(), "examples", "echo.yaml"),
+		policyFile:  filepath.Join(lab.RepoRoot(), "examples", "allow-tunnel-routers.yaml"),
+	}
 	for vmPath, src := range map[string][]byte{manifestFile: repoFile(t, "tunnel-router.yaml"), uninstallFile: image.Uninstall} {
 		rendered, err := image.RenderManifest(src, image.DefaultRegistry, version)
 		if err != nil {

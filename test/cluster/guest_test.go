@@ -133,6 +133,7 @@ func TestInCluster(t *testing.T) {
 				{"install", func(t *testing.T) { c.install(t, mode) }},
 				{"example", c.deployExample},
 				{"traffic", c.traffic},
+				{"network_policy", c.networkPolicy},
 				{"rollout_restart", c.rolloutRestart},
 				{"router_pod_deleted", c.deleteRouterPod},
 				{"uninstall", func(t *testing.T) { c.uninstall(t, before) }},
