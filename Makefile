@@ -61,7 +61,7 @@ unit: ## unit tests only (no root, no API server)
 e2e: deps assets ## the end-to-end lab: 13 scenarios x gre, mpls in the VM (KST_E2E_RUN=gre/4_ for one)
 	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 40m -run TestE2E -v ./test/e2e
 
-cluster: deps assets ## the two-node lab cluster run by real kubelets: install, example, client traffic, rollout restart, router pod deletion, uninstall, in gre and mpls
+cluster: deps assets ## the two-node lab cluster run by real kubelets: install, example, client traffic, network policy, rollout restart, router pod deletion, uninstall, in gre and mpls
 	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 40m -run TestCluster -v ./test/cluster
 
 # A smoke run of every part of the benchmark, counts scaled down (about 40 s).

@@ -557,8 +557,10 @@ func (c *Controller) syncPod(ctx context.Context, key string) error {
 	// In gre mode the pod's decapsulation device counts what it receives,
 	// and the policy rules count what they drop: the metrics read them
 	// through this namespace at each scrape.
-	if c.cfg.Mode == encap.GRE || want.Policy != nil {
+	if c.cfg.Mode == encap.GRE || want.Isolated() {
 		kept = c.metrics.keepNamespace(key, want, podNS.Handle)
+	} else {
+		c.metrics.forgetPod(key) // no longer isolated (mpls): nothing to read
 	}
 	if len(acts) > 0 {
 		log.WithField("tunnel_ips", want.TunnelIPs).Info("pod converged")

@@ -23,7 +23,9 @@ type PodTunnels struct {
 	// hold nothing of the agent's.
 	TunnelIPs []netip.Addr
 	// Policy is the pod's tunneled ingress policy rules (WithPolicies);
-	// nil when no NetworkPolicy isolates the pod: it accepts everything.
+	// nil when network policy is off. When no NetworkPolicy isolates the
+	// pod (Policy.Isolated false) it accepts everything, and the rules only
+	// turn on connection tracking in its namespace.
 	Policy *netpol.Rules
 }
 
@@ -31,6 +33,10 @@ type PodTunnels struct {
 func (p PodTunnels) Equal(o PodTunnels) bool {
 	return p.Pod == o.Pod && slices.Equal(p.TunnelIPs, o.TunnelIPs) && p.Policy.Equal(o.Policy)
 }
+
+// Isolated reports whether a NetworkPolicy restricts the pod's tunneled
+// traffic.
+func (p PodTunnels) Isolated() bool { return p.Policy != nil && p.Policy.Isolated }
 
 // WithPolicies sets the Policy of every pod in desired from the ingress
 // NetworkPolicies that select it (netpol.ForPod, resolved against

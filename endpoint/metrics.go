@@ -152,7 +152,7 @@ func (m *Metrics) desiredState(desired map[string]PodTunnels, refused []tunnelcl
 	counts := map[netip.Addr]int{}
 	isolated := 0
 	for _, pt := range desired {
-		if pt.Policy != nil {
+		if pt.Isolated() {
 			isolated++
 		}
 		for _, vip := range pt.TunnelIPs {
@@ -189,7 +189,7 @@ func (m *Metrics) keepNamespace(pod string, want PodTunnels, ns netns.NsHandle) 
 	if m == nil || len(want.TunnelIPs) == 0 {
 		return false
 	}
-	policy := want.Policy != nil && m.decap.drops != nil
+	policy := want.Isolated() && m.decap.drops != nil
 	if m.decap.reader == nil && !policy {
 		return false
 	}

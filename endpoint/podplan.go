@@ -214,9 +214,11 @@ func planPod(cfg Config, want PodTunnels, have podState) ([]PodChange, error) {
 		acts = append(acts, PodChange{Kind: actDelPopRoute})
 	}
 	// The policy rules change after the tunnel IPs that leave and before
-	// those that come, so that no tunnel IP is ever served unfiltered.
+	// those that come, so that no tunnel IP is ever served unfiltered. An
+	// isolated pod whose filter table cannot be read gets no tunnel IP;
+	// another one goes without connection tracking.
 	switch {
-	case have.PolicyErr != nil && want.Policy != nil:
+	case have.PolicyErr != nil && want.Isolated():
 		return nil, fmt.Errorf("reading the pod's filter table for its network policy: %w", have.PolicyErr)
 	case have.PolicyErr == nil:
 		if payload := netpol.Update(want.Policy, have.Policy); payload != nil {

@@ -93,8 +93,14 @@ func (w *policyWatch) withPolicies(desired map[string]PodTunnels, localPods []*c
 	if err != nil {
 		return nil, fmt.Errorf("listing networkpolicies: %w", err)
 	}
+	byKey := make(map[string]*corev1.Pod, len(localPods))
+	for _, p := range localPods {
+		byKey[p.Namespace+"/"+p.Name] = p
+	}
 	if len(policies) == 0 {
-		return nil, nil // nothing isolates any pod
+		// Nothing isolates any pod: each served pod gets its connection
+		// tracking rule only.
+		return WithPolicies(desired, byKey, nil, netpol.Cluster{}), nil
 	}
 	namespaces, err := w.namespaces.List(labels.Everything())
 	if err != nil {
@@ -107,10 +113,6 @@ func (w *policyWatch) withPolicies(desired map[string]PodTunnels, localPods []*c
 	cluster := netpol.Cluster{Namespaces: make(map[string]*corev1.Namespace, len(namespaces)), Pods: pods}
 	for _, ns := range namespaces {
 		cluster.Namespaces[ns.Name] = ns
-	}
-	byKey := make(map[string]*corev1.Pod, len(localPods))
-	for _, p := range localPods {
-		byKey[p.Namespace+"/"+p.Name] = p
 	}
 	return WithPolicies(desired, byKey, policies, cluster), nil
 }

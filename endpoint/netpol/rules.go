@@ -23,8 +23,11 @@ const Chain = "KST-POLICY"
 const Comment = "kube-service-tunnel"
 
 // Rules are a pod's tunneled ingress policy rendered for the filter
-// table. A pod that no policy isolates has none (nil).
+// table.
 type Rules struct {
+	// Isolated: a policy selects the pod. When false the rules only turn on
+	// connection tracking in the pod's namespace (see Render).
+	Isolated bool
 	// VIPs are the pod's tunnel IPs, each with a jump from INPUT.
 	VIPs []netip.Addr
 	// Chains are Chain and its subchains, in order.
@@ -45,20 +48,34 @@ func (r *Rules) Equal(o *Rules) bool {
 	return r.Digest == o.Digest && slices.Equal(r.VIPs, o.VIPs)
 }
 
-// Render renders in for the pod's tunnel IPs vips (sorted): nil when in
-// does not isolate the pod or there is no tunnel IP. Packets of
-// established connections are admitted first (as network plugins do), so
-// that a policy change cuts no open connection; then the rules; then one
-// DROP per tunnel IP, whose counters count what the policy dropped.
+// Render renders in for the pod's tunnel IPs vips (sorted): nil when there
+// is no tunnel IP. Packets of established connections are admitted first
+// (as network plugins do), so that a policy change cuts no open
+// connection; then the rules; then one DROP per tunnel IP, whose counters
+// count what the policy dropped.
+//
+// A pod that no policy isolates gets Chain with that first rule alone
+// (returning) and no jump to it: the rule's conntrack match turns on
+// connection tracking in the pod's namespace (the kernel tracks
+// connections in a namespace only once a rule there needs it), so that the
+// connections it accepts before a policy isolates it are known as
+// established when one does, instead of being picked up mid-stream as new
+// and dropped.
 func Render(in Ingress, vips []netip.Addr) *Rules {
-	if !in.Isolated || len(vips) == 0 {
+	if len(vips) == 0 {
 		return nil
 	}
-	r := &Rules{VIPs: slices.Clone(vips), Chains: []string{Chain}, Counts: map[string]int{}}
+	r := &Rules{Isolated: in.Isolated, Chains: []string{Chain}, Counts: map[string]int{}}
 	add := func(chain string, words ...string) {
 		r.Body = append(r.Body, "-A "+chain+" "+strings.Join(words, " ")+" -m comment --comment "+Comment)
 		r.Counts[chain]++
 	}
+	if !in.Isolated {
+		add(Chain, "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "RETURN")
+		r.seal()
+		return r
+	}
+	r.VIPs = slices.Clone(vips)
 	add(Chain, "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT")
 	sub := 0
 	for _, rule := range in.Rules {
@@ -96,11 +113,16 @@ func Render(in Ingress, vips []netip.Addr) *Rules {
 	for _, vip := range r.VIPs {
 		add(Chain, "-d", host(vip), "-j", "DROP")
 	}
+	r.seal()
+	return r
+}
+
+// seal computes the digest of the body and puts it in the first rule's
+// comment.
+func (r *Rules) seal() {
 	sum := sha256.Sum256([]byte(strings.Join(r.Body, "\n")))
 	r.Digest = hex.EncodeToString(sum[:4])
-	// The first rule (the conntrack one) carries the digest.
 	r.Body[0] = strings.TrimSuffix(r.Body[0], Comment) + Comment + ":" + r.Digest
-	return r
 }
 
 // Jump is the INPUT rule sending packets to tunnel IP vip to Chain.

@@ -94,6 +94,19 @@ func TestRulesOnTheKernel(t *testing.T) {
 		}()
 	}
 
+	// Served before any policy: only connection tracking. A connection
+	// opened now survives the first policy that isolates the pod, even one
+	// that would not admit it as a new connection.
+	apply(t, ns, Ingress{})
+	before, err := dial(ns, elsewhere, 443)
+	if err != nil {
+		t.Fatalf("before any policy: %v", err)
+	}
+	defer before.Close()
+	if err := echo(before); err != nil {
+		t.Fatal(err)
+	}
+
 	office := &networkingv1.NetworkPolicy{Spec: networkingv1.NetworkPolicySpec{Ingress: []networkingv1.NetworkPolicyIngressRule{{
 		From:  []networkingv1.NetworkPolicyPeer{{IPBlock: &networkingv1.IPBlock{CIDR: "203.0.113.0/29", Except: []string{"203.0.113.4/32"}}}},
 		Ports: []networkingv1.NetworkPolicyPort{{Port: ptr(intstr.FromInt32(80))}},
@@ -104,6 +117,9 @@ func TestRulesOnTheKernel(t *testing.T) {
 		t.Fatal(problems)
 	}
 	apply(t, ns, in)
+	if err := echo(before); err != nil {
+		t.Errorf("a connection opened before the first policy broke when the policy isolated the pod: %v", err)
+	}
 	t.Logf("rules:\n%s", ns.Run("iptables", "-S", Chain)+ns.Run("iptables", "-S", Chain+"-0"))
 	for _, c := range []struct {
 		src  netip.Addr

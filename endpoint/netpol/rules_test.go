@@ -41,8 +41,15 @@ func TestUpdate(t *testing.T) {
 	one := Render(office, []netip.Addr{a})
 	two := Render(office, []netip.Addr{a, b})
 
-	if Render(Ingress{}, []netip.Addr{a}) != nil || Render(office, nil) != nil {
-		t.Fatal("a pod that is not isolated, or serves nothing, must get no rules")
+	if Render(office, nil) != nil {
+		t.Fatal("a pod that serves nothing must get no rules")
+	}
+	tracking := Render(Ingress{}, []netip.Addr{a})
+	if tracking == nil || tracking.Isolated || len(tracking.VIPs) != 0 || len(tracking.Body) != 1 || !strings.Contains(tracking.Body[0], "-m conntrack --ctstate RELATED,ESTABLISHED -j RETURN") {
+		t.Fatalf("a pod that no policy isolates must get its connection tracking rule alone, and no jump: %+v", tracking)
+	}
+	if p := string(Update(tracking, ParseSave(saved(one)))); !strings.Contains(p, "-D INPUT -d 192.0.2.10/32") || !strings.Contains(p, "-X KST-POLICY-0") || strings.Contains(p, "-I INPUT") {
+		t.Errorf("no longer isolated: the jump and subchain must go, the chain stay:\n%s", p)
 	}
 	if one.Digest == two.Digest || one.Digest == Render(denyAll, []netip.Addr{a}).Digest {
 		t.Fatal("different rules got the same digest")

@@ -54,6 +54,15 @@ func networkPolicy(t *testing.T, e *env) {
 		}
 	}
 
+	// A connection of the second address, opened before any policy: the
+	// policy will refuse that address, but not this connection.
+	early, err := workload.StartStreamFrom(e.client, netip.AddrPortFrom(vip, tcpPort), netip.AddrPortFrom(stranger, 41050), workload.StreamOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = early.Stop(context.Background()) })
+	waitVerified(t, early, 1000, "before any policy")
+
 	onlyClient := policy(ipBlockRule(topology.ClientAddr, corev1.ProtocolTCP, tcpPort))
 	writes := e.policyWrites(t)
 	start := time.Now()
@@ -91,6 +100,9 @@ func networkPolicy(t *testing.T, e *env) {
 	if udpErr == nil {
 		t.Error("UDP from the admitted client was answered, but the policy admits TCP only")
 	}
+	waitVerified(t, early, early.Stats().Verified+1000, "after the policy refusing its address")
+	earlyStats := stopStream(t, early)
+	t.Logf("a connection from %v opened before the policy kept echoing after it: %d bytes verified", stranger, earlyStats.Verified)
 	t.Logf("admitted client: 20 of 20 TCP flows answered by %d pods %v; %v: 0 of 10 answered; UDP from the client: refused", len(reached), reached, stranger)
 
 	// What the agents counted as dropped, per pod.

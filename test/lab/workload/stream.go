@@ -62,6 +62,13 @@ type Stream struct {
 // StartStream opens an ECHO connection to dst from network namespace ns,
 // from local port srcPort when nonzero, and starts sending.
 func StartStream(ns netns.NsHandle, dst netip.AddrPort, srcPort uint16, opts StreamOptions) (*Stream, error) {
+	return StartStreamFrom(ns, dst, netip.AddrPortFrom(netip.Addr{}, srcPort), opts)
+}
+
+// StartStreamFrom is StartStream from the local address and port src
+// (either may be zero: any); the address must be one of the namespace's.
+func StartStreamFrom(ns netns.NsHandle, dst, src netip.AddrPort, opts StreamOptions) (*Stream, error) {
+	srcPort := src.Port()
 	if opts.ChunkSize <= 0 {
 		opts.ChunkSize = 1 << 10
 	}
@@ -73,7 +80,7 @@ func StartStream(ns netns.NsHandle, dst netip.AddrPort, srcPort uint16, opts Str
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), opts.DialTimeout)
 	defer cancel()
-	c, err := dialTCP(ctx, ns, dst, srcPort)
+	c, err := dialTCPFrom(ctx, ns, dst, src)
 	var greeting string
 	if err == nil {
 		if opts.Greeted {
