@@ -412,9 +412,16 @@ func TestEndpointAgentNetworkPolicy(t *testing.T) {
 		}
 		return string(out)
 	}
-	if strings.Contains(filter(), "KST-POLICY") {
-		t.Fatal("rules in a pod that no policy isolates")
+	// Not isolated: the connection tracking rule alone, no jump to it.
+	trackingOnly := func() error {
+		got := filter()
+		if strings.Contains(got, "-j KST-POLICY") || strings.Count(got, "-A KST-POLICY") != 1 ||
+			!strings.Contains(got, "-m conntrack --ctstate RELATED,ESTABLISHED") {
+			return fmt.Errorf("want the connection tracking rule alone:\n%s", got)
+		}
+		return nil
 	}
+	eventually(t, 20*time.Second, "the tracking rule in a pod that no policy isolates", trackingOnly)
 
 	tcp := corev1.ProtocolTCP
 	port := intstr.FromInt32(80)
@@ -484,11 +491,18 @@ func TestEndpointAgentNetworkPolicy(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	eventually(t, 20*time.Second, "rules removed with the policies", func() error {
+	eventually(t, 20*time.Second, "the policies' rules removed with the policies", trackingOnly)
+	waitTunnelIPs(t, podNS, "192.0.2.157", "the tunnel IP stays")
+
+	// No longer served: nothing of the agent's is left.
+	if err := cs.CoreV1().Services(ns).Delete(ctx, "web", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitTunnelIPs(t, podNS, "", "the Service deleted")
+	eventually(t, 20*time.Second, "every rule removed with the last tunnel IP", func() error {
 		if got := filter(); strings.Contains(got, "KST-POLICY") {
 			return fmt.Errorf("filter table:\n%s", got)
 		}
 		return nil
 	})
-	waitTunnelIPs(t, podNS, "192.0.2.157", "the tunnel IP stays")
 }
