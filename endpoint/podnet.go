@@ -108,7 +108,19 @@ func (p *PodNetwork) Sync(ns netns.NsHandle, want PodTunnels) ([]PodChange, erro
 
 // planAndApply plans the changes from have to want and makes them, returning
 // those made.
+//
+// The filter table (network policy) is read and written by iptables
+// commands run in the pod, much slower than netlink. An isolated pod's
+// rules must be in place before its tunnel IPs, and removed rules go after
+// them, so the table is read first and its change planned with the rest.
+// A served pod that no policy isolates needs only the connection tracking
+// rule: its tunnel IPs come first, and the table after, so that a new pod
+// starts answering without waiting for iptables.
 func (p *PodNetwork) planAndApply(nl *netlink.Handle, ns netns.NsHandle, want PodTunnels, have podState) ([]PodChange, error) {
+	tablesFirst := want.Isolated() || len(want.TunnelIPs) == 0
+	if tablesFirst {
+		p.readTables(ns, &have)
+	}
 	acts, err := planPod(p.cfg, want, have)
 	if err != nil {
 		return nil, err
@@ -118,7 +130,31 @@ func (p *PodNetwork) planAndApply(nl *netlink.Handle, ns netns.NsHandle, want Po
 			return acts[:i], fmt.Errorf("%s: %w", a, err)
 		}
 	}
-	return acts, nil
+	if tablesFirst || p.tables == nil {
+		return acts, nil
+	}
+	p.readTables(ns, &have)
+	a, err := planPolicy(want, have)
+	if err != nil || a == nil {
+		return acts, err
+	}
+	if err := p.apply(nl, ns, *a); err != nil {
+		return acts, fmt.Errorf("%s: %w", a, err)
+	}
+	return append(acts, *a), nil
+}
+
+// readTables reads the pod's filter table into st (nothing without tables).
+func (p *PodNetwork) readTables(ns netns.NsHandle, st *podState) {
+	if p.tables == nil {
+		return
+	}
+	st.TablesRead = true
+	if save, err := p.tables.Save(ns); err != nil {
+		st.PolicyErr = err
+	} else {
+		st.Policy = netpol.ParseSave(save)
+	}
 }
 
 // observe reads what the pod's namespace holds of the agent's. An invalid
@@ -202,13 +238,6 @@ func (p *PodNetwork) observe(nl *netlink.Handle, ns netns.NsHandle, podIP netip.
 	st.Sysctls, err = p.sysctl.Read(ns, podSysctls(p.cfg, st.PodLink))
 	if err != nil {
 		return st, err
-	}
-	if p.tables != nil {
-		if save, err := p.tables.Save(ns); err != nil {
-			st.PolicyErr = err
-		} else {
-			st.Policy = netpol.ParseSave(save)
-		}
 	}
 	slices.SortFunc(st.DeviceIPs, netip.Addr.Compare)
 	slices.SortFunc(st.LoopbackIPs, netip.Addr.Compare)

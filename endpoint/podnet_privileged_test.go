@@ -14,6 +14,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 
+	"github.com/cmdnu/kube-service-tunnel/endpoint/netpol"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
@@ -394,5 +395,31 @@ func TestCleanupRemovesPolicyRules(t *testing.T) {
 	}
 	if after := pod.Run("iptables-save"); strip(after) != strip(before) {
 		t.Errorf("filter table after cleanup:\n%s\nbefore:\n%s", after, before)
+	}
+}
+
+func TestPodNetworkTrackingRuleAfterTheTunnelIP(t *testing.T) {
+	if _, err := exec.LookPath("iptables-save"); err != nil {
+		t.Skip("no iptables-save")
+	}
+	ip := netip.MustParseAddr("198.18.10.41")
+	pod, _ := podAndNode(t, ip)
+	pn := standInPodNetwork(testConfig(encap.GRE)).WithPolicyTables(NamespaceIPTables{Binary: "iptables"})
+	w := want(vip1)
+	w.Pod.IP = ip
+	w.Policy = netpol.Render(netpol.Ingress{}, w.TunnelIPs) // not isolated
+	acts, err := pn.Sync(pod.Handle, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A pod no policy isolates answers first; its tracking rule follows.
+	if got := render(acts); !strings.HasSuffix(got, "add tunnel IP 192.0.2.10 on device; write network policy rules "+w.Policy.Digest) {
+		t.Fatalf("changes %q: want the tunnel IP, then the tracking rule", got)
+	}
+	if rules := pod.Run("iptables", "-S"); strings.Contains(rules, "-j KST-POLICY") || !strings.Contains(rules, "-A KST-POLICY -m conntrack --ctstate RELATED,ESTABLISHED") {
+		t.Fatalf("want the tracking rule alone, no jump:\n%s", rules)
+	}
+	if acts, err := pn.Sync(pod.Handle, w); err != nil || len(acts) != 0 {
+		t.Fatalf("second sync: %q, %v; want no change", render(acts), err)
 	}
 }

@@ -34,10 +34,12 @@ type podState struct {
 	// has one, with its advmss (0 = unset).
 	DefaultRoute bool
 	AdvMSS       int
-	// Policy is what the pod's filter table holds of the agent's policy
-	// rules; PolicyErr is set instead when the table could not be read.
-	Policy    netpol.Observed
-	PolicyErr error
+	// TablesRead: the pod's filter table was read, into Policy (what it
+	// holds of the agent's policy rules) or PolicyErr (why it could not
+	// be). Without it planPod plans no policy change (planPolicy does).
+	TablesRead bool
+	Policy     netpol.Observed
+	PolicyErr  error
 }
 
 // deviceState describes the agent's GRE device in a pod.
@@ -214,19 +216,14 @@ func planPod(cfg Config, want PodTunnels, have podState) ([]PodChange, error) {
 		acts = append(acts, PodChange{Kind: actDelPopRoute})
 	}
 	// The policy rules change after the tunnel IPs that leave and before
-	// those that come, so that no tunnel IP is ever served unfiltered. An
-	// isolated pod whose filter table cannot be read gets no tunnel IP;
-	// another one goes without connection tracking.
-	switch {
-	case have.PolicyErr != nil && want.Isolated():
-		return nil, fmt.Errorf("reading the pod's filter table for its network policy: %w", have.PolicyErr)
-	case have.PolicyErr == nil:
-		if payload := netpol.Update(want.Policy, have.Policy); payload != nil {
-			a := PodChange{Kind: actSyncPolicy, Payload: payload}
-			if want.Policy != nil {
-				a.Digest = want.Policy.Digest
-			}
-			acts = append(acts, a)
+	// those that come, so that no tunnel IP is ever served unfiltered.
+	if have.TablesRead {
+		a, err := planPolicy(want, have)
+		if err != nil {
+			return nil, err
+		}
+		if a != nil {
+			acts = append(acts, *a)
 		}
 	}
 	if !serve {
@@ -276,6 +273,28 @@ func planPod(cfg Config, want PodTunnels, have podState) ([]PodChange, error) {
 		acts = append(acts, PodChange{Kind: actAddTunnelIP, Addr: ip, Loopback: true})
 	}
 	return acts, nil
+}
+
+// planPolicy returns the change that makes the pod's filter table hold
+// want's policy rules (nil: none needed). An isolated pod whose table could
+// not be read is an error (it must not get its tunnel IPs unfiltered);
+// another one goes without connection tracking.
+func planPolicy(want PodTunnels, have podState) (*PodChange, error) {
+	if have.PolicyErr != nil {
+		if want.Isolated() {
+			return nil, fmt.Errorf("reading the pod's filter table for its network policy: %w", have.PolicyErr)
+		}
+		return nil, nil
+	}
+	payload := netpol.Update(want.Policy, have.Policy)
+	if payload == nil {
+		return nil, nil
+	}
+	a := &PodChange{Kind: actSyncPolicy, Payload: payload}
+	if want.Policy != nil {
+		a.Digest = want.Policy.Digest
+	}
+	return a, nil
 }
 
 // diffAddrs returns what is in want and not in have, and the reverse.

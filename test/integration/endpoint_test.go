@@ -268,6 +268,25 @@ func setAnnotation(t *testing.T, cs kubernetes.Interface, ns, svc string, value 
 	}
 }
 
+// restartAdopts stops agent a, starts another on node and checks that it
+// synced pod (namespace/name) without a single change; it returns the new
+// agent.
+func restartAdopts(t *testing.T, a *agent, nodeName string, node *testnetns.NS, pod string) *agent {
+	t.Helper()
+	a.stop()
+	b := startAgent(t, nodeName, node)
+	eventually(t, 20*time.Second, "restarted agent checked the pod", func() error {
+		if syncs, _ := b.pods.counts(pod); syncs == 0 {
+			return fmt.Errorf("not synced yet")
+		}
+		return nil
+	})
+	if _, changes := b.pods.counts(pod); changes != 0 {
+		t.Fatalf("restarted agent made %d changes to pod %s, which was already right; log:\n%s", changes, pod, b.log.String())
+	}
+	return b
+}
+
 // TestEndpointAgentLifecycle follows one pod through the life of its tunnel
 // Services, with the agent authenticated as its ServiceAccount, finding the
 // pod's namespace by its IP, and changing real namespaces.
@@ -300,18 +319,7 @@ func TestEndpointAgentLifecycle(t *testing.T) {
 	}
 
 	// A restarted agent adopts the pod's state without a single change.
-	a.stop()
-	b := startAgent(t, nodeName, node)
-	key := ns + "/web-1"
-	eventually(t, 20*time.Second, "restarted agent checked the pod", func() error {
-		if syncs, _ := b.pods.counts(key); syncs == 0 {
-			return fmt.Errorf("not synced yet")
-		}
-		return nil
-	})
-	if _, changes := b.pods.counts(key); changes != 0 {
-		t.Fatalf("restarted agent made %d changes to a pod that was already right; log:\n%s", changes, b.log.String())
-	}
+	b := restartAdopts(t, a, nodeName, node, ns+"/web-1")
 	waitTunnelIPs(t, podNS, "192.0.2.32", "state kept across the restart")
 
 	// The pod's sandbox restarts: a new namespace with the same IP.
@@ -462,18 +470,7 @@ func TestEndpointAgentNetworkPolicy(t *testing.T) {
 	})
 
 	// A restarted agent adopts the rules without a write.
-	a.stop()
-	b := startAgent(t, nodeName, node)
-	key := ns + "/web-1"
-	eventually(t, 20*time.Second, "restarted agent checked the pod", func() error {
-		if syncs, _ := b.pods.counts(key); syncs == 0 {
-			return fmt.Errorf("not synced yet")
-		}
-		return nil
-	})
-	if _, changes := b.pods.counts(key); changes != 0 {
-		t.Fatalf("restarted agent made %d changes to a pod whose rules were right; log:\n%s", changes, b.log.String())
-	}
+	restartAdopts(t, a, nodeName, node, ns+"/web-1")
 
 	// The client's namespace loses its label: the pod peer goes.
 	if _, err := cs.CoreV1().Namespaces().Patch(ctx, clients, types.MergePatchType, []byte(`{"metadata":{"labels":{"role":null}}}`), metav1.PatchOptions{}); err != nil {
