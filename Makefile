@@ -38,7 +38,7 @@ deps: ## install the Debian packages the tests need (iptables, iproute2, docker.
 		&& command -v runc && command -v skopeo && test -x /usr/lib/cni/loopback && dpkg -s busybox-static && command -v bird && command -v birdc; } >/dev/null 2>&1; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(APT_PACKAGES); fi
 
-assets: ## build and cache a real etcd, kube-apiserver, kubelet, kube-controller-manager and kube-scheduler, and the VM lab's kernel
+assets: ## build and cache a real etcd, kube-apiserver, kubelet, kube-controller-manager, kube-scheduler and kube-network-policies, and the VM lab's kernel
 	./test/tools/kube-assets.sh
 	./test/tools/lab-assets.sh
 

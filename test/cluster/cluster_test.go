@@ -24,10 +24,16 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/image"
 	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
@@ -70,7 +76,24 @@ const (
 	// nodeNS names each node's root network namespace ("ip netns attach"),
 	// for kstate's snapshots.
 	nodeNS = "node"
+	// knpDir holds what kube-network-policies, the NetworkPolicy engine
+	// of the worker, needs to run as if in a pod: its ServiceAccount's
+	// token and the API server's CA, copied at boot to where client-go's
+	// in-cluster configuration reads them.
+	knpDir = "/lab/knp"
+	// knpLog is the engine's log on the worker.
+	knpLog = "/tmp/kube-network-policies.log"
+	// knpMetrics is the engine's metrics address on the worker.
+	knpMetrics = "127.0.0.1:9080"
 )
+
+// knpVersion is the kube-network-policies that test/tools/kube-assets.sh
+// builds (KNP_VERSION).
+const knpVersion = "v0.8.0"
+
+// knpModules are the kernel modules kube-network-policies needs beyond a
+// kubelet node's: nftables' conntrack and queue expressions, and nfqueue.
+var knpModules = []string{"nft_ct", "nft_queue", "nfnetlink_queue"}
 
 // guestTimeout bounds the VM run.
 const guestTimeout = 25 * time.Minute
@@ -116,6 +139,10 @@ func TestCluster(t *testing.T) {
 		}
 		vmFiles[vmPath] = p
 	}
+	workerFiles, err := networkPolicyEngine(t, env, dir)
+	if err != nil {
+		t.Fatal(err)
+	}
 	program := filepath.Join(dir, "cluster.test")
 	if err := lab.BuildStaticTest("./test/cluster", program); err != nil {
 		t.Fatal(err)
@@ -150,8 +177,15 @@ func TestCluster(t *testing.T) {
 		for vmPath, p := range vmFiles {
 			files[vmPath] = p
 		}
+		modules := lab.KubeletModules
+		if n.role == "worker" {
+			for vmPath, p := range workerFiles {
+				files[vmPath] = p
+			}
+			modules = append(slices.Clone(modules), knpModules...)
+		}
 		ir, err := lab.BuildInitramfs(lab.InitramfsOptions{Assets: assets, Output: filepath.Join(nodeDir, "initrd.gz"),
-			Script: nodeScript(n, apiPort), Files: files, Modules: lab.KubeletModules, HostBinaries: lab.KubeletHostBinaries})
+			Script: nodeScript(n, apiPort), Files: files, Modules: modules, HostBinaries: lab.KubeletHostBinaries})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -186,6 +220,51 @@ func TestCluster(t *testing.T) {
 	}
 }
 
+// networkPolicyEngine returns the worker's files for kube-network-policies
+// (SIG Network's NetworkPolicy engine: nftables in the node's namespace,
+// the first packets of each connection to a pod that a policy selects
+// judged in user space through nfqueue): its binary from the assets, and
+// a token of its ServiceAccount kube-system/kube-network-policies, bound
+// to the RBAC of its own install.yaml.
+func networkPolicyEngine(t *testing.T, env *kubeenv.Env, dir string) (map[string]string, error) {
+	t.Helper()
+	ctx := context.Background()
+	bin := filepath.Join(kubeenv.AssetsDir(), "kube-network-policies-"+knpVersion)
+	if _, err := os.Stat(bin); err != nil {
+		return nil, fmt.Errorf("no kube-network-policies %s in the assets (make assets): %w", knpVersion, err)
+	}
+	admin, err := kubernetes.NewForConfig(env.AdminConfig())
+	if err != nil {
+		return nil, err
+	}
+	role := &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: "kube-network-policies"}, Rules: []rbacv1.PolicyRule{
+		{APIGroups: []string{""}, Resources: []string{"pods", "namespaces"}, Verbs: []string{"list", "watch"}},
+		{APIGroups: []string{"networking.k8s.io"}, Resources: []string{"networkpolicies"}, Verbs: []string{"list", "watch"}},
+	}}
+	binding := &rbacv1.ClusterRoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "kube-network-policies"},
+		RoleRef:  rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "ClusterRole", Name: role.Name},
+		Subjects: []rbacv1.Subject{{Kind: "ServiceAccount", Namespace: "kube-system", Name: "kube-network-policies"}}}
+	if _, err := admin.RbacV1().ClusterRoles().Create(ctx, role, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return nil, err
+	}
+	if _, err := admin.RbacV1().ClusterRoleBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return nil, err
+	}
+	sa, err := env.ServiceAccountConfig(ctx, "kube-system", "kube-network-policies")
+	if err != nil {
+		return nil, err
+	}
+	files := map[string]string{knpDir + "/kube-network-policies": bin}
+	for name, data := range map[string][]byte{"token": []byte(sa.BearerToken), "ca.crt": sa.TLSClientConfig.CAData} {
+		p := filepath.Join(dir, "knp-"+name)
+		if err := os.WriteFile(p, data, 0o600); err != nil {
+			return nil, err
+		}
+		files[knpDir+"/"+name] = p
+	}
+	return files, nil
+}
+
 // nodeScript is a node's /lab/run.sh: the nodes' link, routes to the other
 // node's pods and the client's network, the kubelet node
 // (lab.KubeletScript), then the node's guest test.
@@ -214,6 +293,13 @@ echo 1 > /proc/sys/net/ipv4/ip_forward
 		fmt.Fprintf(&b, "/sbin/ip route add 198.51.100.0/24 via %s\n", other.linkAddr)
 	}
 	b.WriteString(lab.KubeletScript + lab.KubernetesServiceDNAT(apiPort))
+	if n.role == "worker" {
+		// kube-network-policies, as its DaemonSet would run it: in-cluster
+		// configuration through the kubernetes Service, no NRI.
+		fmt.Fprintf(&b, `mkdir -p /var/run/secrets/kubernetes.io/serviceaccount && cp %[1]s/token %[1]s/ca.crt /var/run/secrets/kubernetes.io/serviceaccount/
+KUBERNETES_SERVICE_HOST=10.96.0.1 KUBERNETES_SERVICE_PORT=443 %[1]s/kube-network-policies --hostname-override=%[2]s --disable-nri --metrics-bind-address=%[3]s --v=2 >%[4]s 2>&1 &
+`, knpDir, n.name, knpMetrics, knpLog)
+	}
 	fmt.Fprintf(&b, "cd /tmp && %s=1 %s=%s %s=%q %s -test.run '^(TestInCluster|TestNodeHelper)$' -test.v -test.count=1 -test.timeout %s\n",
 		lab.EnvGuest, roleEnv, n.role, demoEnv, os.Getenv(demoEnv), lab.GuestProgram, guestTimeout)
 	return b.String()

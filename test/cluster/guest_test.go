@@ -133,7 +133,7 @@ func TestInCluster(t *testing.T) {
 				{"install", func(t *testing.T) { c.install(t, mode) }},
 				{"example", c.deployExample},
 				{"traffic", c.traffic},
-				{"network_policy", c.networkPolicy},
+				{"network_policy", func(t *testing.T) { c.networkPolicy(t, mode) }},
 				{"rollout_restart", c.rolloutRestart},
 				{"router_pod_deleted", c.deleteRouterPod},
 				{"uninstall", func(t *testing.T) { c.uninstall(t, before) }},
@@ -181,6 +181,12 @@ func connect(t *testing.T) *cluster {
 // remembered and shown if the limit passes.
 func (c *cluster) waitFor(t *testing.T, what string, limit time.Duration, cond func() (bool, error)) time.Duration {
 	t.Helper()
+	return c.waitForOr(t, what, limit, nil, cond)
+}
+
+// waitForOr is waitFor that also shows report() when the limit passes.
+func (c *cluster) waitForOr(t *testing.T, what string, limit time.Duration, report func() string, cond func() (bool, error)) time.Duration {
+	t.Helper()
 	start := time.Now()
 	var last error
 	for {
@@ -192,6 +198,9 @@ func (c *cluster) waitFor(t *testing.T, what string, limit time.Duration, cond f
 			last = err
 		}
 		if time.Since(start) > limit {
+			if report != nil {
+				t.Logf("%s", report())
+			}
 			t.Fatalf("no %s after %v (last error: %v)", what, limit, last)
 		}
 		time.Sleep(time.Second)

@@ -65,6 +65,18 @@ func TestNodeHelper(t *testing.T) {
 		}
 		_, _ = io.WriteString(w, logs)
 	})
+	// The NetworkPolicy engine's packet verdicts and the tail of its log.
+	mux.HandleFunc("GET /engine", func(w http.ResponseWriter, r *http.Request) {
+		if metrics, err := engineMetrics(r.Context()); err != nil {
+			fmt.Fprintf(w, "metrics: %v\n", err)
+		} else {
+			fmt.Fprintf(w, "%s", metrics)
+		}
+		out, _ := exec.CommandContext(r.Context(), "tail", "-n", "30", knpLog).CombinedOutput()
+		fmt.Fprintf(w, "== %s\n%s", knpLog, out)
+		out, _ = exec.CommandContext(r.Context(), "sh", "-c", "ps | grep -v grep | grep kube-network; ls -la /var/run/secrets/kubernetes.io/serviceaccount/; cat /proc/net/netfilter/nfnetlink_queue").CombinedOutput()
+		fmt.Fprintf(w, "== processes, token, queues\n%s", out)
+	})
 	mux.HandleFunc("POST /stop", func(w http.ResponseWriter, r *http.Request) {
 		close(stop)
 	})
@@ -79,6 +91,31 @@ func TestNodeHelper(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	_ = srv.Shutdown(ctx)
+}
+
+// engineMetrics returns the lines of kube-network-policies' metrics that
+// count packets by verdict.
+func engineMetrics(ctx context.Context) (string, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+knpMetrics+"/metrics", nil)
+	if err != nil {
+		return "", err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return "", err
+	}
+	var lines []string
+	for _, l := range strings.Split(string(body), "\n") {
+		if strings.Contains(l, "packet") && !strings.HasPrefix(l, "#") {
+			lines = append(lines, l)
+		}
+	}
+	return strings.Join(lines, "\n") + "\n", nil
 }
 
 func writeJSON(w http.ResponseWriter, v any, err error) {

@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # kube-assets.sh builds the kube-apiserver and etcd binaries used by the
-# integration tests (package test/kubeenv), and the kubelet,
+# integration tests (package test/kubeenv), the kubelet,
 # kube-controller-manager and kube-scheduler of the lab's real node
-# (test/lab), from the Go module proxy.
+# (test/lab), and kube-network-policies (the SIG Network NetworkPolicy
+# engine the lab cluster runs on its worker), from the Go module proxy.
 #
 # Output directory: ${KST_ASSETS_DIR:-$HOME/.cache/kube-service-tunnel/assets}
 # Each binary is skipped when it already exists there and answers --version.
 # The last line of stdout is the assets directory.
 #
-# Overrides: KUBE_VERSION (default v1.34.4), ETCD_VERSION (default v3.6.16).
+# Overrides: KUBE_VERSION (default v1.34.4), ETCD_VERSION (default v3.6.16),
+# KNP_VERSION (default v0.8.0).
 set -euo pipefail
 
 KUBE_VERSION="${KUBE_VERSION:-v1.34.4}"
 ETCD_VERSION="${ETCD_VERSION:-v3.6.16}"
+KNP_VERSION="${KNP_VERSION:-v0.8.0}"
 ASSETS_DIR="${KST_ASSETS_DIR:-$HOME/.cache/kube-service-tunnel/assets}"
 
 WORK_DIRS=()
@@ -128,6 +131,13 @@ main() {
 		build_module etcd go.etcd.io/etcd/server/v3 "$ETCD_VERSION" go.etcd.io/etcd/server/v3
 	fi
 	build_kube kube-apiserver "${CLUSTER_BINARIES[@]}"
+	# It has no --version: the file named with its version is the check.
+	local knp="kube-network-policies-$KNP_VERSION"
+	if [[ -x "$ASSETS_DIR/$knp" ]]; then
+		log "$knp present"
+	else
+		build_module "$knp" sigs.k8s.io/kube-network-policies "$KNP_VERSION" sigs.k8s.io/kube-network-policies/cmd
+	fi
 	echo "$ASSETS_DIR"
 }
 
