@@ -93,12 +93,24 @@ func TestPlanPod(t *testing.T) {
 		{name: "gre: an isolated pod gets its policy before its tunnel IP", mode: encap.GRE, want: isolated(want(vip1)), have: podState{PodLink: "eth0", TablesRead: true},
 			plan: "write network policy rules " + isolated(want(vip1)).Policy.Digest + "; create device, local 10.1.0.11; set device alias kube-service-tunnel; set device up; sysctl net/ipv4/conf/kst-decap/rp_filter=2; add tunnel IP 192.0.2.10 on device"},
 		{name: "gre: isolated and right: nothing", mode: encap.GRE, want: isolated(want(vip1)),
-			have: func() podState { s := greReady; s.TablesRead, s.Policy = true, observed(isolated(want(vip1)).Policy); return s }(), plan: ""},
+			have: func() podState {
+				s := greReady
+				s.TablesRead, s.Policy = true, observed(isolated(want(vip1)).Policy)
+				return s
+			}(), plan: ""},
 		{name: "mpls: the last tunnel IP goes before its policy", mode: encap.MPLS, want: want(),
-			have: func() podState { s := mplsReady; s.TablesRead, s.Policy = true, observed(isolated(want(vip1)).Policy); return s }(),
+			have: func() podState {
+				s := mplsReady
+				s.TablesRead, s.Policy = true, observed(isolated(want(vip1)).Policy)
+				return s
+			}(),
 			plan: "remove tunnel IP 192.0.2.10 on lo; remove mpls route 100 dev lo; remove network policy rules"},
 		{name: "no longer isolated: rules removed, tunnel IP kept", mode: encap.GRE, want: want(vip1),
-			have: func() podState { s := greReady; s.TablesRead, s.Policy = true, observed(isolated(want(vip1)).Policy); return s }(),
+			have: func() podState {
+				s := greReady
+				s.TablesRead, s.Policy = true, observed(isolated(want(vip1)).Policy)
+				return s
+			}(),
 			plan: "remove network policy rules"},
 		{name: "unreadable filter table of a pod no policy isolates: ignored", mode: encap.GRE, want: want(vip1),
 			have: func() podState { s := greReady; s.TablesRead, s.PolicyErr = true, errors.New("no iptables"); return s }(), plan: ""},
