@@ -103,6 +103,24 @@ func ForPod(pod *corev1.Pod, policies []*networkingv1.NetworkPolicy, cluster Clu
 	return in, problems
 }
 
+// Selecting names ("namespace/name") the ingress policies of policies
+// that select pod, in name order.
+func Selecting(pod *corev1.Pod, policies []*networkingv1.NetworkPolicy) []string {
+	var out []string
+	for _, np := range policies {
+		if np.Namespace != pod.Namespace || !hasIngress(np) {
+			continue
+		}
+		sel, err := metav1.LabelSelectorAsSelector(&np.Spec.PodSelector)
+		if err != nil || !sel.Matches(labels.Set(pod.Labels)) {
+			continue
+		}
+		out = append(out, np.Namespace+"/"+np.Name)
+	}
+	slices.Sort(out)
+	return out
+}
+
 // hasIngress reports whether np is an ingress policy: policyTypes lists
 // Ingress, or is empty (then every policy is one).
 func hasIngress(np *networkingv1.NetworkPolicy) bool {

@@ -96,8 +96,10 @@ type Explanation struct {
 	SeedFrom        string         `json:"seedFrom"`
 	Endpoint        EndpointStatus `json:"endpoint"`
 	Encapsulation   Encapsulation  `json:"encapsulation"`
-	Routers         []RouterPath   `json:"routers"`
-	Notes           []string       `json:"notes,omitempty"`
+	// Policy is what the endpoint pod's NetworkPolicies do with the flow.
+	Policy  *PolicyVerdict `json:"policy,omitempty"`
+	Routers []RouterPath   `json:"routers"`
+	Notes   []string       `json:"notes,omitempty"`
 }
 
 // Encapsulation is how a router carries the flow to its pod.
@@ -186,6 +188,9 @@ func (inv *Inventory) Explain(ctx context.Context, f Flow, seed Seed) (*Explanat
 				return nil, err
 			}
 			ex.Encapsulation.MPLSLabel, ex.Encapsulation.NextHop = label, ep.NodeIP.String()
+		}
+		if ex.Endpoint.Pod != "" {
+			ex.Policy = inv.policyVerdict(ctx, ex.Endpoint.Pod, f.Client.Addr(), f.Proto, f.TunnelIP.Port())
 		}
 		if ex.Endpoint.State == "draining" {
 			ex.Notes = append(ex.Notes, "every endpoint drains: new flows go to draining endpoints")

@@ -210,6 +210,21 @@ func PrintExplanation(w io.Writer, ex *Explanation, output string) error {
 		case e.NextHop != "":
 			fmt.Fprintf(w, "Encap:      MPLS label %d via %s\n", e.MPLSLabel, e.NextHop)
 		}
+		if p := ex.Policy; p != nil {
+			line := p.Verdict
+			switch {
+			case p.Why != "":
+				line += ": " + p.Why
+			case len(p.Policies) > 0:
+				line += " by the pod's NetworkPolicies " + strings.Join(p.Policies, ", ")
+			default:
+				line += ": no NetworkPolicy selects the pod"
+			}
+			fmt.Fprintf(w, "Policy:     %s\n", line)
+			for _, pr := range p.Problems {
+				fmt.Fprintf(w, "            %s\n", pr)
+			}
+		}
 	}
 	fmt.Fprintln(w, "Routers:")
 	if len(ex.Routers) == 0 {

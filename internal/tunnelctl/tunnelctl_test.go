@@ -13,10 +13,12 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 	"sigs.k8s.io/yaml"
@@ -392,5 +394,64 @@ func TestRouterComparedWithItsOwnSettings(t *testing.T) {
 		if rt.Router == "router-c" && !rt.Current() {
 			t.Errorf("router-c, with 32 buckets and the table they give, shows %+v", rt)
 		}
+	}
+}
+
+// explain judges the flow against the endpoint pod's NetworkPolicies, as
+// the endpoint agent does.
+func TestExplainNetworkPolicy(t *testing.T) {
+	client, _ := cluster(t, encap.GRE)
+	ctx := context.Background()
+	explain := func(from, proto string) *PolicyVerdict {
+		t.Helper()
+		inv, err := Load(ctx, client, ns)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f, err := ParseFlow(vip.String()+":80", from, proto)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ex, err := inv.Explain(ctx, f, Seed{Value: seed})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ex.Policy == nil {
+			t.Fatalf("no policy verdict in %+v", ex)
+		}
+		return ex.Policy
+	}
+	if v := explain("198.51.100.7:40000", "tcp"); v.Verdict != PolicyNotIsolated {
+		t.Errorf("no policy: %+v, want %q", v, PolicyNotIsolated)
+	}
+	tcp := corev1.ProtocolTCP
+	port := intstr.FromInt32(80)
+	office := &networkingv1.NetworkPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: "web", Name: "office"},
+		Spec: networkingv1.NetworkPolicySpec{Ingress: []networkingv1.NetworkPolicyIngressRule{{
+			From:  []networkingv1.NetworkPolicyPeer{{IPBlock: &networkingv1.IPBlock{CIDR: "198.51.100.0/24", Except: []string{"198.51.100.128/25"}}}},
+			Ports: []networkingv1.NetworkPolicyPort{{Protocol: &tcp, Port: &port}},
+		}}}}
+	if _, err := client.NetworkingV1().NetworkPolicies("web").Create(ctx, office, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		from, proto, want string
+	}{
+		{"198.51.100.7:40000", "tcp", PolicyAdmitted},
+		{"198.51.100.200:40000", "tcp", PolicyRefused}, // in the except range
+		{"203.0.113.9:40000", "tcp", PolicyRefused},
+		{"198.51.100.7:40000", "udp", PolicyRefused},
+	} {
+		v := explain(c.from, c.proto)
+		if v.Verdict != c.want || len(v.Policies) != 1 || v.Policies[0] != "web/office" {
+			t.Errorf("%s %s: %+v, want %q by web/office", c.proto, c.from, v, c.want)
+		}
+	}
+	// Without the right to read policies, the verdict says so.
+	client.PrependReactor("list", "networkpolicies", func(k8stesting.Action) (bool, runtime.Object, error) {
+		return true, nil, apierrors.NewForbidden(schema.GroupResource{Group: "networking.k8s.io", Resource: "networkpolicies"}, "", errors.New("RBAC"))
+	})
+	if v := explain("198.51.100.7:40000", "tcp"); v.Verdict != PolicyUnknown || !strings.Contains(v.Why, "forbidden") {
+		t.Errorf("forbidden: %+v, want %q with the reason", v, PolicyUnknown)
 	}
 }

@@ -15,6 +15,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelctl"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/topology"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
 )
@@ -76,6 +77,14 @@ func networkPolicy(t *testing.T, e *env) {
 		t.Fatal(err)
 	}
 
+	// kubectl tunnel explain judges the flows as the agents do.
+	for src, want := range map[netip.Addr]string{topology.ClientAddr: tunnelctl.PolicyAdmitted, stranger: tunnelctl.PolicyRefused} {
+		var ex tunnelctl.Explanation
+		e.kubectlTunnel(t, &ex, "explain", netip.AddrPortFrom(vip, tcpPort).String(), "--from", netip.AddrPortFrom(src, 41099).String())
+		if ex.Policy == nil || ex.Policy.Verdict != want || len(ex.Policy.Policies) != 1 {
+			t.Errorf("kubectl tunnel explain from %v: policy %+v, want %q by the lab's policy", src, ex.Policy, want)
+		}
+	}
 	// The client reaches every pod (the buckets spread its flows); the
 	// stranger reaches none; UDP is not in the policy.
 	reached := map[string]int{}
