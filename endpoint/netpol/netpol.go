@@ -32,6 +32,9 @@ type Ingress struct {
 	// Isolated is false when no ingress policy selects the pod: it admits
 	// everything, and Rules is empty.
 	Isolated bool
+	// Policies name ("namespace/name", in name order) the ingress policies
+	// that select the pod.
+	Policies []string
 	// Rules admit a packet when any one of them does.
 	Rules []Rule
 }
@@ -94,6 +97,7 @@ func ForPod(pod *corev1.Pod, policies []*networkingv1.NetworkPolicy, cluster Clu
 			continue
 		}
 		in.Isolated = true
+		in.Policies = append(in.Policies, np.Namespace+"/"+np.Name)
 		for i, r := range np.Spec.Ingress {
 			rule, p := resolveRule(pod, np, i, r, cluster)
 			problems = append(problems, p...)
@@ -101,24 +105,6 @@ func ForPod(pod *corev1.Pod, policies []*networkingv1.NetworkPolicy, cluster Clu
 		}
 	}
 	return in, problems
-}
-
-// Selecting names ("namespace/name") the ingress policies of policies
-// that select pod, in name order.
-func Selecting(pod *corev1.Pod, policies []*networkingv1.NetworkPolicy) []string {
-	var out []string
-	for _, np := range policies {
-		if np.Namespace != pod.Namespace || !hasIngress(np) {
-			continue
-		}
-		sel, err := metav1.LabelSelectorAsSelector(&np.Spec.PodSelector)
-		if err != nil || !sel.Matches(labels.Set(pod.Labels)) {
-			continue
-		}
-		out = append(out, np.Namespace+"/"+np.Name)
-	}
-	slices.Sort(out)
-	return out
 }
 
 // hasIngress reports whether np is an ingress policy: policyTypes lists

@@ -167,6 +167,17 @@ var (
 	target        = regexp.MustCompile(`(?:^| )-j (\S+)`)
 )
 
+// hostDestination returns the single address a saved rule's -d names
+// (invalid when it names none, or a wider prefix).
+func hostDestination(spec string) netip.Addr {
+	if m := destination.FindStringSubmatch(spec); m != nil {
+		if p, err := netip.ParsePrefix(m[1]); err == nil && p.IsSingleIP() {
+			return p.Addr()
+		}
+	}
+	return netip.Addr{}
+}
+
 // jumpsTo returns the target of a saved rule.
 func jumpsTo(spec string) string {
 	if m := target.FindStringSubmatch(spec); m != nil {
@@ -217,13 +228,7 @@ func ParseSave(save string) Observed {
 		chain, spec, _ := strings.Cut(rest, " ")
 		switch {
 		case chain == "INPUT" && jumpsTo(spec) == Chain:
-			var vip netip.Addr
-			if m := destination.FindStringSubmatch(spec); m != nil {
-				if p, err := netip.ParsePrefix(m[1]); err == nil && p.IsSingleIP() {
-					vip = p.Addr()
-				}
-			}
-			o.Jumps = append(o.Jumps, ObservedJump{VIP: vip, Spec: spec})
+			o.Jumps = append(o.Jumps, ObservedJump{VIP: hostDestination(spec), Spec: spec})
 		case ours(chain):
 			if o.Counts[chain] == 0 && chain == Chain {
 				if m := digestComment.FindStringSubmatch(spec); m != nil {
@@ -231,12 +236,8 @@ func ParseSave(save string) Observed {
 				}
 			}
 			o.Counts[chain]++
-			if chain == Chain && jumpsTo(spec) == "DROP" {
-				if m := destination.FindStringSubmatch(spec); m != nil {
-					if p, err := netip.ParsePrefix(m[1]); err == nil && p.IsSingleIP() {
-						o.Dropped[p.Addr()] = counter
-					}
-				}
+			if vip := hostDestination(spec); chain == Chain && jumpsTo(spec) == "DROP" && vip.IsValid() {
+				o.Dropped[vip] = counter
 			}
 		}
 	}
@@ -275,7 +276,8 @@ func Update(want *Rules, have Observed) []byte {
 			sameChains = false
 		}
 	}
-	if want != nil && sameChains && have.Digest == want.Digest && len(staleJumps) == 0 && len(missing) == 0 {
+	chainsRight := want != nil && sameChains && have.Digest == want.Digest
+	if chainsRight && len(staleJumps) == 0 && len(missing) == 0 {
 		return nil
 	}
 	if want == nil && have.Empty() {
@@ -293,7 +295,7 @@ func Update(want *Rules, have Observed) []byte {
 	slices.Sort(stale)
 	// Declaring a chain flushes it. Ours are rewritten whole unless they
 	// are right already (only jumps to add or remove).
-	rewrite := want != nil && !(sameChains && have.Digest == want.Digest)
+	rewrite := want != nil && !chainsRight
 	if rewrite {
 		for _, c := range want.Chains {
 			fmt.Fprintf(&b, ":%s - [0:0]\n", c)

@@ -79,7 +79,7 @@ func (inv *Inventory) policyVerdict(ctx context.Context, pod string, src netip.A
 		}
 	}
 	in, problems := netpol.ForPod(p, policies, cluster)
-	v := &PolicyVerdict{Problems: problems, Policies: netpol.Selecting(p, policies)}
+	v := &PolicyVerdict{Problems: problems, Policies: in.Policies}
 	switch {
 	case !in.Isolated:
 		v.Verdict = PolicyNotIsolated
