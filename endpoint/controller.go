@@ -29,7 +29,6 @@ import (
 	"k8s.io/client-go/util/workqueue"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
-	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
 	"github.com/cmdnu/kube-service-tunnel/internal/livepolicy"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
@@ -557,11 +556,7 @@ func (c *Controller) syncPod(ctx context.Context, key string) error {
 	// In gre mode the pod's decapsulation device counts what it receives,
 	// and the policy rules count what they drop: the metrics read them
 	// through this namespace at each scrape.
-	if c.cfg.Mode == encap.GRE || want.Isolated() {
-		kept = c.metrics.keepNamespace(key, want, podNS.Handle)
-	} else {
-		c.metrics.forgetPod(key) // no longer isolated (mpls): nothing to read
-	}
+	kept = c.metrics.keepNamespace(key, want, podNS.Handle)
 	if len(acts) > 0 {
 		log.WithField("tunnel_ips", want.TunnelIPs).Info("pod converged")
 	}

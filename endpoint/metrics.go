@@ -183,14 +183,17 @@ func (m *Metrics) desiredState(desired map[string]PodTunnels, refused []tunnelcl
 
 // keepNamespace hands the namespace of a pod just converged to want to the
 // counters' collector, which owns it from then on (and closes the one it
-// had for the pod). It reports whether it took it; when not, the caller
-// closes it.
+// had for the pod), when it has counters to read there: the decapsulation
+// device's (gre mode), or the drops of a policy that isolates the pod. It
+// reports whether it took it; when not, the caller closes it, and the
+// collector stops reading the pod.
 func (m *Metrics) keepNamespace(pod string, want PodTunnels, ns netns.NsHandle) bool {
-	if m == nil || len(want.TunnelIPs) == 0 {
+	if m == nil {
 		return false
 	}
 	policy := want.Isolated() && m.decap.drops != nil
-	if m.decap.reader == nil && !policy {
+	if len(want.TunnelIPs) == 0 || m.decap.reader == nil && !policy {
+		m.forgetPod(pod)
 		return false
 	}
 	m.decap.keep(pod, want.TunnelIPs, policy, ns)
