@@ -14,7 +14,6 @@ import (
 	"github.com/sirupsen/logrus"
 	"github.com/vishvananda/netns"
 	corev1 "k8s.io/api/core/v1"
-	discoveryv1 "k8s.io/api/discovery/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
@@ -24,7 +23,6 @@ import (
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	corelisters "k8s.io/client-go/listers/core/v1"
-	discoverylisters "k8s.io/client-go/listers/discovery/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
 
@@ -97,7 +95,7 @@ type Controller struct {
 	cfg      Config
 	live     *livepolicy.Policy // the address pools and ranges, which may change while running
 	services corelisters.ServiceLister
-	slices   discoverylisters.EndpointSliceLister
+	slices   cache.Store // *kubeobj.EndpointSlice
 	pods     corelisters.PodLister
 	nodes    corelisters.NodeLister
 	synced   []cache.InformerSynced
@@ -143,7 +141,7 @@ func NewController(cfg Config, inf Informers, locator runtime.Locator, podNet Po
 	c := &Controller{
 		cfg:      cfg,
 		services: svcInformer.Lister(),
-		slices:   sliceInformer.Lister(),
+		slices:   sliceInformer.Informer().GetStore(),
 		pods:     podInformer.Lister(),
 		nodes:    nodeInformer.Lister(),
 		synced: []cache.InformerSynced{svcInformer.Informer().HasSynced, sliceInformer.Informer().HasSynced,
@@ -256,11 +254,11 @@ func annotated(obj any) bool {
 
 // onSlice recomputes when the slice's Service is a tunnel Service.
 func (c *Controller) onSlice(obj any) {
-	es, ok := obj.(*discoveryv1.EndpointSlice)
+	es, ok := obj.(*kubeobj.EndpointSlice)
 	if !ok {
 		return
 	}
-	svc, err := c.services.Services(es.Namespace).Get(es.Labels[discoveryv1.LabelServiceName])
+	svc, err := c.services.Services(es.Namespace).Get(es.Service)
 	if err == nil && !annotated(svc) {
 		return
 	}
@@ -414,10 +412,7 @@ func (c *Controller) recompute() error {
 	if err != nil {
 		return fmt.Errorf("listing services: %w", err)
 	}
-	esl, err := c.slices.List(labels.Everything())
-	if err != nil {
-		return fmt.Errorf("listing endpointslices: %w", err)
-	}
+	esl := kubeobj.EndpointSlices(c.slices.List())
 	pods, err := c.pods.List(labels.Everything())
 	if err != nil {
 		return fmt.Errorf("listing pods: %w", err)

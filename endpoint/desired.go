@@ -77,7 +77,7 @@ func WithPolicies(desired map[string]PodTunnels, localPods map[string]*corev1.Po
 // (Pools.Admit, given the cluster's known networks) claims nothing and is
 // listed in refused. Entries that cannot be used are skipped and described in
 // problems, one line each naming the object and field.
-func Desired(node string, pools tunnelclaim.Pools, known tunnelclaim.Networks, services []*corev1.Service, endpointSlices []*discoveryv1.EndpointSlice, pods []*corev1.Pod) (desired map[string]PodTunnels, problems []string, refused []tunnelclaim.Claim) {
+func Desired(node string, pools tunnelclaim.Pools, known tunnelclaim.Networks, services []*corev1.Service, endpointSlices []*kubeobj.EndpointSlice, pods []*corev1.Pod) (desired map[string]PodTunnels, problems []string, refused []tunnelclaim.Claim) {
 	decision := tunnelclaim.Decide(services, pools, known)
 	refused = decision.With(tunnelclaim.Refused)
 	winners := make(map[string]netip.Addr, len(decision.Winners))
@@ -102,7 +102,7 @@ func Desired(node string, pools tunnelclaim.Pools, known tunnelclaim.Networks, s
 
 	sets := map[string]map[netip.Addr]bool{}
 	for _, es := range endpointSlices {
-		vip, ok := winners[es.Namespace+"/"+es.Labels[discoveryv1.LabelServiceName]]
+		vip, ok := winners[es.Namespace+"/"+es.Service]
 		if !ok {
 			continue
 		}
@@ -111,19 +111,16 @@ func Desired(node string, pools tunnelclaim.Pools, known tunnelclaim.Networks, s
 			continue // the router reports this once per Service
 		}
 		for i, ep := range es.Endpoints {
-			if ep.NodeName != nil && *ep.NodeName != node {
+			if ep.NodeName != "" && ep.NodeName != node {
 				continue
 			}
-			if len(ep.Addresses) == 0 {
-				continue
-			}
-			addr, err := netip.ParseAddr(ep.Addresses[0])
+			addr, err := netip.ParseAddr(ep.Address)
 			if err != nil || !addr.Is4() {
 				continue
 			}
-			pod := podOf(es, ep, localPods, podByIP)
+			pod := podOf(ep, localPods, podByIP)
 			if pod == nil {
-				if ep.NodeName != nil {
+				if ep.NodeName != "" {
 					problems = append(problems, fmt.Sprintf("%s: endpoints[%d] (%v) names node %s but no running pod of this node matches its targetRef or address", name, i, addr, node))
 				}
 				continue
@@ -161,15 +158,15 @@ func Desired(node string, pools tunnelclaim.Pools, known tunnelclaim.Networks, s
 
 // podOf finds the local pod behind an endpoint: by its targetRef when it names
 // a Pod, else by its address.
-func podOf(es *discoveryv1.EndpointSlice, ep discoveryv1.Endpoint, localPods map[string]*corev1.Pod, podByIP map[netip.Addr]*corev1.Pod) *corev1.Pod {
-	if ref, ok := kubeobj.EndpointPod(es, ep); ok {
+func podOf(ep kubeobj.Endpoint, localPods map[string]*corev1.Pod, podByIP map[netip.Addr]*corev1.Pod) *corev1.Pod {
+	if ref := ep.Pod; !ref.IsZero() {
 		pod := localPods[ref.Key()]
 		if pod != nil && ref.UID != "" && string(pod.UID) != ref.UID {
 			return nil // a different pod of the same name
 		}
 		return pod
 	}
-	addr, err := netip.ParseAddr(ep.Addresses[0])
+	addr, err := netip.ParseAddr(ep.Address)
 	if err != nil {
 		return nil
 	}

@@ -2,6 +2,7 @@ package endpoint
 
 import (
 	"fmt"
+	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
 	"net/netip"
 	"slices"
 	"strings"
@@ -57,6 +58,15 @@ func slice(ns, svc string, eps ...ep) *discoveryv1.EndpointSlice {
 		es.Endpoints = append(es.Endpoints, d)
 	}
 	return es
+}
+
+// cached is what the agent's informer keeps of slices.
+func cached(slices ...*discoveryv1.EndpointSlice) []*kubeobj.EndpointSlice {
+	out := make([]*kubeobj.EndpointSlice, len(slices))
+	for i, es := range slices {
+		out[i] = kubeobj.NewEndpointSlice(es)
+	}
+	return out
 }
 
 // summary renders the desired state as "pod=vip,vip pod=vip" for comparison.
@@ -143,7 +153,7 @@ func TestDesired(t *testing.T) {
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			got, problems, _ := Desired(node, testPools, tunnelclaim.Networks{}, tc.services, tc.slices, pods)
+			got, problems, _ := Desired(node, testPools, tunnelclaim.Networks{}, tc.services, cached(tc.slices...), pods)
 			if s := summary(got); s != tc.want {
 				t.Errorf("desired = %q, want %q", s, tc.want)
 			}
@@ -157,7 +167,7 @@ func TestDesired(t *testing.T) {
 
 func TestDesiredCarriesPodIdentity(t *testing.T) {
 	got, _, _ := Desired("n1", testPools, tunnelclaim.Networks{}, []*corev1.Service{tunnelService("a", "web", "192.0.2.10", 0)},
-		[]*discoveryv1.EndpointSlice{slice("a", "web", ep{"10.1.0.11", "n1", "web-1", true})},
+		cached(slice("a", "web", ep{"10.1.0.11", "n1", "web-1", true})),
 		[]*corev1.Pod{testPod("a", "web-1", "n1", "10.1.0.11")})
 	pt := got["a/web-1"]
 	if pt.Pod.UID != "uid-web-1" || pt.Pod.IP != netip.MustParseAddr("10.1.0.11") || pt.Pod.Namespace != "a" || pt.Pod.Name != "web-1" {
@@ -180,11 +190,11 @@ func TestDesiredIsOrderIndependent(t *testing.T) {
 	for i := range 5 {
 		pods = append(pods, testPod("a", fmt.Sprintf("p%d", i), "n1", fmt.Sprintf("10.1.0.%d", 1+i)))
 	}
-	want, _, _ := Desired("n1", testPools, tunnelclaim.Networks{}, svcs, esl, pods)
+	want, _, _ := Desired("n1", testPools, tunnelclaim.Networks{}, svcs, cached(esl...), pods)
 	slices.Reverse(svcs)
 	slices.Reverse(esl)
 	slices.Reverse(pods)
-	got, _, _ := Desired("n1", testPools, tunnelclaim.Networks{}, svcs, esl, pods)
+	got, _, _ := Desired("n1", testPools, tunnelclaim.Networks{}, svcs, cached(esl...), pods)
 	if summary(got) != summary(want) || summary(want) == "" {
 		t.Fatalf("order changed the answer:\n%s\n%s", summary(want), summary(got))
 	}
@@ -199,7 +209,7 @@ func TestDesiredAdmission(t *testing.T) {
 	esl := []*discoveryv1.EndpointSlice{slice("a", "web", ep{"10.1.0.11", node, "web-1", true}), slice("b", "db", ep{"10.1.0.21", node, "db-1", true})}
 	limited := tunnelclaim.Pools{{Prefix: netip.MustParsePrefix("192.0.2.0/24"), Namespaces: []string{"a"}}}
 	services := []*corev1.Service{tunnelService("b", "db", "192.0.2.10", time.Hour), tunnelService("a", "web", "192.0.2.10", time.Minute)}
-	got, _, refused := Desired(node, limited, tunnelclaim.Networks{}, services, esl, pods)
+	got, _, refused := Desired(node, limited, tunnelclaim.Networks{}, services, cached(esl...), pods)
 	if s, want := summary(got), "a/web-1=192.0.2.10"; s != want {
 		t.Errorf("desired = %q, want %q", s, want)
 	}

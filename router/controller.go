@@ -21,7 +21,6 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/router/status"
 	"github.com/sirupsen/logrus"
 	corev1 "k8s.io/api/core/v1"
-	discoveryv1 "k8s.io/api/discovery/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/labels"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
@@ -365,12 +364,12 @@ func (c *Controller) enqueueSliceService(obj any) {
 	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
 		obj = d.Obj
 	}
-	es, ok := obj.(*discoveryv1.EndpointSlice)
+	es, ok := obj.(*kubeobj.EndpointSlice)
 	if !ok {
 		return
 	}
-	if svc := es.Labels[discoveryv1.LabelServiceName]; svc != "" {
-		c.add(daemon.ObjectKey(es.Namespace + "/" + svc))
+	if es.Service != "" {
+		c.add(daemon.ObjectKey(es.Namespace + "/" + es.Service))
 	}
 }
 
@@ -381,15 +380,11 @@ func (c *Controller) enqueueSliceService(obj any) {
 const sliceServiceIndex = "service"
 
 func sliceService(obj any) ([]string, error) {
-	es, ok := obj.(*discoveryv1.EndpointSlice)
-	if !ok {
+	es, ok := obj.(*kubeobj.EndpointSlice)
+	if !ok || es.Service == "" {
 		return nil, nil
 	}
-	name, ok := es.Labels[discoveryv1.LabelServiceName]
-	if !ok {
-		return nil, nil
-	}
-	return []string{es.Namespace + "/" + name}, nil
+	return []string{es.Namespace + "/" + es.Service}, nil
 }
 
 // drainAnnotated reports whether a Pod carries DrainAnnotation="true".
@@ -415,12 +410,12 @@ func (c *Controller) enqueuePodServices(obj any) {
 		return
 	}
 	for _, obj := range c.slices.List() {
-		es, ok := obj.(*discoveryv1.EndpointSlice)
+		es, ok := obj.(*kubeobj.EndpointSlice)
 		if !ok {
 			continue
 		}
 		for _, ep := range es.Endpoints {
-			if pod, ok := kubeobj.EndpointPod(es, ep); ok && pod.Key() == key {
+			if !ep.Pod.IsZero() && ep.Pod.Key() == key {
 				c.enqueueSliceService(es)
 				break
 			}
@@ -827,18 +822,12 @@ func (c *Controller) decide(vip netip.Addr) (winner *corev1.Service, losers []*c
 }
 
 // serviceSlices returns the EndpointSlices of svc from the informer's index.
-func (c *Controller) serviceSlices(svc *corev1.Service) ([]*discoveryv1.EndpointSlice, error) {
+func (c *Controller) serviceSlices(svc *corev1.Service) ([]*kubeobj.EndpointSlice, error) {
 	objs, err := c.slices.ByIndex(sliceServiceIndex, svc.Namespace+"/"+svc.Name)
 	if err != nil {
 		return nil, err
 	}
-	esl := make([]*discoveryv1.EndpointSlice, 0, len(objs))
-	for _, obj := range objs {
-		if es, ok := obj.(*discoveryv1.EndpointSlice); ok {
-			esl = append(esl, es)
-		}
-	}
-	return esl, nil
+	return kubeobj.EndpointSlices(objs), nil
 }
 
 // notice is an event to record on a Service once the datapath holds what it

@@ -3,6 +3,7 @@ package router
 import (
 	"context"
 	"errors"
+	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
 	"net/netip"
 	"slices"
 	"strings"
@@ -115,7 +116,7 @@ func (tc *testController) add(t *testing.T, objs ...any) {
 		case *corev1.Service:
 			err = tc.inf.Core().V1().Services().Informer().GetIndexer().Add(o)
 		case *discoveryv1.EndpointSlice:
-			err = tc.inf.Discovery().V1().EndpointSlices().Informer().GetIndexer().Add(o)
+			err = tc.inf.Discovery().V1().EndpointSlices().Informer().GetIndexer().Add(kubeobj.NewEndpointSlice(o)) // as the informer's transform stores it
 		case *corev1.Node:
 			err = tc.inf.Core().V1().Nodes().Informer().GetIndexer().Add(o)
 		}

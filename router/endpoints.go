@@ -24,7 +24,7 @@ const DrainAnnotation = "cmd.nu/tunnel-drain"
 // but not ready (terminating), or when drained(pod) says its Pod is marked
 // with DrainAnnotation; drained may be nil. Endpoints neither ready nor
 // serving are left out.
-func ServiceEndpoints(endpointSlices []*discoveryv1.EndpointSlice, needNode bool, drained func(namespace, name string) bool) (eps []datapath.Endpoint, problems []string) {
+func ServiceEndpoints(endpointSlices []*kubeobj.EndpointSlice, needNode bool, drained func(namespace, name string) bool) (eps []datapath.Endpoint, problems []string) {
 	byAddr := map[netip.Addr]datapath.Endpoint{}
 	for _, es := range endpointSlices {
 		if es == nil {
@@ -37,28 +37,25 @@ func ServiceEndpoints(endpointSlices []*discoveryv1.EndpointSlice, needNode bool
 		}
 		for i, ep := range es.Endpoints {
 			draining := false
-			if ep.Conditions.Ready != nil && !*ep.Conditions.Ready {
-				if ep.Conditions.Serving == nil || !*ep.Conditions.Serving {
+			if ready, set := ep.Conditions.Ready(); set && !ready {
+				if serving, _ := ep.Conditions.Serving(); !serving {
 					continue
 				}
 				draining = true
 			}
-			if pod, ok := kubeobj.EndpointPod(es, ep); !draining && drained != nil && ok {
-				draining = drained(pod.Namespace, pod.Name)
+			if !draining && drained != nil && !ep.Pod.IsZero() {
+				draining = drained(ep.Pod.Namespace, ep.Pod.Name)
 			}
-			if len(ep.Addresses) == 0 {
+			if ep.Address == "" {
 				problems = append(problems, fmt.Sprintf("EndpointSlice %s: endpoints[%d].addresses is empty", name, i))
 				continue
 			}
-			addr, err := netip.ParseAddr(ep.Addresses[0])
+			addr, err := netip.ParseAddr(ep.Address)
 			if err != nil || !addr.Is4() {
-				problems = append(problems, fmt.Sprintf("EndpointSlice %s: endpoints[%d].addresses[0] %q is not an IPv4 address", name, i, ep.Addresses[0]))
+				problems = append(problems, fmt.Sprintf("EndpointSlice %s: endpoints[%d].addresses[0] %q is not an IPv4 address", name, i, ep.Address))
 				continue
 			}
-			node := ""
-			if ep.NodeName != nil {
-				node = *ep.NodeName
-			}
+			node := ep.NodeName
 			if needNode && node == "" {
 				problems = append(problems, fmt.Sprintf("EndpointSlice %s: endpoints[%d] (%s) has no nodeName, which mpls mode needs", name, i, addr))
 				continue

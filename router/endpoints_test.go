@@ -1,6 +1,7 @@
 package router
 
 import (
+	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
 	"net/netip"
 	"strings"
 	"testing"
@@ -13,16 +14,16 @@ import (
 
 func ptr[T any](v T) *T { return &v }
 
-func slice(name string, typ discoveryv1.AddressType, eps ...discoveryv1.Endpoint) *discoveryv1.EndpointSlice {
-	return &discoveryv1.EndpointSlice{
+func slice(name string, typ discoveryv1.AddressType, eps ...discoveryv1.Endpoint) *kubeobj.EndpointSlice {
+	return kubeobj.NewEndpointSlice(&discoveryv1.EndpointSlice{
 		ObjectMeta:  metav1.ObjectMeta{Namespace: "ns", Name: name},
 		AddressType: typ,
 		Endpoints:   eps,
-	}
+	})
 }
 
 func TestServiceEndpoints(t *testing.T) {
-	slices := []*discoveryv1.EndpointSlice{
+	slices := []*kubeobj.EndpointSlice{
 		slice("a", discoveryv1.AddressTypeIPv4,
 			discoveryv1.Endpoint{Addresses: []string{"10.244.1.5"}, NodeName: ptr("node-1"), Conditions: discoveryv1.EndpointConditions{Ready: ptr(true)}},
 			discoveryv1.Endpoint{Addresses: []string{"10.244.1.6"}, NodeName: ptr("node-1")},                                                                                                             // nil ready: counts as ready
@@ -56,7 +57,7 @@ func TestServiceEndpoints(t *testing.T) {
 		assertProblems(t, problems, "endpoints[8] (10.244.2.9) has no nodeName")
 	})
 	t.Run("ready in one slice wins over draining in another", func(t *testing.T) {
-		eps, _ := ServiceEndpoints([]*discoveryv1.EndpointSlice{
+		eps, _ := ServiceEndpoints([]*kubeobj.EndpointSlice{
 			slice("x", discoveryv1.AddressTypeIPv4, discoveryv1.Endpoint{Addresses: []string{"10.0.0.1"}, Conditions: discoveryv1.EndpointConditions{Ready: ptr(false), Serving: ptr(true)}}),
 			slice("y", discoveryv1.AddressTypeIPv4, discoveryv1.Endpoint{Addresses: []string{"10.0.0.1"}}),
 		}, false, nil)

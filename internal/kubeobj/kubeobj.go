@@ -7,7 +7,6 @@ import (
 	"net/netip"
 
 	corev1 "k8s.io/api/core/v1"
-	discoveryv1 "k8s.io/api/discovery/v1"
 )
 
 // NodeAddress returns a node's first IPv4 InternalIP, else its first IPv4
@@ -34,19 +33,8 @@ type PodRef struct {
 	UID string
 }
 
+// IsZero reports whether r names no Pod.
+func (r PodRef) IsZero() bool { return r == PodRef{} }
+
 // Key is the Pod's "namespace/name".
 func (r PodRef) Key() string { return r.Namespace + "/" + r.Name }
-
-// EndpointPod returns the Pod an endpoint of slice es stands for, when its
-// targetRef names a Pod; a targetRef without a namespace means the slice's.
-func EndpointPod(es *discoveryv1.EndpointSlice, ep discoveryv1.Endpoint) (PodRef, bool) {
-	ref := ep.TargetRef
-	if ref == nil || ref.Kind != "Pod" {
-		return PodRef{}, false
-	}
-	ns := ref.Namespace
-	if ns == "" {
-		ns = es.Namespace
-	}
-	return PodRef{Namespace: ns, Name: ref.Name, UID: string(ref.UID)}, true
-}

@@ -4,8 +4,6 @@ import (
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
-	discoveryv1 "k8s.io/api/discovery/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
 func TestNodeAddress(t *testing.T) {
@@ -24,25 +22,6 @@ func TestNodeAddress(t *testing.T) {
 		got := NodeAddress(&corev1.Node{Status: corev1.NodeStatus{Addresses: tc.addrs}})
 		if got.String() != tc.want {
 			t.Errorf("%s: NodeAddress = %v, want %s", tc.name, got, tc.want)
-		}
-	}
-}
-
-func TestEndpointPod(t *testing.T) {
-	es := &discoveryv1.EndpointSlice{ObjectMeta: metav1.ObjectMeta{Namespace: "web", Name: "s"}}
-	for _, tc := range []struct {
-		name string
-		ref  *corev1.ObjectReference
-		want string // Key, "" when none
-	}{
-		{"no targetRef", nil, ""},
-		{"not a Pod", &corev1.ObjectReference{Kind: "Node", Name: "n1"}, ""},
-		{"namespace defaults to the slice's", &corev1.ObjectReference{Kind: "Pod", Name: "p"}, "web/p"},
-		{"explicit namespace", &corev1.ObjectReference{Kind: "Pod", Namespace: "other", Name: "p"}, "other/p"},
-	} {
-		ref, ok := EndpointPod(es, discoveryv1.Endpoint{Addresses: []string{"10.1.0.1"}, TargetRef: tc.ref})
-		if got := map[bool]string{true: ref.Key(), false: ""}[ok]; got != tc.want {
-			t.Errorf("%s: EndpointPod = %q (ok %v), want %q", tc.name, got, ok, tc.want)
 		}
 	}
 }

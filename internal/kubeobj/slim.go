@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"strings"
 	"sync"
-	"unique"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -22,9 +21,10 @@ const AnnotationPrefix = "cmd.nu/"
 // keeps the fields the daemons read, and what an event on the object needs
 // (name, namespace, UID, resourceVersion), and drops the rest: managedFields,
 // other tools' annotations (kubectl's last-applied-configuration is a copy
-// of the whole object), topology hints. The objects keep their types, so
-// listers and event handlers work unchanged. A transform returns an object
-// of another type as it is (a tombstone, for example).
+// of the whole object), topology hints. Services, Nodes and Pods keep their
+// types, so listers work unchanged; EndpointSlices become the daemons' own
+// *EndpointSlice. A transform returns an object of another type as it is (a
+// tombstone, for example).
 
 // SlimService keeps a Service's identity, creation time, the daemons'
 // annotations, the three fields of its spec they read (type and
@@ -37,40 +37,22 @@ func SlimService(obj any) (any, error) {
 		return obj, nil
 	}
 	slim := &corev1.Service{ObjectMeta: slimMeta(svc.ObjectMeta)}
-	slim.Spec.Type = corev1.ServiceType(unique.Make(string(svc.Spec.Type)).Value())
+	slim.Spec.Type = corev1.ServiceType(sharedStrings.intern(string(svc.Spec.Type)))
 	slim.Spec.LoadBalancerClass = svc.Spec.LoadBalancerClass
-	slim.Spec.SessionAffinity = corev1.ServiceAffinity(unique.Make(string(svc.Spec.SessionAffinity)).Value())
+	slim.Spec.SessionAffinity = corev1.ServiceAffinity(sharedStrings.intern(string(svc.Spec.SessionAffinity)))
 	slim.Status.LoadBalancer = svc.Status.LoadBalancer
 	return slim, nil
 }
 
-// SlimEndpointSlice keeps a slice's identity, labels (the Service it
-// belongs to), address type, and of each endpoint its addresses,
-// conditions, node and target Pod. The endpoints are copied into exactly
-// sized memory, the conditions of all endpoints share three booleans, and
-// the endpoints of one node share one node name (see internNodeName).
+// SlimEndpointSlice turns a discovery/v1 EndpointSlice into the daemons'
+// own *EndpointSlice (NewEndpointSlice): its listers and handlers see that
+// type.
 func SlimEndpointSlice(obj any) (any, error) {
 	es, ok := obj.(*discoveryv1.EndpointSlice)
 	if !ok {
 		return obj, nil
 	}
-	slim := &discoveryv1.EndpointSlice{ObjectMeta: slimMeta(es.ObjectMeta), AddressType: es.AddressType}
-	slim.Labels = es.Labels
-	slim.Endpoints = make([]discoveryv1.Endpoint, len(es.Endpoints))
-	for i, ep := range es.Endpoints {
-		out := &slim.Endpoints[i]
-		out.Addresses = ep.Addresses[:len(ep.Addresses):len(ep.Addresses)]
-		out.Conditions = discoveryv1.EndpointConditions{
-			Ready: sharedBool(ep.Conditions.Ready), Serving: sharedBool(ep.Conditions.Serving), Terminating: sharedBool(ep.Conditions.Terminating),
-		}
-		out.NodeName = nodeNames.intern(ep.NodeName)
-		if ref := ep.TargetRef; ref != nil {
-			out.TargetRef = &corev1.ObjectReference{
-				Kind: unique.Make(ref.Kind).Value(), Namespace: unique.Make(ref.Namespace).Value(), Name: ref.Name, UID: ref.UID,
-			}
-		}
-	}
-	return slim, nil
+	return NewEndpointSlice(es), nil
 }
 
 // SlimPod keeps a Pod's identity and the daemons' annotations (the router
@@ -118,7 +100,7 @@ func SlimNode(obj any) (any, error) {
 // its name's bytes.
 func slimMeta(m metav1.ObjectMeta) metav1.ObjectMeta {
 	slim := metav1.ObjectMeta{
-		Name: m.Name, Namespace: unique.Make(m.Namespace).Value(), UID: m.UID, ResourceVersion: m.ResourceVersion,
+		Name: m.Name, Namespace: sharedStrings.intern(m.Namespace), UID: m.UID, ResourceVersion: m.ResourceVersion,
 		CreationTimestamp: m.CreationTimestamp, DeletionTimestamp: m.DeletionTimestamp,
 	}
 	for k, v := range m.Annotations {
@@ -132,56 +114,38 @@ func slimMeta(m metav1.ObjectMeta) metav1.ObjectMeta {
 	return slim
 }
 
-// nodeNames are the node names of the endpoints in the daemons' caches:
-// 100,000 endpoints on 100 nodes point at 100 strings, not at 100,000
-// copies (3 MB at 10,000 Services of 10 endpoints).
-var nodeNames = &stringPointers{limit: 1 << 16}
+// sharedStrings interns the strings that repeat across the cached objects
+// (namespaces, node names, Service types): 100,000 endpoints on 100 nodes
+// point at 100 node names, not at 100,000 copies. unique.Make would not do:
+// its table forgets a string once no Handle is left, so Value()'s bytes
+// stop being shared after the next garbage collection.
+var sharedStrings = &interner{limit: 1 << 16}
 
-// stringPointers interns pointers to strings: every pointer to an equal
-// string is replaced by one shared pointer. No one writes through a cached
-// object's pointers. Past limit distinct strings (node names of a cluster
-// that renamed its nodes many times over) it starts afresh: the pointers
-// handed out stay valid, later ones are merely not shared with them.
-type stringPointers struct {
-	mu    sync.Mutex
-	limit int
-	ptrs  map[string]*string
+// interner shares equal strings. Past limit distinct strings (the node
+// names of a cluster that renamed its nodes many times over) it starts
+// afresh: the strings handed out stay valid, later ones are merely not
+// shared with them.
+type interner struct {
+	mu      sync.Mutex
+	limit   int
+	strings map[string]string
 }
 
-func (s *stringPointers) intern(p *string) *string {
-	if p == nil {
-		return nil
+func (in *interner) intern(s string) string {
+	if s == "" {
+		return ""
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if shared, ok := s.ptrs[*p]; ok {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	if shared, ok := in.strings[s]; ok {
 		return shared
 	}
-	if s.ptrs == nil || len(s.ptrs) >= s.limit {
-		s.ptrs = map[string]*string{}
+	if in.strings == nil || len(in.strings) >= in.limit {
+		in.strings = map[string]string{}
 	}
-	shared := new(string)
-	*shared = unique.Make(*p).Value()
-	s.ptrs[*shared] = shared
+	shared := strings.Clone(s)
+	in.strings[shared] = shared
 	return shared
-}
-
-var (
-	sharedTrue  = true
-	sharedFalse = false
-)
-
-// sharedBool points at one of two package-level booleans with b's value
-// (nil stays nil). No one writes through a cached object's pointers.
-func sharedBool(b *bool) *bool {
-	switch {
-	case b == nil:
-		return nil
-	case *b:
-		return &sharedTrue
-	default:
-		return &sharedFalse
-	}
 }
 
 // Slim is the transform of every informer of both daemons: SlimService,

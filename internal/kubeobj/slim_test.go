@@ -1,8 +1,10 @@
 package kubeobj
 
 import (
+	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -73,18 +75,77 @@ func TestSlimEndpointSliceKeepsWhatTheDaemonsRead(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := &discoveryv1.EndpointSlice{ObjectMeta: wantMeta, AddressType: discoveryv1.AddressTypeIPv4, Endpoints: []discoveryv1.Endpoint{
+	want := &EndpointSlice{ObjectMeta: wantMeta, Service: "web", AddressType: discoveryv1.AddressTypeIPv4, Endpoints: []Endpoint{
 		{
-			Addresses:  []string{"10.244.1.5"},
-			Conditions: discoveryv1.EndpointConditions{Ready: ptr(false), Serving: ptr(true), Terminating: ptr(true)},
-			NodeName:   &node,
-			TargetRef:  &corev1.ObjectReference{Kind: "Pod", Namespace: "shop", Name: "web-0", UID: "p-1"},
+			Address:    "10.244.1.5",
+			Conditions: readySet | servingSet | serving | terminatingSet | terminating,
+			NodeName:   node,
+			Pod:        PodRef{Namespace: "shop", Name: "web-0", UID: "p-1"},
 		},
-		{Addresses: []string{"10.244.1.6"}, Conditions: discoveryv1.EndpointConditions{Ready: ptr(true)}},
+		{Address: "10.244.1.6", Conditions: readySet | ready},
 	}}
-	want.Labels = fullMeta.Labels
 	if !equality.Semantic.DeepEqual(got, want) {
 		t.Errorf("SlimEndpointSlice:\n got %+v\nwant %+v", got, want)
+	}
+}
+
+// Each condition is true, false or unset, as in the API.
+func TestConditions(t *testing.T) {
+	for _, tc := range []struct {
+		in                            discoveryv1.EndpointConditions
+		ready, serving, terminating   bool
+		readySet, servingSet, termSet bool
+	}{
+		{in: discoveryv1.EndpointConditions{}},
+		{in: discoveryv1.EndpointConditions{Ready: ptr(true)}, ready: true, readySet: true},
+		{in: discoveryv1.EndpointConditions{Ready: ptr(false), Serving: ptr(true)}, readySet: true, serving: true, servingSet: true},
+		{in: discoveryv1.EndpointConditions{Serving: ptr(false), Terminating: ptr(true)}, servingSet: true, terminating: true, termSet: true},
+		{in: discoveryv1.EndpointConditions{Terminating: ptr(false)}, termSet: true},
+	} {
+		c := NewConditions(tc.in)
+		r, rs := c.Ready()
+		s, ss := c.Serving()
+		te, ts := c.Terminating()
+		if r != tc.ready || rs != tc.readySet || s != tc.serving || ss != tc.servingSet || te != tc.terminating || ts != tc.termSet {
+			t.Errorf("%+v: ready %v/%v serving %v/%v terminating %v/%v", tc.in, r, rs, s, ss, te, ts)
+		}
+	}
+}
+
+// A targetRef names a Pod only with kind Pod; without a namespace it means
+// the slice's.
+func TestEndpointSlicePod(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		ref  *corev1.ObjectReference
+		want string // Key, "" when none
+	}{
+		{"no targetRef", nil, ""},
+		{"not a Pod", &corev1.ObjectReference{Kind: "Node", Name: "n1"}, ""},
+		{"namespace defaults to the slice's", &corev1.ObjectReference{Kind: "Pod", Name: "p"}, "web/p"},
+		{"explicit namespace", &corev1.ObjectReference{Kind: "Pod", Namespace: "other", Name: "p"}, "other/p"},
+	} {
+		es := NewEndpointSlice(&discoveryv1.EndpointSlice{ObjectMeta: metav1.ObjectMeta{Namespace: "web", Name: "s"},
+			Endpoints: []discoveryv1.Endpoint{{Addresses: []string{"10.1.0.1"}, TargetRef: tc.ref}}})
+		pod := es.Endpoints[0].Pod
+		if got := map[bool]string{false: pod.Key(), true: ""}[pod.IsZero()]; got != tc.want {
+			t.Errorf("%s: pod = %q, want %q", tc.name, got, tc.want)
+		}
+	}
+}
+
+// The informer's store holds the cached type: it must be a runtime.Object
+// whose copy shares nothing a writer could change.
+func TestEndpointSliceDeepCopy(t *testing.T) {
+	es := NewEndpointSlice(&discoveryv1.EndpointSlice{ObjectMeta: fullMeta, Endpoints: []discoveryv1.Endpoint{{Addresses: []string{"10.1.0.1"}}}})
+	cp := es.DeepCopyObject().(*EndpointSlice)
+	if !equality.Semantic.DeepEqual(es, cp) {
+		t.Fatalf("copy %+v differs from %+v", cp, es)
+	}
+	cp.Endpoints[0].Address = "10.1.0.2"
+	cp.Annotations["cmd.nu/x"] = "changed"
+	if es.Endpoints[0].Address != "10.1.0.1" || es.Annotations["cmd.nu/x"] == "changed" {
+		t.Fatal("writing the copy changed the original")
 	}
 }
 
@@ -144,36 +205,34 @@ func TestSlimDispatchesByType(t *testing.T) {
 	}
 }
 
-// The endpoints of one node, in any slice, point at one node name.
+// The endpoints of one node, in any slice, share one node name's bytes.
 func TestSlimEndpointSliceSharesNodeNames(t *testing.T) {
-	slice := func(node string) *discoveryv1.EndpointSlice {
-		return &discoveryv1.EndpointSlice{Endpoints: []discoveryv1.Endpoint{{NodeName: ptr(node)}, {NodeName: ptr(node)}}}
+	slice := func(node string) *EndpointSlice {
+		es, _ := SlimEndpointSlice(&discoveryv1.EndpointSlice{Endpoints: []discoveryv1.Endpoint{{NodeName: ptr(node)}, {NodeName: ptr(node)}}})
+		return es.(*EndpointSlice)
 	}
-	a, _ := SlimEndpointSlice(slice("node-1"))
-	b, _ := SlimEndpointSlice(slice("node-1"))
-	other, _ := SlimEndpointSlice(slice("node-2"))
-	ea, eb, eo := a.(*discoveryv1.EndpointSlice).Endpoints, b.(*discoveryv1.EndpointSlice).Endpoints, other.(*discoveryv1.EndpointSlice).Endpoints
-	if ea[0].NodeName != ea[1].NodeName || ea[0].NodeName != eb[0].NodeName {
+	ea, eb, eo := slice("node-1").Endpoints, slice("node-1").Endpoints, slice("node-2").Endpoints
+	if unsafe.StringData(ea[0].NodeName) != unsafe.StringData(ea[1].NodeName) || unsafe.StringData(ea[0].NodeName) != unsafe.StringData(eb[0].NodeName) {
 		t.Error("endpoints of one node do not share its name")
 	}
-	if *eo[0].NodeName != "node-2" || *ea[0].NodeName != "node-1" {
-		t.Errorf("node names %q and %q, want node-1 and node-2", *ea[0].NodeName, *eo[0].NodeName)
+	if eo[0].NodeName != "node-2" || ea[0].NodeName != "node-1" {
+		t.Errorf("node names %q and %q, want node-1 and node-2", ea[0].NodeName, eo[0].NodeName)
 	}
 }
 
 // Past its limit the interner starts afresh; what it handed out stays right.
-func TestStringPointersLimit(t *testing.T) {
-	s := &stringPointers{limit: 2}
-	first := s.intern(ptr("a"))
-	s.intern(ptr("b"))
-	if s.intern(ptr("a")) != first {
+func TestInternerLimit(t *testing.T) {
+	in := &interner{limit: 2}
+	first := in.intern(strings.Clone("a"))
+	in.intern("b")
+	if unsafe.StringData(in.intern(strings.Clone("a"))) != unsafe.StringData(first) {
 		t.Fatal("a second intern of a is not shared")
 	}
-	s.intern(ptr("c")) // the third distinct string: afresh
-	if len(s.ptrs) != 1 {
-		t.Fatalf("after the limit the interner holds %d strings, want 1", len(s.ptrs))
+	in.intern("c") // the third distinct string: afresh
+	if len(in.strings) != 1 {
+		t.Fatalf("after the limit the interner holds %d strings, want 1", len(in.strings))
 	}
-	if *first != "a" || s.intern(nil) != nil {
-		t.Fatal("an interned pointer changed, or nil was interned")
+	if first != "a" || in.intern("") != "" {
+		t.Fatal("an interned string changed, or the empty string was interned")
 	}
 }

@@ -214,16 +214,14 @@ func (inv *Inventory) Served(ctx context.Context, vip netip.Addr) (*Served, erro
 	if err != nil {
 		return nil, fmt.Errorf("listing the EndpointSlices of Service %s: %w", tunnelclaim.ServiceKey(svc), err)
 	}
-	esl := make([]*discoveryv1.EndpointSlice, len(slices.Items))
+	esl := make([]*kubeobj.EndpointSlice, len(slices.Items))
 	podOf := map[netip.Addr]string{}
 	for i := range slices.Items {
-		es := &slices.Items[i]
+		es := kubeobj.NewEndpointSlice(&slices.Items[i])
 		esl[i] = es
 		for _, ep := range es.Endpoints {
-			if pod, ok := kubeobj.EndpointPod(es, ep); ok && len(ep.Addresses) > 0 {
-				if a, err := netip.ParseAddr(ep.Addresses[0]); err == nil {
-					podOf[a] = pod.Key()
-				}
+			if a, err := netip.ParseAddr(ep.Address); err == nil && !ep.Pod.IsZero() {
+				podOf[a] = ep.Pod.Key()
 			}
 		}
 	}

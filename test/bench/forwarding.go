@@ -290,6 +290,16 @@ func forwardingWith(cfg datapath.Config, counts []int, iptablesBinary string, ca
 	}
 	fmt.Printf("forwarding%s plain (no router rules): %.0f pps\n", with, plain)
 	fmt.Printf("  rounds: %s\n", rounds)
+	if cfg.Generations > 1 {
+		// What conntrack alone costs: sticky generations need it, so it
+		// bounds R2 in the default mode whatever the router's rules.
+		tracked, rounds, err := measureTracked(plainVIP, iptablesBinary)
+		if err != nil {
+			return err
+		}
+		fmt.Printf("forwarding%s plain with conntrack on (one rule: %s): %.0f pps, %.2fx of plain forwarding\n", with, strings.Join(conntrackRule, " "), tracked, tracked/plain)
+		fmt.Printf("  rounds: %s\n", rounds)
+	}
 
 	th, err := startNSThread(topo.router)
 	if err != nil {
@@ -370,6 +380,26 @@ func (t *fwdTopology) measureTo(dst netip.Addr) (best float64, rounds string, er
 		all = append(all, fmt.Sprintf("%.0f", pps))
 	}
 	return best, strings.Join(all, ", ") + " pps", nil
+}
+
+// conntrackRule turns conntrack on in a netns, as on a node where
+// kube-proxy runs: the rule itself matches nothing in the benchmark.
+var conntrackRule = []string{"-t", "filter", "-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"}
+
+// measureTracked measures forwarding to dst through a topology of its own
+// whose router netns holds conntrackRule, written with iptablesBinary, and
+// nothing else (iptables-nft cannot remove the base chain it creates, so
+// the rule does not go into the plain topology).
+func measureTracked(dst netip.Addr, iptablesBinary string) (best float64, rounds string, err error) {
+	t, err := newFwdTopology("-ct")
+	if err != nil {
+		return 0, "", err
+	}
+	defer t.close()
+	if _, err := t.router.run(iptablesBinary, conntrackRule...); err != nil {
+		return 0, "", err
+	}
+	return t.measureTo(dst)
 }
 
 // ruleCounts counts the lines of `iptables -S` in the raw and mangle tables
