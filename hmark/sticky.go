@@ -138,7 +138,7 @@ func (c *Chain) Sticky() *Sticky {
 // block, N = TCPMinExpire+1, NAME the chain and its set of all tunnel IPs,
 // NAME-g the set of generation g's):
 //
-//	-m set ! --match-set NAME dst ! --update-counters -j RETURN
+//	-m set ! --match-set NAME dst -j RETURN
 //	-p tcp -m connmark --mark BLOCK/MASK -m conntrack --ctexpire N:4294967295 -j CONNMARK --restore-mark
 //	! -p tcp -m connmark --mark BLOCK/MASK -j CONNMARK --restore-mark
 //	-m mark --mark BLOCK/MASK -j RETURN
@@ -149,17 +149,19 @@ func (c *Chain) Sticky() *Sticky {
 // at once; a tracked flow with a saved decision gets it back and leaves
 // the chain; any other packet to a tunnel IP is hashed, and the decision
 // saved if its flow has none yet. Untracked packets (the SYNs) match no
-// connmark, so they are hashed and nothing is saved. The raw chain (NAME)
-// holds one rule that every packet to a tunnel IP goes through, whose set
-// match counts it (see Counters), and that sends it to the SYN subchain
-// NAME-SYN, whose one rule keeps SYNs untracked (CT is not a terminating
-// target, so every packet then goes on as if the two were one rule):
+// connmark, so they are hashed and nothing is saved. The first rule's set
+// match counts every packet to a tunnel IP (see Counters). The raw chain
+// (NAME) holds one rule that sends the SYNs to a tunnel IP to the SYN
+// subchain NAME-SYN, whose one rule keeps them untracked (CT is not a
+// terminating target, so every packet then goes on as if the two were one
+// rule):
 //
-//	-A NAME -m set --match-set NAME dst -j NAME-SYN
+//	-A NAME -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -m set --match-set NAME dst ! --update-counters -j NAME-SYN
 //	-A NAME-SYN -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -j CT --notrack
 //
-// Older versions wrote one rule per tunnel IP in NAME ("-d VIP/32");
-// Sync replaces them. The subchain's name must be a valid chain name, so a
+// Older versions wrote one rule per tunnel IP in NAME ("-d VIP/32"), then
+// one rule for every packet to a tunnel IP that counted it in raw; Sync
+// replaces them. The subchain's name must be a valid chain name, so a
 // sticky chain's name is at most 24 characters.
 //
 // Leaving sticky mode (SetSticky(nil), then Sync) turns the mangle chain
@@ -215,11 +217,15 @@ func (c *Chain) syncSynChain() (changed int, err error) {
 }
 
 // rawRules is the content of c's raw chain in sticky mode: one rule that
-// every packet to a tunnel IP goes through, whose set match counts it (see
-// Counters), on its way to the SYN subchain.
+// sends a SYN to a tunnel IP to the SYN subchain. The TCP flags are tested
+// first: with iptables-nft they are a native match, so every other packet
+// (established flows, and traffic that is not for a tunnel IP) leaves the
+// raw table without the set's compat match. The set match does not count
+// (the mangle chain's exit counts every packet to a tunnel IP once).
 func (c *Chain) rawRules() [][]string {
 	return [][]string{slices.Concat(
-		[]string{"-m", "set", "--match-set", c.allSetName(), "dst"},
+		[]string{"-p", "tcp", "-m", "tcp", "--tcp-flags", "FIN,SYN,RST,ACK", "SYN",
+			"-m", "set", "--match-set", c.allSetName(), "dst", "!", "--update-counters"},
 		comment,
 		[]string{"-j", c.synChainName()},
 	)}

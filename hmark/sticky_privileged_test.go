@@ -129,14 +129,24 @@ func testStickySyncInNetns(t *testing.T, binary string) {
 	syncExpect("upgrade from an older version's raw rules", adopter, targets, len(targets)+1+2)
 	syncExpect("adoption after the upgrade", newChain(true), targets, 0)
 
+	// What the previous version left: a raw rule that every packet to a
+	// tunnel IP went through (counting it there), and a mangle exit that
+	// did not count. Both are replaced (2 out, 2 in).
+	ns.Run(binary, "-t", "raw", "-R", DefaultChainName, "1", "-m", "set", "--match-set", DefaultChainName, "dst",
+		"-m", "comment", "--comment", RuleComment, "-j", DefaultChainName+"-SYN")
+	ns.Run(binary, "-t", "mangle", "-R", DefaultChainName, "1", "-m", "set", "!", "--match-set", DefaultChainName, "dst", "!", "--update-counters",
+		"-m", "comment", "--comment", RuleComment, "-j", "RETURN")
+	syncExpect("upgrade from the version that counted in raw", newChain(true), targets, 4)
+	syncExpect("adoption after that upgrade", newChain(true), targets, 0)
+
 	stateless := newChain(false)
-	// Mangle: 5 rules out (the exit that did not count, 4 fixed), the
-	// counting exit in; raw: jump, rule, chain, SYN rule and subchain.
-	syncExpect("sticky -> stateless", stateless, targets, 6+5)
+	// Mangle: the 4 fixed rules out (the exit, which counts in both modes,
+	// stays); raw: jump, rule, chain, SYN rule and subchain.
+	syncExpect("sticky -> stateless", stateless, targets, 4+5)
 	if got := tableS("raw"); got != beforeRaw {
 		t.Errorf("raw after leaving sticky mode:\n%s\nwant:\n%s", got, beforeRaw)
 	}
-	syncExpect("stateless -> sticky", newChain(true), targets, 6+5)
+	syncExpect("stateless -> sticky", newChain(true), targets, 4+5)
 
 	if err := adopter.Cleanup(); err != nil {
 		t.Fatalf("Cleanup: %v", err)

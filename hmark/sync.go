@@ -351,13 +351,9 @@ var comment = []string{"-m", "comment", "--comment", RuleComment}
 // legacy) prints them, so that syncRules compares them word for word (the
 // HMARK options semantically).
 func (c *Chain) mangleRules(inUse []int) [][]string {
-	// The exit counts every packet to a tunnel IP in the set's counters in
-	// stateless mode; in sticky mode the raw rule does (it sees every
-	// packet once, before conntrack), and this one must not count again.
+	// The exit counts every packet to a tunnel IP in the set's counters
+	// (the raw rule, in sticky mode, does not).
 	exit := []string{"-m", "set", "!", "--match-set", c.allSetName(), "dst"}
-	if c.sticky != nil {
-		exit = append(exit, "!", "--update-counters")
-	}
 	rules := [][]string{slices.Concat(exit, comment, []string{"-j", "RETURN"})}
 	head, tail := c.fixedMangleRules()
 	rules = append(rules, head...)

@@ -297,7 +297,8 @@ func forwardingWith(cfg datapath.Config, counts []int, iptablesBinary string, ca
 		if err != nil {
 			return err
 		}
-		fmt.Printf("forwarding%s plain with conntrack on (one rule: %s): %.0f pps, %.2fx of plain forwarding\n", with, strings.Join(conntrackRule, " "), tracked, tracked/plain)
+		fmt.Printf("forwarding%s plain with conntrack on (one rule: %s): %.0f pps, %.2fx of plain forwarding, %s\n",
+			with, strings.Join(conntrackRule, " "), tracked, tracked/plain, costOver(tracked, plain))
 		fmt.Printf("  rounds: %s\n", rounds)
 	}
 
@@ -338,7 +339,7 @@ func forwardingWith(cfg datapath.Config, counts []int, iptablesBinary string, ca
 			oneRatio = fmt.Sprintf("%.2fx", pps/one)
 		}
 		fmt.Printf("forwarding %d tunnel IPs%s: %.0f pps, %s of 1 tunnel IP, %.2fx of plain forwarding\n", n, with, pps, oneRatio, pps/plain)
-		fmt.Printf("  rounds: %s; plain forwarding just before: %.0f pps (rounds: %s)\n", rounds, plain, plainRounds)
+		fmt.Printf("  rounds: %s; plain forwarding just before: %.0f pps (rounds: %s); %s\n", rounds, plain, plainRounds, costOver(pps, plain))
 		fmt.Printf("  iptables rules with %d tunnel IPs: %s\n", n, rules)
 		// Traffic that is not for a tunnel IP crosses the same netns: what
 		// the router's rules (chains, fwmark rules) cost everything else
@@ -347,9 +348,17 @@ func forwardingWith(cfg datapath.Config, counts []int, iptablesBinary string, ca
 		if err != nil {
 			return err
 		}
-		fmt.Printf("  other traffic (not to a tunnel IP) with %d tunnel IPs programmed: %.0f pps, %.2fx of plain forwarding (rounds: %s)\n", n, other, other/plain, rounds)
+		fmt.Printf("  other traffic (not to a tunnel IP) with %d tunnel IPs programmed: %.0f pps, %.2fx of plain forwarding, %s (rounds: %s)\n", n, other, other/plain, costOver(other, plain), rounds)
 	}
 	return nil
+}
+
+// costOver is what a packet costs at pps more than at plain pps, in
+// nanoseconds of the one sending CPU: R2 divides by a plain figure that
+// this VM runs 2x faster or slower from one phase to the next, while the
+// router's own cost per packet stays about the same.
+func costOver(pps, plain float64) string {
+	return fmt.Sprintf("%+.0f ns a packet over plain", 1e9/pps-1e9/plain)
 }
 
 // otherAddr is a destination beyond the sink that is no tunnel IP.
