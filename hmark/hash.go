@@ -1,10 +1,12 @@
 // Package hmark owns the router's flow-to-bucket hashing: a pure Go copy of
-// the kernel's iptables HMARK mark computation (so that the project can
-// predict which bucket, and so which routing table, a flow uses), and the
-// router's own mangle chain that installs one HMARK rule per tunnel IP,
-// each with the offset of the routing generation the tunnel IP is on; in
-// sticky mode the chain also keeps every flow on the decision it started
-// with (conntrack marks, untracked SYNs in a raw chain: see Sticky).
+// the kernel's HMARK mark computation, for IPv4 (iptables) and IPv6
+// (ip6tables) flows, so that the project can predict which bucket, and so
+// which routing table, a flow uses; and the router's own mangle chain,
+// which finds a packet's tunnel IP by ipset lookups and hashes it with one
+// HMARK rule per routing generation in use, each with that generation's
+// offset. In sticky mode the chain also keeps every flow on the decision it
+// started with (conntrack marks, untracked SYNs in a raw chain: see
+// Sticky). The chain is IPv4 only for now.
 package hmark
 
 import (
@@ -21,6 +23,7 @@ import (
 // IP protocol numbers that the kernel's HMARK treats specially.
 const (
 	protoICMP    = 1
+	protoICMPv6  = 58
 	protoTCP     = 6
 	protoUDP     = 17
 	protoDCCP    = 33
@@ -68,9 +71,12 @@ func (p Params) String() string {
 	return fmt.Sprintf("buckets=%d offset=%d seed=%s", p.Buckets, p.Offset, SeedFingerprint(p.Seed))
 }
 
-// Flow is the IPv4 tuple the kernel's HMARK hashes: the rule's
-// --hmark-tuple src,dst,sport,dport,proto with full masks (/32 addresses,
-// 0xffff ports, 0xff protocol).
+// Flow is the tuple the kernel's HMARK hashes: the rule's --hmark-tuple
+// src,dst,sport,dport,proto with full masks (/32 or /128 addresses, 0xffff
+// ports, 0xffff protocol). An IPv4 flow has IPv4 addresses (Is4); an IPv6
+// flow IPv6 ones (an IPv4-mapped address in an IPv6 header is IPv6 here,
+// as on the wire). For IPv6, Proto is the upper-layer protocol after any
+// extension headers (the kernel's ipv6_find_hdr), stopping at AH.
 //
 // Ports only count for the protocols whose header starts with them (TCP,
 // UDP, UDP-Lite, DCCP, SCTP); for ESP and AH the kernel reads the SPI in
@@ -91,9 +97,9 @@ type Flow struct {
 // xored in; then reciprocal scaling ((hash * Buckets) >> 32, not a modulo)
 // plus Offset. Both directions of a flow get the same mark.
 //
-// Addresses that are not IPv4 (after unmapping 4-in-6) hash as 0.0.0.0; the
-// kernel's IPv4 HMARK never sees them. With Buckets 0 (which Validate
-// rejects, as the kernel does) Mark returns Offset.
+// An IPv6 address is first folded into one word as ip6tables' HMARK does
+// (hmark_addr6_mask): the xor of its four 32-bit words. With Buckets 0
+// (which Validate rejects, as the kernel does) Mark returns Offset.
 func (p Params) Mark(f Flow) uint32 {
 	src, dst := addrWord(f.Src), addrWord(f.Dst)
 	if dst < src {
@@ -139,15 +145,20 @@ func SeedFingerprint(seed uint32) string {
 // fingerprintDomain separates seed fingerprints from any other SHA-256 use.
 const fingerprintDomain = "kube-service-tunnel/hmark-seed/v1:"
 
-// addrWord returns an IPv4 address as a host-order word (ntohl of the
-// header field), or 0 when a is not IPv4.
+// addrWord returns the word HMARK hashes for an address: an IPv4 address
+// as a host-order word (ntohl of the header field); an IPv6 address as the
+// xor of its four words (the kernel xors them in network order, then takes
+// ntohl of the result, which is the same); 0 for the zero Addr.
 func addrWord(a netip.Addr) uint32 {
-	a = a.Unmap()
-	if !a.Is4() {
-		return 0
+	switch {
+	case a.Is4():
+		b := a.As4()
+		return binary.BigEndian.Uint32(b[:])
+	case a.Is6():
+		b := a.As16()
+		return binary.BigEndian.Uint32(b[0:]) ^ binary.BigEndian.Uint32(b[4:]) ^ binary.BigEndian.Uint32(b[8:]) ^ binary.BigEndian.Uint32(b[12:])
 	}
-	b := a.As4()
-	return binary.BigEndian.Uint32(b[:])
+	return 0
 }
 
 // hasPorts reports whether the kernel reads a ports word for proto

@@ -139,11 +139,34 @@ func TestMarkFlowDetails(t *testing.T) {
 			with(func(f *Flow) { f.SrcPort, f.DstPort = f.DstPort, f.SrcPort }), true},
 		{"only the address pair counts, not which side", base,
 			with(func(f *Flow) { f.Src, f.Dst = f.Dst, f.Src }), true},
-		{"4-in-6 addresses are unmapped", base,
+		{"an IPv4-mapped address is IPv6, as in an IPv6 header", base,
 			with(func(f *Flow) {
 				f.Src = netip.AddrFrom16(f.Src.As16())
 				f.Dst = netip.AddrFrom16(f.Dst.As16())
-			}), true},
+			}), false},
+		// ip6tables' HMARK folds an IPv6 address into the xor of its four
+		// words: addresses of equal fold hash alike, whatever the order
+		// of their words.
+		{"IPv6: words of an address in another order", with(func(f *Flow) {
+			f.Src, f.Dst = netip.MustParseAddr("2001:db8:0:1::a"), netip.MustParseAddr("2001:db8::10")
+		}), with(func(f *Flow) {
+			f.Src, f.Dst = netip.MustParseAddr("0:1:2001:db8::a"), netip.MustParseAddr("2001:db8::10")
+		}), true},
+		{"IPv6: another address", with(func(f *Flow) {
+			f.Src, f.Dst = netip.MustParseAddr("2001:db8:0:1::a"), netip.MustParseAddr("2001:db8::10")
+		}), with(func(f *Flow) {
+			f.Src, f.Dst = netip.MustParseAddr("2001:db8:0:1::b"), netip.MustParseAddr("2001:db8::10")
+		}), false},
+		{"IPv6: ports count for UDP", with(func(f *Flow) {
+			f.Src, f.Dst = netip.MustParseAddr("2001:db8:0:1::a"), netip.MustParseAddr("2001:db8::10")
+		}), with(func(f *Flow) {
+			f.Src, f.Dst, f.SrcPort = netip.MustParseAddr("2001:db8:0:1::a"), netip.MustParseAddr("2001:db8::10"), 1235
+		}), false},
+		{"IPv6: ports ignored for ICMPv6", with(func(f *Flow) {
+			f.Src, f.Dst, f.Proto = netip.MustParseAddr("2001:db8:0:1::a"), netip.MustParseAddr("2001:db8::10"), protoICMPv6
+		}), with(func(f *Flow) {
+			f.Src, f.Dst, f.Proto, f.SrcPort = netip.MustParseAddr("2001:db8:0:1::a"), netip.MustParseAddr("2001:db8::10"), protoICMPv6, 9
+		}), true},
 	}
 	for _, tt := range tests {
 		ma, mb := p.Mark(tt.a), p.Mark(tt.b)

@@ -48,21 +48,26 @@ func ParseFlow(tunnelIP, from, proto string) (Flow, error) {
 	if f.Client, err = parseAddrPort(from); err != nil {
 		return f, fmt.Errorf("--from %q: %w", from, err)
 	}
+	if f.Client.Addr().Is4() != f.TunnelIP.Addr().Is4() {
+		return f, fmt.Errorf("--from %s and tunnel IP %s are of different address families: a flow has one", f.Client.Addr(), f.TunnelIP.Addr())
+	}
 	if hashesPorts(p) && (f.Client.Port() == 0 || f.TunnelIP.Port() == 0) {
 		return f, fmt.Errorf("%s flows are hashed with both ports: give TUNNEL-IP:PORT and --from CLIENT-IP:PORT", protoName(p))
 	}
 	return f, nil
 }
 
+// parseAddrPort reads IP or IP:PORT ([IPv6]:PORT). An IPv4-mapped IPv6
+// address is its IPv4 address: that is the packet such a peer sends.
 func parseAddrPort(s string) (netip.AddrPort, error) {
 	if ap, err := netip.ParseAddrPort(s); err == nil {
-		return ap, nil
+		return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), nil
 	}
 	a, err := netip.ParseAddr(s)
 	if err != nil {
 		return netip.AddrPort{}, fmt.Errorf("want IP or IP:PORT")
 	}
-	return netip.AddrPortFrom(a, 0), nil
+	return netip.AddrPortFrom(a.Unmap(), 0), nil
 }
 
 func hashesPorts(p uint8) bool {

@@ -224,10 +224,16 @@ func TestParseFlow(t *testing.T) {
 		{"192.0.2.10:80", "client", "tcp", "--from"},
 		{"web", "198.51.100.7:1", "tcp", "tunnel IP"},
 		{"192.0.2.10:80", "198.51.100.7:1", "gre2", "--proto"},
+		{"192.0.2.10:80", "[2001:db8::7]:4000", "tcp", "different address families"},
+		{"[2001:db8::10]:80", "[2001:db8::7]:4000", "tcp", ""},
+		{"192.0.2.10:80", "[::ffff:198.51.100.7]:4000", "tcp", ""}, // an IPv4 client
 	} {
-		_, err := ParseFlow(c.vip, c.from, c.proto)
+		f, err := ParseFlow(c.vip, c.from, c.proto)
 		if (err == nil) != (c.err == "") || (err != nil && !strings.Contains(err.Error(), c.err)) {
 			t.Errorf("ParseFlow(%q, %q, %q) = %v, want error containing %q", c.vip, c.from, c.proto, err, c.err)
+		}
+		if err == nil && f.Client.Addr().Is4In6() {
+			t.Errorf("ParseFlow(%q, %q, %q): client %v left mapped", c.vip, c.from, c.proto, f.Client)
 		}
 	}
 }
