@@ -152,20 +152,7 @@ func sockaddr6(a netip.Addr, port uint16) *unix.SockaddrInet6 {
 
 // markReceivingSocket6 is markReceivingSocket for IPv6.
 func markReceivingSocket6(typ, proto int) (int, error) {
-	fd, err := unix.Socket(unix.AF_INET6, typ|unix.SOCK_CLOEXEC, proto)
-	if err != nil {
-		return -1, fmt.Errorf("IPv6 socket type %d proto %d: %w", typ, proto, err)
-	}
-	if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_RCVMARK, 1); err != nil {
-		_ = unix.Close(fd)
-		return -1, fmt.Errorf("set SO_RCVMARK (Linux 5.19+): %w", err)
-	}
-	tv := unix.NsecToTimeval(3e9)
-	if err := unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv); err != nil {
-		_ = unix.Close(fd)
-		return -1, fmt.Errorf("set SO_RCVTIMEO: %w", err)
-	}
-	return fd, nil
+	return markReceivingSocketOf(unix.AF_INET6, typ, proto)
 }
 
 // sendUDP6Flows sends n datagrams from random sources to random tunnel IPs

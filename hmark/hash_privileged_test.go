@@ -379,7 +379,12 @@ func inetChecksum(b []byte) uint16 {
 // markReceivingSocket opens an IPv4 socket that reports each packet's mark
 // (SO_RCVMARK) and gives up reading after a few seconds.
 func markReceivingSocket(typ, proto int) (int, error) {
-	fd, err := unix.Socket(unix.AF_INET, typ|unix.SOCK_CLOEXEC, proto)
+	return markReceivingSocketOf(unix.AF_INET, typ, proto)
+}
+
+// markReceivingSocketOf is markReceivingSocket for the address family.
+func markReceivingSocketOf(family, typ, proto int) (int, error) {
+	fd, err := unix.Socket(family, typ|unix.SOCK_CLOEXEC, proto)
 	if err != nil {
 		return -1, fmt.Errorf("socket type %d proto %d: %w", typ, proto, err)
 	}
