@@ -11,7 +11,7 @@ import (
 // the informers' transform (SlimEndpointSlice) stores this type, not the
 // API's, because the slices are most of a daemon's cache in a large cluster
 // (100,000 endpoints) and an API Endpoint with its targetRef takes ~400
-// bytes where this one takes ~150. It keeps the slice's identity, its
+// bytes where this one takes ~200. It keeps the slice's identity, its
 // Service, its address type, and of each endpoint what the daemons read.
 // No one writes to a cached slice.
 type EndpointSlice struct {
