@@ -97,14 +97,14 @@ func TestKernelMarksMatchGo(t *testing.T) {
 		var udp, tcp, other []observation
 		err = ns.Do(func() error {
 			var err error
-			if udp, err = sendUDPFlows(rng, udpFlowsPerParamSet); err != nil {
+			if udp, err = sendUDPFlows(ipv4Flows, rng, udpFlowsPerParamSet, false); err != nil {
 				return err
 			}
-			if tcp, err = sendTCPFlows(rng, tcpFlowsPerParamSet); err != nil {
+			if tcp, err = sendTCPFlows(ipv4Flows, rng, tcpFlowsPerParamSet); err != nil {
 				return err
 			}
 			for _, proto := range rawProtos {
-				obs, err := sendRawFlows(rng, proto, rawFlowsPerProto)
+				obs, err := sendRawFlows(ipv4Flows, rng, proto, rawFlowsPerProto)
 				if err != nil {
 					return err
 				}
@@ -152,11 +152,42 @@ func randomSource(rng *rand.Rand) (netip.Addr, uint16) {
 	return src, uint16(1 + rng.IntN(65535))
 }
 
+// flowFamily is what the kernel tests of one address family send flows
+// with: the socket family, the tunnel IPs (on lo) and a source drawer.
+type flowFamily struct {
+	af     int
+	vips   []netip.Addr
+	source func(*rand.Rand) (netip.Addr, uint16)
+}
+
+var ipv4Flows = flowFamily{af: unix.AF_INET, vips: kernelVIPs, source: randomSource}
+
+// sockaddrOf is the socket address of a and port, of a's family.
+func sockaddrOf(a netip.Addr, port uint16) unix.Sockaddr {
+	if a.Is4() {
+		return sockaddr(a, port)
+	}
+	return sockaddr6(a, port)
+}
+
+// addrPortOf reads an IPv4 or IPv6 socket address.
+func addrPortOf(sa unix.Sockaddr) (netip.AddrPort, bool) {
+	switch sa := sa.(type) {
+	case *unix.SockaddrInet4:
+		return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), uint16(sa.Port)), true
+	case *unix.SockaddrInet6:
+		return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), uint16(sa.Port)), true
+	}
+	return netip.AddrPort{}, false
+}
+
 // sendUDPFlows sends n datagrams, each from a new socket bound to a random
-// 127/8 source address and port, to random tunnel IPs and ports, and reads
-// the mark of each one on a UDP socket bound to the destination. It must
-// run inside the test netns.
-func sendUDPFlows(rng *rand.Rand, n int) ([]observation, error) {
+// source address and port of fam, to random tunnel IPs and ports, and
+// reads the mark of each one on a UDP socket bound to the destination.
+// With dstOpts (IPv6 only) each datagram carries a destination options
+// header (8 bytes of padding) between the IPv6 and UDP headers, which the
+// kernel skips to find the ports. It must run inside the test netns.
+func sendUDPFlows(fam flowFamily, rng *rand.Rand, n int, dstOpts bool) ([]observation, error) {
 	type dest struct {
 		vip  netip.Addr
 		port uint16
@@ -167,15 +198,15 @@ func sendUDPFlows(rng *rand.Rand, n int) ([]observation, error) {
 			_ = unix.Close(fd)
 		}
 	}()
-	for _, vip := range kernelVIPs {
+	for _, vip := range fam.vips {
 		for _, port := range kernelDstPorts {
-			fd, err := markReceivingSocket(unix.SOCK_DGRAM, 0)
+			fd, err := markReceivingSocket(fam.af, unix.SOCK_DGRAM, 0)
 			if err != nil {
 				return nil, err
 			}
 			receivers[dest{vip, port}] = fd
-			if err := unix.Bind(fd, sockaddr(vip, port)); err != nil {
-				return nil, fmt.Errorf("bind UDP receiver %s:%d: %w", vip, port, err)
+			if err := unix.Bind(fd, sockaddrOf(vip, port)); err != nil {
+				return nil, fmt.Errorf("bind UDP receiver %s: %w", netip.AddrPortFrom(vip, port), err)
 			}
 		}
 	}
@@ -184,53 +215,57 @@ func sendUDPFlows(rng *rand.Rand, n int) ([]observation, error) {
 	buf := make([]byte, 64)
 	oob := make([]byte, unix.CmsgSpace(4)*4)
 	for i := 0; i < n; i++ {
-		d := dest{kernelVIPs[rng.IntN(len(kernelVIPs))], kernelDstPorts[rng.IntN(len(kernelDstPorts))]}
-		src, sport := randomSource(rng)
-		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		d := dest{fam.vips[rng.IntN(len(fam.vips))], kernelDstPorts[rng.IntN(len(kernelDstPorts))]}
+		src, sport := fam.source(rng)
+		from, to := netip.AddrPortFrom(src, sport), netip.AddrPortFrom(d.vip, d.port)
+		fd, err := unix.Socket(fam.af, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
 		if err != nil {
 			return nil, fmt.Errorf("UDP sender socket: %w", err)
 		}
 		payload := binary.BigEndian.AppendUint32(nil, uint32(i))
-		err = unix.Bind(fd, sockaddr(src, sport))
+		if dstOpts {
+			// Next header (set by the kernel), length 0 (8 bytes), PadN
+			// of 4 bytes.
+			err = unix.SetsockoptString(fd, unix.IPPROTO_IPV6, unix.IPV6_DSTOPTS, string([]byte{0, 0, 1, 4, 0, 0, 0, 0}))
+		}
 		if err == nil {
-			err = unix.Sendto(fd, payload, 0, sockaddr(d.vip, d.port))
+			err = unix.Bind(fd, sockaddrOf(src, sport))
+		}
+		if err == nil {
+			err = unix.Sendto(fd, payload, 0, sockaddrOf(d.vip, d.port))
 		}
 		_ = unix.Close(fd)
 		if err != nil {
-			return nil, fmt.Errorf("send UDP %s:%d -> %s:%d: %w", src, sport, d.vip, d.port, err)
+			return nil, fmt.Errorf("send UDP %s -> %s: %w", from, to, err)
 		}
 
-		nr, oobn, _, from, err := unix.Recvmsg(receivers[d], buf, oob, 0)
+		nr, oobn, _, sa, err := unix.Recvmsg(receivers[d], buf, oob, 0)
 		if err != nil {
-			return nil, fmt.Errorf("receive UDP %s:%d -> %s:%d: %w", src, sport, d.vip, d.port, err)
+			return nil, fmt.Errorf("receive UDP %s -> %s: %w", from, to, err)
 		}
 		if nr != len(payload) || binary.BigEndian.Uint32(buf[:nr]) != uint32(i) {
-			return nil, fmt.Errorf("receive UDP on %s:%d: got datagram %x, want %x", d.vip, d.port, buf[:nr], payload)
+			return nil, fmt.Errorf("receive UDP on %s: got datagram %x, want %x", to, buf[:nr], payload)
 		}
 		mark, err := markFromCmsgs(oob[:oobn])
 		if err != nil {
-			return nil, fmt.Errorf("receive UDP %s:%d -> %s:%d: %w", src, sport, d.vip, d.port, err)
+			return nil, fmt.Errorf("receive UDP %s -> %s: %w", from, to, err)
 		}
-		from4, ok := from.(*unix.SockaddrInet4)
-		if !ok {
-			return nil, fmt.Errorf("receive UDP: sender address %T", from)
+		came, ok := addrPortOf(sa)
+		if !ok || came != from {
+			return nil, fmt.Errorf("receive UDP: came from %v, sent from %s", sa, from)
 		}
-		flow := Flow{Src: netip.AddrFrom4(from4.Addr), Dst: d.vip, SrcPort: uint16(from4.Port), DstPort: d.port, Proto: protoUDP}
-		if flow.Src != src || flow.SrcPort != sport {
-			return nil, fmt.Errorf("receive UDP: came from %s:%d, sent from %s:%d", flow.Src, flow.SrcPort, src, sport)
-		}
-		obs = append(obs, observation{flow: flow, mark: mark})
+		obs = append(obs, observation{flow: Flow{Src: src, Dst: d.vip, SrcPort: sport, DstPort: d.port, Proto: protoUDP}, mark: mark})
 	}
 	return obs, nil
 }
 
-// sendTCPFlows starts n TCP connections, each from a random 127/8 source
-// address and port, to random tunnel IPs and ports where nothing listens,
+// sendTCPFlows starts n TCP connections, each from a random source address
+// and port of fam, to random tunnel IPs and ports where nothing listens,
 // and reads the mark of each SYN on a raw TCP socket (the kernel answers
 // with a reset, which is not marked by the tunnel IP rules). It must run
 // inside the test netns.
-func sendTCPFlows(rng *rand.Rand, n int) ([]observation, error) {
-	raw, err := markReceivingSocket(unix.SOCK_RAW, unix.IPPROTO_TCP)
+func sendTCPFlows(fam flowFamily, rng *rand.Rand, n int) ([]observation, error) {
+	raw, err := markReceivingSocket(fam.af, unix.SOCK_RAW, unix.IPPROTO_TCP)
 	if err != nil {
 		return nil, err
 	}
@@ -240,35 +275,37 @@ func sendTCPFlows(rng *rand.Rand, n int) ([]observation, error) {
 	buf := make([]byte, 256)
 	oob := make([]byte, unix.CmsgSpace(4)*4)
 	for i := 0; i < n; i++ {
-		vip := kernelVIPs[rng.IntN(len(kernelVIPs))]
+		vip := fam.vips[rng.IntN(len(fam.vips))]
 		dport := kernelDstPorts[rng.IntN(len(kernelDstPorts))]
-		src, sport := randomSource(rng)
-		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
+		src, sport := fam.source(rng)
+		fd, err := unix.Socket(fam.af, unix.SOCK_STREAM|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
 		if err != nil {
 			return nil, fmt.Errorf("TCP client socket: %w", err)
 		}
-		err = unix.Bind(fd, sockaddr(src, sport))
+		err = unix.Bind(fd, sockaddrOf(src, sport))
 		if err == nil {
-			err = unix.Connect(fd, sockaddr(vip, dport))
+			err = unix.Connect(fd, sockaddrOf(vip, dport))
 			if errors.Is(err, unix.EINPROGRESS) {
 				err = nil
 			}
 		}
 		if err != nil {
 			_ = unix.Close(fd)
-			return nil, fmt.Errorf("connect TCP %s:%d -> %s:%d: %w", src, sport, vip, dport, err)
+			return nil, fmt.Errorf("connect TCP %s -> %s: %w", netip.AddrPortFrom(src, sport), netip.AddrPortFrom(vip, dport), err)
 		}
 		want := Flow{Src: src, Dst: vip, SrcPort: sport, DstPort: dport, Proto: protoTCP}
 		// Read until this connection's SYN; resets going back and any
 		// other packet are skipped.
 		for {
-			nr, oobn, _, _, err := unix.Recvmsg(raw, buf, oob, 0)
+			nr, oobn, _, sa, err := unix.Recvmsg(raw, buf, oob, 0)
 			if err != nil {
 				_ = unix.Close(fd)
 				return nil, fmt.Errorf("receive SYN of %+v: %w", want, err)
 			}
-			flow, syn, ok := parseIPv4TCP(buf[:nr])
-			if !ok || !syn || flow != want {
+			seg, ok := rawPayload(buf[:nr], sa, protoTCP, src, vip)
+			const flagSYN, flagACK = 0x02, 0x10
+			if !ok || len(seg) < 14 || binary.BigEndian.Uint16(seg[0:2]) != sport || binary.BigEndian.Uint16(seg[2:4]) != dport ||
+				seg[13]&(flagSYN|flagACK) != flagSYN {
 				continue
 			}
 			mark, err := markFromCmsgs(oob[:oobn])
@@ -276,7 +313,7 @@ func sendTCPFlows(rng *rand.Rand, n int) ([]observation, error) {
 				_ = unix.Close(fd)
 				return nil, fmt.Errorf("receive SYN of %+v: %w", want, err)
 			}
-			obs = append(obs, observation{flow: flow, mark: mark})
+			obs = append(obs, observation{flow: want, mark: mark})
 			break
 		}
 		_ = unix.Close(fd)
@@ -285,14 +322,15 @@ func sendTCPFlows(rng *rand.Rand, n int) ([]observation, error) {
 }
 
 // sendRawFlows sends n packets of protocol proto from raw sockets bound to
-// random 127/8 source addresses to random tunnel IPs, and reads the mark of
-// each one on a raw socket of that protocol. The flow compared is built as
-// if the kernel read ports from the payload (at the offset where ESP and AH
-// carry their SPI), so that a prediction which used them where the kernel
-// does not would fail. ICMP packets are echo requests, not errors (whose
-// embedded header the kernel would hash). It must run inside the test netns.
-func sendRawFlows(rng *rand.Rand, proto uint8, n int) ([]observation, error) {
-	rx, err := markReceivingSocket(unix.SOCK_RAW, int(proto))
+// random source addresses of fam to random tunnel IPs, and reads the mark
+// of each one on a raw socket of that protocol. The flow compared is built
+// as if the kernel read ports from the payload (at the offset where ESP and
+// AH carry their SPI), so that a prediction which used them where the
+// kernel does not would fail. ICMP packets are echo requests, not errors
+// (whose embedded header the kernel would hash). It must run inside the
+// test netns.
+func sendRawFlows(fam flowFamily, rng *rand.Rand, proto uint8, n int) ([]observation, error) {
+	rx, err := markReceivingSocket(fam.af, unix.SOCK_RAW, int(proto))
 	if err != nil {
 		return nil, err
 	}
@@ -306,16 +344,19 @@ func sendRawFlows(rng *rand.Rand, proto uint8, n int) ([]observation, error) {
 	buf := make([]byte, 256)
 	oob := make([]byte, unix.CmsgSpace(4)*4)
 	for i := 0; i < n; i++ {
-		vip := kernelVIPs[rng.IntN(len(kernelVIPs))]
-		src, _ := randomSource(rng)
+		vip := fam.vips[rng.IntN(len(fam.vips))]
+		src, _ := fam.source(rng)
 		payload := make([]byte, 16)
 		for j := range payload {
 			payload[j] = byte(rng.Uint32())
 		}
-		if proto == protoICMP {
+		switch proto {
+		case protoICMP:
 			payload[0], payload[1] = 8, 0 // echo request
 			payload[2], payload[3] = 0, 0
 			binary.BigEndian.PutUint16(payload[2:], inetChecksum(payload))
+		case protoICMPv6:
+			payload[0], payload[1] = 128, 0 // echo request; the kernel writes the checksum (bytes 2-3)
 		}
 		binary.BigEndian.PutUint32(payload[12:], uint32(i))
 		want := Flow{
@@ -324,30 +365,25 @@ func sendRawFlows(rng *rand.Rand, proto uint8, n int) ([]observation, error) {
 			DstPort: binary.BigEndian.Uint16(payload[portsAt+2:]),
 		}
 
-		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, int(proto))
+		fd, err := unix.Socket(fam.af, unix.SOCK_RAW|unix.SOCK_CLOEXEC, int(proto))
 		if err != nil {
 			return nil, fmt.Errorf("raw socket proto %d: %w", proto, err)
 		}
-		err = unix.Bind(fd, sockaddr(src, 0))
+		err = unix.Bind(fd, sockaddrOf(src, 0))
 		if err == nil {
-			err = unix.Sendto(fd, payload, 0, sockaddr(vip, 0))
+			err = unix.Sendto(fd, payload, 0, sockaddrOf(vip, 0))
 		}
 		_ = unix.Close(fd)
 		if err != nil {
 			return nil, fmt.Errorf("send proto %d %s -> %s: %w", proto, src, vip, err)
 		}
 		for {
-			nr, oobn, _, _, err := unix.Recvmsg(rx, buf, oob, 0)
+			nr, oobn, _, sa, err := unix.Recvmsg(rx, buf, oob, 0)
 			if err != nil {
 				return nil, fmt.Errorf("receive proto %d %s -> %s: %w", proto, src, vip, err)
 			}
-			pkt := buf[:nr]
-			if len(pkt) < 20 || pkt[0]>>4 != 4 {
-				continue
-			}
-			ihl := int(pkt[0]&0x0f) * 4
-			if len(pkt) < ihl || pkt[9] != proto || netip.AddrFrom4([4]byte(pkt[16:20])) != vip ||
-				netip.AddrFrom4([4]byte(pkt[12:16])) != src || !slices.Equal(pkt[ihl:], payload) {
+			got, ok := rawPayload(buf[:nr], sa, proto, src, vip)
+			if !ok || !samePayload(got, payload, proto) {
 				continue // an echo reply, an ICMP error, or another packet
 			}
 			mark, err := markFromCmsgs(oob[:oobn])
@@ -359,6 +395,36 @@ func sendRawFlows(rng *rand.Rand, proto uint8, n int) ([]observation, error) {
 		}
 	}
 	return obs, nil
+}
+
+// rawPayload is the payload of a packet a raw socket received, when it is
+// a packet of proto from src to vip. An IPv4 raw socket delivers the IP
+// header too; an IPv6 one only the payload, with the source in the
+// sender's address (the destination is not given: any tunnel IP will do,
+// the payload names the packet).
+func rawPayload(pkt []byte, sa unix.Sockaddr, proto uint8, src, vip netip.Addr) ([]byte, bool) {
+	if src.Is6() {
+		from, ok := addrPortOf(sa)
+		return pkt, ok && from.Addr() == src
+	}
+	if len(pkt) < 20 || pkt[0]>>4 != 4 {
+		return nil, false
+	}
+	ihl := int(pkt[0]&0x0f) * 4
+	if ihl < 20 || len(pkt) < ihl || pkt[9] != proto || netip.AddrFrom4([4]byte(pkt[16:20])) != vip ||
+		netip.AddrFrom4([4]byte(pkt[12:16])) != src {
+		return nil, false
+	}
+	return pkt[ihl:], true
+}
+
+// samePayload reports whether got is the payload sent, but for ICMPv6's
+// checksum, which the kernel wrote.
+func samePayload(got, sent []byte, proto uint8) bool {
+	if proto == protoICMPv6 && len(got) == len(sent) && len(got) >= 4 {
+		return slices.Equal(got[:2], sent[:2]) && slices.Equal(got[4:], sent[4:])
+	}
+	return slices.Equal(got, sent)
 }
 
 // inetChecksum is the Internet checksum (RFC 1071) of b.
@@ -376,14 +442,9 @@ func inetChecksum(b []byte) uint16 {
 	return ^uint16(sum)
 }
 
-// markReceivingSocket opens an IPv4 socket that reports each packet's mark
-// (SO_RCVMARK) and gives up reading after a few seconds.
-func markReceivingSocket(typ, proto int) (int, error) {
-	return markReceivingSocketOf(unix.AF_INET, typ, proto)
-}
-
-// markReceivingSocketOf is markReceivingSocket for the address family.
-func markReceivingSocketOf(family, typ, proto int) (int, error) {
+// markReceivingSocket opens a socket of the address family that reports
+// each packet's mark (SO_RCVMARK) and gives up reading after a few seconds.
+func markReceivingSocket(family, typ, proto int) (int, error) {
 	fd, err := unix.Socket(family, typ|unix.SOCK_CLOEXEC, proto)
 	if err != nil {
 		return -1, fmt.Errorf("socket type %d proto %d: %w", typ, proto, err)
@@ -412,28 +473,6 @@ func markFromCmsgs(oob []byte) (uint32, error) {
 		}
 	}
 	return 0, fmt.Errorf("no SO_MARK control message among %d", len(msgs))
-}
-
-// parseIPv4TCP reads the flow of an IPv4 TCP packet as a raw socket
-// delivers it (IP header included), and whether it is a SYN without ACK.
-func parseIPv4TCP(pkt []byte) (flow Flow, syn, ok bool) {
-	if len(pkt) < 20 || pkt[0]>>4 != 4 {
-		return Flow{}, false, false
-	}
-	ihl := int(pkt[0]&0x0f) * 4
-	if ihl < 20 || len(pkt) < ihl+14 || pkt[9] != protoTCP {
-		return Flow{}, false, false
-	}
-	tcp := pkt[ihl:]
-	flow = Flow{
-		Src:     netip.AddrFrom4([4]byte(pkt[12:16])),
-		Dst:     netip.AddrFrom4([4]byte(pkt[16:20])),
-		SrcPort: binary.BigEndian.Uint16(tcp[0:2]),
-		DstPort: binary.BigEndian.Uint16(tcp[2:4]),
-		Proto:   protoTCP,
-	}
-	const flagSYN, flagACK = 0x02, 0x10
-	return flow, tcp[13]&(flagSYN|flagACK) == flagSYN, true
 }
 
 func sockaddr(a netip.Addr, port uint16) *unix.SockaddrInet4 {
@@ -474,17 +513,17 @@ func TestKernelClientAffinityMarksMatchGo(t *testing.T) {
 		}
 		var all []observation
 		err = ns.Do(func() error {
-			udp, err := sendUDPFlows(rng, udpFlowsPerParamSet)
+			udp, err := sendUDPFlows(ipv4Flows, rng, udpFlowsPerParamSet, false)
 			if err != nil {
 				return err
 			}
-			tcp, err := sendTCPFlows(rng, tcpFlowsPerParamSet)
+			tcp, err := sendTCPFlows(ipv4Flows, rng, tcpFlowsPerParamSet)
 			if err != nil {
 				return err
 			}
 			all = slices.Concat(udp, tcp)
 			for _, proto := range rawProtos {
-				obs, err := sendRawFlows(rng, proto, rawFlowsPerProto)
+				obs, err := sendRawFlows(ipv4Flows, rng, proto, rawFlowsPerProto)
 				if err != nil {
 					return err
 				}
