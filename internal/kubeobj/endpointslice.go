@@ -33,13 +33,13 @@ type Endpoint struct {
 	// Pod is the Pod its targetRef names (IsZero when it names none); a
 	// targetRef without a namespace means the slice's.
 	Pod PodRef
-	// Conditions are the endpoint's ready, serving and terminating
-	// conditions, each true, false or unset.
+	// Conditions are the endpoint's ready and serving conditions, each
+	// true, false or unset (the daemons read no other).
 	Conditions Conditions
 }
 
-// Conditions packs an endpoint's three conditions, each true, false or
-// unset (nil in the API).
+// Conditions packs an endpoint's ready and serving conditions, each true,
+// false or unset (nil in the API).
 type Conditions uint8
 
 const (
@@ -47,8 +47,6 @@ const (
 	ready
 	servingSet
 	serving
-	terminatingSet
-	terminating
 )
 
 // NewConditions packs the API's conditions.
@@ -57,7 +55,7 @@ func NewConditions(c discoveryv1.EndpointConditions) Conditions {
 	for _, cond := range []struct {
 		value         *bool
 		set, trueFlag Conditions
-	}{{c.Ready, readySet, ready}, {c.Serving, servingSet, serving}, {c.Terminating, terminatingSet, terminating}} {
+	}{{c.Ready, readySet, ready}, {c.Serving, servingSet, serving}} {
 		if cond.value != nil {
 			out |= cond.set
 			if *cond.value {
@@ -73,11 +71,6 @@ func (c Conditions) Ready() (value, set bool) { return c&ready != 0, c&readySet 
 
 // Serving is the serving condition and whether it is set.
 func (c Conditions) Serving() (value, set bool) { return c&serving != 0, c&servingSet != 0 }
-
-// Terminating is the terminating condition and whether it is set.
-func (c Conditions) Terminating() (value, set bool) {
-	return c&terminating != 0, c&terminatingSet != 0
-}
 
 // NewEndpointSlice is what the daemons keep of es (see EndpointSlice).
 // Namespaces, node names and address types share their bytes across slices.

@@ -78,7 +78,7 @@ func TestSlimEndpointSliceKeepsWhatTheDaemonsRead(t *testing.T) {
 	want := &EndpointSlice{ObjectMeta: wantMeta, Service: "web", AddressType: discoveryv1.AddressTypeIPv4, Endpoints: []Endpoint{
 		{
 			Address:    "10.244.1.5",
-			Conditions: readySet | servingSet | serving | terminatingSet | terminating,
+			Conditions: readySet | servingSet | serving,
 			NodeName:   node,
 			Pod:        PodRef{Namespace: "shop", Name: "web-0", UID: "p-1"},
 		},
@@ -89,25 +89,25 @@ func TestSlimEndpointSliceKeepsWhatTheDaemonsRead(t *testing.T) {
 	}
 }
 
-// Each condition is true, false or unset, as in the API.
+// Ready and serving are each true, false or unset, as in the API; the
+// terminating condition, which the daemons do not read, changes neither.
 func TestConditions(t *testing.T) {
 	for _, tc := range []struct {
-		in                            discoveryv1.EndpointConditions
-		ready, serving, terminating   bool
-		readySet, servingSet, termSet bool
+		in                   discoveryv1.EndpointConditions
+		ready, serving       bool
+		readySet, servingSet bool
 	}{
 		{in: discoveryv1.EndpointConditions{}},
 		{in: discoveryv1.EndpointConditions{Ready: ptr(true)}, ready: true, readySet: true},
 		{in: discoveryv1.EndpointConditions{Ready: ptr(false), Serving: ptr(true)}, readySet: true, serving: true, servingSet: true},
-		{in: discoveryv1.EndpointConditions{Serving: ptr(false), Terminating: ptr(true)}, servingSet: true, terminating: true, termSet: true},
-		{in: discoveryv1.EndpointConditions{Terminating: ptr(false)}, termSet: true},
+		{in: discoveryv1.EndpointConditions{Serving: ptr(false), Terminating: ptr(true)}, servingSet: true},
+		{in: discoveryv1.EndpointConditions{Terminating: ptr(false)}},
 	} {
 		c := NewConditions(tc.in)
 		r, rs := c.Ready()
 		s, ss := c.Serving()
-		te, ts := c.Terminating()
-		if r != tc.ready || rs != tc.readySet || s != tc.serving || ss != tc.servingSet || te != tc.terminating || ts != tc.termSet {
-			t.Errorf("%+v: ready %v/%v serving %v/%v terminating %v/%v", tc.in, r, rs, s, ss, te, ts)
+		if r != tc.ready || rs != tc.readySet || s != tc.serving || ss != tc.servingSet {
+			t.Errorf("%+v: ready %v/%v serving %v/%v", tc.in, r, rs, s, ss)
 		}
 	}
 }
