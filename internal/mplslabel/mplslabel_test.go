@@ -22,8 +22,27 @@ func TestForEndpoint(t *testing.T) {
 			t.Errorf("label %d for %s is outside the usable range", got, tc.pod)
 		}
 	}
-	if _, err := ForEndpoint(netip.MustParseAddr("fd00::1")); err == nil {
-		t.Error("IPv6 pod address accepted")
+	v4, _ := ForEndpoint(netip.MustParseAddr("10.244.1.5"))
+	for _, tc := range []struct {
+		pod  string
+		want uint32
+	}{
+		{"fd00:10:244:1::", Base6},
+		{"fd00:10:244:1::105", Base6 + 256 + 5},
+		{"fd00:10:244:1::ffff", Base6 + 65535},
+	} {
+		got, err := ForEndpoint(netip.MustParseAddr(tc.pod))
+		if err != nil || got != tc.want {
+			t.Errorf("ForEndpoint(%s) = %d, %v; want %d", tc.pod, got, err, tc.want)
+		}
+		if got >= PlatformLabels || got == v4 {
+			t.Errorf("label %d for %s is outside the IPv6 range or equals an IPv4 pod's", got, tc.pod)
+		}
+	}
+	for _, bad := range []netip.Addr{netip.MustParseAddr("::ffff:10.244.1.5"), {}} {
+		if l, err := ForEndpoint(bad); err == nil {
+			t.Errorf("ForEndpoint(%v) = %d, want an error", bad, l)
+		}
 	}
 }
 
