@@ -106,13 +106,13 @@ type Controller struct {
 	dp       Programmer
 	log      logrus.FieldLogger
 
-	claims   map[string]netip.Addr   // Service key -> tunnel IP it claims
+	claims   map[string][]netip.Addr // Service key -> admitted tunnel IPs it claims, IPv4 first
 	byVIP    map[netip.Addr][]string // tunnel IP -> keys of the Services claiming it, in no order
-	reported map[string]uint64       // Service key -> hash of its last event reason+message (see report)
+	reported map[string]reported     // Service key -> its last events (see report)
 	networks tunnelclaim.Networks    // what tunnel IPs must not take, as of the last resync
 	live     *livepolicy.Policy      // the address pools and ranges, which may change while running
 	policy   tunnelclaim.Policy      // live's value for the reconcile in progress (the worker's)
-	refused  map[string]string       // Service key -> why its claim is refused (metrics.RefusedInvalid, metrics.RefusedPolicy)
+	refused  map[string][]string     // Service key -> why its claims are refused, one reason per claim (metrics.RefusedInvalid, metrics.RefusedPolicy)
 	metrics  *metrics.Metrics        // nil: none
 	status   *status.Writer          // publishes served tunnel IPs in LoadBalancer Services' status
 	synced1  atomic.Bool
@@ -149,8 +149,10 @@ func (c *Controller) claimMetrics() {
 		return
 	}
 	refused := map[string]int{}
-	for _, reason := range c.refused {
-		refused[reason]++
+	for _, reasons := range c.refused {
+		for _, reason := range reasons {
+			refused[reason]++
+		}
 	}
 	for _, keys := range c.byVIP {
 		refused[metrics.RefusedConflict] += len(keys) - 1
@@ -270,10 +272,10 @@ func NewController(cfg Config, client kubernetes.Interface, factory informers.Sh
 		recorder: recorder,
 		dp:       dp,
 		log:      log,
-		claims:   map[string]netip.Addr{},
+		claims:   map[string][]netip.Addr{},
 		byVIP:    map[netip.Addr][]string{},
-		reported: map[string]uint64{},
-		refused:  map[string]string{},
+		reported: map[string]reported{},
+		refused:  map[string][]string{},
 		announce: map[netip.Addr]bool{},
 		live:     livepolicy.New(cfg.Policy),
 		policy:   cfg.Policy,
@@ -535,33 +537,39 @@ func (c *Controller) collectGenerations() error {
 	return nil
 }
 
-// claimOf judges the tunnel IP claim of a Service alone
-// (tunnelclaim.Judge); ok is false when it claims none. A bad annotation,
-// or a tunnel IP the address pools refuse, is reported on the Service and
-// claims nothing: it never beats an admitted claimant of the same IP.
-func (c *Controller) claimOf(svc *corev1.Service) (netip.Addr, bool) {
+// claimOf judges the tunnel IP claims of a Service alone
+// (tunnelclaim.Judge) and returns the tunnel IPs admitted, IPv4 first; ok
+// is false when the Service carries no annotation. A bad annotation, or a
+// tunnel IP the address pools refuse, is reported on the Service and claims
+// nothing: it never beats an admitted claimant of the same IP. Each family
+// is judged on its own: a refused IPv6 tunnel IP leaves the IPv4 one
+// admitted.
+func (c *Controller) claimOf(svc *corev1.Service) (vips []netip.Addr, ok bool) {
 	key := tunnelclaim.ServiceKey(svc)
 	delete(c.refused, key)
-	claim, annotated := tunnelclaim.Judge(svc, c.policy.Pools, c.networks)
+	claims, annotated := tunnelclaim.Judge(svc, c.policy.Pools, c.networks)
 	if !annotated {
-		return netip.Addr{}, false
+		return nil, false
 	}
 	field := "metadata.annotations[" + tunnelclaim.Annotation + "]"
-	switch claim.Verdict {
-	case tunnelclaim.Invalid:
-		c.refused[key] = metrics.RefusedInvalid
-		c.log.WithFields(logrus.Fields{"service": key, "field": field}).WithError(claim.Err).Warn("invalid tunnel IP")
-		c.report(svc, corev1.EventTypeWarning, ReasonInvalidTunnelIP, claim.Err.Error())
-		return netip.Addr{}, false
-	case tunnelclaim.Refused:
-		c.refused[key] = metrics.RefusedPolicy
-		// Logged with the event: once per reason, not on every resync.
-		if c.report(svc, corev1.EventTypeWarning, ReasonRefused, claim.Err.Error()) {
-			c.log.WithFields(logrus.Fields{"service": key, "field": field, "vip": claim.VIP}).WithError(claim.Err).Warn("tunnel IP refused")
+	for _, claim := range claims {
+		switch claim.Verdict {
+		case tunnelclaim.Invalid:
+			c.refused[key] = append(c.refused[key], metrics.RefusedInvalid)
+			c.log.WithFields(logrus.Fields{"service": key, "field": field}).WithError(claim.Err).Warn("invalid tunnel IP")
+			c.report(svc, netip.Addr{}, corev1.EventTypeWarning, ReasonInvalidTunnelIP, claim.Err.Error())
+		case tunnelclaim.Refused:
+			c.refused[key] = append(c.refused[key], metrics.RefusedPolicy)
+			// Logged with the event: once per reason, not on every resync.
+			if c.report(svc, claim.VIP, corev1.EventTypeWarning, ReasonRefused, claim.Err.Error()) {
+				c.log.WithFields(logrus.Fields{"service": key, "field": field, "vip": claim.VIP}).WithError(claim.Err).Warn("tunnel IP refused")
+			}
+		default:
+			vips = append(vips, claim.VIP)
 		}
-		return netip.Addr{}, false
 	}
-	return claim.VIP, true
+	c.forgetReports(key, claims)
+	return vips, true
 }
 
 // knownNetworks reads what tunnel IPs must not take from the Nodes.
@@ -617,10 +625,10 @@ func (c *Controller) resync() error {
 	if err != nil {
 		return fmt.Errorf("listing services: %w", err)
 	}
-	c.claims, c.byVIP, c.refused = map[string]netip.Addr{}, map[netip.Addr][]string{}, map[string]string{}
+	c.claims, c.byVIP, c.refused = map[string][]netip.Addr{}, map[netip.Addr][]string{}, map[string][]string{}
 	for _, svc := range svcs {
-		if vip, ok := c.claimOf(svc); ok {
-			c.setClaim(svc.Namespace+"/"+svc.Name, vip)
+		if vips, ok := c.claimOf(svc); ok {
+			c.setClaims(svc.Namespace+"/"+svc.Name, vips)
 		}
 	}
 	c.claimMetrics()
@@ -689,27 +697,22 @@ func (c *Controller) syncService(key string) error {
 	if err != nil && !apierrors.IsNotFound(err) {
 		return err
 	}
-	old, hadClaim := c.claims[key]
-	var vip netip.Addr
-	var claims bool
+	affected := map[netip.Addr]bool{}
+	for _, vip := range c.claims[key] {
+		affected[vip] = true
+	}
+	var vips []netip.Addr
 	if svc != nil {
-		vip, claims = c.claimOf(svc)
+		vips, _ = c.claimOf(svc)
 	} else {
 		delete(c.refused, key)
 	}
 	if _, annotated := svcAnnotation(svc); !annotated {
 		delete(c.reported, key) // a later annotation reports afresh
 	}
-	c.dropClaim(key)
-	if claims {
-		c.setClaim(key, vip)
-	}
+	c.setClaims(key, vips)
 	c.claimMetrics()
-	affected := map[netip.Addr]bool{}
-	if hadClaim {
-		affected[old] = true
-	}
-	if claims {
+	for _, vip := range vips {
 		affected[vip] = true
 	}
 	// The Service, and every other claimant of the tunnel IPs it took or
@@ -730,19 +733,16 @@ func (c *Controller) syncService(key string) error {
 	return nil
 }
 
-// publishStatus hands the status writer the tunnel IP the Service key is
-// served: the one it claims if it wins it, else none.
+// publishStatus hands the status writer the tunnel IPs the Service key is
+// served: those it claims and wins.
 func (c *Controller) publishStatus(key string) {
-	vip, ok := c.claims[key]
-	if ok {
-		if w, _ := c.decide(vip); w == nil || tunnelclaim.ServiceKey(w) != key {
-			ok = false
+	var won []netip.Addr
+	for _, vip := range c.claims[key] {
+		if w, _ := c.decide(vip); w != nil && tunnelclaim.ServiceKey(w) == key {
+			won = append(won, vip)
 		}
 	}
-	if !ok {
-		vip = netip.Addr{}
-	}
-	c.status.Set(key, vip)
+	c.status.Set(key, won)
 }
 
 // syncVIP programs or removes one tunnel IP.
@@ -765,7 +765,7 @@ func (c *Controller) syncVIP(vip netip.Addr) error {
 	}
 	if err := c.dp.SetTunnel(t); err != nil {
 		c.announced(vip, false) // not announced while its datapath may be wrong
-		c.report(winner, corev1.EventTypeWarning, ReasonProgramFailed, fmt.Sprintf("programming tunnel IP %v failed: %v", vip, err))
+		c.report(winner, vip, corev1.EventTypeWarning, ReasonProgramFailed, fmt.Sprintf("programming tunnel IP %v failed: %v", vip, err))
 		return fmt.Errorf("programming tunnel %v: %w", vip, err)
 	}
 	// Reported once the kernel holds it: a failed write is never preceded
@@ -777,31 +777,36 @@ func (c *Controller) syncVIP(vip netip.Addr) error {
 	return nil
 }
 
-// setClaim records that the Service key claims vip.
-func (c *Controller) setClaim(key string, vip netip.Addr) {
-	if old, ok := c.claims[key]; ok && old == vip {
+// setClaims records that the Service key claims vips (none: it claims
+// nothing).
+func (c *Controller) setClaims(key string, vips []netip.Addr) {
+	if slices.Equal(c.claims[key], vips) {
 		return
 	}
-	c.dropClaim(key)
-	c.claims[key] = vip
-	// Almost every tunnel IP has one claimant: a slice of keys is a tenth
-	// of a set's memory (at 10,000 tunnel IPs, 0.5 MB instead of 3.5).
-	c.byVIP[vip] = append(c.byVIP[vip], key)
+	c.dropClaims(key)
+	if len(vips) == 0 {
+		return
+	}
+	c.claims[key] = vips
+	for _, vip := range vips {
+		// Almost every tunnel IP has one claimant: a slice of keys is a
+		// tenth of a set's memory (at 10,000 tunnel IPs, 0.5 MB instead
+		// of 3.5).
+		c.byVIP[vip] = append(c.byVIP[vip], key)
+	}
 }
 
-// dropClaim forgets the claim of the Service key, if any.
-func (c *Controller) dropClaim(key string) {
-	vip, ok := c.claims[key]
-	if !ok {
-		return
+// dropClaims forgets the claims of the Service key, if any.
+func (c *Controller) dropClaims(key string) {
+	for _, vip := range c.claims[key] {
+		keys := slices.DeleteFunc(c.byVIP[vip], func(k string) bool { return k == key })
+		if len(keys) == 0 {
+			delete(c.byVIP, vip)
+		} else {
+			c.byVIP[vip] = keys
+		}
 	}
 	delete(c.claims, key)
-	keys := slices.DeleteFunc(c.byVIP[vip], func(k string) bool { return k == key })
-	if len(keys) == 0 {
-		delete(c.byVIP, vip)
-	} else {
-		c.byVIP[vip] = keys
-	}
 }
 
 // decide returns the Service that wins vip and the admitted claimants that
@@ -833,7 +838,9 @@ func (c *Controller) serviceSlices(svc *corev1.Service) ([]*kubeobj.EndpointSlic
 // notice is an event to record on a Service once the datapath holds what it
 // says.
 type notice struct {
-	svc                        *corev1.Service
+	svc *corev1.Service
+	// vip is the tunnel IP the notice is about (see report).
+	vip                        netip.Addr
 	eventType, reason, message string
 }
 
@@ -849,14 +856,15 @@ func (c *Controller) tunnelFor(vip netip.Addr) (t datapath.Tunnel, winner *corev
 	}
 	key := tunnelclaim.ServiceKey(svc)
 	for _, loser := range losers {
-		notices = append(notices, notice{loser, corev1.EventTypeWarning, ReasonConflict,
+		notices = append(notices, notice{loser, vip, corev1.EventTypeWarning, ReasonConflict,
 			fmt.Sprintf("tunnel IP %v is already served for Service %s (older); this Service gets it when that one releases it", vip, key)})
 	}
 	esl, err := c.serviceSlices(svc)
 	if err != nil {
 		c.log.WithError(err).WithField("service", key).Warn("listing endpointslices")
 	}
-	eps, problems := ServiceEndpoints(esl, c.cfg.Mode == encap.MPLS, c.drained)
+	family := AddressType(vip)
+	eps, problems := ServiceEndpoints(esl, family, c.cfg.Mode == encap.MPLS, c.drained)
 	if c.cfg.Mode == encap.MPLS {
 		eps, problems = c.withNodeIPs(eps, problems)
 	}
@@ -864,20 +872,24 @@ func (c *Controller) tunnelFor(vip netip.Addr) (t datapath.Tunnel, winner *corev
 		c.log.WithFields(logrus.Fields{"service": key, "vip": vip}).Warn(p)
 	}
 	if len(eps) == 0 {
-		notices = append(notices, notice{svc, corev1.EventTypeWarning, ReasonNoReadyEndpoints,
-			fmt.Sprintf("tunnel IP %v has no ready endpoint; its traffic is dropped", vip)})
+		msg := fmt.Sprintf("tunnel IP %v has no ready endpoint; its traffic is dropped", vip)
+		if !hasAddressType(esl, family) {
+			msg = fmt.Sprintf("tunnel IP %v has no ready endpoint: the Service has no EndpointSlice of addressType %s (an %s tunnel IP is carried to the pods' %s addresses: make the Service dual-stack with spec.ipFamilyPolicy); its traffic is dropped",
+				vip, family, family, family)
+		}
+		notices = append(notices, notice{svc, vip, corev1.EventTypeWarning, ReasonNoReadyEndpoints, msg})
 		return t, svc, notices
 	}
 	t = NewTunnel(vip, eps, c.cfg.Buckets)
 	t.ClientAffinity = ClientAffinity(svc)
 	ready, draining := splitDraining(eps)
 	if len(ready) == 0 {
-		notices = append(notices, notice{svc, corev1.EventTypeWarning, ReasonNoReadyEndpoints,
+		notices = append(notices, notice{svc, vip, corev1.EventTypeWarning, ReasonNoReadyEndpoints,
 			fmt.Sprintf("tunnel IP %v has no ready endpoint; new flows go to its %d draining endpoints", vip, len(draining))})
 		return t, svc, notices
 	}
 	if idle := bucket.Unassigned(tableAddrs(t), endpointAddrs(ready)); len(idle) > 0 {
-		notices = append(notices, notice{svc, corev1.EventTypeWarning, ReasonIdleEndpoints,
+		notices = append(notices, notice{svc, vip, corev1.EventTypeWarning, ReasonIdleEndpoints,
 			fmt.Sprintf("tunnel IP %v: %d of its %d ready endpoints own none of the %d buckets and get no traffic (raise --buckets): %v", vip, len(idle), len(ready), c.cfg.Buckets, idle)})
 		return t, svc, notices
 	}
@@ -888,7 +900,7 @@ func (c *Controller) tunnelFor(vip netip.Addr) (t datapath.Tunnel, winner *corev
 	if len(draining) > 0 {
 		msg += fmt.Sprintf("; %d draining (no new flows)", len(draining))
 	}
-	notices = append(notices, notice{svc, corev1.EventTypeNormal, ReasonProgrammed, msg})
+	notices = append(notices, notice{svc, vip, corev1.EventTypeNormal, ReasonProgrammed, msg})
 	return t, svc, notices
 }
 
@@ -960,7 +972,8 @@ func (c *Controller) withNodeIPs(eps []datapath.Endpoint, problems []string) ([]
 }
 
 // WithNodeIPs fills in each endpoint's node address from its Node (mpls
-// mode), leaving out, with a problem, the endpoints whose node has none.
+// mode), of the endpoint's family, leaving out, with a problem, the
+// endpoints whose node has none.
 func WithNodeIPs(eps []datapath.Endpoint, problems []string, getNode func(name string) (*corev1.Node, error)) ([]datapath.Endpoint, []string) {
 	out := eps[:0]
 	for _, ep := range eps {
@@ -969,9 +982,9 @@ func WithNodeIPs(eps []datapath.Endpoint, problems []string, getNode func(name s
 			problems = append(problems, fmt.Sprintf("endpoint %v: node %q: %v", ep.Addr, ep.NodeName, err))
 			continue
 		}
-		ip := kubeobj.NodeAddress(node)
+		ip := kubeobj.NodeAddressOf(node, ep.Addr.Is4())
 		if !ip.IsValid() {
-			problems = append(problems, fmt.Sprintf("endpoint %v: node %q has no IPv4 InternalIP or ExternalIP in status.addresses", ep.Addr, ep.NodeName))
+			problems = append(problems, fmt.Sprintf("endpoint %v: node %q has no %s InternalIP or ExternalIP in status.addresses", ep.Addr, ep.NodeName, tunnelclaim.Family(ep.Addr)))
 			continue
 		}
 		ep.NodeIP = ip
@@ -983,24 +996,66 @@ func WithNodeIPs(eps []datapath.Endpoint, problems []string, getNode func(name s
 // record reports each notice on its Service.
 func (c *Controller) record(notices []notice) {
 	for _, n := range notices {
-		c.report(n.svc, n.eventType, n.reason, n.message)
+		c.report(n.svc, n.vip, n.eventType, n.reason, n.message)
 	}
 }
 
 // reportSeed hashes the reported states.
 var reportSeed = maphash.MakeSeed()
 
-// report records an event on a Service when its state changed since the last
-// one, so that resyncs do not repeat it; it reports whether it recorded one.
-func (c *Controller) report(svc *corev1.Service, eventType, reason, message string) bool {
+// reported holds, per Service, the hash of its last event of each topic:
+// the annotation as a whole (when it is invalid), its IPv4 tunnel IP and
+// its IPv6 tunnel IP. A hash, not the text: at 10,000 Services the
+// messages would be a megabyte kept only to be compared.
+type reported [3]uint64
+
+// topic is the slot of the events about vip: 0 for the annotation as a
+// whole (the zero Addr), 1 for an IPv4 tunnel IP, 2 for an IPv6 one.
+func topic(vip netip.Addr) int {
+	switch {
+	case !vip.IsValid():
+		return 0
+	case vip.Is4():
+		return 1
+	}
+	return 2
+}
+
+// report records an event on a Service about vip (the zero Addr: about its
+// annotation) when that topic's state changed since its last event, so that
+// resyncs do not repeat it; it reports whether it recorded one. Each
+// family's tunnel IP has its own topic: a dual-stack Service's two tunnel
+// IPs do not undo each other's deduplication.
+func (c *Controller) report(svc *corev1.Service, vip netip.Addr, eventType, reason, message string) bool {
 	key := svc.Namespace + "/" + svc.Name
-	// A hash, not the text: at 10,000 Services the messages would be a
-	// megabyte kept only to be compared.
 	state := maphash.String(reportSeed, eventType+"\x00"+reason+"\x00"+message)
-	if last, ok := c.reported[key]; ok && last == state {
+	r := c.reported[key]
+	if r[topic(vip)] == state {
 		return false
 	}
-	c.reported[key] = state
+	r[topic(vip)] = state
+	c.reported[key] = r
 	c.recorder.Event(svc, eventType, reason, message)
 	return true
+}
+
+// forgetReports forgets the last events of the topics the Service's claims
+// no longer cover, so that a state that comes back is reported again: the
+// annotation's topic once it is valid, a family's once it claims no tunnel
+// IP of that family.
+func (c *Controller) forgetReports(key string, claims []tunnelclaim.Claim) {
+	r, ok := c.reported[key]
+	if !ok {
+		return
+	}
+	var keep [3]bool
+	for _, claim := range claims {
+		keep[topic(claim.VIP)] = true
+	}
+	for i := range r {
+		if !keep[i] {
+			r[i] = 0
+		}
+	}
+	c.reported[key] = r
 }

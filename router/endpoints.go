@@ -14,8 +14,10 @@ import (
 // get no new flows, while their established flows keep reaching them.
 const DrainAnnotation = "cmd.nu/tunnel-drain"
 
-// ServiceEndpoints extracts the IPv4 endpoints of a Service from its
-// EndpointSlices, deduplicated by address and sorted. Entries it cannot use
+// ServiceEndpoints extracts the endpoints of one address family of a
+// Service from its EndpointSlices of that addressType (a dual-stack Service
+// has one set of slices per family; slices of the other family, and FQDN
+// ones, are skipped), deduplicated by address and sorted. Entries it cannot use
 // are skipped and described in problems (one line each, naming the slice and
 // the field) so that one bad entry never hides the others.
 //
@@ -24,17 +26,13 @@ const DrainAnnotation = "cmd.nu/tunnel-drain"
 // but not ready (terminating), or when drained(pod) says its Pod is marked
 // with DrainAnnotation; drained may be nil. Endpoints neither ready nor
 // serving are left out.
-func ServiceEndpoints(endpointSlices []*kubeobj.EndpointSlice, needNode bool, drained func(namespace, name string) bool) (eps []datapath.Endpoint, problems []string) {
+func ServiceEndpoints(endpointSlices []*kubeobj.EndpointSlice, family discoveryv1.AddressType, needNode bool, drained func(namespace, name string) bool) (eps []datapath.Endpoint, problems []string) {
 	byAddr := map[netip.Addr]datapath.Endpoint{}
 	for _, es := range endpointSlices {
-		if es == nil {
+		if es == nil || es.AddressType != family {
 			continue
 		}
 		name := es.Namespace + "/" + es.Name
-		if es.AddressType != discoveryv1.AddressTypeIPv4 {
-			problems = append(problems, fmt.Sprintf("EndpointSlice %s: addressType %s is not supported, only IPv4", name, es.AddressType))
-			continue
-		}
 		for i, ep := range es.Endpoints {
 			draining := false
 			if ready, set := ep.Conditions.Ready(); set && !ready {
@@ -51,8 +49,8 @@ func ServiceEndpoints(endpointSlices []*kubeobj.EndpointSlice, needNode bool, dr
 				continue
 			}
 			addr, err := netip.ParseAddr(ep.Address)
-			if err != nil || !addr.Is4() {
-				problems = append(problems, fmt.Sprintf("EndpointSlice %s: endpoints[%d].addresses[0] %q is not an IPv4 address", name, i, ep.Address))
+			if err != nil || AddressType(addr) != family || addr.Is4In6() || addr.Zone() != "" {
+				problems = append(problems, fmt.Sprintf("EndpointSlice %s: endpoints[%d].addresses[0] %q is not an %s address", name, i, ep.Address, family))
 				continue
 			}
 			node := ep.NodeName
@@ -75,4 +73,22 @@ func ServiceEndpoints(endpointSlices []*kubeobj.EndpointSlice, needNode bool, dr
 	}
 	slices.SortFunc(eps, func(a, b datapath.Endpoint) int { return a.Addr.Compare(b.Addr) })
 	return eps, problems
+}
+
+// AddressType is the EndpointSlice addressType of an address's family.
+func AddressType(a netip.Addr) discoveryv1.AddressType {
+	if a.Is4() {
+		return discoveryv1.AddressTypeIPv4
+	}
+	return discoveryv1.AddressTypeIPv6
+}
+
+// hasAddressType reports whether one of the slices is of addressType family.
+func hasAddressType(endpointSlices []*kubeobj.EndpointSlice, family discoveryv1.AddressType) bool {
+	for _, es := range endpointSlices {
+		if es != nil && es.AddressType == family {
+			return true
+		}
+	}
+	return false
 }

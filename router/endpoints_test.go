@@ -35,7 +35,13 @@ func TestServiceEndpoints(t *testing.T) {
 			discoveryv1.Endpoint{Addresses: []string{"not-an-ip"}},
 			discoveryv1.Endpoint{Addresses: []string{"10.244.2.9"}}, // no nodeName
 		),
-		slice("b", discoveryv1.AddressTypeIPv6, discoveryv1.Endpoint{Addresses: []string{"fd00::1"}}),
+		slice("b", discoveryv1.AddressTypeIPv6,
+			discoveryv1.Endpoint{Addresses: []string{"fd00::1"}, NodeName: ptr("node-1")},
+			discoveryv1.Endpoint{Addresses: []string{"10.244.1.9"}, NodeName: ptr("node-1")},       // the wrong family for the slice
+			discoveryv1.Endpoint{Addresses: []string{"::ffff:10.244.1.9"}, NodeName: ptr("node-1")}, // IPv4-mapped is not IPv6
+			discoveryv1.Endpoint{Addresses: []string{"fd00::1"}, NodeName: ptr("node-2")},           // a duplicate on another node
+		),
+		slice("d", discoveryv1.AddressTypeFQDN, discoveryv1.Endpoint{Addresses: []string{"example.com"}}),
 		slice("c", discoveryv1.AddressTypeIPv4,
 			discoveryv1.Endpoint{Addresses: []string{"10.244.1.5"}, NodeName: ptr("node-1")}, // duplicate of slice a
 		),
@@ -44,14 +50,22 @@ func TestServiceEndpoints(t *testing.T) {
 
 	drained := func(ns, name string) bool { return ns == "ns" && name == "annotated" }
 	t.Run("gre", func(t *testing.T) {
-		eps, problems := ServiceEndpoints(slices, false, drained)
+		eps, problems := ServiceEndpoints(slices, discoveryv1.AddressTypeIPv4, false, drained)
 		want := []string{"10.244.1.3", "10.244.1.5", "10.244.1.6", "10.244.1.7", "10.244.2.9"}
 		assertAddrs(t, eps, want)
 		assertDraining(t, eps, "10.244.1.3", "10.244.1.7")
-		assertProblems(t, problems, "endpoints[6].addresses is empty", "not-an-ip", "addressType IPv6")
+		assertProblems(t, problems, "endpoints[6].addresses is empty", `"not-an-ip" is not an IPv4 address`)
+	})
+	t.Run("IPv6 from the IPv6 slices only", func(t *testing.T) {
+		eps, problems := ServiceEndpoints(slices, discoveryv1.AddressTypeIPv6, true, drained)
+		assertAddrs(t, eps, []string{"fd00::1"})
+		if eps[0].NodeName != "node-1" {
+			t.Errorf("fd00::1 on node %q, want node-1 (the smaller name of the two)", eps[0].NodeName)
+		}
+		assertProblems(t, problems, `"10.244.1.9" is not an IPv6 address`, `"::ffff:10.244.1.9" is not an IPv6 address`, `endpoints[3] (fd00::1) is also listed on node "node-1"`)
 	})
 	t.Run("mpls needs a node", func(t *testing.T) {
-		eps, problems := ServiceEndpoints(slices, true, nil)
+		eps, problems := ServiceEndpoints(slices, discoveryv1.AddressTypeIPv4, true, nil)
 		assertAddrs(t, eps, []string{"10.244.1.3", "10.244.1.5", "10.244.1.6", "10.244.1.7"})
 		assertDraining(t, eps, "10.244.1.7")
 		assertProblems(t, problems, "endpoints[8] (10.244.2.9) has no nodeName")
@@ -60,7 +74,7 @@ func TestServiceEndpoints(t *testing.T) {
 		eps, _ := ServiceEndpoints([]*kubeobj.EndpointSlice{
 			slice("x", discoveryv1.AddressTypeIPv4, discoveryv1.Endpoint{Addresses: []string{"10.0.0.1"}, Conditions: discoveryv1.EndpointConditions{Ready: ptr(false), Serving: ptr(true)}}),
 			slice("y", discoveryv1.AddressTypeIPv4, discoveryv1.Endpoint{Addresses: []string{"10.0.0.1"}}),
-		}, false, nil)
+		}, discoveryv1.AddressTypeIPv4, false, nil)
 		assertAddrs(t, eps, []string{"10.0.0.1"})
 		assertDraining(t, eps)
 	})

@@ -12,13 +12,23 @@ import (
 // NodeAddress returns a node's first IPv4 InternalIP, else its first IPv4
 // ExternalIP: where routers send a node's MPLS packets, and so the address
 // whose interface the node's endpoint agent opens to MPLS.
-func NodeAddress(n *corev1.Node) netip.Addr {
+func NodeAddress(n *corev1.Node) netip.Addr { return NodeAddressOf(n, true) }
+
+// NodeAddressOf returns a node's first InternalIP of one family (IPv4 when
+// ipv4, else IPv6), else its first ExternalIP of that family: where routers
+// send the MPLS packets of a tunnel IP of that family. IPv4-mapped and
+// zoned addresses are not IPv6 node addresses.
+func NodeAddressOf(n *corev1.Node, ipv4 bool) netip.Addr {
 	for _, typ := range []corev1.NodeAddressType{corev1.NodeInternalIP, corev1.NodeExternalIP} {
 		for _, a := range n.Status.Addresses {
 			if a.Type != typ {
 				continue
 			}
-			if ip, err := netip.ParseAddr(a.Address); err == nil && ip.Is4() {
+			ip, err := netip.ParseAddr(a.Address)
+			if err != nil || ip.Zone() != "" || ip.Is4In6() {
+				continue
+			}
+			if ip.Is4() == ipv4 {
 				return ip
 			}
 		}

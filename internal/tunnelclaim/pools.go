@@ -52,15 +52,18 @@ func (ps Pools) String() string {
 	return strings.Join(parts, ";")
 }
 
-// reservedRange is an IPv4 range no tunnel IP may come from.
+// reservedRange is a range no tunnel IP may come from.
 type reservedRange struct {
 	prefix netip.Prefix
 	what   string
 }
 
-// reserved are the IPv4 ranges that cannot be routed to a Service (RFC 6890).
-// The documentation ranges (192.0.2.0/24, 198.51.100.0/24, 203.0.113.0/24)
-// are not among them: the examples, the demo and the lab use them.
+// reserved are the ranges that cannot be routed to a Service (RFC 6890 and
+// its IPv6 registry). The documentation ranges (192.0.2.0/24,
+// 198.51.100.0/24, 203.0.113.0/24, 2001:db8::/32) are not among them: the
+// examples, the demo and the lab use them. Nor are the IPv6 unique local
+// addresses (fc00::/7): an on-premises network routes them like any other,
+// as it does 10.0.0.0/8.
 var reserved = []reservedRange{
 	{netip.MustParsePrefix("0.0.0.0/8"), `"this network"`},
 	{netip.MustParsePrefix("127.0.0.0/8"), "loopback"},
@@ -68,16 +71,24 @@ var reserved = []reservedRange{
 	{netip.MustParsePrefix("192.0.0.0/24"), "IETF protocol assignments"},
 	{netip.MustParsePrefix("224.0.0.0/4"), "multicast"},
 	{netip.MustParsePrefix("240.0.0.0/4"), "reserved for future use, and the broadcast address"},
+	{netip.MustParsePrefix("::/8"), "reserved by the IETF: unspecified, loopback, IPv4-mapped and IPv4-compatible addresses"},
+	{netip.MustParsePrefix("100::/64"), "discard-only"},
+	{netip.MustParsePrefix("2001::/23"), "IETF protocol assignments"},
+	{netip.MustParsePrefix("fe80::/10"), "link-local"},
+	{netip.MustParsePrefix("fec0::/10"), "deprecated site-local"},
+	{netip.MustParsePrefix("ff00::/8"), "multicast"},
 }
 
 // ParsePools reads the address pools: entries separated by ";" (or new
-// lines), each a CIDR or a single IPv4 address, optionally followed by "="
-// and a comma-separated list of the namespaces that may use it:
+// lines), each a CIDR or a single address, IPv4 or IPv6, optionally
+// followed by "=" and a comma-separated list of the namespaces that may use
+// it:
 //
-//	192.0.2.0/24;203.0.113.0/28=team-a,team-b
+//	192.0.2.0/24;203.0.113.0/28=team-a,team-b;2001:db8:5::/64
 //
 // Blanks around entries and names are ignored. Refused, with an error naming
-// the pool: anything that is not IPv4, a CIDR with host bits set, an empty or
+// the pool: an IPv4-mapped IPv6 range (write it as IPv4), a zone, a CIDR
+// with host bits set, an empty or
 // invalid namespace list, a pool overlapping a reserved range (loopback,
 // link-local, multicast, ...), and two pools that overlap. An empty value is
 // no pool at all.
@@ -115,7 +126,7 @@ func parsePool(entry string) (Pool, error) {
 	if strings.Contains(cidr, "/") {
 		prefix, err := netip.ParsePrefix(cidr)
 		if err != nil {
-			return Pool{}, fmt.Errorf("not a CIDR (expected e.g. 192.0.2.0/24): %w", err)
+			return Pool{}, fmt.Errorf("not a CIDR (expected e.g. 192.0.2.0/24 or 2001:db8:5::/64): %w", err)
 		}
 		if prefix != prefix.Masked() {
 			return Pool{}, fmt.Errorf("host bits are set: write %v", prefix.Masked())
@@ -128,8 +139,11 @@ func parsePool(entry string) (Pool, error) {
 		}
 		p.Prefix = netip.PrefixFrom(ip, ip.BitLen())
 	}
-	if !p.Prefix.Addr().Is4() || p.Prefix.Addr().Zone() != "" {
-		return Pool{}, errors.New("not IPv4: only IPv4 tunnel IPs are supported")
+	if p.Prefix.Addr().Zone() != "" {
+		return Pool{}, errors.New("has a zone: write the range alone")
+	}
+	if p.Prefix.Addr().Is4In6() {
+		return Pool{}, errors.New("is IPv4-mapped IPv6: write the range as IPv4")
 	}
 	for _, r := range reserved {
 		if r.prefix.Overlaps(p.Prefix) {
@@ -154,9 +168,8 @@ func parsePool(entry string) (Pool, error) {
 	return p, nil
 }
 
-// ParseCIDRs reads a comma-separated list of CIDRs (the --pod-cidr and
-// --service-cidr flags). IPv6 CIDRs are accepted, as a dual-stack cluster
-// lists them, and simply never contain an IPv4 tunnel IP.
+// ParseCIDRs reads a comma-separated list of CIDRs, IPv4 or IPv6 (the
+// --pod-cidr and --service-cidr flags).
 func ParseCIDRs(value string) ([]netip.Prefix, error) {
 	var out []netip.Prefix
 	for _, s := range strings.Split(value, ",") {
@@ -184,8 +197,8 @@ type Network struct {
 // Networks are the addresses a tunnel IP must never take because the
 // cluster itself uses them. Build them with KnownNetworks.
 type Networks struct {
-	// NodeAddresses maps every IPv4 InternalIP and ExternalIP of every Node
-	// to the Node's name.
+	// NodeAddresses maps every InternalIP and ExternalIP of every Node, of
+	// either family, to the Node's name.
 	NodeAddresses map[netip.Addr]string
 	// PodCIDRs are the Nodes' pod ranges and those of --pod-cidr.
 	PodCIDRs []Network
@@ -206,8 +219,8 @@ func (n Networks) Equal(o Networks) bool {
 	return slices.Equal(n.PodCIDRs, o.PodCIDRs) && slices.Equal(n.ServiceCIDRs, o.ServiceCIDRs)
 }
 
-// KnownNetworks collects the Nodes' addresses (IPv4 InternalIP and
-// ExternalIP) and pod ranges (spec.podCIDRs and spec.podCIDR), plus the
+// KnownNetworks collects the Nodes' addresses (InternalIP and ExternalIP,
+// of either family) and pod ranges (spec.podCIDRs and spec.podCIDR), plus the
 // ranges the flags name. The answer does not depend on the Nodes' order.
 func KnownNetworks(nodes []*corev1.Node, podCIDRs, serviceCIDRs []netip.Prefix) Networks {
 	n := Networks{NodeAddresses: map[netip.Addr]string{}}
@@ -217,9 +230,10 @@ func KnownNetworks(nodes []*corev1.Node, podCIDRs, serviceCIDRs []netip.Prefix) 
 				continue
 			}
 			ip, err := netip.ParseAddr(a.Address)
-			if err != nil || !ip.Is4() {
+			if err != nil || ip.Zone() != "" {
 				continue
 			}
+			ip = ip.Unmap()
 			if other, ok := n.NodeAddresses[ip]; !ok || node.Name < other {
 				n.NodeAddresses[ip] = node.Name
 			}
@@ -258,8 +272,8 @@ func (ps Pools) Admit(ip netip.Addr, namespace string, known Networks) error {
 	if len(ps) == 0 {
 		return fmt.Errorf("tunnel IP %v is not served: no address pool is configured (%s)", ip, PoolsFlag)
 	}
-	if !ip.Is4() {
-		return fmt.Errorf("tunnel IP %v is not IPv4", ip)
+	if ip.Is4In6() || ip.Zone() != "" || !ip.IsValid() {
+		return fmt.Errorf("tunnel IP %v is not a plain IPv4 or IPv6 address", ip)
 	}
 	for _, r := range reserved {
 		if r.prefix.Contains(ip) {

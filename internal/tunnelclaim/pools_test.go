@@ -27,8 +27,20 @@ func TestParsePools(t *testing.T) {
 		{value: "192.0.2.0/33", errPart: `pool "192.0.2.0/33": not a CIDR`},
 		{value: "example.com", errPart: `pool "example.com": not a CIDR or an address`},
 		{value: "192.0.2.1/24", errPart: "host bits are set: write 192.0.2.0/24"},
-		{value: "2001:db8::/64", errPart: "not IPv4"},
-		{value: "::ffff:192.0.2.0/120", errPart: "not IPv4"},
+		{value: "2001:db8::/64", want: "2001:db8::/64"},
+		{value: "2001:db8:5::/64=team-a; 192.0.2.0/24", want: "2001:db8:5::/64=team-a;192.0.2.0/24"},
+		{value: "2001:db8::7", want: "2001:db8::7/128"},
+		{value: "fd00:5::/48", want: "fd00:5::/48"}, // unique local addresses are allowed
+		{value: "2001:db8::1/64", errPart: "host bits are set: write 2001:db8::/64"},
+		{value: "::ffff:192.0.2.0/120", errPart: "IPv4-mapped IPv6: write the range as IPv4"},
+		{value: "fe80::/64", errPart: "reserved range fe80::/10 (link-local)"},
+		{value: "ff00::/12", errPart: "multicast"},
+		{value: "::/0", errPart: "reserved range ::/8"},
+		{value: "::1", errPart: "reserved range ::/8"},
+		{value: "100::/64", errPart: "discard-only"},
+		{value: "2001::/32", errPart: "IETF protocol assignments"},
+		{value: "fec0::/16", errPart: "site-local"},
+		{value: "2001:db8::/32;2001:db8:5::/64", errPart: `pool "2001:db8:5::/64" overlaps pool "2001:db8::/32"`},
 		{value: "127.0.0.0/8", errPart: "reserved range 127.0.0.0/8 (loopback)"},
 		{value: "0.0.0.0/0", errPart: `pool "0.0.0.0/0": overlaps the reserved range 0.0.0.0/8`},
 		{value: "169.254.10.0/24", errPart: "link-local"},
@@ -82,7 +94,7 @@ func testNode(name string, podCIDRs []string, addrs ...corev1.NodeAddress) *core
 }
 
 func TestAdmit(t *testing.T) {
-	pools, err := ParsePools("192.0.2.0/24;203.0.113.0/28=team-a,team-b;10.0.0.0/8")
+	pools, err := ParsePools("192.0.2.0/24;203.0.113.0/28=team-a,team-b;10.0.0.0/8;fd00::/8;2001:db8:7::/64=team-a")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -92,9 +104,10 @@ func TestAdmit(t *testing.T) {
 		testNode("n1", []string{"10.244.1.0/24", "fd00:1::/64"},
 			corev1.NodeAddress{Type: corev1.NodeInternalIP, Address: "10.0.0.11"},
 			corev1.NodeAddress{Type: corev1.NodeExternalIP, Address: "192.0.2.200"}),
-		testNode("n2", []string{"10.244.2.0/24"}, corev1.NodeAddress{Type: corev1.NodeInternalIP, Address: "10.0.0.12"}),
+		testNode("n2", []string{"10.244.2.0/24"}, corev1.NodeAddress{Type: corev1.NodeInternalIP, Address: "10.0.0.12"},
+			corev1.NodeAddress{Type: corev1.NodeInternalIP, Address: "fd00:0:0:5::12"}),
 		legacy,
-	}, []netip.Prefix{netip.MustParsePrefix("10.128.0.0/12")}, []netip.Prefix{netip.MustParsePrefix("10.96.0.0/12")})
+	}, []netip.Prefix{netip.MustParsePrefix("10.128.0.0/12")}, []netip.Prefix{netip.MustParsePrefix("10.96.0.0/12"), netip.MustParsePrefix("fd00:96::/112")})
 
 	for _, tc := range []struct {
 		name, ip, namespace string
@@ -107,7 +120,7 @@ func TestAdmit(t *testing.T) {
 		{name: "namespace-limited pool, other namespace", ip: "203.0.113.5", namespace: "team-c", pools: pools,
 			errPart: "tunnel IP 203.0.113.5 is in address pool 203.0.113.0/28, which only namespaces team-a, team-b may use, not team-c"},
 		{name: "in no pool", ip: "198.51.100.1", namespace: "any", pools: pools,
-			errPart: "tunnel IP 198.51.100.1 is in no address pool (--pools 192.0.2.0/24;203.0.113.0/28=team-a,team-b;10.0.0.0/8)"},
+			errPart: "tunnel IP 198.51.100.1 is in no address pool (--pools 192.0.2.0/24;203.0.113.0/28=team-a,team-b;10.0.0.0/8;fd00::/8;2001:db8:7::/64=team-a)"},
 		{name: "next to a limited pool", ip: "203.0.113.16", namespace: "team-a", pools: pools, errPart: "in no address pool"},
 		{name: "no pool configured", ip: "192.0.2.10", namespace: "any",
 			errPart: "tunnel IP 192.0.2.10 is not served: no address pool is configured (--pools)"},
@@ -120,6 +133,19 @@ func TestAdmit(t *testing.T) {
 		{name: "inside --pod-cidr", ip: "10.130.0.1", namespace: "any", pools: pools, errPart: "inside the pod network 10.128.0.0/12 (--pod-cidr)"},
 		{name: "inside --service-cidr", ip: "10.96.0.1", namespace: "any", pools: pools,
 			errPart: "tunnel IP 10.96.0.1 is inside the service network 10.96.0.0/12 (--service-cidr)"},
+		{name: "IPv6 in an open pool", ip: "fd00:7::10", namespace: "any", pools: pools},
+		{name: "IPv6 in a namespace-limited pool", ip: "2001:db8:7::10", namespace: "team-b", pools: pools,
+			errPart: "tunnel IP 2001:db8:7::10 is in address pool 2001:db8:7::/64, which only namespaces team-a may use, not team-b"},
+		{name: "IPv6 in no pool", ip: "2001:db8:8::10", namespace: "team-a", pools: pools, errPart: "tunnel IP 2001:db8:8::10 is in no address pool"},
+		{name: "a Node's IPv6 InternalIP", ip: "fd00:0:0:5::12", namespace: "any", pools: pools, errPart: "tunnel IP fd00:0:0:5::12 is the address of Node n2"},
+		{name: "inside a Node's IPv6 pod range", ip: "fd00:1::40", namespace: "any", pools: pools,
+			errPart: "tunnel IP fd00:1::40 is inside the pod network fd00:1::/64 (Node n1 spec.podCIDRs)"},
+		{name: "inside an IPv6 --service-cidr", ip: "fd00:96::a", namespace: "any", pools: pools,
+			errPart: "inside the service network fd00:96::/112 (--service-cidr)"},
+		{name: "IPv4-mapped is never a tunnel IP", ip: "::ffff:192.0.2.10", namespace: "any", pools: pools,
+			errPart: "not a plain IPv4 or IPv6 address"},
+		{name: "reserved IPv6, whatever the pools", ip: "fe80::1", namespace: "any", pools: Pools{{Prefix: netip.MustParsePrefix("fe80::/64")}},
+			errPart: "reserved range fe80::/10 (link-local)"},
 		{name: "reserved, whatever the pools", ip: "127.0.0.1", namespace: "any", pools: Pools{{Prefix: netip.MustParsePrefix("127.0.0.0/8")}},
 			errPart: "reserved range 127.0.0.0/8 (loopback)"},
 	} {

@@ -142,8 +142,8 @@ func (inv *Inventory) Explain(ctx context.Context, f Flow, seed Seed) (*Explanat
 	svc := inv.Decision.Winners[vip]
 	if svc == nil {
 		why := "no Service claims it"
-		for _, c := range inv.Decision.Claims {
-			if c.VIP == vip && c.Err != nil {
+		for _, c := range inv.Decision.With(tunnelclaim.Refused) {
+			if c.VIP == vip {
 				why = fmt.Sprintf("Service %s claims it, %s: %v", c.Key(), c.Verdict, c.Err)
 				break
 			}

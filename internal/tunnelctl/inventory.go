@@ -229,7 +229,7 @@ func (inv *Inventory) Served(ctx context.Context, vip netip.Addr) (*Served, erro
 	if err != nil {
 		s.Problems = append(s.Problems, err.Error())
 	}
-	eps, problems := router.ServiceEndpoints(esl, inv.Mode == encap.MPLS, func(ns, name string) bool { return drainedPods[ns+"/"+name] })
+	eps, problems := router.ServiceEndpoints(esl, router.AddressType(vip), inv.Mode == encap.MPLS, func(ns, name string) bool { return drainedPods[ns+"/"+name] })
 	if inv.Mode == encap.MPLS {
 		eps, problems = router.WithNodeIPs(eps, problems, func(name string) (*corev1.Node, error) {
 			if n, ok := inv.nodes[name]; ok {

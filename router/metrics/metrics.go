@@ -20,7 +20,7 @@ import (
 // Reasons a Service's tunnel IP claim is not served (label reason of
 // kube_service_tunnel_router_refused_claims).
 const (
-	RefusedInvalid  = "invalid"  // the annotation is not a usable IPv4 address
+	RefusedInvalid  = "invalid"  // the annotation is not usable (ParseIPs)
 	RefusedPolicy   = "refused"  // address pools, node or service networks
 	RefusedConflict = "conflict" // an older Service serves the tunnel IP
 )
@@ -92,7 +92,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}),
 		refusedClaims: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kube_service_tunnel_router_refused_claims",
-			Help: "Services whose tunnel IP annotation this router does not serve for them, by reason: invalid (not an IPv4 address), refused (address pools, node or service networks), conflict (an older Service serves the tunnel IP).",
+			Help: "Claims this router does not serve, by reason: invalid (a Service's annotation is not one IPv4 and/or one IPv6 address), refused (a tunnel IP refused by the address pools, node or service networks), conflict (an older Service serves the tunnel IP). A dual-stack Service makes one claim per tunnel IP.",
 		}, []string{"reason"}),
 		reconcileTime: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "kube_service_tunnel_router_reconcile_duration_seconds",

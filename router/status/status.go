@@ -47,7 +47,7 @@ type Writer struct {
 	log      logrus.FieldLogger
 
 	mu     sync.Mutex
-	served map[string]netip.Addr // Service key -> the tunnel IP it is served
+	served map[string][]netip.Addr // Service key -> the tunnel IPs it is served, IPv4 first
 }
 
 // NewWriter returns a writer that patches Services through client.
@@ -57,16 +57,16 @@ func NewWriter(client kubernetes.Interface, services corelisters.ServiceLister, 
 		client: client, services: services, owns: owns, log: log,
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
 			workqueue.TypedRateLimitingQueueConfig[string]{Name: "tunnel-router-status"}),
-		served: map[string]netip.Addr{},
+		served: map[string][]netip.Addr{},
 	}
 }
 
-// Set records that the Service key is served vip (an invalid vip: none) and
-// queues a check of its status. It never blocks on the API server.
-func (w *Writer) Set(key string, vip netip.Addr) {
+// Set records that the Service key is served vips (none: it is not served)
+// and queues a check of its status. It never blocks on the API server.
+func (w *Writer) Set(key string, vips []netip.Addr) {
 	w.mu.Lock()
-	if vip.IsValid() {
-		w.served[key] = vip
+	if len(vips) > 0 {
+		w.served[key] = slices.Clone(vips)
 	} else {
 		delete(w.served, key)
 	}
@@ -112,9 +112,9 @@ func (w *Writer) sync(ctx context.Context, key string) error {
 		return err
 	}
 	w.mu.Lock()
-	vip := w.served[key]
+	vips := w.served[key]
 	w.mu.Unlock()
-	want, ok := DesiredIngress(svc, vip, w.owns)
+	want, ok := DesiredIngress(svc, vips, w.owns)
 	if !ok || ingressEqual(svc.Status.LoadBalancer.Ingress, want) {
 		return nil
 	}
@@ -140,19 +140,19 @@ func (w *Writer) sync(ctx context.Context, key string) error {
 }
 
 // DesiredIngress computes the status.loadBalancer.ingress the router wants
-// on svc when the Service is served tunnel IP vip (invalid: not served).
-// ok is false when the router does not manage the Service's status: it is
-// not of type LoadBalancer, or has another spec.loadBalancerClass. Entries
-// whose IP owns does not claim are kept, in their order; the router's own
-// entry comes first.
-func DesiredIngress(svc *corev1.Service, vip netip.Addr, owns func(netip.Addr) bool) (want []corev1.LoadBalancerIngress, ok bool) {
+// on svc when the Service is served tunnel IPs vips (none: not served). ok
+// is false when the router does not manage the Service's status: it is not
+// of type LoadBalancer, or has another spec.loadBalancerClass. Entries whose
+// IP owns does not claim are kept, in their order; the router's own entries
+// come first, one per tunnel IP (IPv4 first, as the caller gives them).
+func DesiredIngress(svc *corev1.Service, vips []netip.Addr, owns func(netip.Addr) bool) (want []corev1.LoadBalancerIngress, ok bool) {
 	if svc.Spec.Type != corev1.ServiceTypeLoadBalancer {
 		return nil, false
 	}
 	if c := svc.Spec.LoadBalancerClass; c != nil && *c != LoadBalancerClass {
 		return nil, false
 	}
-	if vip.IsValid() {
+	for _, vip := range vips {
 		proxy := corev1.LoadBalancerIPModeProxy
 		want = append(want, corev1.LoadBalancerIngress{IP: vip.String(), IPMode: &proxy})
 	}

@@ -15,7 +15,9 @@ import (
 	"k8s.io/client-go/tools/cache"
 )
 
-func inPool(ip netip.Addr) bool { return netip.MustParsePrefix("192.0.2.0/24").Contains(ip) }
+func inPool(ip netip.Addr) bool {
+	return netip.MustParsePrefix("192.0.2.0/24").Contains(ip) || netip.MustParsePrefix("2001:db8::/64").Contains(ip)
+}
 
 func lbService(class *string, ingress ...string) *corev1.Service {
 	svc := &corev1.Service{
@@ -42,13 +44,14 @@ func ips(in []corev1.LoadBalancerIngress) []string {
 
 func TestDesiredIngress(t *testing.T) {
 	ours, other := LoadBalancerClass, "example.com/other-lb"
-	vip := netip.MustParseAddr("192.0.2.10")
+	vip := []netip.Addr{netip.MustParseAddr("192.0.2.10")}
+	dual := []netip.Addr{netip.MustParseAddr("192.0.2.10"), netip.MustParseAddr("2001:db8::10")}
 	cluster := lbService(nil)
 	cluster.Spec.Type = corev1.ServiceTypeClusterIP
 	for _, tc := range []struct {
 		name   string
 		svc    *corev1.Service
-		vip    netip.Addr
+		vips   []netip.Addr
 		want   []string
 		manage bool
 	}{
@@ -57,11 +60,13 @@ func TestDesiredIngress(t *testing.T) {
 		{"another class is never touched", lbService(&other, "192.0.2.99"), vip, nil, false},
 		{"not a LoadBalancer", cluster, vip, nil, false},
 		{"a stale own entry is replaced, others kept", lbService(nil, "198.51.100.7", "192.0.2.99"), vip, []string{"192.0.2.10/Proxy", "198.51.100.7"}, true},
-		{"not served: own entries removed, others kept", lbService(nil, "192.0.2.10", "198.51.100.7"), netip.Addr{}, []string{"198.51.100.7"}, true},
-		{"not served, nothing of ours", lbService(nil), netip.Addr{}, nil, true},
+		{"not served: own entries removed, others kept", lbService(nil, "192.0.2.10", "198.51.100.7"), nil, []string{"198.51.100.7"}, true},
+		{"not served, nothing of ours", lbService(nil), nil, nil, true},
+		{"dual-stack: both tunnel IPs, IPv4 first", lbService(nil, "198.51.100.7"), dual, []string{"192.0.2.10/Proxy", "2001:db8::10/Proxy", "198.51.100.7"}, true},
+		{"a family no longer served is removed", lbService(nil, "192.0.2.10", "2001:db8::10"), vip, []string{"192.0.2.10/Proxy"}, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			got, manage := DesiredIngress(tc.svc, tc.vip, inPool)
+			got, manage := DesiredIngress(tc.svc, tc.vips, inPool)
 			if manage != tc.manage || !slices.Equal(ips(got), tc.want) {
 				t.Errorf("DesiredIngress = %v, %v; want %v, %v", ips(got), manage, tc.want, tc.manage)
 			}
@@ -92,9 +97,9 @@ func TestStatusWriterWritesOnlyChanges(t *testing.T) {
 		}
 		return n
 	}
-	step := func(vip netip.Addr) {
+	step := func(vips ...netip.Addr) {
 		t.Helper()
-		w.Set("default/web", vip)
+		w.Set("default/web", vips)
 		if !w.processNext(ctx) {
 			t.Fatal("queue shut down")
 		}
@@ -121,7 +126,7 @@ func TestStatusWriterWritesOnlyChanges(t *testing.T) {
 	if n := patches(); n != 1 {
 		t.Errorf("%d status patches after an unchanged Set, want still 1", n)
 	}
-	step(netip.Addr{}) // no longer served
+	step() // no longer served
 	waitFor([]string{"198.51.100.7"})
 	if n := patches(); n != 2 {
 		t.Errorf("%d status patches, want 2", n)

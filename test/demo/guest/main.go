@@ -68,10 +68,11 @@ func run(ctx context.Context) (err error) {
 	if err != nil {
 		return err
 	}
-	vip, err := tunnelclaim.ParseIP(svc.Annotations[tunnelclaim.Annotation])
+	vips, err := tunnelclaim.ParseIPs(svc.Annotations[tunnelclaim.Annotation])
 	if err != nil {
 		return fmt.Errorf("%s: %w", ExampleFile, err)
 	}
+	vip := vips[0]
 	port := uint16(svc.Spec.Ports[0].Port)
 	dst := netip.AddrPortFrom(vip, port)
 
