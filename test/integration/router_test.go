@@ -321,12 +321,14 @@ func TestRouterBadInputKeepsOtherServicesWorking(t *testing.T) {
 	for name, value := range map[string]string{
 		"not-ip":    "not-an-ip",
 		"several":   "192.0.2.21,192.0.2.22",
-		"space":     " 192.0.2.23",
+		"space":     "192.0.2.23 192.0.2.24",
 		"loopback":  "127.0.0.1",
 		"linklocal": "169.254.0.1",
 		"multicast": "224.0.0.5",
 		"zero":      "0.0.0.0",
-		"v6":        "2001:db8::1",
+		"two-v6":    "2001:db8::1, 2001:db8::2",
+		"mapped":    "::ffff:192.0.2.25",
+		"v6-ll":     "192.0.2.26, fe80::1",
 	} {
 		svc := createService(t, cs, ns, name, value)
 		waitEvent(t, cs, svc, corev1.EventTypeWarning, router.ReasonInvalidTunnelIP, tunnelclaim.Annotation)
