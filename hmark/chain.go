@@ -3,8 +3,11 @@ package hmark
 import (
 	"errors"
 	"fmt"
+	"path/filepath"
 	"slices"
 	"strings"
+
+	"golang.org/x/sys/unix"
 )
 
 // IPTables is the part of github.com/coreos/go-iptables' *iptables.IPTables
@@ -43,6 +46,11 @@ const (
 	ParentChain = "PREROUTING"
 	// DefaultChainName is the router's own chain when none is configured.
 	DefaultChainName = "KST-HMARK"
+	// DefaultChainName6 is the IPv6 chain's name when none is configured.
+	// It differs from DefaultChainName although ip6tables has tables of
+	// its own, because ipsets are not: a network namespace has one set of
+	// names for both families, and Chain names its sets after itself.
+	DefaultChainName6 = "KST-HMARK6"
 	// RuleComment is the iptables comment on every rule the router writes,
 	// so that operators can tell where a rule comes from.
 	RuleComment = "kube-service-tunnel"
@@ -50,6 +58,53 @@ const (
 	// (XT_EXTENSION_MAXNAMELEN - 1).
 	maxChainNameLen = 28
 )
+
+// Family is the address family of a Chain: of its tunnel IPs, of its sets
+// (inet or inet6) and of the tables its rules live in (iptables' or
+// ip6tables'). A dual-stack router has one Chain of each family, under
+// different names (see DefaultChainName6); neither reads nor writes what
+// the other owns. Its zero value is no family, so that a Chain built
+// without one is an error rather than silently IPv4.
+type Family uint8
+
+const (
+	// IPv4 is the family of iptables and inet sets.
+	IPv4 Family = 4
+	// IPv6 is the family of ip6tables and inet6 sets.
+	IPv6 Family = 6
+)
+
+// String returns "IPv4" or "IPv6".
+func (f Family) String() string {
+	switch f {
+	case IPv4:
+		return "IPv4"
+	case IPv6:
+		return "IPv6"
+	}
+	return fmt.Sprintf("Family(%d)", uint8(f))
+}
+
+// valid reports whether f is IPv4 or IPv6.
+func (f Family) valid() bool { return f == IPv4 || f == IPv6 }
+
+// bits is the length of one of f's addresses: the prefix of an address
+// in the rules ("-d VIP/32", "--hmark-src-prefix 128").
+func (f Family) bits() int {
+	if f == IPv6 {
+		return 128
+	}
+	return 32
+}
+
+// setFamily is the kernel's address family of f's sets, as netlink
+// passes it.
+func (f Family) setFamily() uint8 {
+	if f == IPv6 {
+		return unix.AF_INET6
+	}
+	return unix.AF_INET
+}
 
 // Chain is the router's own chain in the mangle table, a single jump to it
 // from mangle PREROUTING, and its ipsets: the set of every tunnel IP and one
@@ -62,8 +117,11 @@ const (
 // chains and sets (and removes what it did not write), but only its jump
 // rules in PREROUTING and nothing in any other chain or set. It assumes it
 // is the only writer of its chains and sets: calls must not run
-// concurrently, nor two routers share a network namespace.
+// concurrently, nor two routers share a network namespace. A Chain is of
+// one address family (see Family): an IPv6 Chain is the same chains, rules
+// and sets in ip6tables and inet6 sets, for IPv6 tunnel IPs.
 type Chain struct {
+	family Family
 	ipt    IPTables
 	sets   IPSets
 	name   string
@@ -77,8 +135,8 @@ type Chain struct {
 	last *lastSync
 }
 
-// NewChain returns the router's chain named name (DefaultChainName when
-// empty), whose rules mark packets with params. The chains are read,
+// NewChain returns the router's IPv4 chain named name (DefaultChainName
+// when empty), whose rules mark packets with params. The chains are read,
 // created and jumped to through ipt; their rules are written through
 // restorer (see Sync), which must write where ipt reads: the same backend,
 // in the same network namespace (for go-iptables' iptables.New(), which
@@ -86,6 +144,21 @@ type Chain struct {
 // written through sets, in the same network namespace. Nothing is written
 // until Sync.
 func NewChain(ipt IPTables, sets IPSets, name string, params Params, restorer Restorer) (*Chain, error) {
+	return NewChainFamily(IPv4, ipt, sets, name, params, restorer)
+}
+
+// NewChainFamily is NewChain for the address family family. For IPv6, ipt
+// and restorer drive ip6tables (go-iptables' iptables.New with
+// iptables.IPFamily(iptables.ProtocolIPv6), or iptables.Path of an
+// ip6tables binary; NewExecRestorer("ip6tables")), and name defaults to
+// DefaultChainName6: the sets of both families share one namespace of
+// names, so the IPv6 chain must not be named like the IPv4 one. An
+// ExecRestorer of the other family's iptables is refused, since the rules
+// it wrote would never be where ipt reads them.
+func NewChainFamily(family Family, ipt IPTables, sets IPSets, name string, params Params, restorer Restorer) (*Chain, error) {
+	if !family.valid() {
+		return nil, fmt.Errorf("hmark: new chain: address family %s is neither IPv4 nor IPv6", family)
+	}
 	if restorer == nil {
 		return nil, errors.New("hmark: new chain: nil restorer")
 	}
@@ -97,6 +170,9 @@ func NewChain(ipt IPTables, sets IPSets, name string, params Params, restorer Re
 	}
 	if name == "" {
 		name = DefaultChainName
+		if family == IPv6 {
+			name = DefaultChainName6
+		}
 	}
 	if err := validateChainName(name); err != nil {
 		return nil, fmt.Errorf("hmark: new chain: %w", err)
@@ -104,11 +180,40 @@ func NewChain(ipt IPTables, sets IPSets, name string, params Params, restorer Re
 	if err := params.Validate(); err != nil {
 		return nil, fmt.Errorf("hmark: new chain %s: %w", name, err)
 	}
-	return &Chain{ipt: ipt, sets: sets, name: name, params: params, restorer: restorer}, nil
+	if err := checkRestorerFamily(family, restorer); err != nil {
+		return nil, fmt.Errorf("hmark: new chain %s: %w", name, err)
+	}
+	return &Chain{family: family, ipt: ipt, sets: sets, name: name, params: params, restorer: restorer}, nil
+}
+
+// checkRestorerFamily refuses an ExecRestorer that runs the other
+// family's iptables-restore (judged by the binary's name: ip6tables*
+// is IPv6, iptables* IPv4; any other name is the caller's to get right).
+// Other Restorers cannot be told apart.
+func checkRestorerFamily(family Family, restorer Restorer) error {
+	r, ok := restorer.(*ExecRestorer)
+	if !ok {
+		return nil
+	}
+	base := filepath.Base(r.Command)
+	var other bool
+	switch {
+	case strings.HasPrefix(base, "ip6tables"):
+		other = family != IPv6
+	case strings.HasPrefix(base, "iptables"):
+		other = family != IPv4
+	}
+	if other {
+		return fmt.Errorf("restorer %s is not of the chain's family %s", r.Command, family)
+	}
+	return nil
 }
 
 // Name returns the name of the chain.
 func (c *Chain) Name() string { return c.name }
+
+// Family returns the chain's address family.
+func (c *Chain) Family() Family { return c.family }
 
 // Params returns the HMARK parameters the chain installs.
 func (c *Chain) Params() Params { return c.params }

@@ -9,7 +9,8 @@ import (
 type Counter struct {
 	// Packets is the number of packets to the tunnel IP.
 	Packets uint64
-	// Bytes is the number of bytes of those packets, IP header included.
+	// Bytes is the number of bytes of those packets, IP header (IPv4 or
+	// IPv6, extension headers too) included.
 	Bytes uint64
 }
 
@@ -19,10 +20,9 @@ type Counter struct {
 // a tunnel IP without traffic are zero, and those of tunnel IPs that are
 // not synced are left out. They are the counters of the tunnel IP's
 // element in the set of all tunnel IPs (one netlink dump), which one rule
-// updates for every packet: in stateless mode the mangle chain's first
-// rule, in sticky mode (see SetSticky) the raw chain's rule (the raw table
-// sees each packet once, before conntrack; the mangle rule then does not
-// count).
+// updates for every packet: the mangle chain's first rule, in either mode
+// (in sticky mode the raw chain's rule matches the set without counting:
+// see SetSticky).
 //
 // The counters run from when the tunnel IP was added to the set: moving
 // it to another generation, adding or removing other tunnel IPs, rewriting

@@ -38,6 +38,10 @@ type fakeIPTables struct {
 	failWrite string
 	// sets are the fake's ipsets (it is the IPSets seam too).
 	sets map[string]*fakeSet
+	// family is that of the fake's tables: iptables' or ip6tables'. Like
+	// the kernel, it refuses a set match on a set of the other family, and
+	// its seed sets ("-S") are of its family.
+	family Family
 }
 
 // fakeSet is one ipset of the fake.
@@ -68,12 +72,19 @@ var (
 	_ IPSets   = (*fakeIPTables)(nil)
 )
 
-// newFakeIPTables returns a fake with the built-in mangle and raw chains,
-// then lines in `iptables -t mangle -S` form ("-N X", "-A X ...") applied;
-// a line starting with "-t raw" is for the raw table.
+// newFakeIPTables returns an IPv4 fake with the built-in mangle and raw
+// chains, then lines in `iptables -t mangle -S` form ("-N X", "-A X ...")
+// applied; a line starting with "-t raw" is for the raw table.
 func newFakeIPTables(t *testing.T, lines ...string) *fakeIPTables {
 	t.Helper()
-	f := &fakeIPTables{chains: make(map[string][]fakeRule), sets: make(map[string]*fakeSet)}
+	return newFakeIPTablesFamily(t, IPv4, lines...)
+}
+
+// newFakeIPTablesFamily is newFakeIPTables for family: for IPv6 the fake
+// is ip6tables, and its seed sets are inet6.
+func newFakeIPTablesFamily(t *testing.T, family Family, lines ...string) *fakeIPTables {
+	t.Helper()
+	f := &fakeIPTables{chains: make(map[string][]fakeRule), sets: make(map[string]*fakeSet), family: family}
 	for _, c := range builtinChains {
 		f.addChain("mangle/" + c)
 	}
@@ -95,7 +106,7 @@ func newFakeIPTables(t *testing.T, lines ...string) *fakeIPTables {
 			f.addChain(key)
 		case "-S":
 			// "-S NAME [ADDR...]": a set like the router's, with members.
-			set := &fakeSet{typ: SetType, family: unix.AF_INET, counters: true, members: map[netip.Addr]Counter{}}
+			set := &fakeSet{typ: SetType, family: family.setFamily(), counters: true, members: map[netip.Addr]Counter{}}
 			for _, a := range words[2:] {
 				set.members[netip.MustParseAddr(a)] = Counter{}
 			}
@@ -213,7 +224,7 @@ func (f *fakeIPTables) Insert(table, chain string, pos int, rulespec ...string) 
 	if !ok || pos < 1 || pos > len(rules)+1 {
 		return fmt.Errorf("bad insert into %s at %d", chain, pos)
 	}
-	f.chains[key] = slices.Insert(rules, pos-1, fakeRule{spec: normalizeFakeSpec(rulespec)})
+	f.chains[key] = slices.Insert(rules, pos-1, fakeRule{spec: f.normalize(rulespec)})
 	return nil
 }
 
@@ -222,7 +233,7 @@ func (f *fakeIPTables) Delete(table, chain string, rulespec ...string) error {
 	if err := f.write("delete %s %s", key, strings.Join(rulespec, " ")); err != nil {
 		return err
 	}
-	spec := normalizeFakeSpec(rulespec)
+	spec := f.normalize(rulespec)
 	i := slices.IndexFunc(f.chains[key], func(r fakeRule) bool { return r.spec == spec })
 	if i < 0 {
 		return errors.New("Bad rule (does a matching rule exist in that chain?)")
@@ -297,10 +308,15 @@ func (f *fakeIPTables) Restore(table string, payload []byte) error {
 			if _, ok := chains[key]; !ok {
 				return fmt.Errorf("restore: line %d %q: no chain %s", i+2, line, words[1])
 			}
-			if i := slices.Index(words, "--match-set"); i >= 0 && i+1 < len(words) && f.sets[words[i+1]] == nil {
-				return fmt.Errorf("restore: line %d %q: Set %s doesn't exist", i+2, line, words[i+1])
+			if j := slices.Index(words, "--match-set"); j >= 0 && j+1 < len(words) {
+				switch set := f.sets[words[j+1]]; {
+				case set == nil:
+					return fmt.Errorf("restore: line %d %q: Set %s doesn't exist", i+2, line, words[j+1])
+				case set.family != f.family.setFamily():
+					return fmt.Errorf("restore: line %d %q: The protocol family of set %s is not applicable", i+2, line, words[j+1])
+				}
 			}
-			chains[key] = append(chains[key], fakeRule{spec: normalizeFakeSpec(words[2:]), packets: counters.packets, bytes: counters.bytes})
+			chains[key] = append(chains[key], fakeRule{spec: f.normalize(words[2:]), packets: counters.packets, bytes: counters.bytes})
 		default:
 			return fmt.Errorf("restore: line %d %q: unexpected", i+2, line)
 		}
@@ -309,10 +325,11 @@ func (f *fakeIPTables) Restore(table string, payload []byte) error {
 	return nil
 }
 
-// normalizeFakeSpec prints a rule spec the way iptables -S prints it back:
-// HMARK's --hmark-tuple src,dst,sport,dport,proto becomes its prefixes and
-// masks, and the options come in libxt_HMARK's order and number formats.
-func normalizeFakeSpec(spec []string) string {
+// normalize prints a rule spec the way iptables -S (or ip6tables -S)
+// prints it back: HMARK's --hmark-tuple src,dst,sport,dport,proto becomes
+// its prefixes (32 or 128) and masks, and the options come in
+// libxt_HMARK's order and number formats.
+func (f *fakeIPTables) normalize(spec []string) string {
 	j := slices.Index(spec, "HMARK")
 	if j < 1 || spec[j-1] != "-j" {
 		return strings.Join(quoteWords(spec), " ")
@@ -323,7 +340,8 @@ func normalizeFakeSpec(spec []string) string {
 	}
 	out := slices.Clone(spec[:j+1])
 	if opts["--hmark-tuple"] == "src,dst,sport,dport,proto" {
-		out = append(out, "--hmark-src-prefix", "32", "--hmark-dst-prefix", "32",
+		prefix := strconv.Itoa(f.family.bits())
+		out = append(out, "--hmark-src-prefix", prefix, "--hmark-dst-prefix", prefix,
 			"--hmark-sport-mask", "0xffff", "--hmark-dport-mask", "0xffff", "--hmark-proto-mask", "0xffff")
 	}
 	// Given in the printed form already: kept, in libxt_HMARK's order.
@@ -531,6 +549,10 @@ func (f *fakeIPTables) IpsetAdd(setname string, entry *netlink.IPSetEntry) error
 	if !ok {
 		return syscall.ENOENT
 	}
+	if entryFamily(entry) != s.family {
+		return nl.IPSetError(nl.IPSET_ERR_PROTOCOL)
+	}
+	a = a.Unmap()
 	if _, dup := s.members[a]; dup {
 		return nl.IPSetError(nl.IPSET_ERR_EXIST)
 	}
@@ -547,11 +569,26 @@ func (f *fakeIPTables) IpsetDel(setname string, entry *netlink.IPSetEntry) error
 	if !ok {
 		return syscall.ENOENT
 	}
+	if entryFamily(entry) != s.family {
+		return nl.IPSetError(nl.IPSET_ERR_PROTOCOL)
+	}
+	a = a.Unmap()
 	if _, ok := s.members[a]; !ok {
 		return nl.IPSetError(nl.IPSET_ERR_EXIST)
 	}
 	delete(s.members, a)
 	return nil
+}
+
+// entryFamily is the address family netlink sends entry's address as: an
+// address that To4 accepts (IPv4, or IPv4-mapped IPv6) goes as IPv4, and
+// the kernel refuses it in an inet6 set (and an IPv6 one in an inet set)
+// with "invalid protocol".
+func entryFamily(entry *netlink.IPSetEntry) uint8 {
+	if entry.IP.To4() != nil {
+		return unix.AF_INET
+	}
+	return unix.AF_INET6
 }
 
 // dumpSets lists the fake's sets and members as ipsetstate does: "set

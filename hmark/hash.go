@@ -6,7 +6,9 @@
 // HMARK rule per routing generation in use, each with that generation's
 // offset. In sticky mode the chain also keeps every flow on the decision it
 // started with (conntrack marks, untracked SYNs in a raw chain: see
-// Sticky). The chain is IPv4 only for now.
+// Sticky). A chain is of one address family (see Family): a dual-stack
+// router has an IPv4 chain in iptables and an IPv6 one in ip6tables, with
+// sets of their own.
 package hmark
 
 import (

@@ -397,6 +397,33 @@ func sendRawFlows(fam flowFamily, rng *rand.Rand, proto uint8, n int) ([]observa
 	return obs, nil
 }
 
+// sendMixedFlows sends, inside ns, nUDP UDP flows, nTCP TCP flows and nRaw
+// flows of each protocol of rawProtos, in that order, and returns their
+// observations in the same order.
+func sendMixedFlows(ns *testnetns.NS, fam flowFamily, rng *rand.Rand, nUDP, nTCP int, rawProtos []uint8, nRaw int) ([]observation, error) {
+	var all []observation
+	err := ns.Do(func() error {
+		udp, err := sendUDPFlows(fam, rng, nUDP, false)
+		if err != nil {
+			return err
+		}
+		tcp, err := sendTCPFlows(fam, rng, nTCP)
+		if err != nil {
+			return err
+		}
+		all = slices.Concat(udp, tcp)
+		for _, proto := range rawProtos {
+			obs, err := sendRawFlows(fam, rng, proto, nRaw)
+			if err != nil {
+				return err
+			}
+			all = append(all, obs...)
+		}
+		return nil
+	})
+	return all, err
+}
+
 // rawPayload is the payload of a packet a raw socket received, when it is
 // a packet of proto from src to vip. An IPv4 raw socket delivers the IP
 // header too; an IPv6 one only the payload, with the source in the
@@ -511,26 +538,7 @@ func TestKernelClientAffinityMarksMatchGo(t *testing.T) {
 		if changed, err := chain.Sync(targets); err != nil || changed != 0 {
 			t.Errorf("second Sync with %v: changed %d, %v; want nothing to change", params, changed, err)
 		}
-		var all []observation
-		err = ns.Do(func() error {
-			udp, err := sendUDPFlows(ipv4Flows, rng, udpFlowsPerParamSet, false)
-			if err != nil {
-				return err
-			}
-			tcp, err := sendTCPFlows(ipv4Flows, rng, tcpFlowsPerParamSet)
-			if err != nil {
-				return err
-			}
-			all = slices.Concat(udp, tcp)
-			for _, proto := range rawProtos {
-				obs, err := sendRawFlows(ipv4Flows, rng, proto, rawFlowsPerProto)
-				if err != nil {
-					return err
-				}
-				all = append(all, obs...)
-			}
-			return nil
-		})
+		all, err := sendMixedFlows(ns, ipv4Flows, rng, udpFlowsPerParamSet, tcpFlowsPerParamSet, rawProtos, rawFlowsPerProto)
 		if err != nil {
 			t.Fatal(err)
 		}

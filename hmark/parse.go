@@ -50,8 +50,9 @@ func (r rule) isCanonicalJump(chain string) bool {
 
 // vipRule recognizes r as a rule older versions of Chain wrote, one per
 // tunnel IP (Offsets reads them on an upgrade): "-d VIP/32", our comment,
-// and an HMARK target hashing the full src,dst,sport,dport,proto tuple. It
-// compares meaning, not text: iptables prints such a rule as
+// and an HMARK target hashing the full src,dst,sport,dport,proto tuple
+// (for family IPv6, /128 addresses and prefixes). It compares meaning, not
+// text: iptables prints such a rule as
 //
 //	-d VIP/32 -m comment --comment kube-service-tunnel -j HMARK
 //	  --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff
@@ -62,22 +63,22 @@ func (r rule) isCanonicalJump(chain string) bool {
 // prints it in decimal, others in hex: both are read). Anything else in
 // the rule (another match, a negation, a port or SPI override, the ct tuple,
 // a partial mask) makes it not ours.
-func (r rule) vipRule() (vip netip.Addr, params Params, ok bool) {
-	vip, opts, ok := splitVIPRule(r.spec)
+func (r rule) vipRule(family Family) (vip netip.Addr, params Params, ok bool) {
+	vip, opts, ok := splitVIPRule(r.spec, family)
 	if !ok {
 		return netip.Addr{}, Params{}, false
 	}
-	params, affinity, ok := parseHMARKOptions(opts)
-	if !ok || affinity {
+	o, ok := parseHMARKOptions(opts)
+	if !ok || o.affinity || o.prefix != family.bits() {
 		return netip.Addr{}, Params{}, false
 	}
-	return vip, params, true
+	return vip, o.params, true
 }
 
-// splitVIPRule checks the matches of a rule spec: exactly "-d VIP/32" and
-// our comment, then "-j HMARK". It returns the tunnel IP and the words
-// after "-j HMARK".
-func splitVIPRule(spec []string) (vip netip.Addr, targetOpts []string, ok bool) {
+// splitVIPRule checks the matches of a rule spec: exactly "-d VIP/32" (for
+// IPv6 "-d VIP/128") and our comment, then "-j HMARK". It returns the
+// tunnel IP and the words after "-j HMARK".
+func splitVIPRule(spec []string, family Family) (vip netip.Addr, targetOpts []string, ok bool) {
 	var (
 		dst        netip.Prefix
 		haveDst    bool
@@ -101,7 +102,7 @@ func splitVIPRule(spec []string) (vip netip.Addr, targetOpts []string, ok bool) 
 			}
 			comment = true
 		case "-j":
-			ok := arg == "HMARK" && haveDst && dst.Bits() == 32 && dst.Addr().Is4() &&
+			ok := arg == "HMARK" && haveDst && dst.Bits() == family.bits() && dst.Addr().Is4() == (family == IPv4) &&
 				comment && slices.Equal(matchTypes, []string{"comment"})
 			if !ok {
 				return netip.Addr{}, nil, false
@@ -114,27 +115,39 @@ func splitVIPRule(spec []string) (vip netip.Addr, targetOpts []string, ok bool) 
 	return netip.Addr{}, nil, false
 }
 
-// parseHMARKOptions reads the HMARK options as iptables prints them and
-// returns the parameters if they hash the full src,dst,sport,dport,proto
-// tuple, or the addresses alone (affinity: port and protocol masks 0), and
-// nothing else: /32 prefixes, 0xffff port masks and a protocol mask
-// covering the protocol byte (or all three 0), the seed, the modulus and
-// the offset (which iptables omits when it is 0 and was not given).
-// Numbers may be decimal or 0x hex. Any other option makes the rule not
-// ours.
-func parseHMARKOptions(opts []string) (p Params, affinity, ok bool) {
+// hmarkOptions are the options of an HMARK rule of Chain's, as
+// parseHMARKOptions reads them.
+type hmarkOptions struct {
+	params Params
+	// prefix is both --hmark-src-prefix and --hmark-dst-prefix: a whole
+	// address, 32 (IPv4) or 128 (IPv6).
+	prefix int
+	// affinity is true when the rule hashes the addresses alone (port and
+	// protocol masks 0; see ClientFlow), false for the full tuple.
+	affinity bool
+}
+
+// parseHMARKOptions reads the HMARK options as iptables (or ip6tables)
+// prints them and returns them if they hash the full
+// src,dst,sport,dport,proto tuple, or the addresses alone (affinity: port
+// and protocol masks 0), and nothing else: both prefixes 32, or both 128,
+// 0xffff port masks and a protocol mask covering the protocol byte (or all
+// three 0), the seed, the modulus and the offset (which iptables omits
+// when it is 0 and was not given). Numbers may be decimal or 0x hex. Any
+// other option makes the rule not ours.
+func parseHMARKOptions(opts []string) (o hmarkOptions, ok bool) {
 	if len(opts)%2 != 0 {
-		return Params{}, false, false
+		return hmarkOptions{}, false
 	}
 	vals := make(map[string]uint64, len(opts)/2)
 	for i := 0; i < len(opts); i += 2 {
 		name := opts[i]
 		if _, dup := vals[name]; dup || !strings.HasPrefix(name, "--hmark-") {
-			return Params{}, false, false
+			return hmarkOptions{}, false
 		}
 		v, err := strconv.ParseUint(opts[i+1], 0, 32)
 		if err != nil {
-			return Params{}, false, false
+			return hmarkOptions{}, false
 		}
 		vals[name] = v
 	}
@@ -143,31 +156,33 @@ func parseHMARKOptions(opts []string) (p Params, affinity, ok bool) {
 		delete(vals, name)
 		return v, ok
 	}
-	for _, name := range []string{"--hmark-src-prefix", "--hmark-dst-prefix"} {
-		if got, ok := take(name); !ok || got != 32 {
-			return Params{}, false, false
-		}
+	src, okSrc := take("--hmark-src-prefix")
+	dst, okDst := take("--hmark-dst-prefix")
+	if !okSrc || !okDst || src != dst || (src != 32 && src != 128) {
+		return hmarkOptions{}, false
 	}
+	o.prefix = int(src)
 	sport, okS := take("--hmark-sport-mask")
 	dport, okD := take("--hmark-dport-mask")
 	proto, okP := take("--hmark-proto-mask")
 	switch {
 	case !okS || !okD || !okP:
-		return Params{}, false, false
+		return hmarkOptions{}, false
 	case sport == 0 && dport == 0 && proto == 0:
-		affinity = true
+		o.affinity = true
 	// The protocol is one byte: 0xff and 0xffff (what --hmark-tuple proto
 	// sets) mask it the same way.
 	case sport != 0xffff || dport != 0xffff || proto&0xff != 0xff:
-		return Params{}, false, false
+		return hmarkOptions{}, false
 	}
 	mod, okMod := take("--hmark-mod")
 	rnd, okRnd := take("--hmark-rnd")
 	offset, _ := take("--hmark-offset")
 	if !okMod || !okRnd || len(vals) != 0 {
-		return Params{}, false, false
+		return hmarkOptions{}, false
 	}
-	return Params{Buckets: uint32(mod), Offset: uint32(offset), Seed: uint32(rnd)}, affinity, true
+	o.params = Params{Buckets: uint32(mod), Offset: uint32(offset), Seed: uint32(rnd)}
+	return o, true
 }
 
 // splitWords splits a line of `iptables -S` into words the way a shell

@@ -36,7 +36,10 @@ type ExecRestorer struct {
 // NewExecRestorer returns the Restorer that runs the iptables-restore
 // matching iptablesBinary, a name or a path: "iptables" (or "") gives
 // "iptables-restore", "iptables-legacy" gives "iptables-legacy-restore",
-// "/usr/sbin/iptables-nft" gives "/usr/sbin/iptables-nft-restore".
+// "/usr/sbin/iptables-nft" gives "/usr/sbin/iptables-nft-restore"; for an
+// IPv6 Chain, "ip6tables" gives "ip6tables-restore" and
+// "ip6tables-legacy" "ip6tables-legacy-restore" (the empty name is
+// iptables: an IPv6 Chain must name its binary).
 func NewExecRestorer(iptablesBinary string) *ExecRestorer {
 	if iptablesBinary == "" {
 		iptablesBinary = "iptables"

@@ -71,11 +71,13 @@ func TestExecRestorer(t *testing.T) {
 
 func TestNewExecRestorer(t *testing.T) {
 	for in, want := range map[string]string{
-		"":                       "iptables-restore",
-		"iptables":               "iptables-restore",
-		"iptables-legacy":        "iptables-legacy-restore",
-		"/usr/sbin/iptables-nft": "/usr/sbin/iptables-nft-restore",
-		"ip6tables":              "ip6tables-restore",
+		"":                        "iptables-restore",
+		"iptables":                "iptables-restore",
+		"iptables-legacy":         "iptables-legacy-restore",
+		"/usr/sbin/iptables-nft":  "/usr/sbin/iptables-nft-restore",
+		"ip6tables":               "ip6tables-restore",
+		"ip6tables-legacy":        "ip6tables-legacy-restore",
+		"/usr/sbin/ip6tables-nft": "/usr/sbin/ip6tables-nft-restore",
 	} {
 		if got := NewExecRestorer(in).Command; got != want {
 			t.Errorf("NewExecRestorer(%q).Command = %q, want %q", in, got, want)

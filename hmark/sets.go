@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strconv"
 	"syscall"
 
 	"github.com/vishvananda/netlink"
@@ -31,8 +32,9 @@ const (
 	// once: Params.Offset + g×Buckets for g below it (see Target), each
 	// with its own set.
 	MaxGenerations = 8
-	// SetType is the type of every set Chain creates: one IPv4 address
-	// per element, looked up in constant time.
+	// SetType is the type of every set Chain creates: one address per
+	// element (of the chain's family: an IPv4 Chain's sets are inet, an
+	// IPv6 Chain's inet6), looked up in constant time.
 	SetType = "hash:ip"
 	// SetMaxElements is the capacity of each set, fixed when the set is
 	// created: the most tunnel IPs a router serves.
@@ -112,10 +114,10 @@ func (c *Chain) readSet(name string, withCounters bool) (ipset, error) {
 	}
 	s.exists = true
 	counters := res.CadtFlags&nl.IPSET_FLAG_WITH_COUNTERS != 0
-	if res.TypeName != SetType || res.Family != unix.AF_INET || (withCounters && !counters) {
-		return s, fmt.Errorf("set %s is %s (family %d, counters %t), not the %s set (inet, counters %t) the router creates: "+
-			"it is not the router's, or an older one; remove the rules that use it, then the set (or run --cleanup)",
-			name, res.TypeName, res.Family, counters, SetType, withCounters)
+	if res.TypeName != SetType || res.Family != c.family.setFamily() || (withCounters && !counters) {
+		return s, fmt.Errorf("set %s is %s (family %s, counters %t), not the %s set (%s, counters %t) the router creates: "+
+			"it is not the router's %s chain's, or an older one; remove the rules that use it, then the set (or run --cleanup)",
+			name, res.TypeName, setFamilyName(res.Family), counters, SetType, setFamilyName(c.family.setFamily()), withCounters, c.family)
 	}
 	for _, e := range res.Entries {
 		a, ok := netip.AddrFromSlice(e.IP)
@@ -132,6 +134,18 @@ func (c *Chain) readSet(name string, withCounters bool) (ipset, error) {
 		s.members[a.Unmap()] = n
 	}
 	return s, nil
+}
+
+// setFamilyName names the address family of a set as ipset does: inet,
+// inet6, or the number.
+func setFamilyName(af uint8) string {
+	switch af {
+	case unix.AF_INET:
+		return "inet"
+	case unix.AF_INET6:
+		return "inet6"
+	}
+	return strconv.Itoa(int(af))
 }
 
 // chainSets are Chain's sets as read: the set of all tunnel IPs and one
@@ -161,7 +175,7 @@ func (c *Chain) createSet(s *ipset, withCounters bool) (changed int, err error) 
 	if s.exists {
 		return 0, nil
 	}
-	opts := netlink.IpsetCreateOptions{Family: unix.AF_INET, Counters: withCounters, MaxElements: SetMaxElements}
+	opts := netlink.IpsetCreateOptions{Family: c.family.setFamily(), Counters: withCounters, MaxElements: SetMaxElements}
 	if err := c.sets.IpsetCreate(s.name, SetType, opts); err != nil {
 		return 0, fmt.Errorf("create set %s: %w", s.name, err)
 	}

@@ -164,6 +164,11 @@ func (c *Chain) Sticky() *Sticky {
 // replaces them. The subchain's name must be a valid chain name, so a
 // sticky chain's name is at most 24 characters.
 //
+// An IPv6 Chain writes the same rules with ip6tables, which prints them
+// alike; there "-p tcp" and the TCP flags are those of the upper-layer
+// header, after any extension headers, and conntrack tracks IPv6 flows
+// the same way.
+//
 // Leaving sticky mode (SetSticky(nil), then Sync) turns the mangle chain
 // back into its stateless content and removes the raw chains and the jump.
 func (c *Chain) SetSticky(s *Sticky) error {

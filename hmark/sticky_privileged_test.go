@@ -23,33 +23,28 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
-// TestStickySyncInNetns drives a sticky Chain against the real iptables of
-// each backend: creation of both chains,
-// adoption by a new Chain without any write (which proves that Chain
-// writes its rules exactly as iptables prints them), Offsets, moving one
-// tunnel IP to another generation, leaving and re-entering sticky mode,
-// and Cleanup.
-func TestStickySyncInNetns(t *testing.T) {
-	for _, binary := range iptablesBinaries {
-		t.Run(binary, func(t *testing.T) { testStickySyncInNetns(t, binary) })
-	}
-}
+// TestStickySyncInNetns drives a sticky Chain against the real iptables
+// and ip6tables of each backend: creation of both chains, adoption by a
+// new Chain without any write (which proves that Chain writes its rules
+// exactly as iptables prints them), Offsets, moving one tunnel IP to
+// another generation, leaving and re-entering sticky mode, and Cleanup.
+func TestStickySyncInNetns(t *testing.T) { forEachBackend(t, testStickySyncInNetns) }
 
-func testStickySyncInNetns(t *testing.T, binary string) {
-	ns := testnetns.New(t)
+func testStickySyncInNetns(t *testing.T, nf netnsFamily, binary string) {
+	ns := nf.newNS(t)
 	ipt := ns.IPTables(binary)
 	restorer := newNSRestorer(ns, binary)
 	tableS := func(table string) string { return ns.Run(binary, "-t", table, "-S") }
 	ns.Run(binary, "-t", "raw", "-A", "PREROUTING", "-p", "udp", "--dport", "53", "-j", "CT", "--notrack")
 	ns.Run(binary, "-t", "mangle", "-A", "PREROUTING", "-p", "tcp", "-j", "MARK", "--set-mark", "9")
 	beforeMangle, beforeRaw := tableS("mangle"), tableS("raw")
+	addForeignSet(t, ns, nf.family, "OPERATOR", nf.vips[0])
+	setsBefore := ns.IPSetState()
+	name := nf.newChain(t, ns, ipt, restorer, stickyParams).Name()
 
 	newChain := func(sticky bool) *Chain {
 		t.Helper()
-		c, err := NewChain(ipt, ns.IPSets(), "", stickyParams, restorer)
-		if err != nil {
-			t.Fatalf("NewChain: %v", err)
-		}
+		c := nf.newChain(t, ns, ipt, restorer, stickyParams)
 		if sticky {
 			if err := c.SetSticky(&testSticky); err != nil {
 				t.Fatalf("SetSticky: %v", err)
@@ -80,50 +75,51 @@ func testStickySyncInNetns(t *testing.T, binary string) {
 		}
 	}
 
-	targets := []Target{{VIP: vipAbove, Offset: gen1}, {VIP: vipBelow}, {VIP: vipLoopback, Offset: gen0}}
+	counted, stays, moves := nf.vips[0], nf.vips[1], nf.vips[2]
+	targets := []Target{{VIP: moves, Offset: gen1}, {VIP: stays}, {VIP: counted, Offset: gen0}}
 	// Three sets (all, generations 0 and 1) with 3+2+1 members, both
 	// chains and jumps, the SYN subchain and its rule, the raw rule, the
 	// exit, 4 fixed and 2 HMARK rules (one per generation).
 	syncExpect("first sync", newChain(true), targets, 3+6+2+2+2+1+1+4+2)
 	t.Logf("%s prints the sticky chains as:\n%s\n%s", binary,
-		ns.Run(binary, "-t", "mangle", "-S", DefaultChainName), ns.Run(binary, "-t", "raw", "-S", DefaultChainName))
+		ns.Run(binary, "-t", "mangle", "-S", name), ns.Run(binary, "-t", "raw", "-S", name))
 
 	adopter := newChain(true)
 	offsets, err := adopter.Offsets()
-	wantOffsets := map[netip.Addr]uint32{vipAbove: gen1, vipBelow: gen0, vipLoopback: gen0}
+	wantOffsets := map[netip.Addr]uint32{moves: gen1, stays: gen0, counted: gen0}
 	if err != nil || !maps.Equal(offsets, wantOffsets) {
 		t.Errorf("Offsets = %v, %v; want %v", offsets, err, wantOffsets)
 	}
 	syncExpect("adoption by a new Chain", adopter, targets, 0)
 
-	// Every packet to a tunnel IP counts once, in the set element the raw
-	// rule matches (the mangle exit does not count); a rewrite of either
-	// chain keeps the count.
-	sendDatagrams(t, ns, vipLoopback, 3)
-	sent := Counter{Packets: 3, Bytes: 3 * 36}
-	assertCounter(t, "3 datagrams sent", adopter, vipLoopback, sent)
+	// Every packet to a tunnel IP counts once, in the set element the
+	// mangle exit matches (the raw rule does not count); a rewrite of
+	// either chain keeps the count.
+	sendDatagrams(t, ns, nf.loopback, counted, 3)
+	sent := Counter{Packets: 3, Bytes: 3 * (nf.headers + 8)}
+	assertCounter(t, "3 datagrams sent", adopter, counted, sent)
 	targets[0].Offset = gen0
 	// Added to generation 0's set, generation 1's rule removed, then the
 	// element and its set.
 	syncExpect("one tunnel IP to generation 0", adopter, targets, 4)
-	ns.Run(binary, "-t", "mangle", "-D", DefaultChainName, "1")
+	ns.Run(binary, "-t", "mangle", "-D", name, "1")
 	syncExpect("fixed rule deleted by hand", adopter, targets, 1)
 	syncExpect("a tunnel IP removed", adopter, targets[1:], 2)
-	assertCounter(t, "a tunnel IP removed", adopter, vipLoopback, sent)
+	assertCounter(t, "a tunnel IP removed", adopter, counted, sent)
 	syncExpect("the tunnel IP added back", adopter, targets, 2)
-	assertCounter(t, "the tunnel IP added back", adopter, vipLoopback, sent)
-	ns.Run(binary, "-t", "raw", "-I", DefaultChainName, "1", "-j", "CT", "--notrack")
+	assertCounter(t, "the tunnel IP added back", adopter, counted, sent)
+	ns.Run(binary, "-t", "raw", "-I", name, "1", "-j", "CT", "--notrack")
 	syncExpect("foreign raw rule removed", adopter, targets, 1)
-	assertCounter(t, "foreign raw rule removed", adopter, vipLoopback, sent)
+	assertCounter(t, "foreign raw rule removed", adopter, counted, sent)
 
 	// What an older version left: a notrack rule per tunnel IP in the raw
 	// chain, no SYN subchain. The rules are replaced by the one set rule,
 	// the subchain and its rule created; then a new Chain adopts it all.
-	ns.Run(binary, "-t", "raw", "-F", DefaultChainName)
-	ns.Run(binary, "-t", "raw", "-F", DefaultChainName+"-SYN")
-	ns.Run(binary, "-t", "raw", "-X", DefaultChainName+"-SYN")
+	ns.Run(binary, "-t", "raw", "-F", name)
+	ns.Run(binary, "-t", "raw", "-F", name+"-SYN")
+	ns.Run(binary, "-t", "raw", "-X", name+"-SYN")
 	for _, tg := range targets {
-		ns.Run(binary, "-t", "raw", "-A", DefaultChainName, "-d", tg.VIP.String()+"/32", "-p", "tcp", "-m", "tcp",
+		ns.Run(binary, "-t", "raw", "-A", name, "-d", hostPrefix(tg.VIP), "-p", "tcp", "-m", "tcp",
 			"--tcp-flags", "FIN,SYN,RST,ACK", "SYN", "-m", "comment", "--comment", RuleComment, "-j", "CT", "--notrack")
 	}
 	syncExpect("upgrade from an older version's raw rules", adopter, targets, len(targets)+1+2)
@@ -132,9 +128,9 @@ func testStickySyncInNetns(t *testing.T, binary string) {
 	// What the previous version left: a raw rule that every packet to a
 	// tunnel IP went through (counting it there), and a mangle exit that
 	// did not count. Both are replaced (2 out, 2 in).
-	ns.Run(binary, "-t", "raw", "-R", DefaultChainName, "1", "-m", "set", "--match-set", DefaultChainName, "dst",
-		"-m", "comment", "--comment", RuleComment, "-j", DefaultChainName+"-SYN")
-	ns.Run(binary, "-t", "mangle", "-R", DefaultChainName, "1", "-m", "set", "!", "--match-set", DefaultChainName, "dst", "!", "--update-counters",
+	ns.Run(binary, "-t", "raw", "-R", name, "1", "-m", "set", "--match-set", name, "dst",
+		"-m", "comment", "--comment", RuleComment, "-j", name+"-SYN")
+	ns.Run(binary, "-t", "mangle", "-R", name, "1", "-m", "set", "!", "--match-set", name, "dst", "!", "--update-counters",
 		"-m", "comment", "--comment", RuleComment, "-j", "RETURN")
 	syncExpect("upgrade from the version that counted in raw", newChain(true), targets, 4)
 	syncExpect("adoption after that upgrade", newChain(true), targets, 0)
@@ -154,8 +150,8 @@ func testStickySyncInNetns(t *testing.T, binary string) {
 	if m, r := tableS("mangle"), tableS("raw"); m != beforeMangle || r != beforeRaw {
 		t.Errorf("after Cleanup:\n%s\n%s\nwant what was there before:\n%s\n%s", m, r, beforeMangle, beforeRaw)
 	}
-	if sets := ns.IPSetState(); sets != "" {
-		t.Errorf("after Cleanup, the sets are\n%s\nwant none", sets)
+	if sets := ns.IPSetState(); sets != setsBefore {
+		t.Errorf("after Cleanup, the sets are\n%s\nwant only others':\n%s", sets, setsBefore)
 	}
 }
 

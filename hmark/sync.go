@@ -13,7 +13,11 @@ import (
 // (see Sticky); moving a tunnel IP to a new generation is a Sync with
 // another Offset for it.
 type Target struct {
-	// VIP is the tunnel IP (IPv4; 4-in-6 addresses are unmapped).
+	// VIP is the tunnel IP, of the chain's family: for an IPv4 Chain an
+	// IPv4 address (4-in-6 addresses are unmapped), for an IPv6 Chain an
+	// IPv6 address that is not IPv4-mapped (such an address is an IPv4
+	// tunnel IP, which is the IPv4 chain's; netlink would also add it to
+	// a set as IPv4).
 	VIP netip.Addr
 	// Offset is the tunnel IP's --hmark-offset: Params.Offset + g×Buckets
 	// for a generation g below MaxGenerations. 0 means the chain's
@@ -291,15 +295,15 @@ func (c *Chain) update(targets []Target) (changed int, err error) {
 }
 
 // normalizeTargets checks every target and returns them with their tunnel
-// IP unmapped and their generation, sorted by tunnel IP. A tunnel IP that
-// is not IPv4 or repeats, an offset that is not a generation's, are
-// errors.
+// IP normalized (see vipOf) and their generation, sorted by tunnel IP. A
+// tunnel IP that is not of c's family or repeats, an offset that is not a
+// generation's, are errors.
 func (c *Chain) normalizeTargets(targets []Target) ([]wantedTarget, error) {
 	out := make([]wantedTarget, 0, len(targets))
 	for _, t := range targets {
-		v := t.VIP.Unmap()
-		if !v.Is4() {
-			return nil, fmt.Errorf("vip %q is not an IPv4 address", t.VIP)
+		v, err := c.vipOf(t.VIP)
+		if err != nil {
+			return nil, err
 		}
 		offset := t.Offset
 		if offset == 0 {
@@ -326,6 +330,29 @@ func (c *Chain) normalizeTargets(targets []Target) ([]wantedTarget, error) {
 		}
 	}
 	return out, nil
+}
+
+// vipOf is vip as c's sets hold it, or an error naming vip when it is not
+// of c's family: for IPv4, vip unmapped, which must then be IPv4; for
+// IPv6, vip itself, which must be IPv6, not IPv4-mapped and without a
+// zone (a set holds no zone, and a tunnel IP is global).
+func (c *Chain) vipOf(vip netip.Addr) (netip.Addr, error) {
+	if c.family == IPv4 {
+		v := vip.Unmap()
+		if !v.Is4() {
+			return netip.Addr{}, fmt.Errorf("vip %q is not an IPv4 address (the IPv4 chain %s takes IPv4 tunnel IPs only)", vip, c.name)
+		}
+		return v, nil
+	}
+	switch {
+	case !vip.Is6():
+		return netip.Addr{}, fmt.Errorf("vip %q is not an IPv6 address (the IPv6 chain %s takes IPv6 tunnel IPs only)", vip, c.name)
+	case vip.Is4In6():
+		return netip.Addr{}, fmt.Errorf("vip %q is an IPv4-mapped IPv6 address, an IPv4 tunnel IP: the IPv6 chain %s takes IPv6 tunnel IPs only", vip, c.name)
+	case vip.Zone() != "":
+		return netip.Addr{}, fmt.Errorf("vip %q has a zone: a tunnel IP is a global IPv6 address", vip)
+	}
+	return vip, nil
 }
 
 // sameHash reports whether p hashes like c's Params: same Buckets and
@@ -370,9 +397,12 @@ var (
 	clientMasks    = []string{"--hmark-sport-mask", "0x0", "--hmark-dport-mask", "0x0", "--hmark-proto-mask", "0x0"}
 )
 
-// classRuleSpec is the HMARK rule of class k, as iptables prints it.
+// classRuleSpec is the HMARK rule of class k, as iptables (or ip6tables,
+// with /128 prefixes) prints it.
 func (c *Chain) classRuleSpec(k int) []string {
 	g, affinity := classGeneration(k)
+	// The whole address, of either family: what Params.Mark predicts.
+	prefix := strconv.Itoa(c.family.bits())
 	masks := fullTupleMasks
 	if affinity {
 		masks = clientMasks
@@ -380,7 +410,7 @@ func (c *Chain) classRuleSpec(k int) []string {
 	return slices.Concat(
 		[]string{"-m", "set", "--match-set", c.classSetName(k), "dst"},
 		comment,
-		[]string{"-j", "HMARK", "--hmark-src-prefix", "32", "--hmark-dst-prefix", "32"},
+		[]string{"-j", "HMARK", "--hmark-src-prefix", prefix, "--hmark-dst-prefix", prefix},
 		masks,
 		[]string{
 			"--hmark-rnd", fmt.Sprintf("0x%08x", c.params.Seed),
@@ -426,7 +456,7 @@ func (c *Chain) syncRules(table, chain string, desired [][]string) (changed int,
 
 // sameRule compares a listed rule with a desired one: word for word,
 // except that HMARK options compare by value (iptables versions print
-// the offset in decimal or in hex).
+// the offset in decimal or in hex, a mask of 0 as 0x0000).
 func sameRule(got, want []string) bool {
 	j := slices.Index(want, "HMARK")
 	if j < 1 || want[j-1] != "-j" {
@@ -435,9 +465,9 @@ func sameRule(got, want []string) bool {
 	if len(got) <= j || !slices.Equal(got[:j+1], want[:j+1]) {
 		return false
 	}
-	g, gAffinity, okG := parseHMARKOptions(got[j+1:])
-	w, wAffinity, okW := parseHMARKOptions(want[j+1:])
-	return okG && okW && g == w && gAffinity == wAffinity
+	g, okG := parseHMARKOptions(got[j+1:])
+	w, okW := parseHMARKOptions(want[j+1:])
+	return okG && okW && g == w
 }
 
 // Offsets returns, by tunnel IP, the offset it is hashed with: that of
@@ -448,7 +478,9 @@ func sameRule(got, want []string) bool {
 // not exist, it reads instead the per-tunnel-IP HMARK rules an older
 // version wrote in the mangle chain (our comment, /32, the full tuple,
 // c's Buckets and Seed), so that an upgrade keeps every tunnel IP on its
-// generation. Nothing at all gives an empty map and no error.
+// generation (no version wrote such rules for IPv6; an IPv6 Chain reads
+// the same with /128, and finds none). Nothing at all gives an empty map
+// and no error.
 func (c *Chain) Offsets() (map[netip.Addr]uint32, error) {
 	offsets, err := c.offsets()
 	return offsets, c.redactSeed(err)
@@ -481,7 +513,7 @@ func (c *Chain) offsets() (map[netip.Addr]uint32, error) {
 		return nil, fmt.Errorf("hmark: offsets of chain %s: %w", c.name, err)
 	}
 	for _, r := range rules {
-		if vip, params, ok := r.vipRule(); ok && c.sameHash(params) {
+		if vip, params, ok := r.vipRule(c.family); ok && c.sameHash(params) {
 			offsets[vip] = params.Offset
 		}
 	}

@@ -2,8 +2,8 @@ package hmark
 
 // Privileged tests of Sync, Counters and Cleanup: each runs in a fresh
 // network namespace of its own (see test/support/testnetns), with the real
-// iptables binaries of both backends. They skip when not root or when
-// iptables is missing.
+// iptables and ip6tables binaries of both backends. They skip when not
+// root or when a binary is missing.
 
 import (
 	"net/netip"
@@ -67,49 +67,115 @@ func lineChanges(before, after string) int {
 	return n
 }
 
-// iptablesBinaries are the two backends: nft, and legacy.
-var iptablesBinaries = []string{"iptables", "iptables-legacy"}
+// iptablesBinaries are the two backends: nft, and legacy; ip6tablesBinaries
+// the same for IPv6.
+var (
+	iptablesBinaries  = []string{"iptables", "iptables-legacy"}
+	ip6tablesBinaries = []string{"ip6tables", "ip6tables-legacy"}
+)
 
-// TestSyncInNetns drives Chain against the real iptables of each backend in
-// a fresh namespace: creation, adoption by a new Chain with no write,
-// repair of a rule deleted by hand, removal of a rule added by hand to the
-// chain, rules of other chains left alone, counters, and Cleanup.
-func TestSyncInNetns(t *testing.T) {
-	for _, binary := range iptablesBinaries {
-		t.Run(binary, func(t *testing.T) { testSyncInNetns(t, binary) })
+// netnsFamily is what the privileged tests of Chain run with for one
+// address family, so that one test proves the same of both.
+type netnsFamily struct {
+	family Family
+	// binaries are the family's iptables of each backend.
+	binaries []string
+	// vips are three tunnel IPs, local in the test namespace (see newNS),
+	// all of them in the family's set listings.
+	vips []netip.Addr
+	// flows sends flows to vips and observes their marks (see
+	// sendUDPFlows).
+	flows flowFamily
+	// loopback is the address sendDatagrams sends from.
+	loopback netip.Addr
+	// other is an address that is no tunnel IP, for others' rules.
+	other netip.Addr
+	// headers is the size of a datagram's IP and UDP headers.
+	headers uint64
+}
+
+var (
+	netnsIPv4 = netnsFamily{family: IPv4, binaries: iptablesBinaries, vips: kernelVIPs, flows: ipv4Flows,
+		loopback: netip.MustParseAddr("127.0.0.1"), other: netip.MustParseAddr("10.1.1.1"), headers: 20 + 8}
+	netnsIPv6 = netnsFamily{family: IPv6, binaries: ip6tablesBinaries, vips: kernelVIPs6, flows: ipv6Flows,
+		loopback: netip.IPv6Loopback(), other: netip.MustParseAddr("2001:db8:1::1"), headers: 40 + 8}
+	netnsFamilies = []netnsFamily{netnsIPv4, netnsIPv6}
+)
+
+// newNS returns a fresh namespace where the family's tunnel IPs are local
+// and the flows' sources can be bound (see setUpIPv6Lab).
+func (nf netnsFamily) newNS(t *testing.T) *testnetns.NS {
+	t.Helper()
+	if nf.family == IPv6 {
+		ns := testnetns.New(t)
+		setUpIPv6Lab(t, ns)
+		return ns
+	}
+	return testnetns.New(t, prefixesOf(vipBelow, vipAbove)...)
+}
+
+// newChain returns a Chain of the family with its default name, reading
+// and writing through ipt, ns's sets and restorer.
+func (nf netnsFamily) newChain(t *testing.T, ns *testnetns.NS, ipt IPTables, restorer Restorer, params Params) *Chain {
+	t.Helper()
+	c, err := NewChainFamily(nf.family, ipt, ns.IPSets(), "", params, restorer)
+	if err != nil {
+		t.Fatalf("NewChainFamily(%s): %v", nf.family, err)
+	}
+	return c
+}
+
+// hostPrefix is "ADDR/32" or "ADDR/128", as iptables takes and prints a
+// single address.
+func hostPrefix(a netip.Addr) string { return netip.PrefixFrom(a, a.BitLen()).String() }
+
+// forEachBackend runs test as a subtest for each iptables binary of each
+// family.
+func forEachBackend(t *testing.T, test func(t *testing.T, nf netnsFamily, binary string)) {
+	for _, nf := range netnsFamilies {
+		for _, binary := range nf.binaries {
+			t.Run(binary, func(t *testing.T) { test(t, nf, binary) })
+		}
 	}
 }
 
-func testSyncInNetns(t *testing.T, binary string) {
-	ns := testnetns.New(t, prefixesOf(vipBelow, vipAbove)...)
+// TestSyncInNetns drives Chain against the real iptables and ip6tables of
+// each backend in a fresh namespace: creation, adoption by a new Chain
+// with no write, repair of a rule deleted by hand, removal of a rule added
+// by hand to the chain, rules of other chains left alone, counters of
+// real packets, and Cleanup, which leaves others' rules and sets.
+func TestSyncInNetns(t *testing.T) { forEachBackend(t, testSyncInNetns) }
+
+func testSyncInNetns(t *testing.T, nf netnsFamily, binary string) {
+	ns := nf.newNS(t)
 	ipt := ns.IPTables(binary)
-	restorer := newNSRestorer(ns, binary)
 	params := Params{Buckets: 16, Offset: 0x100, Seed: 0xc0ffee}
-	vips := kernelVIPs
+	vips := nf.vips
+	restorer := newNSRestorer(ns, binary)
 	mangleS := func() string { return ns.Run(binary, "-t", "mangle", "-S") }
 	newChain := func() *Chain {
 		t.Helper()
-		c, err := NewChain(ipt, ns.IPSets(), "", params, restorer)
-		if err != nil {
-			t.Fatalf("NewChain: %v", err)
-		}
-		return c
+		return nf.newChain(t, ns, ipt, restorer, params)
 	}
 
-	// Rules of others, in another chain of mangle and in PREROUTING itself.
+	// Rules of others, in another chain of mangle and in PREROUTING
+	// itself, and a set of others (with a tunnel IP in it).
 	ns.Run(binary, "-t", "mangle", "-N", "OPERATOR")
-	ns.Run(binary, "-t", "mangle", "-A", "OPERATOR", "-d", "10.1.1.1/32", "-j", "MARK", "--set-mark", "5")
+	ns.Run(binary, "-t", "mangle", "-A", "OPERATOR", "-d", hostPrefix(nf.other), "-j", "MARK", "--set-mark", "5")
 	ns.Run(binary, "-t", "mangle", "-A", "FORWARD", "-j", "OPERATOR")
 	ns.Run(binary, "-t", "mangle", "-A", "PREROUTING", "-p", "tcp", "-m", "comment", "--comment", "someone else", "-j", "MARK", "--set-mark", "9")
-	before := mangleS()
+	addForeignSet(t, ns, nf.family, "OPERATOR", vips[0])
+	before, setsBefore := mangleS(), ns.IPSetState()
+
+	chain := newChain()
+	name := chain.Name()
 	othersUntouched := func(step string) {
 		t.Helper()
-		if got := withoutChain(mangleS(), DefaultChainName); got != before {
-			t.Errorf("%s: rules outside %s changed:\n got: %s\nwant: %s", step, DefaultChainName, got, before)
+		if got := withoutChain(mangleS(), name); got != before {
+			t.Errorf("%s: rules outside %s changed:\n got: %s\nwant: %s", step, name, got, before)
 		}
 	}
 
-	chain := newChain()
 	// state is what Sync owns, as an operator lists it: mangle's rules and
 	// the namespace's ipsets with their members.
 	state := func() string { return mangleS() + "\n" + ns.IPSetState() }
@@ -139,24 +205,25 @@ func testSyncInNetns(t *testing.T, binary string) {
 
 	// Two sets, every tunnel IP in both, chain, jump, exit and HMARK rule.
 	syncExpect("first sync", chain, 2+2*len(vips)+1+1+2, 2, 1)
-	t.Logf("%s prints the router's rules as:\n%s", binary, ns.Run(binary, "-t", "mangle", "-S", DefaultChainName))
+	t.Logf("%s prints the router's rules as:\n%s", binary, ns.Run(binary, "-t", "mangle", "-S", name))
 
 	adopter := newChain()
 	syncExpect("adoption by a new Chain", adopter, 0, 0, 0)
 
-	ns.Run(binary, "-t", "mangle", "-D", DefaultChainName, "2")
+	ns.Run(binary, "-t", "mangle", "-D", name, "2")
 	syncExpect("HMARK rule deleted by hand", adopter, 1, 0, 1)
 
-	ns.Run(binary, "-t", "mangle", "-I", DefaultChainName, "2", "-j", "MARK", "--set-mark", "3")
-	ns.Run(binary, "-t", "mangle", "-A", DefaultChainName, "-d", vips[0].String()+"/32",
+	ns.Run(binary, "-t", "mangle", "-I", name, "2", "-j", "MARK", "--set-mark", "3")
+	ns.Run(binary, "-t", "mangle", "-A", name, "-d", hostPrefix(vips[0]),
 		"-j", "HMARK", "--hmark-tuple", "src,dst", "--hmark-mod", "16", "--hmark-offset", "256", "--hmark-rnd", "0xc0ffee")
 	syncExpect("foreign rules added by hand to the chain", adopter, 2, 0, 1)
 
-	ns.Run(binary, "-t", "mangle", "-A", "PREROUTING", "-i", "lo", "-j", DefaultChainName)
+	ns.Run(binary, "-t", "mangle", "-A", "PREROUTING", "-i", "lo", "-j", name)
 	syncExpect("second jump added by hand", adopter, 1, 1, 0)
 
 	// One datagram to a tunnel IP shows up in the counters.
-	sendDatagrams(t, ns, vipAbove, 1)
+	counted, idle := vips[2], vips[1]
+	sendDatagrams(t, ns, nf.loopback, counted, 1)
 	counters, err := adopter.Counters()
 	if err != nil {
 		t.Fatalf("Counters: %v", err)
@@ -164,33 +231,34 @@ func testSyncInNetns(t *testing.T, binary string) {
 	if len(counters) != len(vips) {
 		t.Errorf("Counters has %d tunnel IPs, want %d: %v", len(counters), len(vips), counters)
 	}
-	if c := counters[vipAbove]; c.Packets != 1 || c.Bytes != 28+8 {
-		t.Errorf("Counters[%s] = %+v, want 1 packet of 36 bytes", vipAbove, c)
+	one := Counter{Packets: 1, Bytes: nf.headers + 8}
+	if c := counters[counted]; c != one {
+		t.Errorf("Counters[%s] = %+v, want %+v (1 packet of 8 bytes and the headers)", counted, c, one)
 	}
-	if c := counters[vipBelow]; c.Packets != 0 {
-		t.Errorf("Counters[%s] = %+v, want no packet", vipBelow, c)
+	if c := counters[idle]; c.Packets != 0 {
+		t.Errorf("Counters[%s] = %+v, want no packet", idle, c)
 	}
 
 	// Another tunnel IP removed (from both sets), then added back, then
 	// the chain repaired (a restore): the tunnel IP's counters stay.
 	all := vips
-	vips = []netip.Addr{vipLoopback, vipAbove}
+	vips = []netip.Addr{vips[0], counted}
 	syncExpect("a tunnel IP removed", adopter, 2, 0, 0)
-	assertCounter(t, "a tunnel IP removed", adopter, vipAbove, Counter{Packets: 1, Bytes: 36})
+	assertCounter(t, "a tunnel IP removed", adopter, counted, one)
 	vips = all
 	syncExpect("the tunnel IP added back", adopter, 2, 0, 0)
-	assertCounter(t, "the tunnel IP added back", adopter, vipAbove, Counter{Packets: 1, Bytes: 36})
-	ns.Run(binary, "-t", "mangle", "-I", DefaultChainName, "1", "-j", "MARK", "--set-mark", "3")
+	assertCounter(t, "the tunnel IP added back", adopter, counted, one)
+	ns.Run(binary, "-t", "mangle", "-I", name, "1", "-j", "MARK", "--set-mark", "3")
 	syncExpect("foreign rule removed", adopter, 1, 0, 1)
-	assertCounter(t, "foreign rule removed", adopter, vipAbove, Counter{Packets: 1, Bytes: 36})
+	assertCounter(t, "foreign rule removed", adopter, counted, one)
 
 	// A tunnel IP deleted from its generation's set behind the router's
 	// back is put back.
-	if err := ns.IPSets().IpsetDel(DefaultChainName+"-0", &netlink.IPSetEntry{IP: vipAbove.AsSlice()}); err != nil {
+	if err := ns.IPSets().IpsetDel(name+"-0", &netlink.IPSetEntry{IP: counted.AsSlice()}); err != nil {
 		t.Fatal(err)
 	}
 	syncExpect("set element deleted by hand", adopter, 1, 0, 0)
-	assertCounter(t, "set element deleted by hand", adopter, vipAbove, Counter{Packets: 1, Bytes: 36})
+	assertCounter(t, "set element deleted by hand", adopter, counted, one)
 
 	if err := adopter.Cleanup(); err != nil {
 		t.Fatalf("Cleanup: %v", err)
@@ -198,46 +266,65 @@ func testSyncInNetns(t *testing.T, binary string) {
 	if got := mangleS(); got != before {
 		t.Errorf("after Cleanup, mangle is\n%s\nwant what it was before the router:\n%s", got, before)
 	}
-	if got := ns.IPSetState(); got != "" {
-		t.Errorf("after Cleanup, the sets are\n%s\nwant none", got)
+	if got := ns.IPSetState(); got != setsBefore {
+		t.Errorf("after Cleanup, the sets are\n%s\nwant only others':\n%s", got, setsBefore)
 	}
 	if err := chain.Cleanup(); err != nil {
 		t.Errorf("second Cleanup (nothing left): %v", err)
 	}
 }
 
-// sendDatagrams sends n datagrams of 8 bytes (36 with the headers) from
-// 127.0.0.1 to vip:9 inside ns, where a socket bound to vip receives them
-// (so that no ICMP error goes back to the same address). Sent over lo,
-// they come back in through PREROUTING.
-func sendDatagrams(t *testing.T, ns *testnetns.NS, vip netip.Addr, n int) {
+// addForeignSet creates in ns a set of others, name (hash:ip of family,
+// without counters), holding members, and fails the test on error.
+func addForeignSet(t *testing.T, ns *testnetns.NS, family Family, name string, members ...netip.Addr) {
 	t.Helper()
+	h := ns.IPSets()
+	if err := h.IpsetCreate(name, SetType, netlink.IpsetCreateOptions{Family: family.setFamily()}); err != nil {
+		t.Fatalf("create set %s of others: %v", name, err)
+	}
+	for _, a := range members {
+		if err := h.IpsetAdd(name, &netlink.IPSetEntry{IP: a.AsSlice()}); err != nil {
+			t.Fatalf("add %s to set %s of others: %v", a, name, err)
+		}
+	}
+}
+
+// sendDatagrams sends n datagrams of 8 bytes from src (a local address of
+// vip's family) to vip:9 inside ns, where a socket bound to vip receives
+// them (so that no ICMP error goes back to the same address). Sent over
+// lo, they come back in through PREROUTING.
+func sendDatagrams(t *testing.T, ns *testnetns.NS, src, vip netip.Addr, n int) {
+	t.Helper()
+	af := unix.AF_INET
+	if vip.Is6() {
+		af = unix.AF_INET6
+	}
 	err := ns.Do(func() error {
-		rx, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		rx, err := unix.Socket(af, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
 		if err != nil {
 			return err
 		}
 		defer func() { _ = unix.Close(rx) }()
-		if err := unix.Bind(rx, sockaddr(vip, 9)); err != nil {
+		if err := unix.Bind(rx, sockaddrOf(vip, 9)); err != nil {
 			return err
 		}
-		tx, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		tx, err := unix.Socket(af, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
 		if err != nil {
 			return err
 		}
 		defer func() { _ = unix.Close(tx) }()
-		if err := unix.Bind(tx, sockaddr(netip.MustParseAddr("127.0.0.1"), 0)); err != nil {
+		if err := unix.Bind(tx, sockaddrOf(src, 0)); err != nil {
 			return err
 		}
 		for range n {
-			if err := unix.Sendto(tx, []byte("count me"), 0, sockaddr(vip, 9)); err != nil {
+			if err := unix.Sendto(tx, []byte("count me"), 0, sockaddrOf(vip, 9)); err != nil {
 				return err
 			}
 		}
 		return nil
 	})
 	if err != nil {
-		t.Fatalf("send %d datagrams to %s: %v", n, vip, err)
+		t.Fatalf("send %d datagrams %s -> %s: %v", n, src, vip, err)
 	}
 }
 

@@ -9,6 +9,8 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 // Lines as iptables v1.8.9 (nft and legacy alike, Linux 6.18) printed the
@@ -36,45 +38,78 @@ func stateOf(f *fakeIPTables) string {
 // of othersLines, the jump first in PREROUTING as Sync inserts it.
 func canonical(t *testing.T, lines ...string) string {
 	t.Helper()
+	return canonicalOf(t, IPv4, othersLines, printedJump, lines...)
+}
+
+// canonicalOf is canonical for a fake of family, with the rules of others
+// and the chain's printed jump.
+func canonicalOf(t *testing.T, family Family, others []string, jump string, lines ...string) string {
+	t.Helper()
 	var rest []string
-	jump := false
+	hasJump := false
 	for _, l := range lines {
-		if l == printedJump {
-			jump = true
+		if l == jump {
+			hasJump = true
 			continue
 		}
 		rest = append(rest, l)
 	}
-	f := newFakeIPTables(t, slices.Concat(othersLines, rest)...)
-	if jump {
+	f := newFakeIPTablesFamily(t, family, slices.Concat(others, rest)...)
+	if hasJump {
 		f.chains["mangle/PREROUTING"] = slices.Insert(f.chains["mangle/PREROUTING"], 0,
-			fakeRule{spec: strings.TrimPrefix(printedJump, "-A PREROUTING ")})
+			fakeRule{spec: strings.TrimPrefix(jump, "-A PREROUTING ")})
 	}
 	return stateOf(f)
 }
 
+// TestSyncFromScratch: an IPv4 and an IPv6 Chain create their sets (inet
+// and inet6) and write their rules exactly as iptables and ip6tables print
+// them, in the same order.
 func TestSyncFromScratch(t *testing.T) {
-	f := newFakeIPTables(t, othersLines...)
-	changed, err := newTestChain(t, f, testParams).Sync(targetsOf(vipB, vipA))
-	if err != nil {
-		t.Fatalf("Sync: %v", err)
-	}
-	// Sets, chain, jump, members (all first, in address order), rules.
-	checkWrites(t, "first sync", f, []string{
-		"ipset create KST-HMARK", "ipset create KST-HMARK-0",
-		"new mangle/KST-HMARK", "insert mangle/PREROUTING 1",
-		"ipset add KST-HMARK 10.96.0.10", "ipset add KST-HMARK 10.96.0.20",
-		"ipset add KST-HMARK-0 10.96.0.10", "ipset add KST-HMARK-0 10.96.0.20",
-		"restore mangle",
-	})
-	if want := 2 + 1 + 1 + 4 + 2; changed != want {
-		t.Errorf("Sync changed = %d, want %d", changed, want)
-	}
-	if got, want := stateOf(f), canonical(t, syncedLines...); got != want {
-		t.Errorf("state:\n%s\nwant:\n%s", got, want)
-	}
-	if s := f.sets["KST-HMARK"]; !s.counters || s.typ != SetType || f.sets["KST-HMARK-0"].counters {
-		t.Errorf("sets %+v, %+v: want hash:ip, counters only in the set of all tunnel IPs", s, f.sets["KST-HMARK-0"])
+	for _, tt := range []struct {
+		family       Family
+		others       []string
+		vipA, vipB   netip.Addr
+		synced       []string
+		all, gen0    string
+		wantAF       uint8
+		canonicalize func(*testing.T, ...string) string
+	}{
+		{IPv4, othersLines, vipA, vipB, syncedLines, "KST-HMARK", "KST-HMARK-0", unix.AF_INET, canonical},
+		{IPv6, othersLines6, vip6A, vip6B, synced6Lines, "KST-HMARK6", "KST-HMARK6-0", unix.AF_INET6, canonical6},
+	} {
+		t.Run(tt.family.String(), func(t *testing.T) {
+			f := newFakeIPTablesFamily(t, tt.family, tt.others...)
+			c, err := NewChainFamily(tt.family, f, f, "", testParams, f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			changed, err := c.Sync(targetsOf(tt.vipB, tt.vipA))
+			if err != nil {
+				t.Fatalf("Sync: %v", err)
+			}
+			// Sets, chain, jump, members (all first, in address order), rules.
+			a, b := tt.vipA.String(), tt.vipB.String()
+			checkWrites(t, "first sync", f, []string{
+				"ipset create " + tt.all, "ipset create " + tt.gen0,
+				"new mangle/" + tt.all, "insert mangle/PREROUTING 1",
+				"ipset add " + tt.all + " " + a, "ipset add " + tt.all + " " + b,
+				"ipset add " + tt.gen0 + " " + a, "ipset add " + tt.gen0 + " " + b,
+				"restore mangle",
+			})
+			if want := 2 + 1 + 1 + 4 + 2; changed != want {
+				t.Errorf("Sync changed = %d, want %d", changed, want)
+			}
+			if got, want := stateOf(f), tt.canonicalize(t, tt.synced...); got != want {
+				t.Errorf("state:\n%s\nwant:\n%s", got, want)
+			}
+			for name, counters := range map[string]bool{tt.all: true, tt.gen0: false} {
+				if s := f.sets[name]; s.typ != SetType || s.family != tt.wantAF || s.counters != counters {
+					t.Errorf("set %s is %s family %d counters %t, want %s family %d counters %t (only in the set of all tunnel IPs)",
+						name, s.typ, s.family, s.counters, SetType, tt.wantAF, counters)
+				}
+			}
+		})
 	}
 }
 
@@ -431,10 +466,10 @@ func TestClientAffinityClass(t *testing.T) {
 		words := strings.Fields(line)
 		return words[slices.Index(words, "HMARK")+1:]
 	}
-	if _, affinity, ok := parseHMARKOptions(optionsOf(printedAffinity0)); !ok || !affinity {
-		t.Errorf("the affinity rule parsed as ok=%t affinity=%t", ok, affinity)
+	if o, ok := parseHMARKOptions(optionsOf(printedAffinity0)); !ok || !o.affinity {
+		t.Errorf("the affinity rule parsed as ok=%t affinity=%t", ok, o.affinity)
 	}
-	if _, _, ok := parseHMARKOptions(optionsOf(partial)); ok {
+	if _, ok := parseHMARKOptions(optionsOf(partial)); ok {
 		t.Errorf("a rule hashing only the destination port parsed as the router's")
 	}
 }
