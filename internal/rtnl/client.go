@@ -11,8 +11,9 @@ import (
 // ErrClosed is returned by calls on a closed Client.
 var ErrClosed = errors.New("rtnl: client closed")
 
-// Client lists and programs IPv4 routes in one network namespace through its
-// own rtnetlink socket. It is safe for concurrent use; calls are serialized.
+// Client lists and programs IPv4 and IPv6 routes in one network namespace
+// through its own rtnetlink socket. It is safe for concurrent use; calls are
+// serialized.
 type Client struct {
 	mu   sync.Mutex
 	conn *conn

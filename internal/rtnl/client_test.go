@@ -25,18 +25,32 @@ var testTables = TableRange{First: 7600, Last: 7663}
 // tunnelRoutes builds, for each VIP 10.96.0.1..vips and each table of
 // testTables, an IP-encap route via veth, or a blackhole for every fifth VIP
 // (a VIP without endpoints).
-func tunnelRoutes(vips, link int) []Route {
+func tunnelRoutes(vips, link int) []Route { return familyRoutes(false, vips, link) }
+
+// tunnelRoutes6 is tunnelRoutes for IPv6 tunnel IPs 2001:db8::1..vips with
+// IPv6 outer destinations (LWTUNNEL_ENCAP_IP6).
+func tunnelRoutes6(vips, link int) []Route { return familyRoutes(true, vips, link) }
+
+func familyRoutes(ipv6 bool, vips, link int) []Route {
+	vip := func(v int) netip.Prefix {
+		if ipv6 {
+			return netip.PrefixFrom(netip.AddrFrom16([16]byte{0x20, 0x01, 0x0d, 0xb8, 14: byte(v >> 8), 15: byte(v)}), 128)
+		}
+		return netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 96, byte(v >> 8), byte(v)}), 32)
+	}
+	pod := func(n int) netip.Addr {
+		if ipv6 {
+			return netip.AddrFrom16([16]byte{0xfd, 0x00, 0x02, 0x44, 15: byte(10 + n)})
+		}
+		return netip.AddrFrom4([4]byte{10, 244, 0, byte(10 + n)})
+	}
 	var routes []Route
 	for table := testTables.First; table <= testTables.Last; table++ {
 		for v := 1; v <= vips; v++ {
-			r := Route{
-				Table: table, Dst: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 96, byte(v >> 8), byte(v)}), 32),
-				Type: Blackhole, Protocol: testProtocol,
-			}
+			r := Route{Table: table, Dst: vip(v), Type: Blackhole, Protocol: testProtocol}
 			if v%5 != 0 {
-				pod := (v + int(table)) % 8
 				r.Type, r.LinkIndex = Unicast, link
-				r.IPEncap = &IPEncap{Dst: netip.AddrFrom4([4]byte{10, 244, 0, byte(10 + pod)}), TTL: 64}
+				r.IPEncap = &IPEncap{Dst: pod((v + int(table)) % 8), TTL: 64}
 			}
 			routes = append(routes, r)
 		}
@@ -272,7 +286,7 @@ func TestListFilters(t *testing.T) {
 			t.Fatalf("List(%+v): %v", f, err)
 		}
 		for _, r := range got {
-			if !f.matches(r.Table, r.Protocol) {
+			if !f.matches(familyOf(r.Dst), r.Table, r.Protocol) {
 				t.Errorf("List(%+v) returned %v", f, &r)
 			}
 		}
@@ -391,4 +405,117 @@ func TestListAfterFailedDecode(t *testing.T) {
 	assertRoutes(t, listTunnelRoutes(t, c), routes)
 	mustApply(t, c, []Op{{Kind: Delete, Route: routes[0]}})
 	assertRoutes(t, listTunnelRoutes(t, c), routes[1:])
+}
+
+// TestApplyAndListIPv6 programs IPv6 routes (IP6 encapsulation and
+// blackholes) next to IPv4 ones in the same tables: each family's listing
+// holds exactly its own, iproute2 shows what was asked, deleting is by
+// family, protocol and key.
+func TestApplyAndListIPv6(t *testing.T) {
+	ns := newTestNS(t)
+	c := ns.open(t)
+	routes6 := tunnelRoutes6(20, ns.veth)
+	routes4 := tunnelRoutes(5, ns.veth)
+	mustApply(t, c, replaceOps(append(slices.Clone(routes6), routes4...)))
+	list6 := func() []Route {
+		t.Helper()
+		got, err := c.List(ListFilter{IPv6: true, Tables: testTables, Protocol: testProtocol})
+		if err != nil {
+			t.Fatalf("List IPv6: %v", err)
+		}
+		sortRoutes(got)
+		return got
+	}
+	assertRoutes(t, list6(), routes6)
+	assertRoutes(t, listTunnelRoutes(t, c), routes4)
+
+	shown := normalizeSpaces(runIP(t, "-n", ns.name, "-6", "route", "show", "table", "all"))
+	for _, r := range routes6[:10] {
+		var line string
+		if r.Type == Blackhole {
+			line = fmt.Sprintf("blackhole %s dev lo table %d proto %d", r.Dst.Addr(), r.Table, r.Protocol)
+		} else {
+			line = fmt.Sprintf("%s encap ip6 id 0 src :: dst %s hoplimit 64 tc 0 dev veth0 table %d proto %d",
+				r.Dst.Addr(), r.IPEncap.Dst, r.Table, r.Protocol)
+		}
+		if !strings.Contains(shown, line) {
+			t.Fatalf("ip -6 route show lacks %q; it shows:\n%s", line, shown)
+		}
+	}
+
+	// Replacing changes the encapsulation, or a blackhole into a route and
+	// back; the listing shows it, and nothing else changed.
+	routes6[0].IPEncap = &IPEncap{Dst: netip.MustParseAddr("fd00:244::99"), TTL: 64}
+	routes6[1] = Route{Table: routes6[1].Table, Dst: routes6[1].Dst, Type: Blackhole, Protocol: testProtocol}
+	routes6[4].Type, routes6[4].LinkIndex = Unicast, ns.veth
+	routes6[4].IPEncap = &IPEncap{Dst: netip.MustParseAddr("fd00:244::98"), TTL: 64}
+	mustApply(t, c, replaceOps(routes6[:5]))
+	assertRoutes(t, list6(), routes6)
+
+	// A delete of another protocol or of the other family's key leaves
+	// the route; deleting by key and protocol removes it, twice is fine.
+	other := routes6[2]
+	other.Protocol++
+	v4key := Route{Table: routes6[2].Table, Dst: netip.MustParsePrefix("10.96.0.1/32"), Protocol: testProtocol + 1}
+	mustApply(t, c, []Op{{Kind: Delete, Route: other}, {Kind: Delete, Route: v4key}})
+	assertRoutes(t, list6(), routes6)
+	del := Route{Table: routes6[2].Table, Dst: routes6[2].Dst, Protocol: testProtocol}
+	mustApply(t, c, []Op{{Kind: Delete, Route: del}, {Kind: Delete, Route: del}})
+	assertRoutes(t, list6(), slices.Delete(slices.Clone(routes6), 2, 3))
+	assertRoutes(t, listTunnelRoutes(t, c), routes4)
+}
+
+// TestNextHopObjectsIPv6: IPv6 routes through AF_INET6 nexthop objects with
+// an IP6 encapsulation, listed back as written; the kernel refuses an IPv6
+// route that names an IPv4 nexthop, which is why NextHop.IPv6 exists.
+func TestNextHopObjectsIPv6(t *testing.T) {
+	ns := newTestNS(t)
+	c := ns.open(t)
+	pod := func(i int) netip.Addr { return netip.AddrFrom16([16]byte{0xfd, 0x00, 0x02, 0x44, 15: byte(i)}) }
+	var nexthops []NextHop
+	var ops []Op
+	for i := 1; i <= 4; i++ {
+		n := NextHop{ID: uint32(i), Protocol: testProtocol, IPv6: true, LinkIndex: ns.veth, IPEncap: &IPEncap{Dst: pod(i), TTL: 64}}
+		nexthops = append(nexthops, n)
+		ops = append(ops, Op{Kind: AddNextHop, NextHop: n})
+	}
+	v4 := NextHop{ID: 5, Protocol: testProtocol, LinkIndex: ns.veth, IPEncap: &IPEncap{Dst: netip.MustParseAddr("10.244.0.5"), TTL: 64}}
+	ops = append(ops, Op{Kind: AddNextHop, NextHop: v4})
+	var routes []Route
+	for table := testTables.First; table < testTables.First+8; table++ {
+		for v := 1; v <= 10; v++ {
+			r := Route{Table: table, Dst: netip.PrefixFrom(netip.AddrFrom16([16]byte{0x20, 0x01, 0x0d, 0xb8, 15: byte(v)}), 128),
+				Type: Unicast, Protocol: testProtocol, NextHopID: uint32(1 + (v+int(table))%4)}
+			routes = append(routes, r)
+			ops = append(ops, Op{Kind: Replace, Route: r})
+		}
+	}
+	mustApply(t, c, ops)
+	listed, err := c.List(ListFilter{IPv6: true, Tables: testTables, Protocol: testProtocol})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sortRoutes(listed)
+	assertRoutes(t, listed, routes)
+	assertNextHops(t, c, append(slices.Clone(nexthops), v4))
+	shown := normalizeSpaces(runIP(t, "-n", ns.name, "nexthop", "show", "id", "1"))
+	if want := "id 1 encap ip6 id 0 src :: dst fd00:244::1 hoplimit 64 tc 0 dev veth0 scope link proto 200"; !strings.Contains(shown, want) {
+		t.Errorf("ip nexthop show: %q, want %q", shown, want)
+	}
+
+	bad := Route{Table: testTables.First, Dst: netip.MustParsePrefix("2001:db8::99/128"), Type: Unicast, Protocol: testProtocol, NextHopID: v4.ID}
+	if err := c.Apply([]Op{{Kind: Replace, Route: bad}}); !errors.Is(err, unix.EINVAL) {
+		t.Errorf("an IPv6 route through an IPv4 nexthop: %v, want EINVAL", err)
+	}
+	// Moving an endpoint is one nexthop replace; deleting one deletes its
+	// routes.
+	nexthops[0].IPEncap = &IPEncap{Dst: pod(99), TTL: 64}
+	mustApply(t, c, []Op{{Kind: ReplaceNextHop, NextHop: nexthops[0]}, {Kind: DeleteNextHop, NextHop: NextHop{ID: 2}}})
+	assertNextHops(t, c, []NextHop{nexthops[0], nexthops[2], nexthops[3], v4})
+	listed, err = c.List(ListFilter{IPv6: true, Tables: testTables, Protocol: testProtocol})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sortRoutes(listed)
+	assertRoutes(t, listed, slices.DeleteFunc(routes, func(r Route) bool { return r.NextHopID == 2 }))
 }

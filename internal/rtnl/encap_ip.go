@@ -12,12 +12,15 @@ import (
 
 // Attributes of LWTUNNEL_ENCAP_IP (enum lwtunnel_ip_t in
 // include/uapi/linux/lwtunnel.h). x/sys/unix does not define them.
+// LWTUNNEL_ENCAP_IP6's (enum lwtunnel_ip6_t) have the same numbers: ID, DST
+// and SRC (struct in6_addr), HOPLIMIT where the TTL is, TC where the TOS is,
+// FLAGS, PAD, OPTS.
 const (
 	lwtunnelIPID    = 1 // __be64 tunnel id (key)
-	lwtunnelIPDst   = 2 // __be32 (in_addr)
-	lwtunnelIPSrc   = 3 // __be32 (in_addr)
-	lwtunnelIPTTL   = 4 // u8
-	lwtunnelIPTOS   = 5 // u8
+	lwtunnelIPDst   = 2 // __be32 (in_addr); IP6: struct in6_addr
+	lwtunnelIPSrc   = 3 // __be32 (in_addr); IP6: struct in6_addr
+	lwtunnelIPTTL   = 4 // u8; IP6: LWTUNNEL_IP6_HOPLIMIT
+	lwtunnelIPTOS   = 5 // u8; IP6: LWTUNNEL_IP6_TC
 	lwtunnelIPFlags = 6 // __be16 TUNNEL_* flags
 	lwtunnelIPPad   = 7 // alignment padding for ID
 	lwtunnelIPOpts  = 8 // nested geneve/vxlan/erspan options
@@ -35,52 +38,77 @@ const (
 	FlagSeq  TunnelFlags = 0x08
 )
 
-// IPEncap is the IPv4 lightweight-tunnel encapsulation (LWTUNNEL_ENCAP_IP),
-// iproute2's "encap ip id ID src SRC dst DST ttl TTL tos TOS". It sends the
-// route's packets to a flow-based ("external") tunnel device with DST as the
-// outer destination.
+// IPEncap is the lightweight-tunnel IP encapsulation: with IPv4 addresses
+// LWTUNNEL_ENCAP_IP, iproute2's "encap ip id ID src SRC dst DST ttl TTL tos
+// TOS"; with IPv6 addresses LWTUNNEL_ENCAP_IP6, "encap ip6 id ID src SRC
+// dst DST hoplimit TTL tc TOS". It sends the route's packets to a
+// flow-based ("external") tunnel device (gre, ip6gre, ...) with DST as the
+// outer destination. The outer family is the addresses' family, which need
+// not be the route's: an IPv4 route may have an IPv6 outer header.
 //
 // It implements netlink.Encap, so it also works with netlink.RouteAdd.
 type IPEncap struct {
 	// ID is the tunnel id (GRE key, VXLAN VNI); it is sent big-endian.
 	ID uint64
-	// Dst is the outer destination (the tunnel endpoint); required in practice.
+	// Dst is the outer destination (the tunnel endpoint); required in
+	// practice. Its family (with Src's, which must agree) chooses IP or IP6.
 	Dst netip.Addr
 	// Src is the outer source; the zero Addr lets the device choose.
 	Src netip.Addr
-	// TTL of the outer header; 0 inherits the device's setting.
+	// TTL of the outer header (IPv6: the hop limit); 0 inherits the
+	// device's setting.
 	TTL uint8
-	// TOS of the outer header.
+	// TOS of the outer header (IPv6: the traffic class).
 	TOS uint8
 	// Flags are the TUNNEL_* flags (FlagKey, FlagCsum, FlagSeq).
 	Flags TunnelFlags
 	// Opts holds the raw LWTUNNEL_IP_OPTS attribute payload (geneve, vxlan
 	// or erspan options); nil when there are none.
 	Opts []byte
+
+	// ip6 records that the kernel reported an IP6 encapsulation, whose
+	// family the addresses alone may not tell (both ::, which decode as
+	// unset).
+	ip6 bool
 }
 
 var _ netlink.Encap = (*IPEncap)(nil)
 
-// Type returns LWTUNNEL_ENCAP_IP.
-func (e *IPEncap) Type() int { return unix.LWTUNNEL_ENCAP_IP }
+// IPv6 reports whether e is an IP6 encapsulation (IPv6 outer header).
+func (e *IPEncap) IPv6() bool { return e.ip6 || e.Dst.Is6() || e.Src.Is6() }
 
-// Encode returns the payload of RTA_ENCAP: the LWTUNNEL_IP_* attributes.
-// Zero Src, TTL, TOS and Flags are left out, as iproute2 does.
-func (e *IPEncap) Encode() ([]byte, error) {
-	return e.appendAttrs(make([]byte, 0, 64))
+// Type returns LWTUNNEL_ENCAP_IP, or LWTUNNEL_ENCAP_IP6 for IPv6 addresses.
+func (e *IPEncap) Type() int {
+	if e.IPv6() {
+		return unix.LWTUNNEL_ENCAP_IP6
+	}
+	return unix.LWTUNNEL_ENCAP_IP
 }
 
-// appendAttrs appends the LWTUNNEL_IP_* attributes of e to b.
+// Encode returns the payload of RTA_ENCAP: the LWTUNNEL_IP_* (or
+// LWTUNNEL_IP6_*) attributes. Zero Src, TTL, TOS and Flags are left out,
+// as iproute2 does.
+func (e *IPEncap) Encode() ([]byte, error) {
+	return e.appendAttrs(make([]byte, 0, 96))
+}
+
+// appendAttrs appends the LWTUNNEL_IP_* (LWTUNNEL_IP6_*) attributes of e
+// to b.
 func (e *IPEncap) appendAttrs(b []byte) ([]byte, error) {
 	if err := e.validate(); err != nil {
 		return b, err
 	}
 	b = appendAttrBE64(b, lwtunnelIPID, e.ID)
-	if e.Dst.IsValid() {
-		b = appendAttrBytes4(b, lwtunnelIPDst, e.Dst.As4())
+	switch {
+	case e.Dst.IsValid():
+		b = appendAttrAddr(b, lwtunnelIPDst, e.Dst)
+	case e.ip6 && !e.Src.IsValid():
+		// Only a destination of 16 bytes keeps a listed IP6
+		// encapsulation without addresses IP6 when sent back.
+		b = appendAttrAddr(b, lwtunnelIPDst, netip.IPv6Unspecified())
 	}
 	if e.Src.IsValid() {
-		b = appendAttrBytes4(b, lwtunnelIPSrc, e.Src.As4())
+		b = appendAttrAddr(b, lwtunnelIPSrc, e.Src)
 	}
 	if e.TTL != 0 {
 		b = appendAttrU8(b, lwtunnelIPTTL, e.TTL)
@@ -98,39 +126,74 @@ func (e *IPEncap) appendAttrs(b []byte) ([]byte, error) {
 }
 
 func (e *IPEncap) validate() error {
-	if e.Dst.IsValid() && !e.Dst.Is4() {
-		return fmt.Errorf("ip encap: dst %s is not IPv4", e.Dst)
-	}
-	if e.Src.IsValid() && !e.Src.Is4() {
-		return fmt.Errorf("ip encap: src %s is not IPv4", e.Src)
+	for _, a := range []struct {
+		name string
+		addr netip.Addr
+	}{{"dst", e.Dst}, {"src", e.Src}} {
+		switch {
+		case a.addr.Is4In6():
+			return fmt.Errorf("ip encap: %s %s is an IPv4-mapped IPv6 address: use the IPv4 address", a.name, a.addr)
+		case a.addr.IsValid() && a.addr.Is6() != e.IPv6():
+			return fmt.Errorf("ip encap: dst %s and src %s are of different families", e.Dst, e.Src)
+		}
 	}
 	return nil
 }
 
-func appendAttrBytes4(b []byte, typ uint16, a [4]byte) []byte {
-	b = appendAttrHeader(b, typ, 4)
-	return append(b, a[:]...)
+// appendAttrAddr appends an address attribute: 4 bytes for IPv4, 16 for
+// IPv6.
+func appendAttrAddr(b []byte, typ uint16, a netip.Addr) []byte {
+	if a.Is4() {
+		v := a.As4()
+		return append(appendAttrHeader(b, typ, len(v)), v[:]...)
+	}
+	v := a.As16()
+	return append(appendAttrHeader(b, typ, len(v)), v[:]...)
 }
 
-// Decode parses the payload of RTA_ENCAP (LWTUNNEL_IP_* attributes) into e,
-// replacing its previous contents. The kernel reports every field, including
-// zero ones; an all-zero address decodes as the zero Addr. Unknown attributes
+// Decode parses the payload of RTA_ENCAP (LWTUNNEL_IP_* or LWTUNNEL_IP6_*
+// attributes, told apart by the length of the addresses) into e, replacing
+// its previous contents. The kernel reports every field, including zero
+// ones; an all-zero address decodes as the zero Addr. Unknown attributes
 // are ignored. Malformed input gives an error, never a panic.
 func (e *IPEncap) Decode(buf []byte) error {
-	*e = IPEncap{}
+	return e.decode(buf, 0)
+}
+
+// decode is Decode for the encapsulation type typ (LWTUNNEL_ENCAP_IP or
+// LWTUNNEL_ENCAP_IP6; 0: either, by the addresses' length), whose
+// addresses must then have its length.
+func (e *IPEncap) decode(buf []byte, typ uint16) error {
+	*e = IPEncap{ip6: typ == unix.LWTUNNEL_ENCAP_IP6}
+	name := "ip encap"
+	if e.ip6 {
+		name = "ip6 encap"
+	}
+	addrLen := 0
+	switch typ {
+	case unix.LWTUNNEL_ENCAP_IP:
+		addrLen = 4
+	case unix.LWTUNNEL_ENCAP_IP6:
+		addrLen = 16
+	}
 	s := newAttrScanner(buf)
 	for s.next() {
-		if err := e.decodeAttr(s.typ, s.val); err != nil {
-			return fmt.Errorf("ip encap: %w", err)
+		if err := e.decodeAttr(s.typ, s.val, addrLen); err != nil {
+			return fmt.Errorf("%s: %w", name, err)
 		}
 	}
 	if s.err != nil {
-		return fmt.Errorf("ip encap: %w", s.err)
+		return fmt.Errorf("%s: %w", name, s.err)
+	}
+	if e.Dst.IsValid() && e.Src.IsValid() && e.Dst.Is6() != e.Src.Is6() {
+		return fmt.Errorf("%s: %w: dst %s and src %s are of different families", name, errMalformed, e.Dst, e.Src)
 	}
 	return nil
 }
 
-func (e *IPEncap) decodeAttr(typ uint16, v []byte) error {
+// decodeAttr decodes one attribute; addresses must have addrLen bytes (4
+// or 16; 0: either).
+func (e *IPEncap) decodeAttr(typ uint16, v []byte, addrLen int) error {
 	var err error
 	switch typ {
 	case lwtunnelIPID:
@@ -138,9 +201,9 @@ func (e *IPEncap) decodeAttr(typ uint16, v []byte) error {
 			e.ID = binary.BigEndian.Uint64(v)
 		}
 	case lwtunnelIPDst:
-		e.Dst, err = decodeIPv4("LWTUNNEL_IP_DST", v)
+		e.Dst, err = e.decodeAddr("LWTUNNEL_IP_DST", v, addrLen)
 	case lwtunnelIPSrc:
-		e.Src, err = decodeIPv4("LWTUNNEL_IP_SRC", v)
+		e.Src, err = e.decodeAddr("LWTUNNEL_IP_SRC", v, addrLen)
 	case lwtunnelIPTTL:
 		if err = wantLen("LWTUNNEL_IP_TTL", v, 1); err == nil {
 			e.TTL = v[0]
@@ -166,16 +229,21 @@ func wantLen(name string, v []byte, n int) error {
 	return nil
 }
 
-// decodeIPv4 decodes a 4-byte address; 0.0.0.0 becomes the zero Addr.
-func decodeIPv4(name string, v []byte) (netip.Addr, error) {
-	if err := wantLen(name, v, 4); err != nil {
-		return netip.Addr{}, err
+// decodeAddr decodes an address of addrLen bytes (0: 4 or 16); 0.0.0.0
+// and :: become the zero Addr, and a 16-byte one marks e as IP6.
+func (e *IPEncap) decodeAddr(name string, v []byte, addrLen int) (netip.Addr, error) {
+	var a netip.Addr
+	switch {
+	case addrLen != 0 && len(v) != addrLen:
+		return a, attrLenError(name, len(v), addrLen)
+	case len(v) == 16:
+		a, e.ip6 = netip.AddrFrom16([16]byte(v)), true
+	case len(v) == 4:
+		a = netip.AddrFrom4([4]byte(v))
+	default:
+		return a, attrLenError(name, len(v), 4)
 	}
-	a := netip.AddrFrom4([4]byte(v))
-	if a.IsUnspecified() {
-		return netip.Addr{}, nil
-	}
-	return a, nil
+	return unspecifiedToZero(a), nil
 }
 
 // String formats e like iproute2's "encap ip" arguments.
@@ -183,8 +251,12 @@ func (e *IPEncap) String() string {
 	if e == nil {
 		return "<nil>"
 	}
+	kind, ttl, tos := "ip", "ttl", "tos"
+	if e.IPv6() {
+		kind, ttl, tos = "ip6", "hoplimit", "tc"
+	}
 	var sb strings.Builder
-	fmt.Fprintf(&sb, "ip id %d", e.ID)
+	fmt.Fprintf(&sb, "%s id %d", kind, e.ID)
 	if e.Src.IsValid() {
 		fmt.Fprintf(&sb, " src %s", e.Src)
 	}
@@ -192,10 +264,10 @@ func (e *IPEncap) String() string {
 		fmt.Fprintf(&sb, " dst %s", e.Dst)
 	}
 	if e.TTL != 0 {
-		fmt.Fprintf(&sb, " ttl %d", e.TTL)
+		fmt.Fprintf(&sb, " %s %d", ttl, e.TTL)
 	}
 	if e.TOS != 0 {
-		fmt.Fprintf(&sb, " tos %#x", e.TOS)
+		fmt.Fprintf(&sb, " %s %#x", tos, e.TOS)
 	}
 	sb.WriteString(e.Flags.keywords())
 	if e.Opts != nil {
@@ -222,8 +294,9 @@ func (f TunnelFlags) keywords() string {
 	return sb.String()
 }
 
-// Equal reports whether x is an *IPEncap with the same fields. An unset
-// address and 0.0.0.0 are equal (the kernel reports the former as the latter).
+// Equal reports whether x is an *IPEncap of the same family with the same
+// fields. An unset address equals 0.0.0.0 and :: (the kernel reports the
+// former as one of the latter).
 func (e *IPEncap) Equal(x netlink.Encap) bool {
 	o, ok := x.(*IPEncap)
 	if !ok {
@@ -232,14 +305,14 @@ func (e *IPEncap) Equal(x netlink.Encap) bool {
 	if e == nil || o == nil {
 		return e == o
 	}
-	return e.ID == o.ID &&
-		sameIPv4(e.Dst, o.Dst) && sameIPv4(e.Src, o.Src) &&
+	return e.IPv6() == o.IPv6() && e.ID == o.ID &&
+		sameAddr(e.Dst, o.Dst) && sameAddr(e.Src, o.Src) &&
 		e.TTL == o.TTL && e.TOS == o.TOS && e.Flags == o.Flags &&
 		string(e.Opts) == string(o.Opts)
 }
 
-// sameIPv4 compares addresses treating the zero Addr as 0.0.0.0.
-func sameIPv4(a, b netip.Addr) bool {
+// sameAddr compares addresses treating the zero Addr as 0.0.0.0 and ::.
+func sameAddr(a, b netip.Addr) bool {
 	return unspecifiedToZero(a) == unspecifiedToZero(b)
 }
 

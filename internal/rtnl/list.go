@@ -36,20 +36,31 @@ func (t TableRange) single() bool { return !t.all() && t.First == t.Last }
 // ListFilter selects the routes List returns. The zero value selects every
 // IPv4 route in every table.
 type ListFilter struct {
+	// IPv6 selects the IPv6 routes instead of the IPv4 ones.
+	IPv6 bool
 	// Tables limits the result to these tables.
 	Tables TableRange
 	// Protocol, if not zero, keeps only routes with this rtm_protocol.
 	Protocol uint8
 }
 
-func (f *ListFilter) matches(table uint32, protocol uint8) bool {
-	return f.Tables.contains(table) && (f.Protocol == 0 || f.Protocol == protocol)
+// family is the address family f selects.
+func (f *ListFilter) family() uint8 {
+	if f.IPv6 {
+		return unix.AF_INET6
+	}
+	return unix.AF_INET
 }
 
-// List returns the IPv4 routes selected by f, in kernel dump order. The
-// whole table set is streamed through one dump; filtering happens while
-// decoding (and, for the protocol and a single table, inside the kernel).
-// Routes are decoded including their IP or MPLS encapsulation.
+func (f *ListFilter) matches(family uint8, table uint32, protocol uint8) bool {
+	return family == f.family() && f.Tables.contains(table) && (f.Protocol == 0 || f.Protocol == protocol)
+}
+
+// List returns the IPv4 (or, with f.IPv6, IPv6) routes selected by f, in
+// kernel dump order. The whole table set is streamed through one dump;
+// filtering happens while decoding (and, for the protocol and a single
+// table, inside the kernel). Routes are decoded including their IP, IP6 or
+// MPLS encapsulation.
 func (c *Client) List(f ListFilter) ([]Route, error) {
 	var routes []Route
 	err := c.Walk(f, func() { routes = routes[:0] }, func(r Route) error {
@@ -91,7 +102,7 @@ func decodeSelected(b []byte, f *ListFilter, add func(Route) error) error {
 	if err != nil {
 		return fmt.Errorf("decode route: %w", err)
 	}
-	if a.hdr.family != unix.AF_INET || !f.matches(a.table, a.hdr.protocol) {
+	if !f.matches(a.hdr.family, a.table, a.hdr.protocol) {
 		return nil
 	}
 	r, err := a.route()
@@ -105,7 +116,7 @@ func decodeSelected(b []byte, f *ListFilter, add func(Route) error) error {
 // NETLINK_GET_STRICT_CHK the kernel filters on rtm_protocol and RTA_TABLE.
 func appendRouteDumpRequest(b []byte, f *ListFilter, seq uint32) []byte {
 	b = appendNlmsghdr(b, unix.RTM_GETROUTE, unix.NLM_F_REQUEST|unix.NLM_F_DUMP, seq)
-	hdr := rtmsg{family: unix.AF_INET, protocol: f.Protocol}
+	hdr := rtmsg{family: f.family(), protocol: f.Protocol}
 	b = hdr.append(b)
 	if f.Tables.single() {
 		b = appendAttrU32(b, unix.RTA_TABLE, f.Tables.First)

@@ -65,6 +65,15 @@ func legacyTable(table uint32) uint8 {
 	return uint8(table)
 }
 
+// familyOf is the address family of the routes to prefix p: AF_INET or
+// AF_INET6.
+func familyOf(p netip.Prefix) uint8 {
+	if p.Addr().Is6() {
+		return unix.AF_INET6
+	}
+	return unix.AF_INET
+}
+
 // scopeOf picks the scope iproute2 would: link for a unicast route without a
 // gateway (a device or encap route), universe otherwise.
 func scopeOf(r *Route) uint8 {
@@ -81,19 +90,19 @@ func appendNewRoute(b []byte, r *Route, seq uint32) []byte {
 	flags := uint16(unix.NLM_F_REQUEST | unix.NLM_F_ACK | unix.NLM_F_CREATE | unix.NLM_F_REPLACE)
 	b = appendNlmsghdr(b, unix.RTM_NEWROUTE, flags, seq)
 	hdr := rtmsg{
-		family: unix.AF_INET, dstLen: uint8(r.Dst.Bits()), table: legacyTable(r.Table),
+		family: familyOf(r.Dst), dstLen: uint8(r.Dst.Bits()), table: legacyTable(r.Table),
 		protocol: r.Protocol, scope: scopeOf(r), typ: r.Type,
 	}
 	b = hdr.append(b)
 	b = appendAttrU32(b, unix.RTA_TABLE, r.Table)
-	b = appendAttrBytes4(b, unix.RTA_DST, r.Dst.Addr().As4())
+	b = appendAttrAddr(b, unix.RTA_DST, r.Dst.Addr())
 	if r.NextHopID != 0 {
 		b = appendAttrU32(b, rtaNHID, r.NextHopID)
 	}
 	if r.LinkIndex != 0 {
 		b = appendAttrU32(b, unix.RTA_OIF, uint32(r.LinkIndex))
 	}
-	b = appendGateway(b, r.Gateway)
+	b = appendGateway(b, r.Dst, r.Gateway)
 	b = appendEncap(b, r)
 	return finishMessage(b, off)
 }
@@ -105,22 +114,24 @@ func appendDelRoute(b []byte, r *Route, seq uint32) []byte {
 	off := len(b)
 	b = appendNlmsghdr(b, unix.RTM_DELROUTE, unix.NLM_F_REQUEST|unix.NLM_F_ACK, seq)
 	hdr := rtmsg{
-		family: unix.AF_INET, dstLen: uint8(r.Dst.Bits()), table: legacyTable(r.Table),
+		family: familyOf(r.Dst), dstLen: uint8(r.Dst.Bits()), table: legacyTable(r.Table),
 		protocol: r.Protocol, scope: unix.RT_SCOPE_NOWHERE,
 	}
 	b = hdr.append(b)
 	b = appendAttrU32(b, unix.RTA_TABLE, r.Table)
-	b = appendAttrBytes4(b, unix.RTA_DST, r.Dst.Addr().As4())
+	b = appendAttrAddr(b, unix.RTA_DST, r.Dst.Addr())
 	return finishMessage(b, off)
 }
 
-// appendGateway adds RTA_GATEWAY for an IPv4 next hop, RTA_VIA for IPv6.
-func appendGateway(b []byte, gw netip.Addr) []byte {
+// appendGateway adds the next hop of a route to dst: RTA_GATEWAY for a next
+// hop of dst's family, RTA_VIA for an IPv6 next hop of an IPv4 route (an
+// IPv6 route takes no IPv4 next hop; validate refuses it).
+func appendGateway(b []byte, dst netip.Prefix, gw netip.Addr) []byte {
 	switch {
 	case !gw.IsValid():
 		return b
-	case gw.Is4():
-		return appendAttrBytes4(b, unix.RTA_GATEWAY, gw.As4())
+	case gw.Is6() == dst.Addr().Is6():
+		return appendAttrAddr(b, unix.RTA_GATEWAY, gw)
 	}
 	a := gw.As16()
 	b = appendAttrHeader(b, unix.RTA_VIA, 2+len(a))
@@ -140,7 +151,7 @@ func appendLWTEncap(b []byte, typeAttr, encapAttr uint16, ip *IPEncap, labels []
 	var off int
 	switch {
 	case ip != nil:
-		b = appendAttrU16(b, typeAttr, unix.LWTUNNEL_ENCAP_IP)
+		b = appendAttrU16(b, typeAttr, uint16(ip.Type()))
 		b, off = beginNested(b, encapAttr|unix.NLA_F_NESTED)
 		b, _ = ip.appendAttrs(b) // validated before
 	case labels != nil:
@@ -212,7 +223,8 @@ func (a *routeAttrs) set(typ uint16, v []byte) error {
 	return nil
 }
 
-// route builds the Route described by a (an AF_INET route message).
+// route builds the Route described by a (an AF_INET or AF_INET6 route
+// message).
 func (a *routeAttrs) route() (Route, error) {
 	r := Route{Table: a.table, Type: a.hdr.typ, Protocol: a.hdr.protocol}
 	var err error
@@ -234,23 +246,51 @@ func (a *routeAttrs) route() (Route, error) {
 		}
 		r.LinkIndex = int(binary.NativeEndian.Uint32(a.oif))
 	}
+	if a.hdr.family == unix.AF_INET6 && r.Type.reject() {
+		// The kernel puts every IPv6 reject route (blackhole, unreachable,
+		// prohibit, throw) on the loopback device, whatever the request
+		// said, and reports it; it is no next hop of the route's.
+		r.LinkIndex = 0
+	}
 	if r.Gateway, err = a.nextHop(); err != nil {
 		return r, err
 	}
 	return r, a.decodeEncap(&r)
 }
 
+// addrLen is the length of an address of the message's family.
+func (a *routeAttrs) addrLen() int {
+	if a.hdr.family == unix.AF_INET6 {
+		return 16
+	}
+	return 4
+}
+
+// addr decodes an address of the message's family.
+func (a *routeAttrs) addr(name string, v []byte) (netip.Addr, error) {
+	if err := wantLen(name, v, a.addrLen()); err != nil {
+		return netip.Addr{}, err
+	}
+	if len(v) == 16 {
+		return netip.AddrFrom16([16]byte(v)), nil
+	}
+	return netip.AddrFrom4([4]byte(v)), nil
+}
+
 func (a *routeAttrs) dstPrefix() (netip.Prefix, error) {
 	addr := netip.IPv4Unspecified()
+	if a.hdr.family == unix.AF_INET6 {
+		addr = netip.IPv6Unspecified()
+	}
 	if a.dst != nil {
-		if err := wantLen("RTA_DST", a.dst, 4); err != nil {
+		var err error
+		if addr, err = a.addr("RTA_DST", a.dst); err != nil {
 			return netip.Prefix{}, err
 		}
-		addr = netip.AddrFrom4([4]byte(a.dst))
 	}
 	p := netip.PrefixFrom(addr, int(a.hdr.dstLen))
 	if !p.IsValid() {
-		return p, fmt.Errorf("%w: IPv4 prefix length %d", errMalformed, a.hdr.dstLen)
+		return p, fmt.Errorf("%w: prefix length %d of %s", errMalformed, a.hdr.dstLen, addr)
 	}
 	return p, nil
 }
@@ -258,10 +298,7 @@ func (a *routeAttrs) dstPrefix() (netip.Prefix, error) {
 // nextHop decodes RTA_GATEWAY or, failing that, RTA_VIA.
 func (a *routeAttrs) nextHop() (netip.Addr, error) {
 	if a.gateway != nil {
-		if err := wantLen("RTA_GATEWAY", a.gateway, 4); err != nil {
-			return netip.Addr{}, err
-		}
-		return netip.AddrFrom4([4]byte(a.gateway)), nil
+		return a.addr("RTA_GATEWAY", a.gateway)
 	}
 	if a.via == nil {
 		return netip.Addr{}, nil
@@ -292,9 +329,9 @@ func (a *routeAttrs) decodeEncap(r *Route) error {
 		return err
 	}
 	switch typ := binary.NativeEndian.Uint16(a.encapType); typ {
-	case unix.LWTUNNEL_ENCAP_IP:
+	case unix.LWTUNNEL_ENCAP_IP, unix.LWTUNNEL_ENCAP_IP6:
 		r.IPEncap = new(IPEncap)
-		return r.IPEncap.Decode(a.encap)
+		return r.IPEncap.decode(a.encap, typ)
 	case unix.LWTUNNEL_ENCAP_MPLS:
 		var err error
 		r.MPLSLabels, err = decodeMPLSEncap(a.encap)
@@ -313,8 +350,8 @@ func decodeRoute(b []byte) (Route, error) {
 	if err != nil {
 		return Route{}, err
 	}
-	if a.hdr.family != unix.AF_INET {
-		return Route{}, fmt.Errorf("%w: address family %d is not IPv4", errMalformed, a.hdr.family)
+	if a.hdr.family != unix.AF_INET && a.hdr.family != unix.AF_INET6 {
+		return Route{}, fmt.Errorf("%w: address family %d is neither IPv4 nor IPv6", errMalformed, a.hdr.family)
 	}
 	return a.route()
 }

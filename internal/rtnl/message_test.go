@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"net/netip"
+	"slices"
 	"testing"
 
 	"github.com/vishvananda/netlink"
@@ -36,6 +37,48 @@ var (
 		0x02, 0x20, 0x00, 0x00, 0xfc, 0xc8, 0x00, 0x06, 0x00, 0x00, 0x00, 0x00,
 		0x08, 0x00, 0x0f, 0x00, 0xb0, 0x1d, 0x00, 0x00,
 		0x08, 0x00, 0x01, 0x00, 0x0a, 0x60, 0x00, 0x0c,
+	}
+)
+
+// IPv6 route payloads (after struct nlmsghdr) the kernel (6.18) dumped for
+// "ip -6 route show table all" (captured with strace); besides what the
+// IPv4 routes carry: RTA_PRIORITY (1024, IPv6's default metric),
+// RTA_CACHEINFO and RTA_PREF.
+var (
+	// ip -6 route add 2001:db8::20/128 encap ip6 dst fd00:244::5 hoplimit 64 dev veth0 table 7600 proto 200
+	kernelEncapRoute6 = []byte{
+		0x0a, 0x80, 0x00, 0x00, 0xfc, 0xc8, 0x00, 0x01, 0x00, 0x00, 0x00, 0x00, // rtmsg: inet6 /128, table COMPAT, proto 200, unicast
+		0x08, 0x00, 0x0f, 0x00, 0xb0, 0x1d, 0x00, 0x00, // RTA_TABLE 7600
+		0x14, 0x00, 0x01, 0x00, 0x20, 0x01, 0x0d, 0xb8, 0x00, 0x00, 0x00, 0x00,
+		0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x20, // RTA_DST 2001:db8::20
+		0x08, 0x00, 0x06, 0x00, 0x00, 0x04, 0x00, 0x00, // RTA_PRIORITY 1024
+		0x08, 0x00, 0x04, 0x00, 0x03, 0x00, 0x00, 0x00, // RTA_OIF 3
+		0x50, 0x00, 0x16, 0x00, // RTA_ENCAP
+		0x0c, 0x00, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+		0x14, 0x00, 0x02, 0x00, 0xfd, 0x00, 0x02, 0x44, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x05,
+		0x14, 0x00, 0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+		0x05, 0x00, 0x05, 0x00, 0x00, 0x00, 0x00, 0x00,
+		0x05, 0x00, 0x04, 0x00, 0x40, 0x00, 0x00, 0x00,
+		0x06, 0x00, 0x06, 0x00, 0x00, 0x00, 0x00, 0x00,
+		0x06, 0x00, 0x15, 0x00, 0x04, 0x00, 0x00, 0x00, // RTA_ENCAP_TYPE IP6
+		0x24, 0x00, 0x0c, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // RTA_CACHEINFO
+		0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+		0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+		0x05, 0x00, 0x14, 0x00, 0x00, 0x00, 0x00, 0x00, // RTA_PREF
+	}
+	// ip -6 route add blackhole 2001:db8::12/128 table 7600 proto 200: the
+	// kernel puts it on lo (RTA_OIF 1).
+	kernelBlackholeRoute6 = []byte{
+		0x0a, 0x80, 0x00, 0x00, 0xfc, 0xc8, 0x00, 0x06, 0x00, 0x00, 0x00, 0x00,
+		0x08, 0x00, 0x0f, 0x00, 0xb0, 0x1d, 0x00, 0x00,
+		0x14, 0x00, 0x01, 0x00, 0x20, 0x01, 0x0d, 0xb8, 0x00, 0x00, 0x00, 0x00,
+		0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x12,
+		0x08, 0x00, 0x06, 0x00, 0x00, 0x04, 0x00, 0x00,
+		0x08, 0x00, 0x04, 0x00, 0x01, 0x00, 0x00, 0x00, // RTA_OIF 1 (lo)
+		0x24, 0x00, 0x0c, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+		0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+		0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+		0x05, 0x00, 0x14, 0x00, 0x00, 0x00, 0x00, 0x00,
 	}
 )
 
@@ -77,6 +120,31 @@ func TestDecodeKernelRouteMessages(t *testing.T) {
 			t.Errorf("%s: decoded %v, want %v", tc.name, &got, &tc.want)
 		}
 	}
+	for _, tc := range []struct {
+		name    string
+		payload []byte
+		want    Route
+	}{
+		{"encap ip6", kernelEncapRoute6, Route{
+			Table: 7600, Dst: netip.MustParsePrefix("2001:db8::20/128"), Type: Unicast, Protocol: 200, LinkIndex: 3,
+			IPEncap: &IPEncap{Dst: netip.MustParseAddr("fd00:244::5"), TTL: 64},
+		}},
+		// Without the kernel's lo: the route the router writes.
+		{"ipv6 blackhole", kernelBlackholeRoute6, Route{
+			Table: 7600, Dst: netip.MustParsePrefix("2001:db8::12/128"), Type: Blackhole, Protocol: 200,
+		}},
+		{"ipv6 through a nexthop object", kernelNextHopRoute6, Route{
+			Table: 7600, Dst: netip.MustParsePrefix("2001:db8::1/128"), Type: Unicast, Protocol: 200, NextHopID: 7,
+		}},
+	} {
+		got, err := decodeRoute(tc.payload)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if !got.Equal(&tc.want) {
+			t.Errorf("%s: decoded %v, want %v", tc.name, &got, &tc.want)
+		}
+	}
 }
 
 func TestNewRouteMessageRoundTrip(t *testing.T) {
@@ -102,6 +170,23 @@ func TestNewRouteMessageRoundTrip(t *testing.T) {
 		},
 		{Table: 7601, Dst: netip.MustParsePrefix("10.96.0.3/32"), Type: Blackhole, Protocol: 200},
 		{Table: 254, Dst: netip.MustParsePrefix("0.0.0.0/0"), Type: Unreachable},
+		{
+			Table: 7600, Dst: netip.MustParsePrefix("2001:db8::1/128"), Type: Unicast, Protocol: 200,
+			LinkIndex: 7, IPEncap: &IPEncap{Dst: netip.MustParseAddr("fd00:244::3:4"), TTL: 64},
+		},
+		{
+			// mpls mode, IPv6: the node's IPv6 address in RTA_GATEWAY.
+			Table: 7663, Dst: netip.MustParsePrefix("2001:db8::2/128"), Type: Unicast, Protocol: 200,
+			LinkIndex: 2, Gateway: netip.MustParseAddr("fd00:1::20"), MPLSLabels: []uint32{1 << 19},
+		},
+		{Table: 7601, Dst: netip.MustParsePrefix("2001:db8::3/128"), Type: Blackhole, Protocol: 200},
+		{Table: 7601, Dst: netip.MustParsePrefix("2001:db8::3/128"), Type: Unicast, Protocol: 200, NextHopID: 9},
+		{Table: 254, Dst: netip.MustParsePrefix("::/0"), Type: Unreachable},
+		{
+			// An IPv4 route may have an IPv6 outer header.
+			Table: 7600, Dst: netip.MustParsePrefix("10.96.0.4/32"), Type: Unicast, Protocol: 200,
+			LinkIndex: 7, IPEncap: &IPEncap{Dst: netip.MustParseAddr("fd00:244::3:4"), TTL: 64},
+		},
 	} {
 		if err := r.validate(); err != nil {
 			t.Fatalf("validate(%v): %v", &r, err)
@@ -114,6 +199,17 @@ func TestNewRouteMessageRoundTrip(t *testing.T) {
 		}
 		if !got.Equal(&r) {
 			t.Errorf("round trip of %v gave %v", &r, &got)
+		}
+		a, _ := scanRoute(msg[nlmsgHeaderLen:])
+		wantFamily, gatewayAttr := uint8(unix.AF_INET), a.gateway
+		if r.Dst.Addr().Is6() {
+			wantFamily = unix.AF_INET6
+		}
+		if a.hdr.family != wantFamily || len(a.dst) != r.Dst.Addr().BitLen()/8 {
+			t.Errorf("%v: family %d with a %d-byte RTA_DST", &r, a.hdr.family, len(a.dst))
+		}
+		if r.Gateway.IsValid() && r.Gateway.Is6() == r.Dst.Addr().Is6() && (a.via != nil || len(gatewayAttr) != r.Gateway.BitLen()/8) {
+			t.Errorf("%v: gateway in RTA_VIA %x / RTA_GATEWAY %x, want RTA_GATEWAY", &r, a.via, gatewayAttr)
 		}
 	}
 }
@@ -163,6 +259,37 @@ func TestDelRouteMessage(t *testing.T) {
 	}
 	if a.oif != nil || a.encap != nil || a.gateway != nil {
 		t.Error("delete request carries next-hop attributes; it must match the key only")
+	}
+	r6 := Route{Table: 7600, Dst: netip.MustParsePrefix("2001:db8::1/128"), Protocol: 200}
+	a, err = scanRoute(appendDelRoute(nil, &r6, 10)[nlmsgHeaderLen:])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := a.route(); err != nil || a.hdr.family != unix.AF_INET6 || a.hdr.dstLen != 128 || got.Dst != r6.Dst {
+		t.Errorf("IPv6 delete: family %d, /%d, dst %v (%v)", a.hdr.family, a.hdr.dstLen, got.Dst, err)
+	}
+}
+
+func TestRouteDumpRequestFamily(t *testing.T) {
+	for _, f := range []ListFilter{{}, {IPv6: true, Protocol: 200}} {
+		b := appendRouteDumpRequest(nil, &f, 1)
+		hdr, err := parseRtmsg(b[nlmsgHeaderLen:])
+		want := uint8(unix.AF_INET)
+		if f.IPv6 {
+			want = unix.AF_INET6
+		}
+		if err != nil || hdr.family != want || hdr.protocol != f.Protocol {
+			t.Errorf("dump request of %+v: %+v (%v), want family %d", f, hdr, err, want)
+		}
+		// The decoder drops the other family's routes, which the kernel
+		// does not send anyway.
+		for payload, is6 := range map[*[]byte]bool{&kernelEncapRoute6: true, &kernelBlackholeRoute6: true, &kernelNextHopRoute: false} {
+			listed := false
+			err := decodeSelected(*payload, &f, func(Route) error { listed = true; return nil })
+			if err != nil || listed != (is6 == f.IPv6) {
+				t.Errorf("filter %+v listed an IPv6=%v route: %v (%v)", f, is6, listed, err)
+			}
+		}
 	}
 }
 
@@ -214,7 +341,12 @@ func TestDecodeRouteMalformed(t *testing.T) {
 	for name, b := range map[string][]byte{
 		"short rtmsg":     payload[:8],
 		"truncated":       payload[:len(payload)-3],
-		"ipv6 family":     append([]byte{unix.AF_INET6}, payload[1:]...),
+		"ipv6 family":     append([]byte{unix.AF_INET6}, payload[1:]...), // a 4-byte RTA_DST
+		"mpls family":     append([]byte{unix.AF_MPLS}, payload[1:]...),
+		"prefix len 129":  append([]byte{unix.AF_INET6, 129}, kernelBlackholeRoute6[2:]...),
+		"ipv4 in ipv6":    append([]byte{unix.AF_INET, 32}, kernelBlackholeRoute6[2:]...),
+		"short gateway6":  append(slices.Clone(kernelBlackholeRoute6), 0x08, 0x00, unix.RTA_GATEWAY, 0x00, 10, 0, 0, 1),
+		"ip6 encap in v4": withAttr(0x06, 0x00, unix.RTA_ENCAP_TYPE, 0x00, 4, 0, 0, 0, 0x0c, 0x00, unix.RTA_ENCAP, 0x00, 0x08, 0x00, 0x02, 0x00, 10, 0, 0, 1),
 		"prefix len 33":   append([]byte{unix.AF_INET, 33}, payload[2:]...),
 		"short table":     withAttr(0x06, 0x00, unix.RTA_TABLE, 0x00, 1, 0, 0, 0),
 		"short dst":       withAttr(0x07, 0x00, unix.RTA_DST, 0x00, 10, 0, 0, 0),
@@ -276,6 +408,9 @@ func TestParseNLError(t *testing.T) {
 func FuzzDecodeRoute(f *testing.F) {
 	f.Add(kernelEncapRoute[nlmsgHeaderLen:])
 	f.Add(kernelBlackholeRoute[nlmsgHeaderLen:])
+	f.Add(kernelEncapRoute6)
+	f.Add(kernelBlackholeRoute6)
+	f.Add(kernelNextHopRoute6)
 	mpls := Route{Table: 7, Dst: netip.MustParsePrefix("10.0.0.0/8"), Type: Unicast,
 		Gateway: netip.MustParseAddr("10.1.1.1"), MPLSLabels: []uint32{1, 2}}
 	f.Add(appendNewRoute(nil, &mpls, 1)[nlmsgHeaderLen:])

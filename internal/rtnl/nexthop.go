@@ -21,13 +21,20 @@ type NextHop struct {
 	ID uint32
 	// Protocol marks the owner, like Route.Protocol.
 	Protocol uint8
+	// IPv6 makes it an AF_INET6 nexthop, the only kind IPv6 routes may
+	// name (the kernel refuses IPv4 nexthops for them); an IPv4 one
+	// (AF_INET) otherwise. Its Gateway, if any, is of that family; its
+	// IPEncap may be of either.
+	IPv6 bool
 	// Blackhole makes the nexthop drop packets; nothing below may be set.
 	Blackhole bool
 	// LinkIndex is the output interface; required unless Blackhole.
 	LinkIndex int
-	// Gateway is an IPv4 next hop router, e.g. the node in MPLS mode.
+	// Gateway is a next hop router of the nexthop's family, e.g. the node
+	// in MPLS mode.
 	Gateway netip.Addr
-	// IPEncap is an LWTUNNEL_ENCAP_IP encapsulation (GRE mode).
+	// IPEncap is an LWTUNNEL_ENCAP_IP or LWTUNNEL_ENCAP_IP6 encapsulation
+	// (GRE mode).
 	IPEncap *IPEncap
 	// MPLSLabels is an MPLS label stack to push (MPLS mode).
 	MPLSLabels []uint32
@@ -37,7 +44,7 @@ type NextHop struct {
 
 // Equal reports whether n and o are the same nexthop.
 func (n *NextHop) Equal(o *NextHop) bool {
-	return n.ID == o.ID && n.Protocol == o.Protocol && n.Blackhole == o.Blackhole &&
+	return n.ID == o.ID && n.Protocol == o.Protocol && n.IPv6 == o.IPv6 && n.Blackhole == o.Blackhole &&
 		n.LinkIndex == o.LinkIndex && n.Gateway == o.Gateway &&
 		n.IPEncap.Equal(o.IPEncap) && slices.Equal(n.MPLSLabels, o.MPLSLabels) &&
 		n.group == o.group
@@ -47,6 +54,9 @@ func (n *NextHop) Equal(o *NextHop) bool {
 func (n *NextHop) String() string {
 	var sb strings.Builder
 	fmt.Fprintf(&sb, "id %d", n.ID)
+	if n.IPv6 {
+		sb.WriteString(" inet6")
+	}
 	if n.IPEncap != nil {
 		sb.WriteString(" encap " + n.IPEncap.String())
 	}
@@ -80,8 +90,8 @@ func (n *NextHop) validate() error {
 		return fmt.Errorf("%w: blackhole nexthop with a next hop", ErrInvalidRoute)
 	case !n.Blackhole && n.LinkIndex == 0:
 		return fmt.Errorf("%w: nexthop without an output interface", ErrInvalidRoute)
-	case n.Gateway.IsValid() && !n.Gateway.Is4():
-		return fmt.Errorf("%w: nexthop gateway %s is not IPv4", ErrInvalidRoute, n.Gateway)
+	case n.Gateway.IsValid() && (n.Gateway.Is6() != n.IPv6 || n.Gateway.Is4In6()):
+		return fmt.Errorf("%w: nexthop gateway %s is not of the nexthop's family (%s)", ErrInvalidRoute, n.Gateway, n.family())
 	case n.IPEncap != nil && n.MPLSLabels != nil:
 		return fmt.Errorf("%w: both IP and MPLS encapsulation", ErrInvalidRoute)
 	}
@@ -91,6 +101,22 @@ func (n *NextHop) validate() error {
 		}
 	}
 	return validateLabels(n.MPLSLabels)
+}
+
+// family names the nexthop's address family.
+func (n *NextHop) family() string {
+	if n.IPv6 {
+		return "IPv6"
+	}
+	return "IPv4"
+}
+
+// nhFamily is the nhm_family of n.
+func (n *NextHop) nhFamily() uint8 {
+	if n.IPv6 {
+		return unix.AF_INET6
+	}
+	return unix.AF_INET
 }
 
 // nhmsgLen is the size of struct nhmsg.
@@ -109,7 +135,7 @@ func appendNewNextHop(b []byte, n *NextHop, mode uint16, seq uint32) []byte {
 	off := len(b)
 	flags := unix.NLM_F_REQUEST | unix.NLM_F_ACK | unix.NLM_F_CREATE | mode
 	b = appendNlmsghdr(b, unix.RTM_NEWNEXTHOP, flags, seq)
-	b = appendNhmsg(b, unix.AF_INET, n.Protocol)
+	b = appendNhmsg(b, n.nhFamily(), n.Protocol)
 	b = appendAttrU32(b, unix.NHA_ID, n.ID)
 	if n.Blackhole {
 		b = appendAttrHeader(b, unix.NHA_BLACKHOLE, 0)
@@ -118,7 +144,7 @@ func appendNewNextHop(b []byte, n *NextHop, mode uint16, seq uint32) []byte {
 		b = appendAttrU32(b, unix.NHA_OIF, uint32(n.LinkIndex))
 	}
 	if n.Gateway.IsValid() {
-		b = appendAttrBytes4(b, unix.NHA_GATEWAY, n.Gateway.As4())
+		b = appendAttrAddr(b, unix.NHA_GATEWAY, n.Gateway)
 	}
 	b = appendNextHopEncap(b, n)
 	return finishMessage(b, off)
@@ -143,7 +169,7 @@ func decodeNextHop(b []byte) (NextHop, error) {
 	if len(b) < nhmsgLen {
 		return NextHop{}, fmt.Errorf("%w: nexthop message of %d bytes", errMalformed, len(b))
 	}
-	n := NextHop{Protocol: b[2]}
+	n := NextHop{IPv6: b[0] == unix.AF_INET6, Protocol: b[2]}
 	var encapType, encap []byte
 	s := newAttrScanner(b[nhmsgLen:])
 	for s.next() {
@@ -183,10 +209,10 @@ func decodeNextHopEncap(n *NextHop, encapType, encap []byte) error {
 	if err := wantLen("NHA_ENCAP_TYPE", encapType, 2); err != nil {
 		return err
 	}
-	switch binary.NativeEndian.Uint16(encapType) {
-	case unix.LWTUNNEL_ENCAP_IP:
+	switch typ := binary.NativeEndian.Uint16(encapType); typ {
+	case unix.LWTUNNEL_ENCAP_IP, unix.LWTUNNEL_ENCAP_IP6:
 		n.IPEncap = new(IPEncap)
-		return n.IPEncap.Decode(encap)
+		return n.IPEncap.decode(encap, typ)
 	case unix.LWTUNNEL_ENCAP_MPLS:
 		var err error
 		n.MPLSLabels, err = decodeMPLSEncap(encap)
@@ -214,8 +240,9 @@ func decodeAddr(name string, v []byte) (netip.Addr, error) {
 	return netip.Addr{}, attrLenError(name, len(v), 4)
 }
 
-// ListNextHops returns the nexthop objects with the given protocol (all of
-// them if protocol is 0). Nexthop groups are listed but cannot be applied.
+// ListNextHops returns the nexthop objects of both families with the given
+// protocol (all of them if protocol is 0). Nexthop groups are listed but
+// cannot be applied.
 func (c *Client) ListNextHops(protocol uint8) ([]NextHop, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()

@@ -40,15 +40,27 @@ func (t RouteType) String() string {
 	return fmt.Sprintf("type%d", uint8(t))
 }
 
-// Route is an IPv4 route in one routing table, holding exactly what the
-// tunnel router programs: a unicast route with an IP or MPLS encapsulation,
-// or a blackhole.
+// reject reports whether t is a route type that drops packets, which takes
+// no next hop.
+func (t RouteType) reject() bool {
+	switch t {
+	case Blackhole, Unreachable, Prohibit, unix.RTN_THROW:
+		return true
+	}
+	return false
+}
+
+// Route is an IPv4 or IPv6 route in one routing table, holding exactly what
+// the tunnel router programs: a unicast route with an IP (IP6) or MPLS
+// encapsulation, or a blackhole.
 //
 // At most one of IPEncap and MPLSLabels is set, and only on unicast routes.
 type Route struct {
 	// Table is the routing table id; tables above 255 are fine. Required.
 	Table uint32
-	// Dst is the destination prefix, e.g. VIP/32. Required, IPv4, masked.
+	// Dst is the destination prefix, e.g. VIP/32 or VIP6/128. Required,
+	// masked; its family is the route's (an IPv4-mapped IPv6 address is
+	// refused).
 	Dst netip.Prefix
 	// Type is Unicast or Blackhole. The zero value is not a valid type.
 	Type RouteType
@@ -60,10 +72,12 @@ type Route struct {
 	// device. The kernel reports the device it resolved even for routes
 	// added with only a gateway, so set it to compare with listed routes.
 	LinkIndex int
-	// Gateway is the next hop (RTA_GATEWAY, or RTA_VIA for an IPv6 next hop),
-	// e.g. the node in MPLS mode. Unset for IP-encap and blackhole routes.
+	// Gateway is the next hop (RTA_GATEWAY; RTA_VIA for an IPv6 next hop of
+	// an IPv4 route), e.g. the node in MPLS mode. An IPv6 route takes no
+	// IPv4 gateway. Unset for IP-encap and blackhole routes.
 	Gateway netip.Addr
-	// IPEncap is the LWTUNNEL_ENCAP_IP encapsulation (GRE mode).
+	// IPEncap is the LWTUNNEL_ENCAP_IP or LWTUNNEL_ENCAP_IP6 encapsulation
+	// (GRE mode).
 	IPEncap *IPEncap
 	// MPLSLabels is the label stack pushed by LWTUNNEL_ENCAP_MPLS (MPLS
 	// mode), outermost label first.
@@ -84,7 +98,9 @@ type Route struct {
 
 // RouteKey identifies a route: one destination in one table. (The kernel
 // can hold several routes per key that differ in metric or TOS; this package
-// only programs metric 0 and TOS 0.)
+// only programs the default metric, 0 for IPv4 and 1024 for IPv6, and TOS
+// 0.) IPv4 and IPv6 tables are apart in the kernel: the keys of a table
+// number's routes of both families never collide, their prefixes differ.
 type RouteKey struct {
 	Table uint32
 	Dst   netip.Prefix
@@ -156,6 +172,10 @@ func (r *Route) validate() error {
 		return fmt.Errorf("%w: encapsulation on a %s route", ErrInvalidRoute, r.Type)
 	case r.Type != Unicast && (r.Gateway.IsValid() || r.LinkIndex != 0):
 		return fmt.Errorf("%w: next hop on a %s route", ErrInvalidRoute, r.Type)
+	case r.Dst.Addr().Is6() && r.Gateway.Is4():
+		return fmt.Errorf("%w: IPv6 route with IPv4 gateway %s", ErrInvalidRoute, r.Gateway)
+	case r.Gateway.Is4In6():
+		return fmt.Errorf("%w: gateway %s is an IPv4-mapped IPv6 address", ErrInvalidRoute, r.Gateway)
 	case r.NextHopID != 0 && (r.Type != Unicast || r.Gateway.IsValid() || r.LinkIndex != 0 ||
 		r.IPEncap != nil || r.MPLSLabels != nil):
 		return fmt.Errorf("%w: nexthop id on a %s route with a next hop of its own", ErrInvalidRoute, r.Type)
@@ -176,8 +196,8 @@ func (r *Route) validateKey() error {
 	switch {
 	case r.Table == 0:
 		return fmt.Errorf("%w: table 0 (unspecified)", ErrInvalidRoute)
-	case !r.Dst.IsValid() || !r.Dst.Addr().Is4():
-		return fmt.Errorf("%w: destination %s is not an IPv4 prefix", ErrInvalidRoute, r.Dst)
+	case !r.Dst.IsValid() || r.Dst.Addr().Is4In6():
+		return fmt.Errorf("%w: destination %s is not an IPv4 or IPv6 prefix", ErrInvalidRoute, r.Dst)
 	case r.Dst != r.Dst.Masked():
 		return fmt.Errorf("%w: destination %s has host bits set", ErrInvalidRoute, r.Dst)
 	}

@@ -36,6 +36,8 @@ func TestRouteEqual(t *testing.T) {
 		{"mpls instead", func(r *Route) { r.IPEncap, r.MPLSLabels = nil, []uint32{100} }, false},
 		{"unknown encap", func(r *Route) { r.otherEncap = 7 }, false},
 		{"multipath", func(r *Route) { r.multipath = true }, false},
+		{"ipv6 encap dst", func(r *Route) { r.IPEncap = &IPEncap{Dst: netip.MustParseAddr("::ffff:10.244.0.9"), TTL: 64} }, false},
+		{"ipv6 dst", func(r *Route) { r.Dst = netip.MustParsePrefix("::a60:1/128") }, false},
 	} {
 		r := base
 		tc.change(&r)
@@ -75,6 +77,9 @@ func TestRouteString(t *testing.T) {
 		{Route{Table: 7601, Dst: r.Dst, Type: Blackhole, Protocol: 200}, "blackhole 10.96.0.1/32 table 7601 proto 200"},
 		{Route{Table: 7, Dst: r.Dst, Type: Unicast, Gateway: netip.MustParseAddr("10.0.0.1"), MPLSLabels: []uint32{1, 2}},
 			"10.96.0.1/32 encap mpls 1/2 via 10.0.0.1 table 7 proto 0"},
+		{Route{Table: 7600, Dst: netip.MustParsePrefix("2001:db8::1/128"), Type: Unicast, Protocol: 200, LinkIndex: 5,
+			IPEncap: &IPEncap{Dst: netip.MustParseAddr("fd00::9"), TTL: 64}},
+			"2001:db8::1/128 encap ip6 id 0 dst fd00::9 hoplimit 64 oif 5 table 7600 proto 200"},
 	} {
 		if got := tc.r.String(); got != tc.want {
 			t.Errorf("String = %q, want %q", got, tc.want)
@@ -97,13 +102,33 @@ func TestOpValidate(t *testing.T) {
 		{"table 0", Replace, func(r *Route) { r.Table = 0 }, false},
 		{"delete table 0", Delete, func(r *Route) { r.Table = 0 }, false},
 		{"no dst", Replace, func(r *Route) { r.Dst = netip.Prefix{} }, false},
-		{"ipv6 dst", Delete, func(r *Route) { r.Dst = netip.MustParsePrefix("2001:db8::/64") }, false},
+		{"ipv6 delete", Delete, func(r *Route) { *r = Route{Table: 1, Dst: netip.MustParsePrefix("2001:db8::1/128")} }, true},
+		{"ipv6 encap route", Replace, func(r *Route) {
+			r.Dst, r.IPEncap = netip.MustParsePrefix("2001:db8::1/128"), &IPEncap{Dst: netip.MustParseAddr("fd00::1"), TTL: 64}
+		}, true},
+		{"ipv6 blackhole", Replace, func(r *Route) { *r = Route{Table: 1, Dst: netip.MustParsePrefix("2001:db8::/64"), Type: Blackhole} }, true},
+		{"ipv6 mpls via ipv6", Replace, func(r *Route) {
+			r.Dst, r.IPEncap, r.MPLSLabels = netip.MustParsePrefix("2001:db8::1/128"), nil, []uint32{70000}
+			r.Gateway = netip.MustParseAddr("fd00:1::7")
+		}, true},
+		{"ipv6 route via ipv4", Replace, func(r *Route) {
+			r.Dst, r.IPEncap, r.MPLSLabels = netip.MustParsePrefix("2001:db8::1/128"), nil, []uint32{70000}
+			r.Gateway = netip.MustParseAddr("192.168.1.7")
+		}, false},
+		{"ipv4 route via ipv4-mapped", Replace, func(r *Route) {
+			r.IPEncap, r.MPLSLabels, r.Gateway = nil, []uint32{7}, netip.MustParseAddr("::ffff:192.168.1.7")
+		}, false},
+		{"ipv4-mapped dst", Delete, func(r *Route) { r.Dst = netip.MustParsePrefix("::ffff:10.96.0.1/128") }, false},
+		{"ipv6 host bits", Delete, func(r *Route) { r.Dst = netip.MustParsePrefix("2001:db8::1/64") }, false},
 		{"host bits", Delete, func(r *Route) { r.Dst = netip.MustParsePrefix("10.96.0.1/24") }, false},
 		{"no type", Replace, func(r *Route) { r.Type = 0 }, false},
 		{"two encaps", Replace, func(r *Route) { r.MPLSLabels = []uint32{1} }, false},
 		{"encap on blackhole", Replace, func(r *Route) { r.Type, r.LinkIndex = Blackhole, 0 }, false},
 		{"link on blackhole", Replace, func(r *Route) { r.Type, r.IPEncap = Blackhole, nil }, false},
-		{"ipv6 tunnel dst", Replace, func(r *Route) { r.IPEncap = &IPEncap{Dst: netip.MustParseAddr("::1")} }, false},
+		{"ipv6 outer header on an ipv4 route", Replace, func(r *Route) { r.IPEncap = &IPEncap{Dst: netip.MustParseAddr("fd00::1")} }, true},
+		{"mixed encap families", Replace, func(r *Route) {
+			r.IPEncap = &IPEncap{Dst: netip.MustParseAddr("fd00::1"), Src: netip.MustParseAddr("10.0.0.1")}
+		}, false},
 		{"empty label stack", Replace, func(r *Route) { r.IPEncap, r.MPLSLabels = nil, []uint32{} }, false},
 		{"label too big", Replace, func(r *Route) { r.IPEncap, r.MPLSLabels = nil, []uint32{MaxMPLSLabel + 1} }, false},
 		{"31 labels", Replace, func(r *Route) { r.IPEncap, r.MPLSLabels = nil, make([]uint32, 31) }, false},

@@ -3,7 +3,10 @@ package datapath
 import (
 	"errors"
 	"fmt"
+	"net/netip"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
@@ -20,6 +23,14 @@ const (
 	DefaultTableBase    = 7600
 	DefaultGREDevice    = "kst-gre"
 	DefaultChain        = "KST-HMARK"
+	// DefaultGRE6Device is the flow-based ip6gre device of the IPv6
+	// datapath (gre mode).
+	DefaultGRE6Device = "kst-gre6"
+	// DefaultChain6 is the IPv6 HMARK chain, in ip6tables' mangle table.
+	// Its name differs from DefaultChain's because the chain names its
+	// ipsets after itself, and a network namespace has one set of ipset
+	// names for both families.
+	DefaultChain6 = "KST-HMARK6"
 	// DefaultGenerations is the number of routing generations: the current
 	// bucket tables plus up to three older ones kept for established flows.
 	DefaultGenerations = 4
@@ -42,11 +53,80 @@ const (
 // must not set any of them, since HMARK overwrites the whole packet mark.
 const foreignMarkBits = 0x4000 | 0x8000 | 0xffff0000
 
+// Family is the address family of a Datapath's tunnel IPs, and so of
+// everything it programs and reads: its policy rules, routes, nexthop
+// objects, device and conntrack entries. A tunnel IP of a family is carried
+// to endpoints of that family only (a dual-stack Service has one
+// EndpointSlice per family).
+type Family uint8
+
+const (
+	// IPv4 is the zero Family: a Config that names none is IPv4's.
+	IPv4 Family = iota
+	// IPv6 tunnel IPs: IPv6 routes (/128) and rules, AF_INET6 nexthop
+	// objects, outer IPv6 through the ip6gre device (gre mode) or labels
+	// towards the nodes' IPv6 addresses (mpls mode).
+	IPv6
+)
+
+// String returns "IPv4" or "IPv6".
+func (f Family) String() string {
+	switch f {
+	case IPv4:
+		return "IPv4"
+	case IPv6:
+		return "IPv6"
+	}
+	return fmt.Sprintf("Family(%d)", uint8(f))
+}
+
+// FamilyOf is the family of address a; ok is false for an invalid address
+// or an IPv4-mapped IPv6 one, which belongs to neither.
+func FamilyOf(a netip.Addr) (f Family, ok bool) {
+	switch {
+	case a.Is4():
+		return IPv4, true
+	case a.Is6() && !a.Is4In6():
+		return IPv6, true
+	}
+	return 0, false
+}
+
+// has reports whether address a is of family f.
+func (f Family) has(a netip.Addr) bool {
+	g, ok := FamilyOf(a)
+	return ok && g == f
+}
+
+// bits is the length of f's addresses: a tunnel IP's route is VIP/bits.
+func (f Family) bits() int {
+	if f == IPv6 {
+		return 128
+	}
+	return 32
+}
+
+// af is f's kernel address family (AF_INET, AF_INET6).
+func (f Family) af() int {
+	if f == IPv6 {
+		return unix.AF_INET6
+	}
+	return unix.AF_INET
+}
+
 // Config is the datapath configuration every tunnel router must share, plus
 // the node-local ranges it owns. Everything the router creates is identified by
 // these ranges; nothing outside them is ever touched.
+//
+// A dual-stack router runs one Datapath per family from one Config (see
+// ForFamily and Families): the same marks, tables and rule priorities
+// (the kernel keeps each family's rules and tables apart), each family
+// with its own device and HMARK chain.
 type Config struct {
 	Mode encap.Mode
+	// Family is the family of the tunnel IPs the datapath programs (the
+	// zero value IPv4).
+	Family Family
 	// Buckets is the number of HMARK buckets (--hmark-mod), one rule and one
 	// routing table each per generation.
 	Buckets int
@@ -66,10 +146,38 @@ type Config struct {
 	TableBase int
 	// RouteProtocol marks the routes the router installs.
 	RouteProtocol uint8
-	// GREDevice is the name of the flow-based GRE device (gre mode).
+	// GREDevice is the name of the flow-based GRE device (gre mode, IPv4).
 	GREDevice string
+	// GRE6Device is the name of the flow-based ip6gre device (gre mode,
+	// IPv6): outer IPv6 towards IPv6 pods.
+	GRE6Device string
 	// Chain is the iptables chain in the mangle table that holds the HMARK rules.
 	Chain string
+	// Chain6 is the ip6tables chain that holds the IPv6 HMARK rules.
+	Chain6 string
+}
+
+// ForFamily is c for the Datapath of family f.
+func (c Config) ForFamily(f Family) Config {
+	c.Family = f
+	return c
+}
+
+// GREDeviceName is the flow-based device of c's family (gre mode):
+// GREDevice or GRE6Device.
+func (c Config) GREDeviceName() string {
+	if c.Family == IPv6 {
+		return c.GRE6Device
+	}
+	return c.GREDevice
+}
+
+// ChainName is the HMARK chain of c's family: Chain or Chain6.
+func (c Config) ChainName() string {
+	if c.Family == IPv6 {
+		return c.Chain6
+	}
+	return c.Chain
 }
 
 // DefaultConfig returns the defaults of every field but Seed, which every
@@ -79,6 +187,7 @@ func DefaultConfig() Config {
 		Mode: encap.GRE, Buckets: DefaultBuckets, MarkOffset: DefaultMarkOffset,
 		RulePriority: DefaultRulePriority, TableBase: DefaultTableBase, RouteProtocol: encap.DefaultRouteProtocol,
 		GREDevice: DefaultGREDevice, Chain: DefaultChain,
+		GRE6Device: DefaultGRE6Device, Chain6: DefaultChain6,
 		Generations: DefaultGenerations, GenerationCheckPeriod: DefaultGenerationCheckPeriod,
 	}
 }
@@ -88,6 +197,9 @@ func (c Config) Validate() error {
 	var errs []error
 	if err := c.Mode.Validate(); err != nil {
 		errs = append(errs, err)
+	}
+	if c.Family != IPv4 && c.Family != IPv6 {
+		errs = append(errs, fmt.Errorf("family %v: must be IPv4 or IPv6", c.Family))
 	}
 	if c.Buckets < 1 || c.Buckets > MaxBuckets {
 		errs = append(errs, fmt.Errorf("buckets %d: must be between 1 and %d", c.Buckets, MaxBuckets))
@@ -131,10 +243,32 @@ func (c Config) Validate() error {
 	if c.Mode == encap.GRE && (c.GREDevice == "gre0" || c.GREDevice == "gretap0") {
 		errs = append(errs, fmt.Errorf("gre device %q: the kernel's fallback device cannot be flow-based", c.GREDevice))
 	}
+	// The IPv6 names are checked when set, and must be for IPv6.
+	if c.Mode == encap.GRE && (c.Family == IPv6 || c.GRE6Device != "") {
+		switch dev := c.GRE6Device; {
+		case dev == "" || len(dev) > 15:
+			errs = append(errs, fmt.Errorf("gre6 device %q: must be 1-15 characters", dev))
+		case dev == "ip6gre0" || dev == "ip6gretap0" || dev == "ip6tnl0":
+			errs = append(errs, fmt.Errorf("gre6 device %q: the kernel's fallback device cannot be flow-based", dev))
+		case dev == c.GREDevice:
+			errs = append(errs, fmt.Errorf("gre6 device %q: the IPv4 gre device has that name", dev))
+		}
+	}
 	// iptables names have at most 28 characters; with generations the raw
 	// table also holds the chain's "-SYN" subchain.
-	if maxChain := chainNameLimit(c.Generations); c.Chain == "" || len(c.Chain) > maxChain {
+	maxChain := chainNameLimit(c.Generations)
+	if c.Chain == "" || len(c.Chain) > maxChain {
 		errs = append(errs, fmt.Errorf("chain %q: must be 1-%d characters (--generations %d)", c.Chain, maxChain, c.Generations))
+	}
+	if c.Family == IPv6 || c.Chain6 != "" {
+		switch {
+		case c.Chain6 == "" || len(c.Chain6) > maxChain:
+			errs = append(errs, fmt.Errorf("chain6 %q: must be 1-%d characters (--generations %d)", c.Chain6, maxChain, c.Generations))
+		case c.Chain6 == c.Chain:
+			// The chains name their ipsets after themselves, and both
+			// families' sets share one namespace.
+			errs = append(errs, fmt.Errorf("chain6 %q: the IPv4 chain has that name, and so would their ipsets", c.Chain6))
+		}
 	}
 	if c.RouteProtocol < 5 {
 		errs = append(errs, fmt.Errorf("route protocol %d: 0-4 are the kernel's own", c.RouteProtocol))

@@ -53,10 +53,17 @@ type TunnelDevice interface {
 	Remove() error
 }
 
-// Datapath owns the router's kernel state: one policy rule per slot
-// (generation x bucket), one route per tunnel IP per slot table in use, one
-// nexthop object per endpoint those routes lead to, the HMARK rules, and the
-// tunnel device.
+// ErrWrongFamily is wrapped by the errors about a tunnel IP or endpoint of a
+// family the datapath does not program (see Config.Family and Families).
+var ErrWrongFamily = errors.New("address family not served")
+
+// Datapath owns the router's kernel state of one address family (see
+// Config.Family): one policy rule per slot (generation x bucket), one route
+// per tunnel IP per slot table in use, one nexthop object per endpoint those
+// routes lead to, the HMARK rules, and the tunnel device. It programs and
+// reads only its family's rules, routes, nexthop objects and conntrack
+// entries, and refuses tunnel IPs of the other family.
+//
 // It keeps what it believes the kernel holds, diffs the desired state against
 // it and applies only the difference. Resync re-reads the kernel, which adopts
 // existing state after a restart and repairs drift.
@@ -83,6 +90,7 @@ type Datapath struct {
 	observed map[netip.Addr][]nextHop
 	desired  map[netip.Addr][]nextHop
 	nexthops *nexthopTable           // the nexthop objects the observed routes use
+	addrs    *addrTable              // the addresses the next hops hold
 	current  map[netip.Addr]int      // per tunnel IP, the generation of new flows
 	age      map[netip.Addr][]uint64 // per tunnel IP and generation, when it became current
 	clock    uint64                  // advances at every generation switch
@@ -92,18 +100,60 @@ type Datapath struct {
 	ops      uint64
 }
 
-// NewDatapath wires the kernel seams together. nodeLink returns the output
-// interface towards a node address (mpls mode); it may be nil in gre mode.
+// NewDatapath wires the kernel seams together, for the family cfg.Family:
+// chain is that family's HMARK chain, device its flow-based device (a
+// GREDevice of the family in gre mode), and nodeLink returns the output
+// interface towards a node address of the family (mpls mode; it may be nil
+// in gre mode). routes and rules serve both families.
 func NewDatapath(cfg Config, routes RouteOps, rules RuleOps, chain markChain, device TunnelDevice, nodeLink func(netip.Addr) (int, error), log logrus.FieldLogger) *Datapath {
+	addrs := newAddrTable()
 	return &Datapath{
-		cfg: cfg, routes: routes, rules: rules, chain: chain, device: device, nodeLink: nodeLink, log: log,
+		cfg: cfg, routes: routes, rules: rules, chain: chain, device: device, nodeLink: nodeLink,
+		log:      log.WithField("family", cfg.Family.String()),
 		observed: map[netip.Addr][]nextHop{},
 		desired:  map[netip.Addr][]nextHop{},
-		nexthops: newNexthopTable(cfg),
+		nexthops: newNexthopTable(cfg, addrs),
+		addrs:    addrs,
 		current:  map[netip.Addr]int{},
 		age:      map[netip.Addr][]uint64{},
 		affinity: map[netip.Addr]bool{},
 	}
+}
+
+// Family is the address family of the tunnel IPs d programs.
+func (d *Datapath) Family() Family { return d.cfg.Family }
+
+// checkFamily refuses a tunnel IP of the other family.
+func (d *Datapath) checkFamily(vip netip.Addr) error {
+	if !d.cfg.Family.has(vip) {
+		return fmt.Errorf("tunnel %v: %w: this datapath programs %v tunnel IPs", vip, ErrWrongFamily, d.cfg.Family)
+	}
+	return nil
+}
+
+// compactAddrs frees the interned addresses no next hop holds any more,
+// once there are enough of them (see addrTable). It runs at the end of each
+// change, when the desired and observed states and the nexthop objects
+// hold every next hop in use.
+func (d *Datapath) compactAddrs() {
+	if !d.addrs.sweepDue() {
+		return
+	}
+	d.addrs.sweep(func(mark func(nextHop)) {
+		for _, states := range []map[netip.Addr][]nextHop{d.observed, d.desired} {
+			for _, hops := range states {
+				for _, h := range hops {
+					mark(h)
+				}
+			}
+		}
+		for h := range d.nexthops.ids {
+			mark(h)
+		}
+		for _, h := range d.nexthops.hops {
+			mark(h)
+		}
+	})
 }
 
 // EnableGenerationCollection gives the datapath the conntrack table, in which
@@ -141,7 +191,7 @@ func (d *Datapath) hops(t Tunnel) ([]nextHop, error) {
 		h, ok := byAddr[ep.Addr]
 		if !ok {
 			var err error
-			if h, err = d.cfg.hopFor(ep, d.greLink, d.nodeLink); err != nil {
+			if h, err = d.cfg.hopFor(ep, d.greLink, d.nodeLink, d.addrs); err != nil {
 				return nil, fmt.Errorf("tunnel %v bucket %d: %w", t.VIP, b, err)
 			}
 			byAddr[ep.Addr] = h
@@ -155,7 +205,7 @@ func (d *Datapath) hops(t Tunnel) ([]nextHop, error) {
 func (d *Datapath) presentHops(t Tunnel) func(nextHop) bool {
 	set := map[nextHop]bool{}
 	for _, ep := range append(slices.Clone(t.Present), t.Table...) {
-		if h, err := d.cfg.hopFor(ep, d.greLink, d.nodeLink); err == nil {
+		if h, err := d.cfg.hopFor(ep, d.greLink, d.nodeLink, d.addrs); err == nil {
 			set[h] = true
 		}
 	}
@@ -204,13 +254,17 @@ func (d *Datapath) plan(t Tunnel, have []nextHop, cur int) error {
 	return nil
 }
 
-// SetTunnel programs one tunnel IP. Routes go in before the HMARK rule, so a
-// marked packet always finds a route in its bucket table (never the main
-// table); nexthop objects go in before the routes that use them, and those
-// no route uses any more go last.
+// SetTunnel programs one tunnel IP of the datapath's family. Routes go in
+// before the HMARK rule, so a marked packet always finds a route in its
+// bucket table (never the main table); nexthop objects go in before the
+// routes that use them, and those no route uses any more go last.
 func (d *Datapath) SetTunnel(t Tunnel) error {
+	if err := d.checkFamily(t.VIP); err != nil {
+		return err
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	defer d.compactAddrs()
 	if d.greLink == 0 {
 		link, err := d.device.Ensure()
 		if err != nil {
@@ -273,10 +327,12 @@ func (d *Datapath) refreshIfStale() error {
 }
 
 // RemoveTunnel removes everything a tunnel IP had: the HMARK rule first, so no
-// packet is marked for a table that no longer routes it, then its routes.
+// packet is marked for a table that no longer routes it, then its routes. A
+// tunnel IP of the other family has nothing here to remove.
 func (d *Datapath) RemoveTunnel(vip netip.Addr) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	defer d.compactAddrs()
 	if _, ok := d.desired[vip]; !ok && d.observed[vip] == nil {
 		return nil
 	}
@@ -308,12 +364,23 @@ func (d *Datapath) RemoveTunnel(vip netip.Addr) error {
 func (d *Datapath) Resync(tunnels []Tunnel) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	defer d.compactAddrs()
+	// A tunnel IP of the other family is refused; the others go on.
+	var errs []error
+	own := make([]Tunnel, 0, len(tunnels))
+	for _, t := range tunnels {
+		if err := d.checkFamily(t.VIP); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		own = append(own, t)
+	}
+	tunnels = own
 	link, err := d.device.Ensure()
 	if err != nil {
-		return fmt.Errorf("tunnel device: %w", err)
+		return errors.Join(append(errs, fmt.Errorf("tunnel device: %w", err))...)
 	}
 	d.greLink = link
-	var errs []error
 	if err := d.syncRules(); err != nil {
 		errs = append(errs, err)
 	}
@@ -432,7 +499,7 @@ func (d *Datapath) diffVIP(vip netip.Addr, ops []rtnl.Op) ([]rtnl.Op, error) {
 		case w.kind == hopNone:
 			ops = append(ops, rtnl.Op{Kind: rtnl.Delete, Route: d.cfg.route(vip, b, nextHop{kind: hopDrop}, 0)})
 		case w.inline:
-			ops = append(ops, rtnl.Op{Kind: rtnl.Replace, Route: d.cfg.inlineRoute(vip, b, w)})
+			ops = append(ops, rtnl.Op{Kind: rtnl.Replace, Route: d.cfg.inlineRoute(vip, b, w, d.addrs)})
 		case w.endpoint():
 			var ok bool
 			if id, ok = d.nexthops.ids[w]; !ok {
@@ -441,7 +508,7 @@ func (d *Datapath) diffVIP(vip netip.Addr, ops []rtnl.Op) ([]rtnl.Op, error) {
 					d.stale = true
 					return ops, fmt.Errorf("tunnel %v, slot %d: %w", vip, b, err)
 				}
-				ops = append(ops, rtnl.Op{Kind: rtnl.AddNextHop, NextHop: d.cfg.nextHopObject(w, id)})
+				ops = append(ops, rtnl.Op{Kind: rtnl.AddNextHop, NextHop: d.cfg.nextHopObject(w, id, d.addrs)})
 			}
 			fallthrough
 		default:
@@ -507,7 +574,7 @@ func (d *Datapath) applyRoutes(ops []rtnl.Op) error {
 // table it could have used, up to ownedSlots, so that a smaller bucket or
 // generation count still finds the old tables' routes).
 func (d *Datapath) readRoutes() error {
-	nexthops, err := d.routes.ListNextHops(0) // every owner's: their ids are taken
+	nexthops, err := d.routes.ListNextHops(0) // every owner's and family's: their ids are taken
 	if errors.Is(err, unix.EOPNOTSUPP) {
 		// A kernel without nexthop objects (before Linux 5.3) holds none;
 		// the kernel check keeps the router from starting on one, but
@@ -527,10 +594,11 @@ func (d *Datapath) readRoutes() error {
 	reset()
 	last := d.cfg.TableBase + ownedSlots - 1
 	err = d.routes.Walk(rtnl.ListFilter{
+		IPv6:     d.cfg.Family == IPv6,
 		Tables:   rtnl.TableRange{First: uint32(d.cfg.TableBase), Last: uint32(last)},
 		Protocol: d.cfg.RouteProtocol,
 	}, reset, func(r rtnl.Route) error {
-		vip, slot, hop, ok := d.cfg.hopOf(&r, d.nexthops)
+		vip, slot, hop, ok := d.cfg.hopOf(&r, d.nexthops, d.addrs)
 		if !ok {
 			return nil
 		}
@@ -636,12 +704,12 @@ const (
 	ruleActionNop     = 3
 )
 
-// ownsRule reports whether r is one of the router's rules: in its priority
-// range (the guard at RulePriority-1, then the rules of up to ownedSlots
-// slots, fewer than 2*ownedSlots, and the guard's target after them) and
-// carrying its protocol.
+// ownsRule reports whether r is one of the router's rules: of its family,
+// in its priority range (the guard at RulePriority-1, then the rules of up
+// to ownedSlots slots, fewer than 2*ownedSlots, and the guard's target
+// after them) and carrying its protocol.
 func (c Config) ownsRule(r *netlink.Rule) bool {
-	return r.Priority >= c.RulePriority-1 && r.Priority <= c.RulePriority+2*ownedSlots && r.Protocol == c.RouteProtocol
+	return r.Family == c.Family.af() && r.Priority >= c.RulePriority-1 && r.Priority <= c.RulePriority+2*ownedSlots && r.Protocol == c.RouteProtocol
 }
 
 func sameRule(a, b *netlink.Rule) bool {
@@ -673,7 +741,7 @@ func sameRule(a, b *netlink.Rule) bool {
 // syncRules makes the router's policy rules exactly one per slot, and the
 // guard with its target (see GuardRules).
 func (d *Datapath) syncRules() error {
-	all, err := d.rules.RuleListFiltered(unix.AF_INET, nil, 0)
+	all, err := d.rules.RuleListFiltered(d.cfg.Family.af(), nil, 0)
 	if err != nil {
 		return fmt.Errorf("listing rules: %w", err)
 	}
@@ -730,19 +798,21 @@ func (d *Datapath) syncRules() error {
 	return errors.Join(errs...)
 }
 
-// Cleanup removes everything the router owns and nothing else: the HMARK
-// chain, the rules in its priority range with its protocol, the routes in its
-// tables with its protocol, its nexthop objects, and the device it created.
+// Cleanup removes everything the router owns of its family and nothing
+// else: the HMARK chain, the rules of the family in its priority range with
+// its protocol, the routes of the family in its tables with its protocol,
+// its nexthop objects of the family, and the device it created.
 func (d *Datapath) Cleanup() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	defer d.compactAddrs()
 	var errs []error
 	if err := d.chain.Cleanup(); err != nil {
 		errs = append(errs, fmt.Errorf("hmark chain: %w", err))
 	}
 	d.desired, d.current, d.age = map[netip.Addr][]nextHop{}, map[netip.Addr]int{}, map[netip.Addr][]uint64{}
 	d.marked = nil
-	if all, err := d.rules.RuleListFiltered(unix.AF_INET, nil, 0); err != nil {
+	if all, err := d.rules.RuleListFiltered(d.cfg.Family.af(), nil, 0); err != nil {
 		errs = append(errs, fmt.Errorf("listing rules: %w", err))
 	} else {
 		for _, r := range all {

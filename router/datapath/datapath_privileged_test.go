@@ -337,29 +337,48 @@ func TestDatapathEverySlotIsAdopted(t *testing.T) {
 
 // TestDatapathRandomChangesNeverFail makes random changes (endpoints added,
 // removed, drained; tunnels removed and added back) on the real kernel,
-// with several generations: no write may fail (a route naming a missing
-// nexthop object, an object created twice, one deleted under a route), and
-// the end state is a fresh router's, without a stray nexthop object.
+// with several generations, in each family: no write may fail (a route
+// naming a missing nexthop object, an object created twice, one deleted
+// under a route), and the end state is a fresh router's, without a stray
+// nexthop object.
 func TestDatapathRandomChangesNeverFail(t *testing.T) {
-	ns := testnetns.New(t)
-	ns.AddVeth("veth0", "veth1", netip.MustParsePrefix("192.168.50.1/24"))
-	cfg := testConfig()
-	cfg.Generations = 3
-	k := newKernelRouter(t, ns, cfg)
-	if err := k.dp.Resync(nil); err != nil {
+	t.Run("IPv4", func(t *testing.T) {
+		ns := testnetns.New(t)
+		ns.AddVeth("veth0", "veth1", netip.MustParsePrefix("192.168.50.1/24"))
+		cfg := testConfig()
+		cfg.Generations = 3
+		randomChanges(t, ns, cfg, "10.244.%d.%d", []string{"192.0.2.1", "192.0.2.2", "192.0.2.3", "192.0.2.4"},
+			func() (*Datapath, func() int) { k := newKernelRouter(t, ns, cfg); return k.dp, k.writes })
+	})
+	t.Run("IPv6", func(t *testing.T) {
+		ns := testnetns.New(t)
+		ns.AddVeth("veth0", "veth1", netip.MustParsePrefix("192.168.50.1/24"))
+		cfg := testConfig().ForFamily(IPv6)
+		cfg.Generations = 3
+		marks := seamtest.NewKernel()
+		randomChanges(t, ns, cfg, "fd00:244:%d::%x", []string{"2001:db8::1", "2001:db8::2", "2001:db8::3", "2001:db8::4"},
+			func() (*Datapath, func() int) { r := newFamilyRouter(ns, cfg, marks); return r.dp, r.writes })
+	})
+}
+
+// randomChanges runs TestDatapathRandomChangesNeverFail on the routers
+// open returns (with the count of their kernel writes), over tunnel IPs
+// vips and 12 pods named by podFormat (from a subnet and a host number).
+func randomChanges(t *testing.T, ns *testnetns.NS, cfg Config, podFormat string, vips []string, open func() (*Datapath, func() int)) {
+	dp, _ := open()
+	if err := dp.Resync(nil); err != nil {
 		t.Fatal(err)
 	}
 	rnd := rand.New(rand.NewPCG(1, 2))
 	pods := make([]string, 12)
 	for i := range pods {
-		pods[i] = fmt.Sprintf("10.244.%d.%d", i%3, 10+i)
+		pods[i] = fmt.Sprintf(podFormat, i%3, 10+i)
 	}
-	vips := []string{"192.0.2.1", "192.0.2.2", "192.0.2.3", "192.0.2.4"}
 	state := map[string]Tunnel{}
 	for step := range 150 {
 		vip := vips[rnd.IntN(len(vips))]
 		if rnd.IntN(8) == 0 {
-			if err := k.dp.RemoveTunnel(netip.MustParseAddr(vip)); err != nil {
+			if err := dp.RemoveTunnel(netip.MustParseAddr(vip)); err != nil {
 				t.Fatalf("step %d: remove %s: %v", step, vip, err)
 			}
 			delete(state, vip)
@@ -375,7 +394,7 @@ func TestDatapathRandomChangesNeverFail(t *testing.T) {
 			}
 		}
 		tun := drainTunnel(cfg, vip, append(ready, draining...), draining...)
-		if err := k.dp.SetTunnel(tun); err != nil {
+		if err := dp.SetTunnel(tun); err != nil {
 			t.Fatalf("step %d: set %s: %v", step, vip, err)
 		}
 		state[vip] = tun
@@ -384,23 +403,31 @@ func TestDatapathRandomChangesNeverFail(t *testing.T) {
 	for _, tun := range state {
 		final = append(final, tun)
 	}
-	if err := k.dp.Resync(final); err != nil {
+	if err := dp.Resync(final); err != nil {
 		t.Fatal(err)
 	}
-	if w := newKernelRouter(t, ns, cfg); w.dp.Resync(final) != nil || w.writes() != 0 {
-		t.Errorf("a restart after the random changes made %d writes, want 0", w.writes())
+	if again, writes := open(); again.Resync(final) != nil || writes() != 0 {
+		t.Errorf("a restart after the random changes made %d writes, want 0", writes())
 	}
 	// Every nexthop object of the router's is used by a route.
+	family := "-4"
+	if cfg.Family == IPv6 {
+		family = "-6"
+	}
 	used := map[string]bool{}
-	for _, l := range strings.Split(ns.Run("ip", "route", "show", "table", "all", "proto", fmt.Sprint(cfg.RouteProtocol)), "\n") {
+	for _, l := range strings.Split(ns.Run("ip", family, "route", "show", "table", "all", "proto", fmt.Sprint(cfg.RouteProtocol)), "\n") {
 		if f := strings.Fields(l); len(f) > 2 && f[1] == "nhid" {
 			used[f[2]] = true
 		}
 	}
-	for _, id := range routerNextHopIDs(ns, cfg) {
+	ids := routerNextHopIDs(ns, cfg)
+	for _, id := range ids {
 		if !used[fmt.Sprint(id)] {
 			t.Errorf("nexthop object %d is used by no route", id)
 		}
 	}
-	t.Logf("%d nexthop objects, %d writes", len(routerNextHopIDs(ns, cfg)), k.dp.Ops())
+	if len(ids) == 0 {
+		t.Error("no nexthop objects")
+	}
+	t.Logf("%d nexthop objects, %d writes", len(ids), dp.Ops())
 }

@@ -22,12 +22,24 @@ type linkOps interface {
 	LinkDel(netlink.Link) error
 }
 
-// GREDevice is the one flow-based ("external") GRE device of a router. Routes
-// carry the outer destination in their IP encapsulation, so no interface per
-// endpoint is needed.
+// GREDevice is the one flow-based ("external") GRE device of a router's
+// family: kind gre for IPv4 (outer IPv4), ip6gre for IPv6 (outer IPv6).
+// Routes carry the outer destination in their IP encapsulation, so no
+// interface per endpoint is needed.
 type GREDevice struct {
-	Name  string
-	Links linkOps
+	Name string
+	// Family is the outer header's family: IPv4 (the zero value) makes a
+	// gre device, IPv6 an ip6gre device.
+	Family Family
+	Links  linkOps
+}
+
+// kind is the device kind of g's family.
+func (g *GREDevice) kind() string {
+	if g.Family == IPv6 {
+		return "ip6gre"
+	}
+	return "gre"
 }
 
 // Ensure creates the device if it is missing and brings it up.
@@ -37,14 +49,23 @@ func (g *GREDevice) Ensure() (int, error) {
 	switch {
 	case errors.As(err, &notFound):
 		// Local is never sent for a flow-based device, but the library
-		// derives the kind from it: without an IPv4 Local it asks for
-		// "ip6gre" (EOPNOTSUPP without the ip6_gre module; found in the lab).
-		dev := &netlink.Gretun{LinkAttrs: netlink.LinkAttrs{Name: g.Name}, FlowBased: true, Local: net.IPv4zero}
+		// derives the kind from it: an IPv4 Local asks for "gre", any
+		// other for "ip6gre" (EOPNOTSUPP without the ip6_gre module; found
+		// in the lab).
+		local := net.IPv4zero
+		if g.Family == IPv6 {
+			local = net.IPv6zero
+		}
+		dev := &netlink.Gretun{LinkAttrs: netlink.LinkAttrs{Name: g.Name}, FlowBased: true, Local: local}
 		if err := g.Links.LinkAdd(dev); err != nil {
 			if errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.ENOTSUP) {
-				return 0, fmt.Errorf("creating flow-based GRE device %s: the kernel has no GRE support (CONFIG_NET_IPGRE, module ip_gre): %w", g.Name, err)
+				module := "CONFIG_NET_IPGRE, module ip_gre"
+				if g.Family == IPv6 {
+					module = "CONFIG_IPV6_GRE, module ip6_gre"
+				}
+				return 0, fmt.Errorf("creating flow-based %s device %s: the kernel has no %s support (%s): %w", g.kind(), g.Name, g.kind(), module, err)
 			}
-			return 0, fmt.Errorf("creating flow-based GRE device %s: %w", g.Name, err)
+			return 0, fmt.Errorf("creating flow-based %s device %s: %w", g.kind(), g.Name, err)
 		}
 		if link, err = g.Links.LinkByName(g.Name); err != nil {
 			return 0, fmt.Errorf("reading back GRE device %s: %w", g.Name, err)
@@ -56,8 +77,12 @@ func (g *GREDevice) Ensure() (int, error) {
 		return 0, fmt.Errorf("looking up GRE device %s: %w", g.Name, err)
 	default:
 		gre, ok := link.(*netlink.Gretun)
-		if !ok || !gre.FlowBased || link.Attrs().Alias != DeviceAlias {
-			return 0, fmt.Errorf("device %s exists but is not a flow-based GRE device created by kube-service-tunnel (type %s, alias %q); choose another --gre-device", g.Name, link.Type(), link.Attrs().Alias)
+		if !ok || !gre.FlowBased || link.Attrs().Alias != DeviceAlias || !g.ofFamily(gre) {
+			choose := "choose another --gre-device"
+			if g.Family == IPv6 {
+				choose = "choose another name for the IPv6 gre device"
+			}
+			return 0, fmt.Errorf("device %s exists but is not a flow-based %s device created by kube-service-tunnel (type %s, alias %q); %s", g.Name, g.kind(), link.Type(), link.Attrs().Alias, choose)
 		}
 	}
 	if link.Attrs().Flags&unix.IFF_UP == 0 {
@@ -66,6 +91,17 @@ func (g *GREDevice) Ensure() (int, error) {
 		}
 	}
 	return link.Attrs().Index, nil
+}
+
+// ofFamily reports whether a listed GRE device is of g's kind, as far as
+// its local address tells (the kernel reports a gre device's as IPv4, an
+// ip6gre device's as IPv6, a flow-based one's unspecified); a listing
+// without one is not held against the device.
+func (g *GREDevice) ofFamily(dev *netlink.Gretun) bool {
+	if dev.Local == nil {
+		return true
+	}
+	return (dev.Local.To4() != nil) == (g.Family == IPv4)
 }
 
 // Remove deletes the device, if it exists and carries the router's alias.

@@ -1,6 +1,7 @@
 package datapath
 
 import (
+	"net"
 	"strings"
 	"testing"
 
@@ -86,5 +87,45 @@ func TestGREDeviceNeverTouchesAForeignDevice(t *testing.T) {
 		if len(links.added) != 0 {
 			t.Errorf("%s: a device was added", name)
 		}
+	}
+}
+
+// TestGRE6DeviceIsIP6GRE: the IPv6 datapath's device is a flow-based
+// ip6gre device (outer IPv6); it adopts its own and refuses an IPv4 gre
+// device of the router's that has its name, and the other way round.
+func TestGRE6DeviceIsIP6GRE(t *testing.T) {
+	links := &fakeLinks{links: map[string]netlink.Link{}}
+	dev := &GREDevice{Name: "kst-gre6", Family: IPv6, Links: links}
+	idx, err := dev.Ensure()
+	if err != nil {
+		t.Fatal(err)
+	}
+	gre, ok := links.links["kst-gre6"].(*netlink.Gretun)
+	if !ok || !gre.FlowBased || gre.Type() != "ip6gre" || gre.Alias != DeviceAlias || idx != gre.Index {
+		t.Fatalf("created %+v, want a flow-based ip6gre device with our alias", links.links["kst-gre6"])
+	}
+	if _, err := (&GREDevice{Name: "kst-gre6", Family: IPv6, Links: links}).Ensure(); err != nil || len(links.added) != 1 {
+		t.Fatalf("adoption: err %v, %d devices added", err, len(links.added))
+	}
+	// The kernel lists a gre device's local address in 4 bytes, an
+	// ip6gre device's in 16.
+	v4 := &netlink.Gretun{LinkAttrs: netlink.LinkAttrs{Name: "kst-gre", Alias: DeviceAlias}, FlowBased: true, Local: net.IP{0, 0, 0, 0}}
+	v6 := &netlink.Gretun{LinkAttrs: netlink.LinkAttrs{Name: "kst-gre6", Alias: DeviceAlias}, FlowBased: true, Local: net.IPv6zero}
+	links = &fakeLinks{links: map[string]netlink.Link{"kst-gre": v4, "kst-gre6": v6}}
+	for _, tc := range []struct {
+		dev *GREDevice
+		ok  bool
+	}{
+		{&GREDevice{Name: "kst-gre", Links: links}, true},
+		{&GREDevice{Name: "kst-gre6", Family: IPv6, Links: links}, true},
+		{&GREDevice{Name: "kst-gre", Family: IPv6, Links: links}, false},
+		{&GREDevice{Name: "kst-gre6", Links: links}, false},
+	} {
+		if _, err := tc.dev.Ensure(); (err == nil) != tc.ok {
+			t.Errorf("%s device %s: Ensure = %v, want ok=%v", tc.dev.kind(), tc.dev.Name, err, tc.ok)
+		}
+	}
+	if len(links.added) != 0 {
+		t.Errorf("devices added: %v", links.added)
 	}
 }

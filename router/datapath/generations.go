@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"slices"
 
@@ -179,12 +180,12 @@ func (c Config) slotOfMark(mark uint32) (slot int, ok bool) {
 }
 
 // restoredFlow returns the tunnel IP and slot of a conntrack entry whose
-// mark conntrack restores: one of the router's marks, and for TCP more
+// mark conntrack restores: of the datapath's family, one of the router's
+// marks (both families' entries carry the same marks), and for TCP more
 // than tcpMinExpire left (a closing entry's mark is never restored). ok is
 // false for any other entry.
 func (d *Datapath) restoredFlow(f *netlink.ConntrackFlow) (vip netip.Addr, slot int, ok bool) {
-	vip, ok = netip.AddrFromSlice(f.Forward.DstIP.To4())
-	if !ok {
+	if vip, ok = flowAddr(f.Forward.DstIP); !ok || !d.cfg.Family.has(vip) {
 		return vip, 0, false
 	}
 	if slot, ok = d.cfg.slotOfMark(f.Mark); !ok {
@@ -195,6 +196,18 @@ func (d *Datapath) restoredFlow(f *netlink.ConntrackFlow) (vip netip.Addr, slot 
 	}
 	return vip, slot, true
 }
+
+// flowAddr converts a conntrack address: 4 bytes, or 16 holding an IPv4
+// address (net.IP's form of one), is IPv4; other 16 bytes are IPv6.
+func flowAddr(ip net.IP) (netip.Addr, bool) {
+	if v4 := ip.To4(); v4 != nil {
+		return netip.AddrFrom4([4]byte(v4)), true
+	}
+	return netip.AddrFromSlice(ip)
+}
+
+// conntrackFamily is the conntrack table family of c's tunnel IPs.
+func (c Config) conntrackFamily() netlink.InetFamily { return netlink.InetFamily(c.Family.af()) }
 
 // generationOfOffset returns the generation an HMARK offset selects.
 func (c Config) generationOfOffset(offset uint32) (gen int, ok bool) {
@@ -212,7 +225,7 @@ func (d *Datapath) liveFlowsBySlot(vip netip.Addr) []int {
 	if d.flows == nil {
 		return nil
 	}
-	entries, err := d.flows.ConntrackTableList(netlink.ConntrackTable, unix.AF_INET)
+	entries, err := d.flows.ConntrackTableList(netlink.ConntrackTable, d.cfg.conntrackFamily())
 	if err != nil {
 		d.log.WithError(err).WithField("vip", vip).Warn("listing conntrack entries to choose a generation to overwrite; overwriting the oldest")
 		return nil
@@ -245,7 +258,7 @@ func (d *Datapath) CollectGenerations() (removed int, err error) {
 	if flows == nil || len(older) == 0 {
 		return 0, nil
 	}
-	entries, err := flows.ConntrackTableList(netlink.ConntrackTable, unix.AF_INET)
+	entries, err := flows.ConntrackTableList(netlink.ConntrackTable, d.cfg.conntrackFamily())
 	if err != nil {
 		return 0, fmt.Errorf("listing conntrack entries (needs the nf_conntrack_netlink module, CONFIG_NF_CT_NETLINK): %w", err)
 	}

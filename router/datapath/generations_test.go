@@ -201,7 +201,7 @@ func TestGoneEndpointIsRepointedInPlace(t *testing.T) {
 func TestPlanGenerations(t *testing.T) {
 	cfg := testConfig()
 	cfg.Buckets = 4
-	hop := func(last byte) nextHop { return nextHop{kind: hopGRE, addr: [4]byte{10, 0, 0, last}, link: 42} }
+	hop := func(last byte) nextHop { return nextHop{kind: hopGRE, addr: uint32(last), link: 42} }
 	a, b, c := hop(1), hop(2), hop(3)
 	alive := func(hs ...nextHop) func(nextHop) bool {
 		return func(h nextHop) bool {

@@ -16,8 +16,10 @@ import (
 // slowed down with the number of distinct pods; a route that names a
 // nexthop object skips that.
 //
-// The router's nexthop objects carry its route protocol and an id in its
-// range (Config.NextHopIDs); it never touches another nexthop. The ids live
+// The router's nexthop objects carry its route protocol, its family and an
+// id in its range (Config.NextHopIDs); it never touches another nexthop.
+// Nexthop ids are global across families, so each family has ids of its
+// own. The ids live
 // only in the kernel: a restarted router lists the objects, maps each
 // content (next hop) to its id, and adopts them with the routes that use
 // them. A new next hop gets the next free id of the range. An object is
@@ -25,30 +27,50 @@ import (
 // would delete its routes) only once no route in the router's tables
 // uses it.
 
-// nextHopIDBits is the size of the router's id range: 2^24 ids per route
-// protocol.
+// nextHopIDBits is the size of the router's id block: 2^24 ids per route
+// protocol, half of them per family.
 const nextHopIDBits = 24
 
-// NextHopIDs is the range of ids of the router's nexthop objects: the route
-// protocol times 2^24, plus 1 to 2^24-1 (0xf5000001-0xf5ffffff for protocol
-// 245), so that routers with different protocols in one namespace never
-// compete for an id.
+// NextHopIDs is the range of ids the router gives its nexthop objects of
+// c's family, in the block of the route protocol times 2^24, so that
+// routers with different protocols in one namespace never compete for an
+// id: IPv4 takes its lower half from 1 (0xf5000001-0xf57fffff for protocol
+// 245), IPv6 its upper half (0xf5800000-0xf5ffffff).
 func (c Config) NextHopIDs() (first, last uint32) {
+	base := uint32(c.RouteProtocol) << nextHopIDBits
+	half := uint32(1) << (nextHopIDBits - 1)
+	if c.Family == IPv6 {
+		return base + half, base + 2*half - 1
+	}
+	return base + 1, base + half - 1
+}
+
+// ownedNextHopIDs is the range of ids in which the router's objects of c's
+// family are found: IPv6 its range, IPv4 the whole block, since routers
+// before IPv6 gave IPv4 objects ids in all of it (an IPv6 object there is
+// told apart by its family).
+func (c Config) ownedNextHopIDs() (first, last uint32) {
+	if c.Family == IPv6 {
+		return c.NextHopIDs()
+	}
 	base := uint32(c.RouteProtocol) << nextHopIDBits
 	return base + 1, base + 1<<nextHopIDBits - 1
 }
 
 // ownsNextHop reports whether n is one of the router's nexthop objects: its
-// protocol and an id in its range.
+// protocol, its family, and an id in its range.
 func (c Config) ownsNextHop(n *rtnl.NextHop) bool {
-	first, last := c.NextHopIDs()
-	return n.Protocol == c.RouteProtocol && n.ID >= first && n.ID <= last
+	first, last := c.ownedNextHopIDs()
+	return n.Protocol == c.RouteProtocol && n.IPv6 == (c.Family == IPv6) && n.ID >= first && n.ID <= last
 }
 
 // nexthopTable is what the router knows of its nexthop objects: read from
 // the kernel, then kept up to date with every change it makes.
 type nexthopTable struct {
+	// first and last bound the ids allocate gives.
 	first, last uint32
+	// addrs interns the next hops' addresses.
+	addrs *addrTable
 	// ids maps an endpoint's next hop to the id of its nexthop object.
 	ids map[nextHop]uint32
 	// hops maps the id of each of the router's nexthop objects to its next
@@ -65,8 +87,8 @@ type nexthopTable struct {
 	next uint32
 }
 
-func newNexthopTable(cfg Config) *nexthopTable {
-	t := &nexthopTable{}
+func newNexthopTable(cfg Config, addrs *addrTable) *nexthopTable {
+	t := &nexthopTable{addrs: addrs}
 	t.first, t.last = cfg.NextHopIDs()
 	t.next = t.first
 	t.load(cfg, nil)
@@ -86,7 +108,7 @@ func (t *nexthopTable) load(cfg Config, listed []rtnl.NextHop) {
 			}
 			continue
 		}
-		h := cfg.hopOfNextHop(n)
+		h := cfg.hopOfNextHop(n, t.addrs)
 		t.hops[n.ID] = h
 		// Two objects with one content: the lowest id is the endpoint's,
 		// routes through the other are rewritten, and it is collected.

@@ -14,6 +14,9 @@ import (
 )
 
 func TestNextHopStaysSixteenBytes(t *testing.T) {
+	// 16 bytes at 10,000 tunnel IPs x 64 buckets: 10 MB per state. The
+	// address is an index into the addrTable (about 90 bytes per distinct
+	// pod or node address); an IPv6 address inline would make it 28 bytes.
 	if n := unsafe.Sizeof(nextHop{}); n != 16 {
 		t.Errorf("nextHop is %d bytes, want 16 (the router keeps one per slot per tunnel IP, twice)", n)
 	}
@@ -22,17 +25,58 @@ func TestNextHopStaysSixteenBytes(t *testing.T) {
 func TestNextHopIDs(t *testing.T) {
 	for _, tc := range []struct {
 		protocol    uint8
+		family      Family
 		first, last uint32
 	}{
-		{245, 0xf5000001, 0xf5ffffff},
-		{5, 0x05000001, 0x05ffffff},
-		{255, 0xff000001, 0xffffffff},
+		{245, IPv4, 0xf5000001, 0xf57fffff},
+		{245, IPv6, 0xf5800000, 0xf5ffffff},
+		{5, IPv4, 0x05000001, 0x057fffff},
+		{255, IPv4, 0xff000001, 0xff7fffff},
+		{255, IPv6, 0xff800000, 0xffffffff},
 	} {
-		cfg := testConfig()
+		cfg := testConfig().ForFamily(tc.family)
 		cfg.RouteProtocol = tc.protocol
 		if first, last := cfg.NextHopIDs(); first != tc.first || last != tc.last {
-			t.Errorf("protocol %d: ids %#x-%#x, want %#x-%#x", tc.protocol, first, last, tc.first, tc.last)
+			t.Errorf("protocol %d %v: ids %#x-%#x, want %#x-%#x", tc.protocol, tc.family, first, last, tc.first, tc.last)
 		}
+	}
+}
+
+// TestNextHopOwnership: each family owns its objects precisely, by
+// protocol, family and id; IPv4 keeps the ids older routers gave it in the
+// upper half of the block, which IPv6 allocates from but skips those.
+func TestNextHopOwnership(t *testing.T) {
+	v4, v6 := testConfig(), testConfig().ForFamily(IPv6)
+	first4, last4 := v4.NextHopIDs()
+	first6, last6 := v6.NextHopIDs()
+	obj := func(id uint32, ipv6 bool, protocol uint8) rtnl.NextHop {
+		return rtnl.NextHop{ID: id, IPv6: ipv6, Protocol: protocol, LinkIndex: 42}
+	}
+	for _, tc := range []struct {
+		name       string
+		n          rtnl.NextHop
+		own4, own6 bool
+	}{
+		{"ipv4 in the ipv4 range", obj(first4, false, v4.RouteProtocol), true, false},
+		{"ipv4 of an older router, upper half", obj(last6, false, v4.RouteProtocol), true, false},
+		{"ipv6 in the ipv6 range", obj(first6, true, v4.RouteProtocol), false, true},
+		{"ipv6 in the ipv4 range", obj(last4, true, v4.RouteProtocol), false, false},
+		{"another protocol", obj(first6, true, 4), false, false},
+		{"id 0 of the block", obj(first4-1, false, v4.RouteProtocol), false, false},
+		{"the next block", obj(last6+1, true, v4.RouteProtocol), false, false},
+	} {
+		if got := v4.ownsNextHop(&tc.n); got != tc.own4 {
+			t.Errorf("%s: IPv4 owns it: %v, want %v", tc.name, got, tc.own4)
+		}
+		if got := v6.ownsNextHop(&tc.n); got != tc.own6 {
+			t.Errorf("%s: IPv6 owns it: %v, want %v", tc.name, got, tc.own6)
+		}
+	}
+	// The IPv6 allocator skips an older IPv4 object in its range.
+	nt := newNexthopTable(v6, newAddrTable())
+	nt.load(v6, []rtnl.NextHop{obj(first6, false, v4.RouteProtocol)})
+	if id, err := nt.allocate(greHop(nt.addrs, "fd00::1")); err != nil || id != first6+1 {
+		t.Errorf("allocated %#x (%v), want %#x: the first id is an IPv4 object's", id, err, first6+1)
 	}
 }
 
@@ -40,25 +84,27 @@ func TestNexthopTableAllocatesFreeIDsAndWraps(t *testing.T) {
 	cfg := testConfig()
 	cfg.RouteProtocol = 255
 	first, last := cfg.NextHopIDs()
-	nt := newNexthopTable(cfg)
+	addrs := newAddrTable()
+	nt := newNexthopTable(cfg, addrs)
 	nt.load(cfg, []rtnl.NextHop{
-		{ID: first, Protocol: 4, LinkIndex: 1},                        // another owner's, in the range
-		cfg.nextHopObject(greHop("10.244.0.2"), first+1),              // ours
-		{ID: first + 2, Protocol: cfg.RouteProtocol, Blackhole: true}, // ours, not built by the router
+		{ID: first, Protocol: 4, LinkIndex: 1},                                    // another owner's, in the range
+		cfg.nextHopObject(greHop(addrs, "10.244.0.2"), first+1, addrs),            // ours
+		{ID: first + 2, Protocol: cfg.RouteProtocol, Blackhole: true},             // ours, not built by the router
+		{ID: first + 3, Protocol: cfg.RouteProtocol, IPv6: true, Blackhole: true}, // IPv6's, in IPv4's range
 	})
 	nt.next = last
 	var got []uint32
 	for i := range 3 {
-		id, err := nt.allocate(greHop(fmt.Sprintf("10.244.1.%d", i)))
+		id, err := nt.allocate(greHop(addrs, fmt.Sprintf("10.244.1.%d", i)))
 		if err != nil {
 			t.Fatal(err)
 		}
 		got = append(got, id)
 	}
-	if want := []uint32{last, first + 3, first + 4}; !slices.Equal(got, want) {
+	if want := []uint32{last, first + 4, first + 5}; !slices.Equal(got, want) {
 		t.Errorf("allocated %#x, want %#x (after the last id, the first free ones)", got, want)
 	}
-	if nt.ids[greHop("10.244.1.0")] != last || nt.hops[last] != greHop("10.244.1.0") {
+	if nt.ids[greHop(addrs, "10.244.1.0")] != last || nt.hops[last] != greHop(addrs, "10.244.1.0") {
 		t.Errorf("allocation not recorded: %v %v", nt.ids, nt.hops)
 	}
 }
@@ -66,9 +112,10 @@ func TestNexthopTableAllocatesFreeIDsAndWraps(t *testing.T) {
 func TestNexthopTableKeepsOneObjectPerNextHop(t *testing.T) {
 	cfg := testConfig()
 	first, _ := cfg.NextHopIDs()
-	h := greHop("10.244.0.2")
-	nt := newNexthopTable(cfg)
-	nt.load(cfg, []rtnl.NextHop{cfg.nextHopObject(h, first+9), cfg.nextHopObject(h, first+3)})
+	addrs := newAddrTable()
+	h := greHop(addrs, "10.244.0.2")
+	nt := newNexthopTable(cfg, addrs)
+	nt.load(cfg, []rtnl.NextHop{cfg.nextHopObject(h, first+9, addrs), cfg.nextHopObject(h, first+3, addrs)})
 	if nt.ids[h] != first+3 {
 		t.Errorf("next hop %v maps to %#x, want the lower id of its two objects %#x", h, nt.ids[h], first+3)
 	}
@@ -76,13 +123,15 @@ func TestNexthopTableKeepsOneObjectPerNextHop(t *testing.T) {
 	// until then.
 	vip := netip.MustParseAddr("192.0.2.1")
 	r := cfg.route(vip, 0, h, first+9)
-	if _, _, got, _ := cfg.hopOf(&r, nt); got.kind != hopUnknown || nt.idOf(got) != first+9 {
+	if _, _, got, _ := cfg.hopOf(&r, nt, addrs); got.kind != hopUnknown || nt.idOf(got) != first+9 {
 		t.Errorf("route through the duplicate reads as %v (id %d), want an unknown route using it", got, nt.idOf(got))
 	}
 }
 
-func greHop(pod string) nextHop {
-	return nextHop{kind: hopGRE, addr: netip.MustParseAddr(pod).As4(), link: 42}
+// greHop is the gre next hop to pod (of either family) over device 42, pod
+// interned in addrs.
+func greHop(addrs *addrTable, pod string) nextHop {
+	return nextHop{kind: hopGRE, addr: addrs.intern(netip.MustParseAddr(pod)), link: 42}
 }
 
 // TestNextHopObjectsComeFirstAndGoLast checks the order of the kernel
@@ -173,12 +222,13 @@ func TestUpgradeFromInlineRoutes(t *testing.T) {
 			}
 			want := resolved(k.Routes, k.NextHops)
 			// What the earlier version wrote: the same next hops, inline.
+			addrs := newAddrTable()
 			for key, r := range k.Routes {
 				if r.NextHopID == 0 {
 					continue
 				}
-				h := cfg.hopOfNextHop(ptr(k.NextHops[r.NextHopID]))
-				k.Routes[key] = cfg.inlineRoute(vip, int(r.Table)-cfg.TableBase, h)
+				h := cfg.hopOfNextHop(ptr(k.NextHops[r.NextHopID]), addrs)
+				k.Routes[key] = cfg.inlineRoute(vip, int(r.Table)-cfg.TableBase, h, addrs)
 			}
 			clear(k.NextHops)
 
@@ -247,7 +297,8 @@ func TestNextHopDriftRepaired(t *testing.T) {
 	changed := k.NextHops[ids[1]]
 	changed.IPEncap = &rtnl.IPEncap{Dst: netip.MustParseAddr("10.9.9.9"), TTL: greTTL}
 	k.NextHops[ids[1]] = changed
-	stray := cfg.nextHopObject(greHop("10.9.9.8"), first+50)
+	addrs := newAddrTable()
+	stray := cfg.nextHopObject(greHop(addrs, "10.9.9.8"), first+50, addrs)
 	k.NextHops[stray.ID] = stray
 	if err := d.Resync(tunnels); err != nil {
 		t.Fatal(err)

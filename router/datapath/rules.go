@@ -4,7 +4,6 @@ import (
 	"math/bits"
 
 	"github.com/vishvananda/netlink"
-	"golang.org/x/sys/unix"
 )
 
 // The slot rules send each marked packet to its slot's table. The kernel
@@ -121,7 +120,7 @@ func (c Config) SlotRule(b int) netlink.Rule {
 
 func (c Config) newRule(priority int) netlink.Rule {
 	r := *netlink.NewRule()
-	r.Family = unix.AF_INET
+	r.Family = c.Family.af()
 	r.Priority = priority
 	r.Protocol = c.RouteProtocol
 	return r

@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 )
 
 // walk follows the kernel's policy-rule walk (fib_rules_lookup) for a
@@ -85,5 +86,32 @@ func TestSlotRulesAreASearchTree(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestIPv6RulesMirrorIPv4: the IPv6 datapath's rules are IPv4's (the same
+// marks, tables and priorities: the kernel keeps each family's rules and
+// tables apart) in family AF_INET6, and each family owns only its own.
+func TestIPv6RulesMirrorIPv4(t *testing.T) {
+	v4, v6 := testConfig(), testConfig().ForFamily(IPv6)
+	rules4, rules6 := v4.SlotRules(), v6.SlotRules()
+	g4, t4 := v4.GuardRules()
+	g6, t6 := v6.GuardRules()
+	rules4, rules6 = append(rules4, g4, t4), append(rules6, g6, t6)
+	if len(rules4) != len(rules6) {
+		t.Fatalf("%d IPv6 rules, %d IPv4 ones", len(rules6), len(rules4))
+	}
+	for i := range rules6 {
+		r4, r6 := rules4[i], rules6[i]
+		if r4.Family != unix.AF_INET || r6.Family != unix.AF_INET6 {
+			t.Fatalf("rule %d: families %d and %d", i, r4.Family, r6.Family)
+		}
+		r4.Family = r6.Family
+		if !sameRule(&r4, &r6) || r4.Protocol != r6.Protocol {
+			t.Errorf("rule %d: IPv6 %+v, IPv4 %+v", i, r6, r4)
+		}
+		if !v6.ownsRule(&rules6[i]) || v6.ownsRule(&rules4[i]) || !v4.ownsRule(&rules4[i]) || v4.ownsRule(&rules6[i]) {
+			t.Errorf("rule %d: a family owns the other's, or not its own", i)
+		}
 	}
 }
