@@ -6,10 +6,15 @@
 //
 // Every feature is probed for real: the probes create what the daemon would
 // create (a flow-based GRE device, an encap route, a nexthop object and a
-// route through it, an MPLS route, an iptables rule in a temporary chain) and remove it again, preferably in a throwaway
-// network namespace so that the daemon's own namespace is never touched. The
-// kernel loads most modules by itself on first use; when a probe fails, the
-// module is also tried with modprobe once.
+// route through it, an MPLS route, an iptables rule in a temporary chain) and
+// remove it again, preferably in a throwaway network namespace so that the
+// daemon's own namespace is never touched. The kernel loads most modules by
+// itself on first use; when a probe fails, the module is also tried with
+// modprobe once.
+//
+// IPv6 tunnel IPs have features of their own (IPv6 policy routing, ip6gre,
+// ip6tables' tables, inet6 ipsets), each a Feature of its own, probed through
+// the IPv6 view of the same probes (Kernel.IPv6), after the IPv4 ones.
 //
 // Which features are needed is a pure decision (Router, Endpoint); the probes
 // sit behind the Kernel interface, so the decision and the error messages are
@@ -89,37 +94,82 @@ var (
 	NextHopObjects = Feature{Name: "nexthop objects", Since: "Linux 5.3"}
 )
 
+// The features of IPv6 tunnel IPs. Each differs from its IPv4 counterpart
+// (Run tells features apart by value), by name at least: the same kernel
+// option may provide both.
+var (
+	// IPv6Protocol is IPv6 itself: without it (or with ipv6.disable=1 on
+	// the kernel command line) every other IPv6 check is skipped.
+	IPv6Protocol        = Feature{Name: "IPv6", Option: "CONFIG_IPV6", Module: "ipv6"}
+	FlowBasedGRE6       = Feature{Name: "flow-based IPv6 GRE", Option: "CONFIG_IPV6_GRE", Module: "ip6_gre"}
+	GRE6                = Feature{Name: "IPv6 GRE", Option: "CONFIG_IPV6_GRE", Module: "ip6_gre"}
+	MPLSEncap6          = Feature{Name: "MPLS encapsulation of IPv6 routes", Option: "CONFIG_MPLS_IPTUNNEL", Module: "mpls_iptunnel"}
+	LightweightTunnels6 = Feature{Name: "IPv6 lightweight tunnel routes", Option: "CONFIG_LWTUNNEL"}
+	PolicyRouting6      = Feature{Name: "IPv6 policy routing", Option: "CONFIG_IPV6_MULTIPLE_TABLES"}
+	IP6TablesCommand    = Feature{Name: "the ip6tables command", Package: "iptables"}
+	MangleTable6        = Feature{Name: "the ip6tables mangle table", Option: "CONFIG_IP6_NF_MANGLE", Module: "ip6table_mangle"}
+	RawTable6           = Feature{Name: "the ip6tables raw table", Option: "CONFIG_IP6_NF_RAW", Module: "ip6table_raw"}
+	FilterTable6        = Feature{Name: "the ip6tables filter table", Option: "CONFIG_IP6_NF_FILTER", Module: "ip6table_filter"}
+	HMARK6              = Feature{Name: "the ip6tables HMARK target", Option: "CONFIG_NETFILTER_XT_TARGET_HMARK", Module: "xt_HMARK"}
+	CommentMatch6       = Feature{Name: "the ip6tables comment match", Option: "CONFIG_NETFILTER_XT_MATCH_COMMENT", Module: "xt_comment"}
+	ConntrackMatch6     = Feature{Name: "the ip6tables conntrack match", Option: "CONFIG_NETFILTER_XT_MATCH_CONNTRACK", Module: "xt_conntrack"}
+	Connmark6           = Feature{Name: "the ip6tables connmark match and CONNMARK target", Option: "CONFIG_NETFILTER_XT_CONNMARK", Module: "xt_connmark"}
+	MarkMatch6          = Feature{Name: "the ip6tables mark match", Option: "CONFIG_NETFILTER_XT_MARK", Module: "xt_mark"}
+	CTTarget6           = Feature{Name: "the ip6tables CT target", Option: "CONFIG_NETFILTER_XT_TARGET_CT", Module: "xt_CT"}
+	IPSets6             = Feature{Name: "hash:ip ipsets of family inet6", Option: "CONFIG_IP_SET_HASH_IP", Module: "ip_set_hash_ip"}
+	SetMatch6           = Feature{Name: "the ip6tables set match", Option: "CONFIG_NETFILTER_XT_SET", Module: "xt_set"}
+	NextHopObjects6     = Feature{Name: "IPv6 nexthop objects", Since: "Linux 5.3"}
+)
+
 // Kernel runs the probes. Each returns nil when the kernel did what was
 // asked (and the probe removed it again), or the error it got.
+//
+// The probes of one address family say which below ("IPv4; IPv6 in the
+// IPv6 view"): a Kernel's own act on IPv4, those of its IPv6 view on IPv6.
+// The others (MPLSRouting, LoadModule) are the same in both.
 type Kernel interface {
-	// FlowBasedGRE creates and deletes a flow-based ("external") GRE device.
+	// IPv6 returns the same probes acting on IPv6 (the IPv6 view itself
+	// when called on it).
+	IPv6() Kernel
+	// IPStack opens and closes a socket of the family (IPv4; IPv6 in the
+	// IPv6 view).
+	IPStack() error
+	// FlowBasedGRE creates and deletes a flow-based ("external") GRE
+	// device: gre (IPv4), ip6gre (IPv6).
 	FlowBasedGRE() error
-	// GRE creates and deletes a GRE device with a local address.
+	// GRE creates and deletes a GRE device with a local address: gre with
+	// an IPv4 one, ip6gre with an IPv6 one.
 	GRE() error
 	// PolicyRouting adds and deletes (or, in the daemon's own namespace,
-	// lists) IPv4 policy rules.
+	// lists) policy rules of the family.
 	PolicyRouting() error
-	// EncapIPRoute adds and deletes an IPv4 route with "encap ip".
+	// EncapIPRoute adds and deletes a route with "encap ip" (IPv4), or an
+	// IPv6 route with "encap ip6" (IPv6).
 	EncapIPRoute() error
 	// MPLSRouting makes sure the MPLS sysctls exist and adds and deletes an
 	// MPLS route (in a throwaway namespace).
 	MPLSRouting() error
-	// EncapMPLSRoute adds and deletes an IPv4 route with "encap mpls".
+	// EncapMPLSRoute adds and deletes a route of the family with "encap
+	// mpls".
 	EncapMPLSRoute() error
-	// EncapIPNextHop adds a nexthop object with "encap ip" and a route
-	// through it, and deletes both.
+	// EncapIPNextHop adds a nexthop object of the family with "encap ip"
+	// ("encap ip6") and a route of the family through it, and deletes
+	// both.
 	EncapIPNextHop() error
-	// IPTables reports whether the iptables command can be used.
+	// IPTables reports whether the iptables (ip6tables) command can be
+	// used.
 	IPTables() error
-	// IPTablesChain creates and deletes a chain in table.
+	// IPTablesChain creates and deletes a chain in table (of iptables;
+	// ip6tables in the IPv6 view).
 	IPTablesChain(table string) error
 	// IPTablesRule appends rule to a temporary chain of table and deletes
-	// the chain.
+	// the chain (iptables; ip6tables in the IPv6 view).
 	IPTablesRule(table string, rule ...string) error
-	// IPSet creates and destroys a hash:ip set.
+	// IPSet creates and destroys a hash:ip set of the family (inet;
+	// inet6).
 	IPSet() error
-	// IPSetRule creates a hash:ip set, appends a rule matching it to a
-	// temporary chain of table, and deletes both.
+	// IPSetRule creates a hash:ip set of the family, appends a rule
+	// matching it to a temporary chain of table, and deletes both.
 	IPSetRule(table string) error
 	// LoadModule loads a kernel module with modprobe.
 	LoadModule(name string) error
@@ -207,6 +257,18 @@ type RouterParams struct {
 	// Generations above 1 use conntrack (connmark, conntrack and mark
 	// matches, the CT target in the raw table).
 	Generations int
+	// IPv6 adds the checks of IPv6 tunnel IPs, after the IPv4 ones.
+	IPv6 bool
+}
+
+// EndpointParams are the endpoint agent options that decide what it uses.
+type EndpointParams struct {
+	Mode encap.Mode
+	// NetworkPolicy is the agent's enforcement of NetworkPolicy in pods
+	// (filter table rules).
+	NetworkPolicy bool
+	// IPv6 adds the checks of IPv6 tunnel IPs, after the IPv4 ones.
+	IPv6 bool
 }
 
 // iptables rules that exercise one extension each. They go in a temporary
@@ -220,67 +282,154 @@ var (
 	notrackRule   = []string{"-p", "tcp", "-m", "tcp", "--tcp-flags", "FIN,SYN,RST,ACK", "SYN", "-j", "CT", "--notrack"}
 )
 
-func ruleCheck(f Feature, table Feature, tableName string, rule []string) Check {
-	return Check{Feature: f, Requires: []Feature{IPTablesCommand, table}, Probe: func(k Kernel) error { return k.IPTablesRule(tableName, rule...) }}
+// family is what one address family's checks probe: its features, and the
+// view of the probes that acts on it.
+type family struct {
+	ipv6 bool
+	// requires is what every check of the family needs besides its own
+	// prerequisites: IPv6 itself for IPv6.
+	requires []Feature
+
+	policyRouting, lightweightTunnels, nextHopObjects, flowBasedGRE, gre, mplsEncap Feature
+	iptablesCommand, mangleTable, rawTable, filterTable                             Feature
+	hmark, commentMatch, conntrackMatch, connmark, markMatch, ctTarget              Feature
+	ipsets, setMatch                                                                Feature
+}
+
+var (
+	ipv4 = family{
+		policyRouting: PolicyRouting, lightweightTunnels: LightweightTunnels, nextHopObjects: NextHopObjects,
+		flowBasedGRE: FlowBasedGRE, gre: GRE, mplsEncap: MPLSEncap,
+		iptablesCommand: IPTablesCommand, mangleTable: MangleTable, rawTable: RawTable, filterTable: FilterTable,
+		hmark: HMARK, commentMatch: CommentMatch, conntrackMatch: ConntrackMatch, connmark: Connmark,
+		markMatch: MarkMatch, ctTarget: CTTarget, ipsets: IPSets, setMatch: SetMatch,
+	}
+	ipv6 = family{
+		ipv6: true, requires: []Feature{IPv6Protocol},
+		policyRouting: PolicyRouting6, lightweightTunnels: LightweightTunnels6, nextHopObjects: NextHopObjects6,
+		flowBasedGRE: FlowBasedGRE6, gre: GRE6, mplsEncap: MPLSEncap6,
+		iptablesCommand: IP6TablesCommand, mangleTable: MangleTable6, rawTable: RawTable6, filterTable: FilterTable6,
+		hmark: HMARK6, commentMatch: CommentMatch6, conntrackMatch: ConntrackMatch6, connmark: Connmark6,
+		markMatch: MarkMatch6, ctTarget: CTTarget6, ipsets: IPSets6, setMatch: SetMatch6,
+	}
+)
+
+// check is a check of the family's: probe runs on the family's view of the
+// probes, and the family's own prerequisites come first.
+func (f family) check(feature Feature, requires []Feature, probe func(Kernel) error) Check {
+	if !f.ipv6 {
+		return Check{Feature: feature, Requires: requires, Probe: probe}
+	}
+	return Check{
+		Feature:  feature,
+		Requires: slices.Concat(f.requires, requires),
+		Probe:    func(k Kernel) error { return probe(k.IPv6()) },
+	}
+}
+
+// chainCheck probes table with a chain of its own.
+func (f family) chainCheck(table Feature, tableName string) Check {
+	return f.check(table, []Feature{f.iptablesCommand}, func(k Kernel) error { return k.IPTablesChain(tableName) })
+}
+
+// ruleCheck probes an extension with rule in a chain of table.
+func (f family) ruleCheck(feature Feature, table Feature, tableName string, rule []string) Check {
+	return f.check(feature, []Feature{f.iptablesCommand, table}, func(k Kernel) error { return k.IPTablesRule(tableName, rule...) })
+}
+
+// stack is the check of the family itself, none for IPv4.
+func (f family) stack() []Check {
+	if !f.ipv6 {
+		return nil
+	}
+	return []Check{{Feature: IPv6Protocol, Probe: func(k Kernel) error { return k.IPv6().IPStack() }}}
 }
 
 // Router returns the checks of the tunnel router with the given options:
 // policy routing, encap routes, nexthop objects with the mode's encap,
 // the HMARK chain and its ipsets always; conntrack's extensions with more
 // than one generation; GRE when it creates its GRE device (gre mode); MPLS
-// routing and encap mpls in mpls mode.
+// routing and encap mpls in mpls mode. With IPv6, the same again for IPv6
+// (MPLS routing, of no family, excepted), after IPv6 itself.
 func Router(p RouterParams) []Check {
-	checks := []Check{
-		{Feature: PolicyRouting, Probe: Kernel.PolicyRouting},
-		{Feature: LightweightTunnels, Probe: Kernel.EncapIPRoute},
-	}
-	switch p.Mode {
-	case encap.GRE:
-		checks = append(checks, Check{Feature: NextHopObjects, Requires: []Feature{LightweightTunnels}, Probe: Kernel.EncapIPNextHop})
-		if p.CreateGREDevice {
-			checks = append(checks, Check{Feature: FlowBasedGRE, Probe: Kernel.FlowBasedGRE})
-		}
-	case encap.MPLS:
-		checks = append(checks,
-			Check{Feature: MPLSRouting, Probe: Kernel.MPLSRouting},
-			Check{Feature: MPLSEncap, Probe: Kernel.EncapMPLSRoute})
-	}
-	checks = append(checks,
-		Check{Feature: IPTablesCommand, Probe: Kernel.IPTables},
-		Check{Feature: MangleTable, Requires: []Feature{IPTablesCommand}, Probe: func(k Kernel) error { return k.IPTablesChain("mangle") }},
-		ruleCheck(HMARK, MangleTable, "mangle", hmarkRule),
-		ruleCheck(CommentMatch, MangleTable, "mangle", commentRule),
-		Check{Feature: IPSets, Probe: Kernel.IPSet},
-		Check{Feature: SetMatch, Requires: []Feature{IPTablesCommand, MangleTable, IPSets}, Probe: func(k Kernel) error { return k.IPSetRule("mangle") }})
-	if p.Generations > 1 {
-		checks = append(checks,
-			ruleCheck(ConntrackMatch, MangleTable, "mangle", conntrackRule),
-			ruleCheck(Connmark, MangleTable, "mangle", connmarkRule),
-			ruleCheck(MarkMatch, MangleTable, "mangle", markRule),
-			Check{Feature: RawTable, Requires: []Feature{IPTablesCommand}, Probe: func(k Kernel) error { return k.IPTablesChain("raw") }},
-			ruleCheck(CTTarget, RawTable, "raw", notrackRule))
+	checks := routerChecks(p, ipv4)
+	if p.IPv6 {
+		checks = append(checks, routerChecks(p, ipv6)...)
 	}
 	return checks
 }
 
-// Endpoint returns the checks of the endpoint agent in mode: a GRE device
-// in each pod (gre), or MPLS routes in pods and on the node (mpls); with
-// networkPolicy, the filter table and the matches of the policy rules it
-// writes in pods.
-func Endpoint(mode encap.Mode, networkPolicy bool) []Check {
-	var checks []Check
-	switch mode {
+func routerChecks(p RouterParams, f family) []Check {
+	checks := slices.Concat(f.stack(), []Check{
+		f.check(f.policyRouting, nil, Kernel.PolicyRouting),
+		f.check(f.lightweightTunnels, nil, Kernel.EncapIPRoute),
+	})
+	switch p.Mode {
 	case encap.GRE:
-		checks = []Check{{Feature: GRE, Probe: Kernel.GRE}}
+		checks = append(checks, f.check(f.nextHopObjects, []Feature{f.lightweightTunnels}, Kernel.EncapIPNextHop))
+		if p.CreateGREDevice {
+			checks = append(checks, f.check(f.flowBasedGRE, nil, Kernel.FlowBasedGRE))
+		}
 	case encap.MPLS:
-		checks = []Check{{Feature: MPLSRouting, Probe: Kernel.MPLSRouting}}
+		if !f.ipv6 {
+			checks = append(checks, Check{Feature: MPLSRouting, Probe: Kernel.MPLSRouting})
+		}
+		checks = append(checks, f.check(f.mplsEncap, nil, Kernel.EncapMPLSRoute))
 	}
-	if networkPolicy {
+	checks = append(checks,
+		f.check(f.iptablesCommand, nil, Kernel.IPTables),
+		f.chainCheck(f.mangleTable, "mangle"),
+		f.ruleCheck(f.hmark, f.mangleTable, "mangle", hmarkRule),
+		f.ruleCheck(f.commentMatch, f.mangleTable, "mangle", commentRule),
+		f.check(f.ipsets, nil, Kernel.IPSet),
+		f.check(f.setMatch, []Feature{f.iptablesCommand, f.mangleTable, f.ipsets}, func(k Kernel) error { return k.IPSetRule("mangle") }))
+	if p.Generations > 1 {
 		checks = append(checks,
-			Check{Feature: IPTablesCommand, Probe: Kernel.IPTables},
-			Check{Feature: FilterTable, Requires: []Feature{IPTablesCommand}, Probe: func(k Kernel) error { return k.IPTablesChain("filter") }},
-			ruleCheck(CommentMatch, FilterTable, "filter", commentRule),
-			ruleCheck(ConntrackMatch, FilterTable, "filter", conntrackRule))
+			f.ruleCheck(f.conntrackMatch, f.mangleTable, "mangle", conntrackRule),
+			f.ruleCheck(f.connmark, f.mangleTable, "mangle", connmarkRule),
+			f.ruleCheck(f.markMatch, f.mangleTable, "mangle", markRule),
+			f.chainCheck(f.rawTable, "raw"),
+			f.ruleCheck(f.ctTarget, f.rawTable, "raw", notrackRule))
+	}
+	return checks
+}
+
+// Endpoint returns the checks of the endpoint agent in mode for IPv4 tunnel
+// IPs: EndpointChecks without IPv6.
+func Endpoint(mode encap.Mode, networkPolicy bool) []Check {
+	return EndpointChecks(EndpointParams{Mode: mode, NetworkPolicy: networkPolicy})
+}
+
+// EndpointChecks returns the checks of the endpoint agent with the given
+// options: a GRE device in each pod (gre), or MPLS routes in pods and on the
+// node (mpls); with NetworkPolicy, the filter table and the matches of the
+// policy rules it writes in pods. With IPv6, then IPv6 itself, an ip6gre
+// device in each pod (gre; mpls mode's pop route delivers IPv6 too) and,
+// with NetworkPolicy, the same in ip6tables.
+func EndpointChecks(p EndpointParams) []Check {
+	checks := endpointChecks(p, ipv4)
+	if p.IPv6 {
+		checks = append(checks, endpointChecks(p, ipv6)...)
+	}
+	return checks
+}
+
+func endpointChecks(p EndpointParams, f family) []Check {
+	checks := f.stack()
+	switch p.Mode {
+	case encap.GRE:
+		checks = append(checks, f.check(f.gre, nil, Kernel.GRE))
+	case encap.MPLS:
+		if !f.ipv6 {
+			checks = append(checks, Check{Feature: MPLSRouting, Probe: Kernel.MPLSRouting})
+		}
+	}
+	if p.NetworkPolicy {
+		checks = append(checks,
+			f.check(f.iptablesCommand, nil, Kernel.IPTables),
+			f.chainCheck(f.filterTable, "filter"),
+			f.ruleCheck(f.commentMatch, f.filterTable, "filter", commentRule),
+			f.ruleCheck(f.conntrackMatch, f.filterTable, "filter", conntrackRule))
 	}
 	return checks
 }

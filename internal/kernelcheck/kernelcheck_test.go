@@ -10,19 +10,40 @@ import (
 )
 
 // fakeKernel answers each probe from fail (by probe name, "rule:TABLE:TARGET"
-// for iptables rules) and records the calls.
+// for iptables rules, prefixed "6:" in the IPv6 view) and records the calls.
 type fakeKernel struct {
 	fail map[string]error
 	// loads makes LoadModule of a module succeed and clear these probes.
 	loads map[string][]string
 	calls []string
+	// root is the fake whose IPv6 view this is (nil in the fake itself),
+	// and prefix "6:" then.
+	root   *fakeKernel
+	prefix string
+}
+
+// top is the fake that holds fail, loads and calls.
+func (f *fakeKernel) top() *fakeKernel {
+	if f.root != nil {
+		return f.root
+	}
+	return f
 }
 
 func (f *fakeKernel) probe(name string) error {
-	f.calls = append(f.calls, name)
-	return f.fail[name]
+	t := f.top()
+	t.calls = append(t.calls, f.prefix+name)
+	return t.fail[f.prefix+name]
 }
 
+func (f *fakeKernel) IPv6() Kernel {
+	if f.root != nil {
+		return f
+	}
+	return &fakeKernel{root: f, prefix: "6:"}
+}
+
+func (f *fakeKernel) IPStack() error                   { return f.probe("stack") }
 func (f *fakeKernel) FlowBasedGRE() error              { return f.probe("flow-gre") }
 func (f *fakeKernel) GRE() error                       { return f.probe("gre") }
 func (f *fakeKernel) PolicyRouting() error             { return f.probe("rules") }
@@ -39,6 +60,7 @@ func (f *fakeKernel) IPTablesRule(table string, rule ...string) error {
 }
 
 func (f *fakeKernel) LoadModule(name string) error {
+	f = f.top()
 	f.calls = append(f.calls, "modprobe:"+name)
 	probes, ok := f.loads[name]
 	if !ok {
@@ -100,6 +122,110 @@ func TestRouterChecksFollowModeAndFlags(t *testing.T) {
 	}
 }
 
+// featuresOf lists the features of checks in order.
+func featuresOf(checks []Check) []Feature {
+	var out []Feature
+	for _, c := range checks {
+		out = append(out, c.Feature)
+	}
+	return out
+}
+
+func TestRouterIPv6ChecksFollowTheIPv4Ones(t *testing.T) {
+	tables := []Feature{IP6TablesCommand, MangleTable6, HMARK6, CommentMatch6, IPSets6, SetMatch6}
+	sticky := []Feature{ConntrackMatch6, Connmark6, MarkMatch6, RawTable6, CTTarget6}
+	for _, tc := range []struct {
+		name string
+		p    RouterParams
+		want []Feature
+	}{
+		{"gre creating its devices", RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 1, IPv6: true},
+			slices.Concat([]Feature{IPv6Protocol, PolicyRouting6, LightweightTunnels6, NextHopObjects6, FlowBasedGRE6}, tables)},
+		{"gre over existing devices, with generations", RouterParams{Mode: encap.GRE, Generations: 4, IPv6: true},
+			slices.Concat([]Feature{IPv6Protocol, PolicyRouting6, LightweightTunnels6, NextHopObjects6}, tables, sticky)},
+		{"mpls: encap mpls on IPv6 routes, MPLS routing once (IPv4's)", RouterParams{Mode: encap.MPLS, CreateGREDevice: true, Generations: 1, IPv6: true},
+			slices.Concat([]Feature{IPv6Protocol, PolicyRouting6, LightweightTunnels6, MPLSEncap6}, tables)},
+		{"mpls with generations", RouterParams{Mode: encap.MPLS, Generations: 2, IPv6: true},
+			slices.Concat([]Feature{IPv6Protocol, PolicyRouting6, LightweightTunnels6, MPLSEncap6}, tables, sticky)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			v4 := tc.p
+			v4.IPv6 = false
+			want := slices.Concat(featuresOf(Router(v4)), tc.want)
+			checks := Router(tc.p)
+			if got := featuresOf(checks); !slices.Equal(got, want) {
+				t.Errorf("Router(%+v):\n%v\nwant\n%v", tc.p, got, want)
+			}
+			// Without IPv6 no other IPv6 check can tell anything.
+			for _, c := range checks[len(Router(v4)):] {
+				if c.Feature != IPv6Protocol && !slices.Contains(c.Requires, IPv6Protocol) {
+					t.Errorf("%v does not require IPv6", c.Feature)
+				}
+			}
+		})
+	}
+}
+
+// TestIPv6FeaturesAreTheirOwn: Run keys missing features by value, and
+// operators read them by name: no IPv6 feature may equal or be named like
+// an IPv4 one.
+func TestIPv6FeaturesAreTheirOwn(t *testing.T) {
+	v4 := slices.Concat(featuresOf(Router(RouterParams{Mode: encap.MPLS, Generations: 2})),
+		featuresOf(Router(RouterParams{Mode: encap.GRE, CreateGREDevice: true})),
+		featuresOf(EndpointChecks(EndpointParams{Mode: encap.GRE, NetworkPolicy: true})))
+	all := slices.Concat(featuresOf(Router(RouterParams{Mode: encap.MPLS, Generations: 2, IPv6: true})),
+		featuresOf(Router(RouterParams{Mode: encap.GRE, CreateGREDevice: true, IPv6: true})),
+		featuresOf(EndpointChecks(EndpointParams{Mode: encap.GRE, NetworkPolicy: true, IPv6: true})))
+	names := map[string]Feature{}
+	for _, f := range all {
+		if g, ok := names[f.Name]; ok && g != f {
+			t.Errorf("two features named %q: %v and %v", f.Name, g, f)
+		}
+		names[f.Name] = f
+	}
+	var v6 []Feature
+	for _, f := range all {
+		if !slices.Contains(v4, f) && !slices.Contains(v6, f) {
+			v6 = append(v6, f)
+		}
+	}
+	if want := 19; len(v6) != want { // MPLS routing is of no family
+		t.Errorf("%d IPv6 features, want %d: %v", len(v6), want, v6)
+	}
+	for _, f := range v6 {
+		if !strings.Contains(f.Name, "IPv6") && !strings.Contains(f.Name, "ip6tables") && !strings.Contains(f.Name, "inet6") {
+			t.Errorf("%v does not say it is IPv6's", f)
+		}
+	}
+}
+
+func TestEndpointIPv6Checks(t *testing.T) {
+	policy := []Feature{IPTablesCommand, FilterTable, CommentMatch, ConntrackMatch}
+	policy6 := []Feature{IP6TablesCommand, FilterTable6, CommentMatch6, ConntrackMatch6}
+	for _, tc := range []struct {
+		p    EndpointParams
+		want []Feature
+	}{
+		{EndpointParams{Mode: encap.GRE, IPv6: true}, []Feature{GRE, IPv6Protocol, GRE6}},
+		// The pod's MPLS pop route delivers IPv6 as it is.
+		{EndpointParams{Mode: encap.MPLS, IPv6: true}, []Feature{MPLSRouting, IPv6Protocol}},
+		{EndpointParams{Mode: encap.GRE, NetworkPolicy: true, IPv6: true},
+			slices.Concat([]Feature{GRE}, policy, []Feature{IPv6Protocol, GRE6}, policy6)},
+		{EndpointParams{Mode: encap.MPLS, NetworkPolicy: true, IPv6: true},
+			slices.Concat([]Feature{MPLSRouting}, policy, []Feature{IPv6Protocol}, policy6)},
+		{EndpointParams{Mode: encap.MPLS, NetworkPolicy: true}, slices.Concat([]Feature{MPLSRouting}, policy)},
+	} {
+		if got := featuresOf(EndpointChecks(tc.p)); !slices.Equal(got, tc.want) {
+			t.Errorf("EndpointChecks(%+v) = %v, want %v", tc.p, got, tc.want)
+		}
+		if !tc.p.IPv6 {
+			if got, want := featuresOf(Endpoint(tc.p.Mode, tc.p.NetworkPolicy)), featuresOf(EndpointChecks(tc.p)); !slices.Equal(got, want) {
+				t.Errorf("Endpoint(%q, %v) = %v, want EndpointChecks' %v", tc.p.Mode, tc.p.NetworkPolicy, got, want)
+			}
+		}
+	}
+}
+
 func TestEndpointChecksFollowMode(t *testing.T) {
 	for mode, want := range map[encap.Mode][]Feature{
 		encap.GRE:  {GRE},
@@ -124,36 +250,96 @@ func TestEndpointChecksFollowMode(t *testing.T) {
 }
 
 func TestEveryCheckProbesWhatItNames(t *testing.T) {
-	// Each probe of the most demanding router and of both agents fails
-	// alone, and only its own feature is reported.
-	checks := slices.Concat(Router(RouterParams{Mode: encap.MPLS, Generations: 2}),
-		Router(RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 1}), Endpoint(encap.GRE, false))
+	// Each probe of the most demanding routers and agents, IPv6 included,
+	// fails alone, and only its own feature is reported.
+	checks := slices.Concat(Router(RouterParams{Mode: encap.MPLS, Generations: 2, IPv6: true}),
+		Router(RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 1, IPv6: true}),
+		EndpointChecks(EndpointParams{Mode: encap.GRE, NetworkPolicy: true, IPv6: true}))
+	// The probes whose failure makes the feature's checks fail (the
+	// router's in mangle, the agent's in filter).
 	probes := map[Feature][]string{
 		PolicyRouting: {"rules"}, LightweightTunnels: {"encap-ip"}, FlowBasedGRE: {"flow-gre"}, GRE: {"gre"},
 		MPLSRouting: {"mpls"}, MPLSEncap: {"encap-mpls"}, IPTablesCommand: {"iptables"},
-		MangleTable: {"chain:mangle"}, RawTable: {"chain:raw"}, HMARK: {"rule:mangle:HMARK"},
-		CommentMatch: {"rule:mangle:comment"}, ConntrackMatch: {"rule:mangle:conntrack"},
+		MangleTable: {"chain:mangle"}, RawTable: {"chain:raw"}, FilterTable: {"chain:filter"}, HMARK: {"rule:mangle:HMARK"},
+		CommentMatch: {"rule:mangle:comment", "rule:filter:comment"}, ConntrackMatch: {"rule:mangle:conntrack", "rule:filter:conntrack"},
 		Connmark: {"rule:mangle:connmark"}, MarkMatch: {"rule:mangle:mark"}, CTTarget: {"rule:raw:CT"},
 		IPSets: {"ipset"}, SetMatch: {"rule:mangle:set"},
 		// Probed in gre mode only: mpls mode keeps inline routes.
 		NextHopObjects: {"nexthop-ip"},
+
+		IPv6Protocol: {"6:stack"}, PolicyRouting6: {"6:rules"}, LightweightTunnels6: {"6:encap-ip"},
+		FlowBasedGRE6: {"6:flow-gre"}, GRE6: {"6:gre"}, MPLSEncap6: {"6:encap-mpls"}, NextHopObjects6: {"6:nexthop-ip"},
+		IP6TablesCommand: {"6:iptables"}, MangleTable6: {"6:chain:mangle"}, RawTable6: {"6:chain:raw"},
+		FilterTable6: {"6:chain:filter"}, HMARK6: {"6:rule:mangle:HMARK"},
+		CommentMatch6: {"6:rule:mangle:comment", "6:rule:filter:comment"}, ConntrackMatch6: {"6:rule:mangle:conntrack", "6:rule:filter:conntrack"},
+		Connmark6: {"6:rule:mangle:connmark"}, MarkMatch6: {"6:rule:mangle:mark"}, CTTarget6: {"6:rule:raw:CT"},
+		IPSets6: {"6:ipset"}, SetMatch6: {"6:rule:mangle:set"},
+	}
+	failing := func(names []string) *fakeKernel {
+		k := &fakeKernel{fail: map[string]error{}}
+		for _, probe := range names {
+			k.fail[probe] = errors.New("boom")
+		}
+		return k
 	}
 	for _, c := range checks {
 		names, ok := probes[c.Feature]
 		if !ok {
 			t.Fatalf("no probe known for %v", c.Feature)
 		}
-		k := &fakeKernel{fail: map[string]error{}}
-		for _, probe := range names {
-			k.fail[probe] = errors.New("boom")
-		}
-		err := Run(k, []Check{c})
+		err := Run(failing(names), []Check{c})
 		m := Missing(err)
 		if len(m) != 1 || m[0].Feature != c.Feature {
 			t.Errorf("%v with probes %s failing: %v", c.Feature, names, err)
 		}
 		if err := Run(&fakeKernel{}, []Check{c}); err != nil {
 			t.Errorf("%v with nothing failing: %v", c.Feature, err)
+		}
+		// Among all the checks, no other feature's check runs these
+		// probes (an IPv6 check on the IPv4 view, or the reverse).
+		for _, m := range Missing(Run(failing(names), checks)) {
+			if m.Feature != c.Feature {
+				t.Errorf("probes %s failing: %v reported missing too: %v", names, m.Feature, m.Err)
+			}
+		}
+	}
+}
+
+func TestRunSkipsIPv6ChecksWithoutIPv6(t *testing.T) {
+	k := &fakeKernel{fail: map[string]error{"6:stack": errors.New("opening an IPv6 socket: address family not supported by protocol")}}
+	err := Run(k, Router(RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 2, IPv6: true}))
+	if want := "kernel lacks IPv6 (CONFIG_IPV6, module ipv6): opening an IPv6 socket: address family not supported by protocol"; err == nil || err.Error() != want {
+		t.Fatalf("error %v, want %q", err, want)
+	}
+	for _, c := range k.calls {
+		if strings.HasPrefix(c, "6:") && c != "6:stack" {
+			t.Errorf("%s probed without IPv6", c)
+		}
+	}
+	if !slices.Contains(k.calls, "modprobe:ipv6") || !slices.Contains(k.calls, "rule:raw:CT") {
+		t.Errorf("calls %v: want modprobe ipv6 and every IPv4 probe", k.calls)
+	}
+}
+
+func TestRunReportsIPv6FeaturesByTheirOwnNames(t *testing.T) {
+	k := &fakeKernel{fail: map[string]error{
+		"6:flow-gre":          errors.New("creating a flow-based ip6gre device: operation not supported"),
+		"6:rule:mangle:HMARK": errors.New("ip6tables: No chain/target/match by that name."),
+	}}
+	err := Run(k, Router(RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 1, IPv6: true}))
+	want := []string{
+		"kernel lacks flow-based IPv6 GRE (CONFIG_IPV6_GRE, module ip6_gre): creating a flow-based ip6gre device: operation not supported",
+		"kernel lacks the ip6tables HMARK target (CONFIG_NETFILTER_XT_TARGET_HMARK, module xt_HMARK): ip6tables: No chain/target/match by that name.",
+	}
+	if err == nil {
+		t.Fatal("no error")
+	}
+	if got := strings.Split(err.Error(), "\n"); !slices.Equal(got, want) {
+		t.Errorf("error:\n%s\nwant:\n%s", err, strings.Join(want, "\n"))
+	}
+	for _, c := range []string{"modprobe:ip6_gre", "6:rule:mangle:comment", "flow-gre", "rule:mangle:HMARK"} {
+		if !slices.Contains(k.calls, c) {
+			t.Errorf("%s not in calls %v", c, k.calls)
 		}
 	}
 }

@@ -37,7 +37,7 @@ const (
 	sysctlPlatformLabels = "net/mpls/platform_labels"
 )
 
-// Addresses of the probes, from TEST-NET-1.
+// Addresses of the probes, from TEST-NET-1 and, for IPv6, 2001:db8::/32.
 var (
 	// probeRoute is the destination of the probe routes.
 	probeRoute = &net.IPNet{IP: net.IPv4(192, 0, 2, 1), Mask: net.CIDRMask(32, 32)}
@@ -45,10 +45,27 @@ var (
 	probeTunnel = netip.MustParseAddr("192.0.2.2")
 	// probeLocal is the local address of the probe GRE device.
 	probeLocal = net.IPv4(192, 0, 2, 3)
+
+	probeRoute6  = &net.IPNet{IP: net.ParseIP("2001:db8::1"), Mask: net.CIDRMask(128, 128)}
+	probeTunnel6 = netip.MustParseAddr("2001:db8::2")
+	probeLocal6  = net.ParseIP("2001:db8::3")
 )
 
 // Probes is the real Kernel: netlink and iptables in one network namespace.
+// Its IPv6 view (IPv6) shares everything but the family: the namespace, the
+// names, and the leftovers that Close reports.
 type Probes struct {
+	*session
+	// ipv6 is true in the IPv6 view: the family's probes act on IPv6.
+	ipv6 bool
+	// ipt is the family's iptables (ip6tables in the IPv6 view), or iptErr
+	// why there is none.
+	ipt    *iptables.IPTables
+	iptErr error
+}
+
+// session is what both families' probes share.
+type session struct {
 	ns netns.NsHandle
 	// enter is true when work that needs a thread in the namespace
 	// (iptables, sysctls) must switch one there: false in the caller's own
@@ -58,15 +75,17 @@ type Probes struct {
 	// may also set sysctls.
 	scratch bool
 	nl      *netlink.Handle
-	ipt     *iptables.IPTables
-	iptErr  error
-	// iptables is the iptables binary (WithIPTables).
-	iptables string
+	// iptables is the iptables binary (WithIPTables), ip6tables the
+	// ip6tables one (WithIP6Tables; empty: iptables' counterpart).
+	iptables, ip6tables string
 	// procSys is the sysctl directory (WithProcSys).
 	procSys string
 	suffix  string
-	// leftovers are probe objects that could not be removed.
+	// leftovers are probe objects that could not be removed, by either
+	// family's probes.
 	leftovers []error
+	// v6 is the IPv6 view, made on first use.
+	v6 *Probes
 }
 
 var _ Kernel = (*Probes)(nil)
@@ -114,14 +133,34 @@ func WithIPTables(binary string) Option {
 	return func(p *Probes) { p.iptables = binary }
 }
 
+// WithIP6Tables makes the IPv6 probes run ip6tables rules with binary
+// instead of the counterpart of the iptables binary: "ip6tables" for
+// "iptables", "ip6tables-legacy" for "iptables-legacy" (the same directory
+// for a path), and "ip6tables" for a binary not named iptables*.
+func WithIP6Tables(binary string) Option {
+	return func(p *Probes) { p.ip6tables = binary }
+}
+
+// ip6tablesOf is the ip6tables counterpart of an iptables binary.
+func ip6tablesOf(binary string) string {
+	dir, base := filepath.Split(binary)
+	if rest, ok := strings.CutPrefix(base, "iptables"); ok {
+		return dir + "ip6tables" + rest
+	}
+	return "ip6tables"
+}
+
 func newProbes(opts []Option) (*Probes, error) {
 	b := make([]byte, 3)
 	if _, err := rand.Read(b); err != nil {
 		return nil, fmt.Errorf("kernel check: random name: %w", err)
 	}
-	p := &Probes{ns: netns.None(), suffix: hex.EncodeToString(b), iptables: "iptables", procSys: "/proc/sys"}
+	p := &Probes{session: &session{ns: netns.None(), suffix: hex.EncodeToString(b), iptables: "iptables", procSys: "/proc/sys"}}
 	for _, o := range opts {
 		o(p)
+	}
+	if p.ip6tables == "" {
+		p.ip6tables = ip6tablesOf(p.iptables)
 	}
 	return p, nil
 }
@@ -145,6 +184,54 @@ func (p *Probes) open() (*Probes, error) {
 	}
 	p.ipt, p.iptErr = iptables.New(iptables.Path(p.iptables))
 	return p, nil
+}
+
+// IPv6 implements Kernel. The view's ip6tables is looked up on first use,
+// so that IPv4-only daemons never run it.
+func (p *Probes) IPv6() Kernel {
+	if p.ipv6 {
+		return p
+	}
+	if p.v6 == nil {
+		p.v6 = &Probes{session: p.session, ipv6: true}
+		p.v6.ipt, p.v6.iptErr = iptables.New(iptables.IPFamily(iptables.ProtocolIPv6), iptables.Path(p.ip6tables))
+	}
+	return p.v6
+}
+
+// familyName names the probes' family in errors.
+func (p *Probes) familyName() string {
+	if p.ipv6 {
+		return "IPv6"
+	}
+	return "IPv4"
+}
+
+// a names one thing of the family in errors: "a route", "an IPv6 route"
+// (the IPv4 probes' errors read as before IPv6).
+func (p *Probes) a(thing string) string {
+	if p.ipv6 {
+		return "an IPv6 " + thing
+	}
+	return "a " + thing
+}
+
+// IPStack implements Kernel. The address families are the kernel's, not a
+// namespace's: any thread's socket tells.
+func (p *Probes) IPStack() error {
+	af := unix.AF_INET
+	if p.ipv6 {
+		af = unix.AF_INET6
+	}
+	fd, err := unix.Socket(af, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		err = fmt.Errorf("opening an %s socket: %w", p.familyName(), err)
+		if b, rerr := os.ReadFile("/sys/module/ipv6/parameters/disable"); p.ipv6 && rerr == nil && strings.TrimSpace(string(b)) == "1" {
+			err = fmt.Errorf("%w (IPv6 is disabled on the kernel command line: ipv6.disable=1)", err)
+		}
+		return err
+	}
+	return unix.Close(fd)
 }
 
 // newNamespace creates a network namespace on a thread that is thrown away.
@@ -204,7 +291,22 @@ func (p *Probes) leftover(what string, err error) {
 	}
 }
 
-func (p *Probes) linkName() string { return "kst-probe" + p.suffix[:5] }
+// linkName is the probe device's name ("kst-probe6..." for IPv6; 15
+// characters at most).
+func (p *Probes) linkName() string {
+	if p.ipv6 {
+		return "kst-probe6" + p.suffix[:5]
+	}
+	return "kst-probe" + p.suffix[:5]
+}
+
+// greKind is the kind of the family's GRE devices.
+func (p *Probes) greKind() string {
+	if p.ipv6 {
+		return "ip6gre"
+	}
+	return "gre"
+}
 
 // addLink creates link and deletes it again.
 func (p *Probes) addLink(link netlink.Link) error {
@@ -217,24 +319,35 @@ func (p *Probes) addLink(link netlink.Link) error {
 
 // FlowBasedGRE implements Kernel.
 func (p *Probes) FlowBasedGRE() error {
-	// An IPv4 Local makes the library ask for "gre" rather than "ip6gre".
-	err := p.addLink(&netlink.Gretun{LinkAttrs: netlink.LinkAttrs{Name: p.linkName()}, FlowBased: true, Local: net.IPv4zero})
+	// Local is not sent for a flow-based device, but the library derives
+	// the kind from it: IPv4 asks for "gre", IPv6 for "ip6gre".
+	local := net.IPv4zero
+	if p.ipv6 {
+		local = net.IPv6zero
+	}
+	err := p.addLink(&netlink.Gretun{LinkAttrs: netlink.LinkAttrs{Name: p.linkName()}, FlowBased: true, Local: local})
 	if errors.Is(err, unix.EEXIST) && p.hasFlowBasedGRE() {
-		return nil // a namespace holds one flow-based GRE device at most
+		return nil // a namespace holds one flow-based device of a kind at most
 	}
 	if err != nil {
+		if p.ipv6 {
+			return fmt.Errorf("creating a flow-based ip6gre device: %w", err)
+		}
 		return fmt.Errorf("creating a flow-based GRE device: %w", err)
 	}
 	return nil
 }
 
+// hasFlowBasedGRE reports whether the namespace has a flow-based device of
+// the family's kind (the library tells the kinds apart by the local
+// address the kernel reports: 0.0.0.0 or ::).
 func (p *Probes) hasFlowBasedGRE() bool {
 	links, err := p.nl.LinkList()
 	if err != nil {
 		return false
 	}
 	for _, l := range links {
-		if g, ok := l.(*netlink.Gretun); ok && g.FlowBased {
+		if g, ok := l.(*netlink.Gretun); ok && g.FlowBased && g.Type() == p.greKind() {
 			return true
 		}
 	}
@@ -243,7 +356,14 @@ func (p *Probes) hasFlowBasedGRE() bool {
 
 // GRE implements Kernel.
 func (p *Probes) GRE() error {
-	if err := p.addLink(&netlink.Gretun{LinkAttrs: netlink.LinkAttrs{Name: p.linkName()}, Local: probeLocal}); err != nil {
+	local := probeLocal
+	if p.ipv6 {
+		local = probeLocal6
+	}
+	if err := p.addLink(&netlink.Gretun{LinkAttrs: netlink.LinkAttrs{Name: p.linkName()}, Local: local}); err != nil {
+		if p.ipv6 {
+			return fmt.Errorf("creating an ip6gre device with a local address: %w", err)
+		}
 		return fmt.Errorf("creating a GRE device: %w", err)
 	}
 	return nil
@@ -251,18 +371,22 @@ func (p *Probes) GRE() error {
 
 // PolicyRouting implements Kernel.
 func (p *Probes) PolicyRouting() error {
+	nlFamily := netlink.FAMILY_V4
+	if p.ipv6 {
+		nlFamily = netlink.FAMILY_V6
+	}
 	if !p.scratch {
-		if _, err := p.nl.RuleList(netlink.FAMILY_V4); err != nil {
-			return fmt.Errorf("listing IPv4 policy rules: %w", err)
+		if _, err := p.nl.RuleList(nlFamily); err != nil {
+			return fmt.Errorf("listing %s policy rules: %w", p.familyName(), err)
 		}
 		return nil
 	}
 	rule := netlink.NewRule()
-	rule.Family, rule.Priority, rule.Mark, rule.Table = netlink.FAMILY_V4, 100, 0x1000, 100
+	rule.Family, rule.Priority, rule.Mark, rule.Table = nlFamily, 100, 0x1000, 100
 	if err := p.nl.RuleAdd(rule); err != nil {
-		return fmt.Errorf("adding an IPv4 fwmark rule: %w", err)
+		return fmt.Errorf("adding an %s fwmark rule: %w", p.familyName(), err)
 	}
-	p.leftover("fwmark rule", p.nl.RuleDel(rule))
+	p.leftover(p.familyName()+" fwmark rule", p.nl.RuleDel(rule))
 	return nil
 }
 
@@ -275,11 +399,22 @@ func (p *Probes) addRoute(route *netlink.Route) error {
 	return nil
 }
 
-// addEncapRoute adds and deletes an unreachable route with encap: the kernel
-// builds the encapsulation as for any route, needs no device (lo may be
-// down), and would drop rather than send whatever found the route.
+// addEncapRoute adds and deletes a route with encap in probeTable. IPv4:
+// an unreachable route, for which the kernel builds the encapsulation as for
+// any route, needs no device (lo may be down), and would drop rather than
+// send whatever found the route. IPv6 builds no encapsulation for a reject
+// route (it only checks that the type is known), so the IPv6 route is one
+// to lo, which must be up (as in the daemon's namespace and the probes'
+// own); no rule looks probeTable up.
 func (p *Probes) addEncapRoute(encap netlink.Encap) error {
-	return p.addRoute(&netlink.Route{Dst: probeRoute, Table: probeTable, Type: unix.RTN_UNREACHABLE, Encap: encap})
+	if !p.ipv6 {
+		return p.addRoute(&netlink.Route{Dst: probeRoute, Table: probeTable, Type: unix.RTN_UNREACHABLE, Encap: encap})
+	}
+	lo, err := p.nl.LinkByName("lo")
+	if err != nil {
+		return fmt.Errorf("finding lo: %w", err)
+	}
+	return p.addRoute(&netlink.Route{Dst: probeRoute6, Table: probeTable, LinkIndex: lo.Attrs().Index, Encap: encap})
 }
 
 // addMPLSRoute adds and deletes an MPLS route that pops probeLabel to lo.
@@ -292,9 +427,20 @@ func (p *Probes) addMPLSRoute() error {
 	return p.addRoute(&netlink.Route{MPLSDst: &label, LinkIndex: lo.Attrs().Index})
 }
 
+// tunnelDst is the outer destination of the family's probe encapsulations.
+func (p *Probes) tunnelDst() netip.Addr {
+	if p.ipv6 {
+		return probeTunnel6
+	}
+	return probeTunnel
+}
+
 // EncapIPRoute implements Kernel.
 func (p *Probes) EncapIPRoute() error {
-	if err := p.addEncapRoute(&rtnl.IPEncap{Dst: probeTunnel}); err != nil {
+	if err := p.addEncapRoute(&rtnl.IPEncap{Dst: p.tunnelDst()}); err != nil {
+		if p.ipv6 {
+			return fmt.Errorf("adding an IPv6 route with encap ip6: %w", err)
+		}
 		return fmt.Errorf("adding a route with encap ip: %w", err)
 	}
 	return nil
@@ -302,9 +448,13 @@ func (p *Probes) EncapIPRoute() error {
 
 // probeNextHopID is the id of the probe nexthop object, from the top of the
 // id space (the routers' ranges end below 0xff000000 for their default
-// protocol), with the probes' random suffix in the low bits.
+// protocol), with the probes' random suffix in the low bits; the IPv6
+// view's is another.
 func (p *Probes) probeNextHopID() uint32 {
 	id, _ := strconv.ParseUint(p.suffix[:4], 16, 32)
+	if p.ipv6 {
+		return 0xfffd0000 | uint32(id)
+	}
 	return 0xfffe0000 | uint32(id)
 }
 
@@ -321,33 +471,36 @@ func (p *Probes) addNextHop(n rtnl.NextHop) error {
 		return err
 	}
 	defer c.Close()
-	n.ID, n.LinkIndex = p.probeNextHopID(), lo.Attrs().Index
+	n.ID, n.LinkIndex, n.IPv6 = p.probeNextHopID(), lo.Attrs().Index, p.ipv6
 	dst, _ := netip.AddrFromSlice(probeRoute.IP.To4())
-	route := rtnl.Route{Table: probeTable, Dst: netip.PrefixFrom(dst, 32), Type: rtnl.Unicast, NextHopID: n.ID}
+	if p.ipv6 {
+		dst, _ = netip.AddrFromSlice(probeRoute6.IP)
+	}
+	route := rtnl.Route{Table: probeTable, Dst: netip.PrefixFrom(dst, dst.BitLen()), Type: rtnl.Unicast, NextHopID: n.ID}
 	err = c.Apply([]rtnl.Op{{Kind: rtnl.AddNextHop, NextHop: n}})
 	if errors.Is(err, unix.EEXIST) {
 		return nil
 	}
 	if err != nil {
-		return fmt.Errorf("creating a nexthop object: %w", err)
+		return fmt.Errorf("creating %s: %w", p.a("nexthop object"), err)
 	}
 	err = c.Apply([]rtnl.Op{{Kind: rtnl.Replace, Route: route}})
 	if err != nil {
-		err = fmt.Errorf("adding a route through a nexthop object: %w", err)
+		err = fmt.Errorf("adding %s through a nexthop object: %w", p.a("route"), err)
 	}
-	p.leftover("probe nexthop object", c.Apply([]rtnl.Op{{Kind: rtnl.DeleteNextHop, NextHop: n}}))
+	p.leftover(p.familyName()+" nexthop object", c.Apply([]rtnl.Op{{Kind: rtnl.DeleteNextHop, NextHop: n}}))
 	return err
 }
 
 // EncapIPNextHop implements Kernel.
 func (p *Probes) EncapIPNextHop() error {
-	return p.addNextHop(rtnl.NextHop{IPEncap: &rtnl.IPEncap{Dst: probeTunnel}})
+	return p.addNextHop(rtnl.NextHop{IPEncap: &rtnl.IPEncap{Dst: p.tunnelDst()}})
 }
 
 // EncapMPLSRoute implements Kernel.
 func (p *Probes) EncapMPLSRoute() error {
 	if err := p.addEncapRoute(&netlink.MPLSEncap{Labels: []int{probeLabel}}); err != nil {
-		return fmt.Errorf("adding a route with encap mpls: %w", err)
+		return fmt.Errorf("adding %s with encap mpls: %w", p.a("route"), err)
 	}
 	return nil
 }
@@ -401,6 +554,14 @@ func (p *Probes) IPTables() error {
 	return nil
 }
 
+// iptablesBinary is the family's iptables command.
+func (p *Probes) iptablesBinary() string {
+	if p.ipv6 {
+		return p.ip6tables
+	}
+	return p.iptables
+}
+
 func (p *Probes) chainName() string { return "KST-PROBE-" + p.suffix }
 
 // IPTablesChain implements Kernel.
@@ -424,12 +585,19 @@ func (p *Probes) IPTablesRule(table string, rule ...string) error {
 				err = fmt.Errorf("appending %q to a chain of table %s: %w", strings.Join(rule, " "), table, err)
 			}
 		}
-		p.leftover("chain "+chain+" of table "+table, p.ipt.ClearAndDeleteChain(table, chain))
+		p.leftover("chain "+chain+" of "+p.iptablesBinary()+" table "+table, p.ipt.ClearAndDeleteChain(table, chain))
 		return err
 	})
 }
 
-func (p *Probes) setName() string { return "KST-PROBE-" + p.suffix }
+// setName is the probe ipset's name: both families' sets share one
+// namespace of names.
+func (p *Probes) setName() string {
+	if p.ipv6 {
+		return "KST-PROBE6-" + p.suffix
+	}
+	return "KST-PROBE-" + p.suffix
+}
 
 // IPSet implements Kernel.
 func (p *Probes) IPSet() error {
@@ -443,8 +611,12 @@ func (p *Probes) IPSet() error {
 }
 
 func (p *Probes) createSet() error {
-	if err := netlink.IpsetCreate(p.setName(), "hash:ip", netlink.IpsetCreateOptions{Family: unix.AF_INET, Counters: true}); err != nil {
-		return fmt.Errorf("creating hash:ip set %s: %w", p.setName(), err)
+	af, of := uint8(unix.AF_INET), ""
+	if p.ipv6 {
+		af, of = unix.AF_INET6, " of family inet6"
+	}
+	if err := netlink.IpsetCreate(p.setName(), "hash:ip", netlink.IpsetCreateOptions{Family: af, Counters: true}); err != nil {
+		return fmt.Errorf("creating hash:ip set %s%s: %w", p.setName(), of, err)
 	}
 	return nil
 }

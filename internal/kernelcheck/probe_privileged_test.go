@@ -12,6 +12,7 @@ import (
 	"github.com/sirupsen/logrus"
 	"github.com/sirupsen/logrus/hooks/test"
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
@@ -27,12 +28,14 @@ func requirePrivileged(t *testing.T) {
 	testnetns.RequireRoot(t)
 }
 
-// everyCheck is one check of every feature either daemon can need.
+// everyCheck is one check of every feature either daemon can need, IPv6's
+// included.
 func everyCheck() []Check {
 	var out []Check
 	seen := map[Feature]bool{}
-	for _, c := range slices.Concat(Router(RouterParams{Mode: encap.MPLS, Generations: 2}),
-		Router(RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 1}), Endpoint(encap.GRE, true)) {
+	for _, c := range slices.Concat(Router(RouterParams{Mode: encap.MPLS, Generations: 2, IPv6: true}),
+		Router(RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 1, IPv6: true}),
+		EndpointChecks(EndpointParams{Mode: encap.GRE, NetworkPolicy: true, IPv6: true})) {
 		if !seen[c.Feature] {
 			seen[c.Feature] = true
 			out = append(out, c)
@@ -42,8 +45,8 @@ func everyCheck() []Check {
 }
 
 // groundTruth finds out whether the kernel has f the way an operator would:
-// with ip and iptables commands in a fresh namespace of its own. It returns
-// nil when the commands worked.
+// with ip, iptables and ip6tables commands in a fresh namespace of its own.
+// It returns nil when the commands worked.
 func groundTruth(t *testing.T, f Feature) error {
 	t.Helper()
 	ns := testnetns.New(t)
@@ -55,16 +58,18 @@ func groundTruth(t *testing.T, f Feature) error {
 		}
 		return nil
 	}
-	iptables := func(table string, rule ...string) error {
-		if _, err := exec.LookPath("iptables"); err != nil {
+	xtables := func(binary, table string, rule ...string) error {
+		if _, err := exec.LookPath(binary); err != nil {
 			return err
 		}
-		cmds := [][]string{{"iptables", "-w", "-t", table, "-N", "GROUND-TRUTH"}}
+		cmds := [][]string{{binary, "-w", "-t", table, "-N", "GROUND-TRUTH"}}
 		if len(rule) > 0 {
-			cmds = append(cmds, append([]string{"iptables", "-w", "-t", table, "-A", "GROUND-TRUTH"}, rule...))
+			cmds = append(cmds, append([]string{binary, "-w", "-t", table, "-A", "GROUND-TRUTH"}, rule...))
 		}
 		return run(cmds...)
 	}
+	iptables := func(table string, rule ...string) error { return xtables("iptables", table, rule...) }
+	ip6tables := func(table string, rule ...string) error { return xtables("ip6tables", table, rule...) }
 	switch f {
 	case FlowBasedGRE:
 		return run([]string{"ip", "link", "add", "gt", "type", "gre", "external"})
@@ -117,6 +122,51 @@ func groundTruth(t *testing.T, f Feature) error {
 			return err
 		}
 		return iptables("mangle", "-m", "set", "--match-set", "GROUND-TRUTH", "src")
+
+	case IPv6Protocol:
+		return run([]string{"ip", "-6", "route", "add", "unreachable", "2001:db8::9/128"})
+	case FlowBasedGRE6:
+		return run([]string{"ip", "link", "add", "gt", "type", "ip6gre", "external"})
+	case GRE6:
+		return run([]string{"ip", "link", "add", "gt", "type", "ip6gre", "local", "2001:db8::7"})
+	case PolicyRouting6:
+		return run([]string{"ip", "-6", "rule", "add", "fwmark", "0x10", "lookup", "10"})
+	case LightweightTunnels6:
+		return run([]string{"ip", "-6", "route", "add", "2001:db8::1/128", "encap", "ip6", "id", "5", "dst", "2001:db8::2", "dev", "lo", "table", "10"})
+	case MPLSEncap6:
+		return run([]string{"ip", "-6", "route", "add", "2001:db8::1/128", "encap", "mpls", "200", "dev", "lo", "table", "10"})
+	case NextHopObjects6:
+		return run([]string{"ip", "-6", "nexthop", "add", "id", "5", "encap", "ip6", "id", "5", "dst", "2001:db8::2", "dev", "lo"},
+			[]string{"ip", "-6", "route", "add", "2001:db8::1/128", "nhid", "5", "table", "10"})
+	case IP6TablesCommand:
+		_, err := exec.LookPath("ip6tables")
+		return err
+	case MangleTable6:
+		return ip6tables("mangle")
+	case RawTable6:
+		return ip6tables("raw")
+	case FilterTable6:
+		return ip6tables("filter")
+	case HMARK6:
+		return ip6tables("mangle", "-j", "HMARK", "--hmark-tuple", "src,dst", "--hmark-mod", "3", "--hmark-rnd", "0x7")
+	case CommentMatch6:
+		return ip6tables("mangle", "-m", "comment", "--comment", "ground truth")
+	case ConntrackMatch6:
+		return ip6tables("mangle", "-m", "conntrack", "--ctstate", "NEW")
+	case Connmark6:
+		return ip6tables("mangle", "-m", "connmark", "--mark", "0x2", "-j", "CONNMARK", "--save-mark")
+	case MarkMatch6:
+		return ip6tables("mangle", "-m", "mark", "--mark", "0x2")
+	case CTTarget6:
+		return ip6tables("raw", "-p", "udp", "-j", "CT", "--notrack")
+	case IPSets6:
+		return ns.IPSets().IpsetCreate("GROUND-TRUTH6", "hash:ip", netlink.IpsetCreateOptions{Family: unix.AF_INET6})
+	case SetMatch6:
+		// ip6tables refuses a set of family inet.
+		if err := ns.IPSets().IpsetCreate("GROUND-TRUTH6", "hash:ip", netlink.IpsetCreateOptions{Family: unix.AF_INET6}); err != nil {
+			return err
+		}
+		return ip6tables("mangle", "-m", "set", "--match-set", "GROUND-TRUTH6", "src")
 	}
 	t.Fatalf("no ground truth for %v", f)
 	return nil
@@ -151,13 +201,15 @@ func compareWithGroundTruth(t *testing.T, p *Probes, truth map[Feature]error) {
 	}
 }
 
-// snapshot is what a namespace holds, as ip and iptables-save print it.
+// snapshot is what a namespace holds, as ip, iptables-save and
+// ip6tables-save print it.
 func snapshot(t *testing.T, ns *testnetns.NS) string {
 	t.Helper()
 	var b strings.Builder
 	for _, c := range [][]string{
-		{"ip", "-d", "-o", "link", "show"}, {"ip", "-o", "addr", "show"}, {"ip", "rule", "show"},
-		{"ip", "route", "show", "table", "all"}, {"ip", "nexthop", "show"}, {"iptables-save"},
+		{"ip", "-d", "-o", "link", "show"}, {"ip", "-o", "addr", "show"}, {"ip", "rule", "show"}, {"ip", "-6", "rule", "show"},
+		{"ip", "route", "show", "table", "all"}, {"ip", "-6", "route", "show", "table", "all"}, {"ip", "nexthop", "show"},
+		{"iptables-save"}, {"ip6tables-save"},
 	} {
 		out, _ := ns.Output(c[0], c[1:]...)
 		for _, l := range strings.Split(out, "\n") {
@@ -170,11 +222,12 @@ func snapshot(t *testing.T, ns *testnetns.NS) string {
 	return b.String()
 }
 
-// TestProbesAgreeWithTheCommands probes every feature, in a throwaway
-// namespace and in place in a given one, and compares each result with what
-// the ip and iptables commands say, so it holds on any kernel. On the
-// development host (no GRE, no MPLS) GRE and MPLS are reported missing with
-// their options and HMARK present.
+// TestProbesAgreeWithTheCommands probes every feature, IPv6's included, in a
+// throwaway namespace and in place in a given one, and compares each result
+// with what the ip, iptables and ip6tables commands say, so it holds on any
+// kernel. On the development host (no GRE, no ip6gre, no MPLS) GRE, ip6gre
+// and MPLS (routing, and encap mpls of both families) are reported missing
+// with their options, HMARK and the rest present.
 func TestProbesAgreeWithTheCommands(t *testing.T) {
 	requirePrivileged(t)
 	truth := map[Feature]error{}
@@ -229,26 +282,43 @@ func TestProbesLeaveTheCallersNamespaceAlone(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	name, chain := p.linkName(), p.chainName()
+	v6 := p.IPv6().(*Probes)
+	names, chain := []string{p.linkName(), v6.linkName()}, p.chainName()
 	_ = Run(p, everyCheck())
 	if err := p.Close(); err != nil {
 		t.Errorf("left behind: %v", err)
 	}
-	if out, _ := exec.Command("ip", "-o", "link", "show").CombinedOutput(); strings.Contains(string(out), name) {
-		t.Errorf("probe device %s in the caller's namespace:\n%s", name, out)
+	if out, _ := exec.Command("ip", "-o", "link", "show").CombinedOutput(); strings.Contains(string(out), names[0]) || strings.Contains(string(out), names[1]) {
+		t.Errorf("probe device %s in the caller's namespace:\n%s", names, out)
 	}
-	if out, err := exec.Command("iptables-save").CombinedOutput(); err == nil && strings.Contains(string(out), chain) {
-		t.Errorf("probe chain %s in the caller's namespace", chain)
+	for _, save := range []string{"iptables-save", "ip6tables-save"} {
+		if out, err := exec.Command(save).CombinedOutput(); err == nil && strings.Contains(string(out), chain) {
+			t.Errorf("probe chain %s in the caller's namespace (%s)", chain, save)
+		}
+	}
+	for _, ip := range []string{"-4", "-6"} {
+		if out, err := exec.Command("ip", ip, "route", "show", "table", fmt.Sprint(probeTable)).CombinedOutput(); err == nil && len(out) > 0 {
+			t.Errorf("probe route in the caller's namespace (ip %s):\n%s", ip, out)
+		}
+	}
+	sets, err := netlink.IpsetListAll()
+	for _, s := range sets {
+		if strings.Contains(s.SetName, p.suffix) {
+			t.Errorf("probe ipset %s in the caller's namespace", s.SetName)
+		}
+	}
+	if err != nil {
+		t.Logf("ipsets not checked: %v", err)
 	}
 }
 
-// TestVerifyLogsEachMissingFeature runs the router's gre-mode checks for real
-// and compares the log with Run's outcome: a line per missing feature with its
-// option, or one line saying all is there.
+// TestVerifyLogsEachMissingFeature runs the router's gre-mode checks, IPv6's
+// included, for real and compares the log with Run's outcome: a line per
+// missing feature with its option, or one line saying all is there.
 func TestVerifyLogsEachMissingFeature(t *testing.T) {
 	requirePrivileged(t)
 	log, hook := test.NewNullLogger()
-	checks := Router(RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 1})
+	checks := Router(RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 1, IPv6: true})
 	err := Verify(checks, log)
 	missing := Missing(err)
 	var lines []*logrus.Entry
@@ -261,7 +331,7 @@ func TestVerifyLogsEachMissingFeature(t *testing.T) {
 		t.Fatalf("%d log lines for %d missing features: %v", len(lines), len(missing), err)
 	}
 	for i, m := range missing {
-		if lines[i].Data["option"] != m.Feature.Option || lines[i].Level != logrus.ErrorLevel {
+		if lines[i].Data["feature"] != m.Feature.Name || lines[i].Data["option"] != m.Feature.Option || lines[i].Level != logrus.ErrorLevel {
 			t.Errorf("log line %d: %v, want option %s", i, lines[i].Data, m.Feature.Option)
 		}
 	}
@@ -360,5 +430,88 @@ func TestNextHopProbeInPlace(t *testing.T) {
 	}
 	if err := p.Close(); err != nil {
 		t.Errorf("left behind: %v", err)
+	}
+}
+
+// TestNextHopProbeInPlaceIPv6 is TestNextHopProbeInPlace for an IPv6 nexthop
+// object with encap ip6 and an IPv6 route through it.
+func TestNextHopProbeInPlaceIPv6(t *testing.T) {
+	requirePrivileged(t)
+	ns := testnetns.New(t)
+	p, err := OpenIn(ns.Handle)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	before := snapshot(t, ns)
+	if err := p.IPv6().EncapIPNextHop(); err != nil {
+		t.Errorf("IPv6 EncapIPNextHop: %v (the kernel has had IPv6 nexthop objects since 5.3)", err)
+	}
+	if after := snapshot(t, ns); after != before {
+		t.Errorf("the probe changed the namespace:\nbefore:\n%s\nafter:\n%s", before, after)
+	}
+	if err := p.Close(); err != nil {
+		t.Errorf("left behind: %v", err)
+	}
+}
+
+// TestIPv6ViewIsTheSameProbes: the IPv6 view shares the namespace and the
+// leftovers (Close reports what either family's probes left), and is its
+// own IPv6 view.
+func TestIPv6ViewIsTheSameProbes(t *testing.T) {
+	requirePrivileged(t)
+	p, err := Open()
+	if err != nil {
+		t.Fatal(err)
+	}
+	v6, ok := p.IPv6().(*Probes)
+	if !ok || !v6.ipv6 || v6.session != p.session || v6.IPv6() != Kernel(v6) || p.IPv6() != Kernel(v6) {
+		t.Fatalf("IPv6 view %#v of %#v", p.IPv6(), p)
+	}
+	boom := errors.New("device busy")
+	v6.leftover("an IPv6 probe object", boom)
+	if err := p.Close(); !errors.Is(err, boom) || !strings.Contains(err.Error(), "an IPv6 probe object") {
+		t.Errorf("Close = %v, want the IPv6 view's leftover", err)
+	}
+}
+
+// TestIP6TablesBinary: the IPv6 probes run the counterpart of the iptables
+// binary unless told another, and report a missing one as the ip6tables
+// command's absence.
+func TestIP6TablesBinary(t *testing.T) {
+	for in, want := range map[string]string{
+		"iptables": "ip6tables", "iptables-nft": "ip6tables-nft", "/usr/sbin/iptables-legacy": "/usr/sbin/ip6tables-legacy",
+		"my-wrapper": "ip6tables",
+	} {
+		if got := ip6tablesOf(in); got != want {
+			t.Errorf("ip6tablesOf(%q) = %q, want %q", in, got, want)
+		}
+	}
+	requirePrivileged(t)
+	if _, err := exec.LookPath("ip6tables"); err != nil {
+		t.Skip("needs ip6tables")
+	}
+	ns := testnetns.New(t)
+	for _, tc := range []struct {
+		opts    []Option
+		missing bool
+	}{
+		{nil, false},
+		{[]Option{WithIPTables("iptables-kst-none")}, true},
+		{[]Option{WithIPTables("iptables-kst-none"), WithIP6Tables("ip6tables")}, false},
+		{[]Option{WithIP6Tables("ip6tables-kst-none")}, true},
+	} {
+		p, err := OpenIn(ns.Handle, tc.opts...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = Run(p, Router(RouterParams{Mode: encap.GRE, IPv6: true})[len(Router(RouterParams{Mode: encap.GRE})):])
+		got := slices.ContainsFunc(Missing(err), func(m *MissingError) bool { return m.Feature == IP6TablesCommand })
+		if got != tc.missing {
+			t.Errorf("%s: ip6tables missing %v, want %v: %v", p.ip6tables, got, tc.missing, err)
+		}
+		if err := p.Close(); err != nil {
+			t.Errorf("left behind: %v", err)
+		}
 	}
 }

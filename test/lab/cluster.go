@@ -108,20 +108,7 @@ func RunCluster(ctx context.Context, opts ClusterOptions) (output string, exitCo
 	if err != nil {
 		return "", -1, fmt.Errorf("lab: API server port: %w", err)
 	}
-	var args strings.Builder
-	for _, a := range opts.Args {
-		args.WriteString(" '" + strings.ReplaceAll(a, "'", `'\''`) + "'")
-	}
-	// The host's KST_E2E_* settings (KST_E2E_DRAIN_FULL, ...) reach the guest.
-	var forward strings.Builder
-	for _, kv := range os.Environ() {
-		if strings.HasPrefix(kv, "KST_E2E_") {
-			forward.WriteString(" '" + strings.ReplaceAll(kv, "'", `'\''`) + "'")
-		}
-	}
-	script := "#!/bin/sh\n" +
-		"export PATH=/usr/sbin:/usr/bin:/sbin:/bin " + EnvGuest + "=1 " + EnvAPIAddr + "=" + apiAddr + forward.String() + "\n" +
-		"cd /tmp\n" + GuestProgram + args.String() + "\n"
+	script := guestScript(EnvAPIAddr+"="+apiAddr, opts.Args)
 	ir, err := BuildInitramfs(InitramfsOptions{Assets: opts.Assets, Output: filepath.Join(dir, "initrd.gz"), Script: script, Files: files, HostBinaries: ClusterHostBinaries})
 	if err != nil {
 		return "", -1, err
@@ -134,6 +121,29 @@ func RunCluster(ctx context.Context, opts ClusterOptions) (output string, exitCo
 		cpus = 2
 	}
 	return Boot(ctx, ir, BootOptions{Kernel: opts.Assets.Kernel, MemoryMB: mem, CPUs: cpus, ForwardHostPorts: []int{port}, Output: opts.Output})
+}
+
+// guestScript is the /lab/run.sh that runs GuestProgram with args from
+// /tmp, with EnvGuest=1, env (more NAME=VALUE words, may be empty) and the
+// host's KST_E2E_* settings (KST_E2E_DRAIN_FULL, ...) in its environment.
+func guestScript(env string, args []string) string {
+	quote := func(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }
+	var quoted strings.Builder
+	for _, a := range args {
+		quoted.WriteString(" " + quote(a))
+	}
+	var forward strings.Builder
+	if env != "" {
+		forward.WriteString(" " + env)
+	}
+	for _, kv := range os.Environ() {
+		if strings.HasPrefix(kv, "KST_E2E_") {
+			forward.WriteString(" " + quote(kv))
+		}
+	}
+	return "#!/bin/sh\n" +
+		"export PATH=/usr/sbin:/usr/bin:/sbin:/bin " + EnvGuest + "=1" + forward.String() + "\n" +
+		"cd /tmp\n" + GuestProgram + quoted.String() + "\n"
 }
 
 // writeKubeconfigs applies tunnel-router.yaml and writes admin.kubeconfig
@@ -245,6 +255,39 @@ func RunGuestTests(t *testing.T, pkg, run string, timeout time.Duration, console
 		Assets: assets, Env: env, Program: bin, Output: logFile,
 		Args: []string{"-test.run", run, "-test.v", "-test.count=1", "-test.timeout", timeout.String()},
 	})
+	t.Logf("VM ran %s in %v; console: %s", pkg, time.Since(start).Round(time.Millisecond), consoleLog)
+	ReportGuestTests(t, out, rc, err)
+}
+
+// RunGuestKernelTests is RunGuestTests without a cluster, for tests that
+// program the lab VM's kernel by hand: no API server, no daemons, no BIRD,
+// only pkg's test binary (run as GuestProgram, with EnvGuest=1 so that
+// IsGuest is true in it) in a VM with the default modules, 2 CPUs and 2 GB.
+func RunGuestKernelTests(t *testing.T, pkg, run string, timeout time.Duration, consoleLog string) {
+	t.Helper()
+	assets := Require(t)
+	dir := t.TempDir()
+	bin := filepath.Join(dir, "guest.test")
+	start := time.Now()
+	if err := BuildStaticTest(pkg, bin); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("built %s's test binary in %v", pkg, time.Since(start).Round(time.Millisecond))
+	logFile, err := os.Create(consoleLog)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer logFile.Close()
+	script := guestScript("", []string{"-test.run", run, "-test.v", "-test.count=1", "-test.timeout", timeout.String()})
+	ir, err := BuildInitramfs(InitramfsOptions{Assets: assets, Output: filepath.Join(dir, "initrd.gz"), Script: script,
+		Files: map[string]string{GuestProgram: bin}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	start = time.Now()
+	out, rc, err := Boot(ctx, ir, BootOptions{Kernel: assets.Kernel, MemoryMB: 2048, CPUs: 2, Output: logFile})
 	t.Logf("VM ran %s in %v; console: %s", pkg, time.Since(start).Round(time.Millisecond), consoleLog)
 	ReportGuestTests(t, out, rc, err)
 }

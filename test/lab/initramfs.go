@@ -19,12 +19,21 @@ import (
 )
 
 // DefaultModules are the kernel modules /init loads when
-// InitramfsOptions.Modules is nil: the tunnels, MPLS, iptables (legacy and
-// nft) with HMARK and ipset matches, veth and bridge, and the virtio NIC used
-// for guestfwd.
+// InitramfsOptions.Modules is nil: the tunnels (GRE over IPv4 and over
+// IPv6, IPIP), MPLS, iptables and ip6tables (legacy and nft) with HMARK and
+// ipset matches, veth and bridge, and the virtio NIC used for guestfwd.
+//
+// IPv6 itself is built into Debian's kernel, and so are its policy routing
+// and nexthop objects. ip6_gre brings ip6_tunnel and tunnel6 (and gre, which
+// ip_gre needs too); ip6_tables, ip6table_mangle and ip6table_raw are what
+// ip6tables-legacy needs (the nft backend needs only nf_tables and
+// nft_compat); xt_HMARK, the xt_* matches and nf_conntrack (which brings
+// nf_defrag_ipv6) serve both families. Loading ip6_gre and ip6_tunnel adds
+// the fallback devices ip6gre0 and ip6tnl0 to every namespace.
 var DefaultModules = []string{
-	"veth", "bridge", "ip_gre", "ipip", "mpls_router", "mpls_iptunnel",
+	"veth", "bridge", "ip_gre", "ipip", "ip6_gre", "mpls_router", "mpls_iptunnel",
 	"x_tables", "xt_HMARK", "xt_mark", "xt_tcpudp", "xt_comment", "ip_tables", "iptable_mangle",
+	"ip6_tables", "ip6table_mangle", "ip6table_raw",
 	"nf_conntrack", "nf_conntrack_netlink", "xt_conntrack", "xt_connmark", "xt_CT", "iptable_raw",
 	"ip_set", "ip_set_hash_ip", "xt_set",
 	"nf_tables", "nft_compat", "virtio_pci", "virtio_net",
@@ -63,7 +72,9 @@ type InitramfsOptions struct {
 	Files map[string]string
 	// HostBinaries are more dynamically linked host programs to copy to the
 	// same path in the VM, with the shared libraries ldd lists for them.
-	// iproute2's ip and iptables are always included.
+	// iproute2's ip and iptables (every name of the xtables multi-call
+	// binaries: ip6tables, ip6tables-restore, ip6tables-legacy, ...) are
+	// always included.
 	HostBinaries []string
 }
 

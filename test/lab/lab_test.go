@@ -53,6 +53,11 @@ check mpls-route /sbin/ip -f mpls route add 100 dev lo
 check hmark iptables -t mangle -A PREROUTING -d 10.96.0.10/32 -j HMARK \
 	--hmark-tuple src,dst,sport,dport,proto --hmark-mod 4 --hmark-offset 100 --hmark-rnd 0x1234
 iptables -t mangle -S PREROUTING
+check ip6gre-p2p /sbin/ip link add g6 type ip6gre local fd00::1
+check ip6gre-external /sbin/ip link add g7 type ip6gre external
+check hmark6 ip6tables -t mangle -A PREROUTING -d 2001:db8:2::10/128 -j HMARK \
+	--hmark-tuple src,dst,sport,dport,proto --hmark-mod 4 --hmark-offset 100 --hmark-rnd 0x1234
+ip6tables -t mangle -S PREROUTING
 
 /sbin/ip netns add a && /sbin/ip netns add b &&
 	/sbin/ip link add va netns a type veth peer name vb netns b &&
@@ -61,6 +66,11 @@ iptables -t mangle -S PREROUTING
 check veth-ping /sbin/ip netns exec a ping -c 1 -W 5 192.168.77.2
 check hmark-legacy /sbin/ip netns exec a iptables-legacy -t mangle -A PREROUTING -d 10.96.0.10/32 -j HMARK \
 	--hmark-tuple src,dst,sport,dport,proto --hmark-mod 4 --hmark-offset 100 --hmark-rnd 0x1234
+check hmark6-legacy /sbin/ip netns exec a ip6tables-legacy -t mangle -A PREROUTING -d 2001:db8:2::10/128 -j HMARK \
+	--hmark-tuple src,dst,sport,dport,proto --hmark-mod 4 --hmark-offset 100 --hmark-rnd 0x1234
+check raw6-legacy /sbin/ip netns exec a ip6tables-legacy -t raw -A PREROUTING -d 2001:db8:2::10/128 -j CT --notrack
+/sbin/ip -n a addr add fd77::1/64 dev va nodad && /sbin/ip -n b addr add fd77::2/64 dev vb nodad
+check veth-ping6 /sbin/ip netns exec a ping -6 -c 1 -W 5 fd77::2
 
 check static-go /lab/hello
 
@@ -122,6 +132,7 @@ func TestLabSmoke(t *testing.T) {
 	}
 	for _, want := range []string{
 		"ok gre-p2p", "ok gre-external", "ok mpls-labels", "ok mpls-route", "ok hmark",
+		"ok ip6gre-p2p", "ok ip6gre-external", "ok hmark6", "ok hmark6-legacy", "ok raw6-legacy", "ok veth-ping6",
 		"-j HMARK", "ok hmark-legacy", "ok veth-ping", "static go says hello", "ok static-go", "ok guestfwd", "ok guestfwd-again",
 	} {
 		if !strings.Contains(out, want+"\n") && !strings.Contains(out, want+" ") {

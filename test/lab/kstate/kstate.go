@@ -1,7 +1,7 @@
 // Package kstate snapshots the kernel networking state of a named network
-// namespace (links, IPv4 addresses, policy rules and routes of every table,
-// nexthop objects, MPLS routes, iptables of every table, ipsets and their
-// members) as normalised text, so the lab can
+// namespace (links; IPv4 and IPv6 addresses, policy rules and routes of
+// every table; nexthop objects, MPLS routes, iptables and ip6tables of every
+// table, ipsets and their members) as normalised text, so the lab can
 // check that an add-on leaves a namespace exactly as it found it.
 //
 // Normalised means that two snapshots of a namespace where nothing happens
@@ -29,8 +29,12 @@ import (
 )
 
 // State is a snapshot of one namespace: normalised lines per section
-// ("link", "addr", "rule", "route", "nexthop", "mpls", "iptables/TABLE",
-// "iptables-legacy/TABLE", "ipset"). A section with no lines may be absent.
+// ("link", "addr", "rule", "route", "addr6", "rule6", "route6", "nexthop",
+// "mpls", "iptables/TABLE", "iptables-legacy/TABLE", "ip6tables/TABLE",
+// "ip6tables-legacy/TABLE", "ipset"). A section with no lines may be absent.
+// The IPv6 sections hold what the kernel adds by itself too (link-local
+// addresses and their routes, multicast routes in the local table), which
+// comes and goes with the links.
 type State struct {
 	// Namespace is the name the snapshot was taken from.
 	Namespace string
@@ -62,6 +66,9 @@ func Snapshot(ctx context.Context, ns string) (State, error) {
 		{"addr", []string{"-n", ns, "-4", "-j", "addr", "show"}, addrLines},
 		{"rule", []string{"-n", ns, "-4", "-o", "rule", "show"}, textLines},
 		{"route", []string{"-n", ns, "-4", "-o", "route", "show", "table", "all"}, routeLines},
+		{"addr6", []string{"-n", ns, "-6", "-j", "addr", "show"}, addrLines},
+		{"rule6", []string{"-n", ns, "-6", "-o", "rule", "show"}, textLines},
+		{"route6", []string{"-n", ns, "-6", "-o", "route", "show", "table", "all"}, routeLines},
 		// Ids included: a daemon that adopts its objects keeps them.
 		{"nexthop", []string{"-n", ns, "-o", "nexthop", "show"}, textLines},
 	}
@@ -86,6 +93,8 @@ func Snapshot(ctx context.Context, ns string) (State, error) {
 	for _, tool := range []struct{ section, binary string }{
 		{"iptables", "iptables-save"},
 		{"iptables-legacy", "iptables-legacy-save"},
+		{"ip6tables", "ip6tables-save"},
+		{"ip6tables-legacy", "ip6tables-legacy-save"},
 	} {
 		path, err := exec.LookPath(tool.binary)
 		if err != nil {
@@ -189,9 +198,10 @@ func linkLines(out []byte) ([]string, error) {
 	return lines, nil
 }
 
-// addrLines turns "ip -4 -j addr show" into one line per address. Lifetimes
-// and the primary/secondary flag (which depends on the order addresses were
-// added) are left out.
+// addrLines turns "ip -4 -j addr show" (or -6) into one line per address.
+// Lifetimes, flags (primary/secondary depends on the order addresses were
+// added; nodad, tentative, ...) and the empty label of IPv6 addresses are
+// left out.
 func addrLines(out []byte) ([]string, error) {
 	var links []struct {
 		Name  string `json:"ifname"`
@@ -217,7 +227,10 @@ func addrLines(out []byte) ([]string, error) {
 			if a.Broadcast != "" {
 				f = append(f, "brd="+a.Broadcast)
 			}
-			f = append(f, "scope="+a.Scope, "label="+a.Label)
+			f = append(f, "scope="+a.Scope)
+			if a.Label != "" {
+				f = append(f, "label="+a.Label)
+			}
 			lines = append(lines, strings.Join(f, " "))
 		}
 	}

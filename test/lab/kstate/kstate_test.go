@@ -117,6 +117,10 @@ func TestSnapshotSeesWhatChangedAndNothingElse(t *testing.T) {
 	ipRun(t, "-n", ns, "nexthop", "add", "id", "4711", "encap", "ip", "id", "0", "dst", "10.77.0.9", "dev", "lo")
 	ipRun(t, "-n", ns, "route", "add", "10.89.0.1/32", "nhid", "4711", "table", "100")
 	iptables("-A")
+	ipRun(t, "-n", ns, "addr", "add", "fd77::1/64", "dev", "kst-a", "nodad")
+	ipRun(t, "-n", ns, "-6", "rule", "add", "fwmark", "0x77", "lookup", "100", "pref", "1000")
+	ipRun(t, "-n", ns, "-6", "route", "add", "blackhole", "2001:db8:2::10/128", "table", "100")
+	ipRun(t, "netns", "exec", ns, "ip6tables", "-t", "mangle", "-A", "PREROUTING", "-d", "2001:db8:2::10/128", "-j", "MARK", "--set-mark", "0x77")
 
 	changed := snapshot(t, ns)
 	d := Diff(before, changed)
@@ -136,6 +140,14 @@ func TestSnapshotSeesWhatChangedAndNothingElse(t *testing.T) {
 		"+ id 4711 encap ip id 0 src 0.0.0.0 dst 10.77.0.9 ttl 0 tos 0 dev lo scope host\n",
 		"[iptables/mangle]\n",
 		"+ -A PREROUTING -d 10.88.0.0/16 -j MARK --set-xmark 0x77/0xffffffff\n",
+		"[addr6]\n",
+		"+ kst-a fd77::1/64 scope=global\n",
+		"[rule6]\n",
+		"+ 1000: from all fwmark 0x77 lookup 100\n",
+		"[route6]\n",
+		"+ blackhole 2001:db8:2::10 dev lo table 100 metric 1024 pref medium\n",
+		"[ip6tables/mangle]\n",
+		"+ -A PREROUTING -d 2001:db8:2::10/128 -j MARK --set-xmark 0x77/0xffffffff\n",
 	} {
 		if !strings.Contains(d, want) {
 			t.Errorf("diff lacks %q", want)
@@ -149,6 +161,9 @@ func TestSnapshotSeesWhatChangedAndNothingElse(t *testing.T) {
 	}
 
 	iptables("-D")
+	ipRun(t, "netns", "exec", ns, "ip6tables", "-t", "mangle", "-D", "PREROUTING", "-d", "2001:db8:2::10/128", "-j", "MARK", "--set-mark", "0x77")
+	ipRun(t, "-n", ns, "-6", "route", "del", "blackhole", "2001:db8:2::10/128", "table", "100")
+	ipRun(t, "-n", ns, "-6", "rule", "del", "pref", "1000")
 	ipRun(t, "-n", ns, "nexthop", "del", "id", "4711")
 	ipRun(t, "-n", ns, "route", "del", "10.88.0.0/16", "table", "100")
 	ipRun(t, "-n", ns, "rule", "del", "pref", "1000")

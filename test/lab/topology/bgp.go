@@ -56,7 +56,9 @@ const bgpConfigFlag = "--bgp-config"
 // gateway as its peer, waits until every session is established and the
 // gateway's kernel routes each of vips through every router, and only then
 // deletes the gateway's static route for TunnelNet. A served tunnel IP keeps
-// working throughout. DisableBGP undoes it; Down stops BIRD too.
+// working throughout. The gateway's BIRD takes IPv4 routes only, so the
+// static route for TunnelNet6 stays. DisableBGP undoes it; Down stops BIRD
+// too.
 func (l *Lab) EnableBGP(ctx context.Context, vips ...netip.Addr) error {
 	if l.Bird != nil {
 		return errors.New("topology: BGP is already enabled")

@@ -49,7 +49,7 @@ func (l *Lab) routerDaemon(n *Node) *Daemon {
 		// The seed comes from its Secret (writeSeedSecret), as in a cluster.
 		"--buckets", fmt.Sprint(l.Opts.Buckets),
 		// The lab's tunnel IPs; without a pool nothing would be served.
-		"--pools", TunnelNet.String(),
+		"--pools", labPools(),
 	}, common...)
 	return l.daemon("tunnel-router", n, append(args, l.Opts.RouterArgs...), common)
 }
@@ -61,11 +61,14 @@ func (l *Lab) agentDaemon(n *Node) *Daemon {
 		"--node-name", n.Name,
 		// Client segments must fit the tunnel without relying on ICMP.
 		"--pod-advmss", "1400",
-		// The same pool as the routers': both must admit the same tunnel IPs.
-		"--pools", TunnelNet.String(),
+		// The same pools as the routers': both must admit the same tunnel IPs.
+		"--pools", labPools(),
 	}, common...)
 	return l.daemon("tunnel-endpoint", n, append(args, l.Opts.EndpointArgs...), common)
 }
+
+// labPools is the daemons' --pools: the lab's IPv4 and IPv6 tunnel IPs.
+func labPools() string { return TunnelNet.String() + ";" + TunnelNet6.String() }
 
 func (l *Lab) daemon(binary string, n *Node, args, cleanupArgs []string) *Daemon {
 	name := binary + "@" + n.Name

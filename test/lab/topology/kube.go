@@ -52,8 +52,9 @@ func (l *Lab) connectKube(ctx context.Context) error {
 }
 
 // createClusterObjects creates the namespace, the Nodes (tunnel ones
-// labelled node=tunnel) with their InternalIP, and a running, ready Pod
-// with nodeName and podIP for every pod namespace.
+// labelled node=tunnel) with their IPv4 and IPv6 InternalIPs, and a
+// running, ready Pod with nodeName and both pod IPs for every pod
+// namespace, as a dual-stack cluster has them.
 func (l *Lab) createClusterObjects(ctx context.Context) error {
 	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: l.Opts.Namespace}}
 	if _, err := l.Kube.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
@@ -70,13 +71,18 @@ func (l *Lab) createClusterObjects(ctx context.Context) error {
 		}
 		if n.PodCIDR.IsValid() {
 			node.Spec.PodCIDR = n.PodCIDR.String()
+			node.Spec.PodCIDRs = []string{n.PodCIDR.String(), n.PodCIDR6.String()}
 		}
 		_ = l.Kube.CoreV1().Nodes().Delete(ctx, n.Name, metav1.DeleteOptions{})
 		created, err := l.Kube.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{})
 		if err != nil {
 			return fmt.Errorf("create node %s: %w", n.Name, err)
 		}
-		created.Status.Addresses = []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: n.Addr.String()}, {Type: corev1.NodeHostName, Address: n.Name}}
+		created.Status.Addresses = []corev1.NodeAddress{
+			{Type: corev1.NodeInternalIP, Address: n.Addr.String()},
+			{Type: corev1.NodeInternalIP, Address: n.Addr6.String()},
+			{Type: corev1.NodeHostName, Address: n.Name},
+		}
 		created.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue}}
 		if _, err := l.Kube.CoreV1().Nodes().UpdateStatus(ctx, created, metav1.UpdateOptions{}); err != nil {
 			return fmt.Errorf("node %s status: %w", n.Name, err)
@@ -105,8 +111,8 @@ func (l *Lab) createPod(ctx context.Context, p *Pod) error {
 		return fmt.Errorf("create pod %s: %w", p.Name, err)
 	}
 	created.Status = corev1.PodStatus{
-		Phase: corev1.PodRunning, PodIP: p.Addr.String(), PodIPs: []corev1.PodIP{{IP: p.Addr.String()}},
-		HostIP:     p.Node.Addr.String(),
+		Phase: corev1.PodRunning, PodIP: p.Addr.String(), PodIPs: []corev1.PodIP{{IP: p.Addr.String()}, {IP: p.Addr6.String()}},
+		HostIP: p.Node.Addr.String(), HostIPs: []corev1.HostIP{{IP: p.Node.Addr.String()}, {IP: p.Node.Addr6.String()}},
 		Conditions: []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}},
 	}
 	updated, err := pods.UpdateStatus(ctx, created, metav1.UpdateOptions{})
@@ -163,6 +169,26 @@ type Service struct {
 	Endpoints  []Endpoint
 	// ClientAffinity sets spec.sessionAffinity to ClientIP.
 	ClientAffinity bool
+	// Families are the Service's spec.ipFamilies, fixed when it is
+	// created. Empty (or IPv4 alone) is an IPv4 ClusterIP Service with a
+	// selector and one EndpointSlice of the pods' IPv4 addresses, NAME-lab.
+	// Anything else ([IPv4, IPv6] for dual-stack, [IPv6] for IPv6 only) is
+	// headless and without a selector (clusterIP None: the lab's API server
+	// has an IPv4 service range only, and a headless Service without a
+	// selector is the one kind it lets have any families), with ipFamilyPolicy
+	// RequireDualStack or SingleStack, and gets one EndpointSlice per family
+	// as the endpoint slice controller would write them: NAME-lab (addressType
+	// IPv4) and NAME-lab6 (addressType IPv6, the pods' IPv6 addresses).
+	Families []corev1.IPFamily
+}
+
+// DualStack are the families of a dual-stack Service.
+var DualStack = []corev1.IPFamily{corev1.IPv4Protocol, corev1.IPv6Protocol}
+
+// ipv4Only reports whether families describe the lab's classic IPv4
+// Service.
+func ipv4Only(families []corev1.IPFamily) bool {
+	return len(families) == 0 || len(families) == 1 && families[0] == corev1.IPv4Protocol
 }
 
 // Endpoint is one pod of a Service's EndpointSlice with its conditions.
@@ -194,6 +220,15 @@ func (l *Lab) ApplyService(ctx context.Context, s Service) error {
 				{Name: "udp", Protocol: corev1.ProtocolUDP, Port: UDPPort, TargetPort: intstr.FromInt32(UDPPort)},
 			}},
 		}
+		if !ipv4Only(s.Families) {
+			policy := corev1.IPFamilyPolicySingleStack
+			if len(s.Families) > 1 {
+				policy = corev1.IPFamilyPolicyRequireDualStack
+			}
+			svc.Spec.Selector = nil
+			svc.Spec.ClusterIP = corev1.ClusterIPNone
+			svc.Spec.IPFamilies, svc.Spec.IPFamilyPolicy = s.Families, &policy
+		}
 	} else if err != nil {
 		return fmt.Errorf("get service %s: %w", s.Name, err)
 	}
@@ -217,30 +252,84 @@ func (l *Lab) ApplyService(ctx context.Context, s Service) error {
 	if err != nil {
 		return fmt.Errorf("write service %s: %w", s.Name, err)
 	}
-	return l.ApplyEndpoints(ctx, s.Name, s.Endpoints)
+	if ipv4Only(s.Families) {
+		return l.ApplyEndpoints(ctx, s.Name, s.Endpoints)
+	}
+	return l.ApplyEndpointSlices(ctx, s.Name, s.Families, s.Endpoints)
 }
 
 // ApplyEndpoints creates or updates the one EndpointSlice (NAME-lab) of
 // Service name, as the endpoint slice controller would; for Services
 // created otherwise, e.g. from a manifest.
 func (l *Lab) ApplyEndpoints(ctx context.Context, service string, endpoints []Endpoint) error {
+	return l.applySlice(ctx, service, discoveryv1.AddressTypeIPv4, endpoints)
+}
+
+// ApplyEndpointSlices creates or updates the EndpointSlice of each of the
+// families of Service name (NAME-lab for IPv4, NAME-lab6 for IPv6) with
+// the endpoints' addresses of that family, and deletes the lab slice of
+// the other family if there is one.
+func (l *Lab) ApplyEndpointSlices(ctx context.Context, service string, families []corev1.IPFamily, endpoints []Endpoint) error {
+	want := map[discoveryv1.AddressType]bool{}
+	for _, f := range families {
+		switch f {
+		case corev1.IPv4Protocol:
+			want[discoveryv1.AddressTypeIPv4] = true
+		case corev1.IPv6Protocol:
+			want[discoveryv1.AddressTypeIPv6] = true
+		default:
+			return fmt.Errorf("endpoint slices of %s: unknown IP family %q", service, f)
+		}
+	}
+	slices := l.Kube.DiscoveryV1().EndpointSlices(l.Opts.Namespace)
+	for _, at := range []discoveryv1.AddressType{discoveryv1.AddressTypeIPv4, discoveryv1.AddressTypeIPv6} {
+		if want[at] {
+			if err := l.applySlice(ctx, service, at, endpoints); err != nil {
+				return err
+			}
+			continue
+		}
+		name := sliceName(service, at)
+		if err := slices.Delete(ctx, name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+			return fmt.Errorf("delete endpoint slice %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
+// sliceName is the name of the lab's EndpointSlice of a Service for one
+// address type: NAME-lab (IPv4), NAME-lab6 (IPv6).
+func sliceName(service string, at discoveryv1.AddressType) string {
+	if at == discoveryv1.AddressTypeIPv6 {
+		return service + "-lab6"
+	}
+	return service + "-lab"
+}
+
+// applySlice creates or updates the Service's EndpointSlice of address type
+// at, with each endpoint's pod address of that family.
+func (l *Lab) applySlice(ctx context.Context, service string, at discoveryv1.AddressType, endpoints []Endpoint) error {
 	slices := l.Kube.DiscoveryV1().EndpointSlices(l.Opts.Namespace)
 	tcp, udp := corev1.ProtocolTCP, corev1.ProtocolUDP
 	tcpName, udpName := "tcp", "udp"
 	tcpPort, udpPort := int32(TCPPort), int32(UDPPort)
 	es := &discoveryv1.EndpointSlice{
-		ObjectMeta:  metav1.ObjectMeta{Name: service + "-lab", Labels: map[string]string{discoveryv1.LabelServiceName: service}},
-		AddressType: discoveryv1.AddressTypeIPv4,
+		ObjectMeta:  metav1.ObjectMeta{Name: sliceName(service, at), Labels: map[string]string{discoveryv1.LabelServiceName: service}},
+		AddressType: at,
 		Ports: []discoveryv1.EndpointPort{
 			{Name: &tcpName, Protocol: &tcp, Port: &tcpPort},
 			{Name: &udpName, Protocol: &udp, Port: &udpPort},
 		},
 	}
 	for _, e := range endpoints {
+		addr := e.Pod.Addr
+		if at == discoveryv1.AddressTypeIPv6 {
+			addr = e.Pod.Addr6
+		}
 		node := e.Pod.Node.Name
 		ready, serving, terminating := !e.Terminating, true, e.Terminating
 		es.Endpoints = append(es.Endpoints, discoveryv1.Endpoint{
-			Addresses: []string{e.Pod.Addr.String()},
+			Addresses: []string{addr.String()},
 			NodeName:  &node,
 			TargetRef: &corev1.ObjectReference{Kind: "Pod", Namespace: l.Opts.Namespace, Name: e.Pod.Name, UID: e.Pod.UID},
 			Conditions: discoveryv1.EndpointConditions{

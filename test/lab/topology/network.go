@@ -75,26 +75,58 @@ func (l *Lab) allNamespaces() []string {
 	return names
 }
 
-// buildNetwork creates every namespace, link, address and route.
+// ipv6HostSysctls make IPv6 in a lab namespace behave like its IPv4: set
+// before any link is created there ("default" is what new links start
+// with), so that addresses are usable at once (no duplicate address
+// detection, which would hold every address tentative for a second or more
+// and drop packets to it meanwhile), and no router advertisement, which
+// nothing in the lab sends, is solicited or obeyed.
+var ipv6HostSysctls = []struct{ name, value string }{
+	{"net.ipv6.conf.all.accept_dad", "0"},
+	{"net.ipv6.conf.default.accept_dad", "0"},
+	{"net.ipv6.conf.all.accept_ra", "0"},
+	{"net.ipv6.conf.default.accept_ra", "0"},
+	{"net.ipv6.conf.all.router_solicitations", "0"},
+	{"net.ipv6.conf.default.router_solicitations", "0"},
+}
+
+// buildNetwork creates every namespace, link, address and route, in both
+// address families.
 func (l *Lab) buildNetwork(ctx context.Context) error {
 	_ = l.deleteNamespaces() // leftovers of an interrupted run
 	for _, name := range l.allNamespaces() {
-		if err := script(ctx, "netns add "+name, "-n "+name+" link set lo up"); err != nil {
+		if err := script(ctx, "netns add "+name); err != nil {
+			return err
+		}
+		for _, s := range ipv6HostSysctls {
+			if err := Sysctl(ctx, name, s.name, s.value); err != nil {
+				return err
+			}
+		}
+		if err := script(ctx, "-n "+name+" link set lo up"); err != nil {
 			return err
 		}
 	}
-	gw, fabric := GatewayNS, fabricNet.Bits()
+	gw, fabric, fabric6, client6 := GatewayNS, fabricNet.Bits(), fabricNet6.Bits(), clientNet6.Bits()
+	gwClient6 := mirror6(clientNet6, 1)
 	// The gateway: a bridge for the node network, a link to the client,
 	// routes to the pod CIDRs; tunnel IPs are routed by RouteTunnelsVia.
+	// Bridges do not snoop multicast: with no MLD querier in the lab, a
+	// snooping bridge could stop flooding a neighbour solicitation to the
+	// port of the address it asks for.
 	if err := script(ctx,
-		fmt.Sprintf("-n %s link add %s type bridge", gw, FabricBridge),
+		fmt.Sprintf("-n %s link add %s type bridge mcast_snooping 0", gw, FabricBridge),
 		fmt.Sprintf("-n %s addr add %s/%d dev %s", gw, GatewayAddr, fabric, FabricBridge),
+		fmt.Sprintf("-n %s addr add %s/%d dev %s nodad", gw, GatewayAddr6, fabric6, FabricBridge),
 		fmt.Sprintf("-n %s link set %s up", gw, FabricBridge),
 		fmt.Sprintf("-n %s link add eth0 type veth peer name client netns %s", ClientNS, gw),
 		fmt.Sprintf("-n %s addr add %s/%d dev eth0", ClientNS, ClientAddr, clientNet.Bits()),
+		fmt.Sprintf("-n %s addr add %s/%d dev eth0 nodad", ClientNS, ClientAddr6, client6),
 		fmt.Sprintf("-n %s link set eth0 up", ClientNS),
 		fmt.Sprintf("-n %s route add default via %s", ClientNS, clientNet.Addr().Next()),
+		fmt.Sprintf("-n %s -6 route add default via %s", ClientNS, gwClient6),
 		fmt.Sprintf("-n %s addr add %s/%d dev client", gw, clientNet.Addr().Next(), clientNet.Bits()),
+		fmt.Sprintf("-n %s addr add %s/%d dev client nodad", gw, gwClient6, client6),
 		fmt.Sprintf("-n %s link set client up", gw),
 	); err != nil {
 		return err
@@ -104,8 +136,10 @@ func (l *Lab) buildNetwork(ctx context.Context) error {
 			fmt.Sprintf("-n %s link add eth0 type veth peer name %s netns %s", n.Name, n.Name, gw),
 			fmt.Sprintf("-n %s link set %s master %s up", gw, n.Name, FabricBridge),
 			fmt.Sprintf("-n %s addr add %s/%d dev eth0", n.Name, n.Addr, fabric),
+			fmt.Sprintf("-n %s addr add %s/%d dev eth0 nodad", n.Name, n.Addr6, fabric6),
 			fmt.Sprintf("-n %s link set eth0 up", n.Name),
 			fmt.Sprintf("-n %s route add default via %s", n.Name, GatewayAddr),
+			fmt.Sprintf("-n %s -6 route add default via %s", n.Name, GatewayAddr6),
 		); err != nil {
 			return err
 		}
@@ -114,13 +148,17 @@ func (l *Lab) buildNetwork(ctx context.Context) error {
 	// (or BGP) would do, on the gateway and on the routers.
 	for _, w := range l.Workers {
 		for _, ns := range append([]string{gw}, names(l.Routers)...) {
-			if _, err := IP(ctx, "-n", ns, "route", "add", w.PodCIDR.String(), "via", w.Addr.String()); err != nil {
+			if err := script(ctx,
+				fmt.Sprintf("-n %s route add %s via %s", ns, w.PodCIDR, w.Addr),
+				fmt.Sprintf("-n %s -6 route add %s via %s", ns, w.PodCIDR6, w.Addr6),
+			); err != nil {
 				return err
 			}
 		}
 		if err := script(ctx,
-			fmt.Sprintf("-n %s link add %s type bridge", w.Name, PodBridge),
+			fmt.Sprintf("-n %s link add %s type bridge mcast_snooping 0", w.Name, PodBridge),
 			fmt.Sprintf("-n %s addr add %s/%d dev %s", w.Name, w.PodCIDR.Addr().Next(), w.PodCIDR.Bits(), PodBridge),
+			fmt.Sprintf("-n %s addr add %s/%d dev %s nodad", w.Name, mirror6(w.PodCIDR6, 1), w.PodCIDR6.Bits(), PodBridge),
 			fmt.Sprintf("-n %s link set %s up", w.Name, PodBridge),
 		); err != nil {
 			return err
@@ -132,18 +170,23 @@ func (l *Lab) buildNetwork(ctx context.Context) error {
 			fmt.Sprintf("-n %s link add eth0 type veth peer name veth-%s netns %s", p.Name, p.Name, w.Name),
 			fmt.Sprintf("-n %s link set veth-%s master %s up", w.Name, p.Name, PodBridge),
 			fmt.Sprintf("-n %s addr add %s/%d dev eth0", p.Name, p.Addr, w.PodCIDR.Bits()),
+			fmt.Sprintf("-n %s addr add %s/%d dev eth0 nodad", p.Name, p.Addr6, w.PodCIDR6.Bits()),
 			fmt.Sprintf("-n %s link set eth0 up", p.Name),
 			fmt.Sprintf("-n %s route add default via %s", p.Name, w.PodCIDR.Addr().Next()),
+			fmt.Sprintf("-n %s -6 route add default via %s", p.Name, mirror6(w.PodCIDR6, 1)),
 		); err != nil {
 			return err
 		}
 	}
 	// Forwarding: the gateway and every node (the CNI sets it on workers; the
-	// router only warns when it is off). The gateway's reverse-path filter is
-	// loose, as replies from tunnel IPs come from workers.
+	// router only warns when it is off), in both families. The gateway's
+	// reverse-path filter is loose, as replies from tunnel IPs come from
+	// workers (IPv6 has no such filter).
 	for _, ns := range append([]string{gw}, names(l.Nodes())...) {
-		if err := Sysctl(ctx, ns, "net.ipv4.ip_forward", "1"); err != nil {
-			return err
+		for _, name := range []string{"net.ipv4.ip_forward", "net.ipv6.conf.all.forwarding"} {
+			if err := Sysctl(ctx, ns, name, "1"); err != nil {
+				return err
+			}
 		}
 	}
 	// Conntrack counts each entry's packets on the routers, for failure
@@ -162,33 +205,54 @@ func (l *Lab) buildNetwork(ctx context.Context) error {
 	// hash is random per connection and TCP changes it on every
 	// retransmission timeout, so a flow stuck behind a lost router would
 	// move to another one by itself. Policy 3 hashes the fields below
-	// (source and destination address, protocol, ports: 0x37) from the
-	// headers, as `ip route get ... sport ... dport ...` computes it too.
-	for name, value := range map[string]string{"net.ipv4.fib_multipath_hash_policy": "3", "net.ipv4.fib_multipath_hash_fields": "55"} {
-		if err := Sysctl(ctx, gw, name, value); err != nil {
-			return err
+	// (source and destination address, protocol, ports: 0x37; for IPv6
+	// not the flow label) from the headers, as `ip route get ... sport ...
+	// dport ...` computes it too.
+	for _, family := range []string{"ipv4", "ipv6"} {
+		for name, value := range map[string]string{"fib_multipath_hash_policy": "3", "fib_multipath_hash_fields": "55"} {
+			if err := Sysctl(ctx, gw, "net."+family+"."+name, value); err != nil {
+				return err
+			}
 		}
 	}
 	return l.RouteTunnelsVia(ctx, l.Routers...)
 }
 
-// RouteTunnelsVia points the gateway's route for TunnelNet at the given
-// routers: one is a plain route, several an ECMP route hashed per flow. It
-// is what BGP would do when routers come and go.
+// RouteTunnelsVia points the gateway's routes for TunnelNet and TunnelNet6
+// at the given routers: one is a plain route, several an ECMP route hashed
+// per flow. It is what BGP would do when routers come and go.
 func (l *Lab) RouteTunnelsVia(ctx context.Context, routers ...*Node) error {
 	if len(routers) == 0 {
 		return errors.New("topology: RouteTunnelsVia needs a router")
 	}
-	args := []string{"-n", GatewayNS, "route", "replace", TunnelNet.String()}
-	if len(routers) == 1 {
-		args = append(args, "via", routers[0].Addr.String())
-	} else {
-		for _, r := range routers {
-			args = append(args, "nexthop", "via", r.Addr.String())
-		}
+	if _, err := IP(ctx, tunnelRouteArgs(TunnelNet, routers, func(n *Node) netip.Addr { return n.Addr })...); err != nil {
+		return err
 	}
-	_, err := IP(ctx, args...)
+	return l.RouteTunnels6Via(ctx, routers...)
+}
+
+// RouteTunnels6Via is RouteTunnelsVia for TunnelNet6 alone. (EnableBGP
+// replaces only the IPv4 route: the gateway's BGP daemon takes IPv4 routes
+// only, so the IPv6 one stays static.)
+func (l *Lab) RouteTunnels6Via(ctx context.Context, routers ...*Node) error {
+	if len(routers) == 0 {
+		return errors.New("topology: RouteTunnels6Via needs a router")
+	}
+	_, err := IP(ctx, tunnelRouteArgs(TunnelNet6, routers, func(n *Node) netip.Addr { return n.Addr6 })...)
 	return err
+}
+
+// tunnelRouteArgs are ip's arguments for the gateway's route for network
+// through routers (at the address addr gives).
+func tunnelRouteArgs(network netip.Prefix, routers []*Node, addr func(*Node) netip.Addr) []string {
+	args := []string{"-n", GatewayNS, "route", "replace", network.String()}
+	if len(routers) == 1 {
+		return append(args, "via", addr(routers[0]).String())
+	}
+	for _, r := range routers {
+		args = append(args, "nexthop", "via", addr(r).String())
+	}
+	return args
 }
 
 // SetNodeLink sets the node's fabric link up or down from the gateway side,

@@ -16,6 +16,21 @@
 // holds which CIDR). Pods answer clients directly: pod -> worker -> gateway
 // -> client, never through a router.
 //
+// Every link is dual-stack. The IPv6 plan mirrors the IPv4 one digit for
+// digit, so an address's IPv6 twin reads like it:
+//
+//	client      198.51.100.10   2001:db8:100::10     (client link 2001:db8:100::/64, gateway ::1)
+//	tunnel IPs  192.0.2.0/24    2001:db8:2::/64      (TunnelIP(10) 192.0.2.10, TunnelIP6(10) 2001:db8:2::10)
+//	fabric      172.20.0.0/24   fd00:172:20::/64     (gateway ::1, router-a ::11, worker-a ::21, ...)
+//	pods        10.244.1.0/24   fd00:10:244:1::/64   (worker-a: cni0 ::1, pod-a1 ::11, pod-a2 ::12)
+//	            10.244.2.0/24   fd00:10:244:2::/64   (worker-b: cni0 ::1, pod-b1 ::11, pod-b2 ::12)
+//
+// IPv6 addresses are usable at once (no duplicate address detection in any
+// lab namespace, and every address is added nodad), routers solicit and
+// accept no advertisements, and the gateway and every node forward IPv6 as
+// they do IPv4. The gateway routes 2001:db8:2::/64 to the routers as it
+// routes 192.0.2.0/24.
+//
 // Every namespace is named (ip netns), so `ip -n NAME ...` shows it, and the
 // endpoint agent finds pods with --runtime netns. Up needs root and a kernel
 // with GRE or MPLS for the mode asked (the lab VM); it must run in the VM's
@@ -31,6 +46,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 
 	"github.com/vishvananda/netns"
@@ -41,13 +57,20 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/test/support/nsrelay"
 )
 
-// Addresses of the lab. Tunnel IPs are taken from TunnelNet.
+// Addresses of the lab. Tunnel IPs are taken from TunnelNet, IPv6 ones from
+// TunnelNet6.
 var (
 	ClientAddr  = netip.MustParseAddr("198.51.100.10")
 	GatewayAddr = netip.MustParseAddr("172.20.0.1")
 	TunnelNet   = netip.MustParsePrefix("192.0.2.0/24")
 	clientNet   = netip.MustParsePrefix("198.51.100.0/24")
 	fabricNet   = netip.MustParsePrefix("172.20.0.0/24")
+
+	ClientAddr6  = netip.MustParseAddr("2001:db8:100::10")
+	GatewayAddr6 = netip.MustParseAddr("fd00:172:20::1")
+	TunnelNet6   = netip.MustParsePrefix("2001:db8:2::/64")
+	clientNet6   = netip.MustParsePrefix("2001:db8:100::/64")
+	fabricNet6   = netip.MustParsePrefix("fd00:172:20::/64")
 )
 
 // Names of the lab's namespaces that are not nodes or pods.
@@ -90,7 +113,9 @@ type Options struct {
 	Log io.Writer
 }
 
-func (o *Options) setDefaults() error {
+// setDefaults fills in the zero values; withAPI says whether the lab talks to
+// the API server (Up), which then must be named.
+func (o *Options) setDefaults(withAPI bool) error {
 	if o.Mode == "" {
 		o.Mode = "gre"
 	}
@@ -106,10 +131,10 @@ func (o *Options) setDefaults() error {
 	if o.APIAddr == "" {
 		o.APIAddr = os.Getenv(guest.EnvAPIAddr)
 	}
-	if o.APIAddr == "" {
+	if o.APIAddr == "" && withAPI {
 		return errors.New("topology: no API server address (Options.APIAddr or $" + guest.EnvAPIAddr + ")")
 	}
-	if o.Upstream == "" {
+	if o.Upstream == "" && o.APIAddr != "" {
 		_, port, _ := strings.Cut(o.APIAddr, ":")
 		o.Upstream = guest.HostForwardAddr + ":" + port
 	}
@@ -137,10 +162,12 @@ func (o *Options) setDefaults() error {
 	return nil
 }
 
-// Host is a network namespace with its main address.
+// Host is a network namespace with its main addresses.
 type Host struct {
 	Name string
 	Addr netip.Addr
+	// Addr6 is its IPv6 address on the same link.
+	Addr6 netip.Addr
 }
 
 // NS opens the namespace; the caller closes the handle.
@@ -157,8 +184,9 @@ type Node struct {
 	Host
 	// Tunnel nodes carry the label node=tunnel and run the router.
 	Tunnel bool
-	// PodCIDR is a worker's pod network (invalid on routers).
-	PodCIDR netip.Prefix
+	// PodCIDR is a worker's pod network (invalid on routers), PodCIDR6 its
+	// IPv6 one.
+	PodCIDR, PodCIDR6 netip.Prefix
 	// Router runs on tunnel nodes, Agent (the endpoint agent) on workers.
 	Router, Agent *Daemon
 }
@@ -193,30 +221,11 @@ type Lab struct {
 // tunnel node and an endpoint agent on each worker. Call Down when done,
 // also after an error.
 func Up(ctx context.Context, opts Options) (*Lab, error) {
-	if err := opts.setDefaults(); err != nil {
+	if err := opts.setDefaults(true); err != nil {
 		return nil, err
 	}
-	l := &Lab{Opts: opts}
-	l.Client = &Host{Name: ClientNS, Addr: ClientAddr}
-	l.Gateway = &Host{Name: GatewayNS, Addr: GatewayAddr}
-	for i, name := range []string{"router-a", "router-b"} {
-		l.Routers = append(l.Routers, &Node{Host: Host{Name: name, Addr: fabricAddr(11 + i)}, Tunnel: true})
-	}
-	for i, name := range []string{"worker-a", "worker-b"} {
-		w := &Node{Host: Host{Name: name, Addr: fabricAddr(21 + i)}, PodCIDR: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 244, byte(1 + i), 0}), 24)}
-		l.Workers = append(l.Workers, w)
-		for j := range opts.PodsPerWorker {
-			// pod-a1 10.244.1.11, pod-a2 10.244.1.12, pod-b1 10.244.2.11, ...
-			addr := w.PodCIDR.Addr().As4()
-			addr[3] = byte(11 + j)
-			l.Pods = append(l.Pods, &Pod{Host: Host{Name: fmt.Sprintf("pod-%c%d", 'a'+i, j+1), Addr: netip.AddrFrom4(addr)}, Node: w})
-		}
-	}
-	if err := os.MkdirAll(opts.WorkDir, 0o755); err != nil {
-		return l, err
-	}
-	l.logf("building the network: client, gateway, %d routers, %d workers, %d pods", len(l.Routers), len(l.Workers), len(l.Pods))
-	if err := l.buildNetwork(ctx); err != nil {
+	l, err := upNetwork(ctx, opts)
+	if err != nil {
 		return l, err
 	}
 	if err := l.relayAPI(); err != nil {
@@ -242,6 +251,55 @@ func Up(ctx context.Context, opts Options) (*Lab, error) {
 		}
 	}
 	l.logf("started %d tunnel routers and %d endpoint agents in %s mode", len(l.Routers), len(l.Workers), opts.Mode)
+	return l, nil
+}
+
+// UpNetwork builds only the lab's network, as Up does (namespaces, links,
+// addresses, routes, sysctls), for tests that program the datapath by hand:
+// no API server, no Kubernetes objects, no daemons. Options other than
+// PodsPerWorker, WorkDir and Log are not used. Call Down when done, also
+// after an error.
+func UpNetwork(ctx context.Context, opts Options) (*Lab, error) {
+	if err := opts.setDefaults(false); err != nil {
+		return nil, err
+	}
+	return upNetwork(ctx, opts)
+}
+
+// upNetwork names the lab's hosts and builds their network.
+func upNetwork(ctx context.Context, opts Options) (*Lab, error) {
+	l := &Lab{Opts: opts}
+	l.Client = &Host{Name: ClientNS, Addr: ClientAddr, Addr6: ClientAddr6}
+	l.Gateway = &Host{Name: GatewayNS, Addr: GatewayAddr, Addr6: GatewayAddr6}
+	for i, name := range []string{"router-a", "router-b"} {
+		l.Routers = append(l.Routers, &Node{Host: Host{Name: name, Addr: fabricAddr(11 + i), Addr6: fabricAddr6(11 + i)}, Tunnel: true})
+	}
+	for i, name := range []string{"worker-a", "worker-b"} {
+		w := &Node{
+			Host:     Host{Name: name, Addr: fabricAddr(21 + i), Addr6: fabricAddr6(21 + i)},
+			PodCIDR:  netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 244, byte(1 + i), 0}), 24),
+			PodCIDR6: netip.MustParsePrefix(fmt.Sprintf("fd00:10:244:%d::/64", 1+i)),
+		}
+		l.Workers = append(l.Workers, w)
+		for j := range opts.PodsPerWorker {
+			// pod-a1 10.244.1.11 fd00:10:244:1::11, pod-a2 10.244.1.12
+			// fd00:10:244:1::12, pod-b1 10.244.2.11 fd00:10:244:2::11, ...
+			addr := w.PodCIDR.Addr().As4()
+			addr[3] = byte(11 + j)
+			l.Pods = append(l.Pods, &Pod{Host: Host{
+				Name:  fmt.Sprintf("pod-%c%d", 'a'+i, j+1),
+				Addr:  netip.AddrFrom4(addr),
+				Addr6: mirror6(w.PodCIDR6, 11+j),
+			}, Node: w})
+		}
+	}
+	if err := os.MkdirAll(opts.WorkDir, 0o755); err != nil {
+		return l, err
+	}
+	l.logf("building the network: client, gateway, %d routers, %d workers, %d pods", len(l.Routers), len(l.Workers), len(l.Pods))
+	if err := l.buildNetwork(ctx); err != nil {
+		return l, err
+	}
 	return l, nil
 }
 
@@ -297,10 +355,10 @@ func (l *Lab) cleanup(ctx context.Context, n *Node, d *Daemon) error {
 // Nodes are the routers, then the workers.
 func (l *Lab) Nodes() []*Node { return append(append([]*Node(nil), l.Routers...), l.Workers...) }
 
-// PodByAddr returns the pod with this address, or nil.
+// PodByAddr returns the pod with this address (IPv4 or IPv6), or nil.
 func (l *Lab) PodByAddr(a netip.Addr) *Pod {
 	for _, p := range l.Pods {
-		if p.Addr == a {
+		if p.Addr == a || p.Addr6 == a {
 			return p
 		}
 	}
@@ -324,10 +382,34 @@ func TunnelIP(i int) netip.Addr {
 	return netip.AddrFrom4(b)
 }
 
+// TunnelIP6 returns the IPv6 twin of TunnelIP(i): i written in decimal as
+// the last group of TunnelNet6 (TunnelIP6(10) is 2001:db8:2::10). i is 1 to
+// 9999.
+func TunnelIP6(i int) netip.Addr { return mirror6(TunnelNet6, i) }
+
 func fabricAddr(host int) netip.Addr {
 	b := fabricNet.Addr().As4()
 	b[3] = byte(host)
 	return netip.AddrFrom4(b)
+}
+
+// fabricAddr6 is fabricAddr's IPv6 twin: fd00:172:20::11 for 172.20.0.11.
+func fabricAddr6(host int) netip.Addr { return mirror6(fabricNet6, host) }
+
+// mirror6 returns the address of the /64 network whose last group is n's
+// decimal digits read as hexadecimal, so that it reads like the IPv4
+// address ending in n: mirror6(fd00:172:20::/64, 11) is fd00:172:20::11.
+func mirror6(network netip.Prefix, n int) netip.Addr {
+	if n < 0 || n > 9999 {
+		panic(fmt.Sprintf("topology: %d has more than 4 digits", n))
+	}
+	var group uint16
+	for _, d := range strconv.Itoa(n) {
+		group = group<<4 | uint16(d-'0')
+	}
+	b := network.Masked().Addr().As16()
+	b[14], b[15] = byte(group>>8), byte(group)
+	return netip.AddrFrom16(b)
 }
 
 func (l *Lab) logf(format string, args ...any) {

@@ -67,7 +67,7 @@ func whoUDP(ctx context.Context, ns netns.NsHandle, dst netip.AddrPort, srcPort 
 	var c net.Conn
 	err := nsexec.Do(ns, func() error {
 		var err error
-		c, err = dialer(srcPort, "udp").DialContext(ctx, "udp4", dst.String())
+		c, err = dialer(srcPort, "udp").DialContext(ctx, family("udp", dst.Addr()), dst.String())
 		return err
 	})
 	if err != nil {
@@ -243,7 +243,7 @@ func dialTCPFrom(ctx context.Context, ns netns.NsHandle, dst, src netip.AddrPort
 		if src.Addr().IsValid() {
 			d.LocalAddr = &net.TCPAddr{IP: src.Addr().AsSlice(), Port: int(src.Port())}
 		}
-		c, err = d.DialContext(ctx, "tcp4", dst.String())
+		c, err = d.DialContext(ctx, family("tcp", dst.Addr()), dst.String())
 		return err
 	})
 	if err != nil {
@@ -255,6 +255,15 @@ func dialTCPFrom(ctx context.Context, ns netns.NsHandle, dst, src netip.AddrPort
 		return nil, fmt.Errorf("SO_LINGER 0: %w", err)
 	}
 	return tc, nil
+}
+
+// family is network ("tcp", "udp") limited to a's address family: "tcp4"
+// or "tcp6", ...
+func family(network string, a netip.Addr) string {
+	if a.Is4() || a.Is4In6() {
+		return network + "4"
+	}
+	return network + "6"
 }
 
 // dialer binds the local port srcPort (any port when 0) with SO_REUSEADDR.

@@ -35,25 +35,32 @@ type Server struct {
 	wg     sync.WaitGroup
 }
 
-// Serve starts, inside network namespace ns, a TCP listener on 0.0.0.0:port
-// for each of tcpPorts and a UDP socket on 0.0.0.0:port for each of
-// udpPorts, answering as pod name. Close stops it.
+// Serve starts, inside network namespace ns, TCP listeners on 0.0.0.0:port
+// and [::]:port for each of tcpPorts and UDP sockets on 0.0.0.0:port and
+// [::]:port for each of udpPorts, answering as pod name. The IPv6 sockets
+// are IPv6-only: IPv4 clients reach the IPv4 ones as they always did.
+// Close stops it.
 func Serve(ns netns.NsHandle, name string, tcpPorts, udpPorts []int) (*Server, error) {
 	s := &Server{name: name, conns: map[net.Conn]struct{}{}}
 	err := nsexec.Do(ns, func() error {
-		for _, port := range tcpPorts {
-			ln, err := net.ListenTCP("tcp4", &net.TCPAddr{Port: port})
-			if err != nil {
-				return fmt.Errorf("listen tcp port %d: %w", port, err)
+		for _, network := range []string{"tcp4", "tcp6"} {
+			for _, port := range tcpPorts {
+				// Go makes "tcp6" sockets IPV6_V6ONLY.
+				ln, err := net.ListenTCP(network, &net.TCPAddr{Port: port})
+				if err != nil {
+					return fmt.Errorf("listen %s port %d: %w", network, port, err)
+				}
+				s.listeners = append(s.listeners, ln)
 			}
-			s.listeners = append(s.listeners, ln)
 		}
-		for _, port := range udpPorts {
-			c, err := listenUDPPktinfo(port)
-			if err != nil {
-				return fmt.Errorf("listen udp port %d: %w", port, err)
+		for _, network := range []string{"udp4", "udp6"} {
+			for _, port := range udpPorts {
+				c, err := listenUDPPktinfo(network, port)
+				if err != nil {
+					return fmt.Errorf("listen %s port %d: %w", network, port, err)
+				}
+				s.udp = append(s.udp, c)
 			}
-			s.udp = append(s.udp, c)
 		}
 		return nil
 	})
@@ -193,13 +200,18 @@ func transferSize(arg string) (int, error) {
 	return n, nil
 }
 
-// listenUDPPktinfo opens a UDP socket on 0.0.0.0:port that reports each
-// datagram's destination address (IP_PKTINFO), so replies can be sent from
-// it. Called on a thread inside the pod's namespace.
-func listenUDPPktinfo(port int) (*net.UDPConn, error) {
-	c, err := net.ListenUDP("udp4", &net.UDPAddr{Port: port})
+// listenUDPPktinfo opens a UDP socket on 0.0.0.0:port ("udp4") or [::]:port
+// ("udp6", IPv6 only) that reports each datagram's destination address
+// (IP_PKTINFO, IPV6_RECVPKTINFO), so replies can be sent from it. Called on
+// a thread inside the pod's namespace.
+func listenUDPPktinfo(network string, port int) (*net.UDPConn, error) {
+	c, err := net.ListenUDP(network, &net.UDPAddr{Port: port})
 	if err != nil {
 		return nil, err
+	}
+	level, opt, name := unix.IPPROTO_IP, unix.IP_PKTINFO, "IP_PKTINFO"
+	if network == "udp6" {
+		level, opt, name = unix.IPPROTO_IPV6, unix.IPV6_RECVPKTINFO, "IPV6_RECVPKTINFO"
 	}
 	raw, err := c.SyscallConn()
 	if err != nil {
@@ -208,28 +220,28 @@ func listenUDPPktinfo(port int) (*net.UDPConn, error) {
 	}
 	var sockErr error
 	if err := raw.Control(func(fd uintptr) {
-		sockErr = unix.SetsockoptInt(int(fd), unix.IPPROTO_IP, unix.IP_PKTINFO, 1)
+		sockErr = unix.SetsockoptInt(int(fd), level, opt, 1)
 	}); err != nil {
 		sockErr = err
 	}
 	if sockErr != nil {
 		c.Close()
-		return nil, fmt.Errorf("setsockopt IP_PKTINFO: %w", sockErr)
+		return nil, fmt.Errorf("setsockopt %s: %w", name, sockErr)
 	}
 	return c, nil
 }
 
 // udpLoop answers "WHO" datagrams. The tunnel IP is only one of the pod's
-// addresses and the socket is bound to 0.0.0.0, so the destination of each
-// request comes from its IP_PKTINFO and the reply carries it back as the
-// source address (ipi_spec_dst); otherwise the kernel would pick the source
-// by route and the client would get the answer from an address it never
-// asked.
+// addresses and the socket is bound to the wildcard address, so the
+// destination of each request comes from its packet info and the reply
+// carries it back as the source address (ipi_spec_dst, ipi6_addr);
+// otherwise the kernel would pick the source by route and the client would
+// get the answer from an address it never asked.
 func (s *Server) udpLoop(c *net.UDPConn) {
 	defer s.wg.Done()
 	port := uint16(c.LocalAddr().(*net.UDPAddr).Port)
 	buf := make([]byte, 1500)
-	oob := make([]byte, unix.CmsgSpace(unix.SizeofInet4Pktinfo))
+	oob := make([]byte, unix.CmsgSpace(max(unix.SizeofInet4Pktinfo, unix.SizeofInet6Pktinfo)))
 	for {
 		n, oobn, _, peer, err := c.ReadMsgUDPAddrPort(buf, oob)
 		if err != nil {
@@ -246,22 +258,31 @@ func (s *Server) udpLoop(c *net.UDPConn) {
 			continue
 		}
 		id := Identity{Pod: s.name, Peer: unmap(peer), Local: netip.AddrPortFrom(dst, port)}
-		src := unix.PktInfo4(&unix.Inet4Pktinfo{Spec_dst: dst.As4()})
+		var src []byte
+		if dst.Is4() {
+			src = unix.PktInfo4(&unix.Inet4Pktinfo{Spec_dst: dst.As4()})
+		} else {
+			src = unix.PktInfo6(&unix.Inet6Pktinfo{Addr: dst.As16()})
+		}
 		_, _, _ = c.WriteMsgUDPAddrPort([]byte(id.String()), src, peer)
 	}
 }
 
-// pktinfoDst returns the header destination address (ipi_addr) from the
-// control messages of a received datagram.
+// pktinfoDst returns the header destination address (ipi_addr, ipi6_addr)
+// from the control messages of a received datagram.
 func pktinfoDst(oob []byte) (netip.Addr, bool) {
 	msgs, err := unix.ParseSocketControlMessage(oob)
 	if err != nil {
 		return netip.Addr{}, false
 	}
 	for _, m := range msgs {
+		switch {
 		// struct in_pktinfo { int ipi_ifindex; in_addr ipi_spec_dst; in_addr ipi_addr; }
-		if m.Header.Level == unix.IPPROTO_IP && m.Header.Type == unix.IP_PKTINFO && len(m.Data) >= unix.SizeofInet4Pktinfo {
+		case m.Header.Level == unix.IPPROTO_IP && m.Header.Type == unix.IP_PKTINFO && len(m.Data) >= unix.SizeofInet4Pktinfo:
 			return netip.AddrFrom4([4]byte(m.Data[8:12])), true
+		// struct in6_pktinfo { in6_addr ipi6_addr; int ipi6_ifindex; }
+		case m.Header.Level == unix.IPPROTO_IPV6 && m.Header.Type == unix.IPV6_PKTINFO && len(m.Data) >= unix.SizeofInet6Pktinfo:
+			return netip.AddrFrom16([16]byte(m.Data[0:16])), true
 		}
 	}
 	return netip.Addr{}, false

@@ -13,12 +13,17 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 )
 
 var (
 	tunnelIP   = netip.MustParseAddr("192.0.2.10")
 	clientAddr = netip.MustParsePrefix("10.99.0.1/24")
 	serverAddr = netip.MustParsePrefix("10.99.0.2/24")
+
+	tunnelIP6   = netip.MustParseAddr("2001:db8:2::10")
+	clientAddr6 = netip.MustParsePrefix("fd99::1/64")
+	serverAddr6 = netip.MustParsePrefix("fd99::2/64")
 )
 
 const (
@@ -29,7 +34,8 @@ const (
 // lab is a client namespace and a pod namespace joined by a veth; the pod
 // has the tunnel IP on lo and the client routes it via the pod's veth
 // address, so (as with a tunnel) the tunnel IP is not the address the pod
-// would pick as its source.
+// would pick as its source. The same holds in IPv6 (tunnelIP6 via
+// serverAddr6), with addresses that skip duplicate address detection.
 type lab struct {
 	client, pod *testnetns.NS
 }
@@ -68,6 +74,27 @@ func newLab(t *testing.T) lab {
 	if err := cnl.RouteAdd(route); err != nil {
 		t.Fatalf("route to the tunnel IP: %v", err)
 	}
+	lo, err := pnl.LinkByName("lo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, a := range []struct {
+		h    *netlink.Handle
+		link netlink.Link
+		addr netip.Prefix
+	}{{pnl, lo, netip.PrefixFrom(tunnelIP6, 128)}, {pnl, peer, serverAddr6}, {cnl, c0, clientAddr6}} {
+		if err := a.h.AddrAdd(a.link, &netlink.Addr{IPNet: testnetns.IPNet(a.addr), Flags: unix.IFA_F_NODAD}); err != nil {
+			t.Fatalf("address %v: %v", a.addr, err)
+		}
+	}
+	route6 := &netlink.Route{
+		LinkIndex: c0.Attrs().Index,
+		Dst:       testnetns.IPNet(netip.PrefixFrom(tunnelIP6, 128)),
+		Gw:        serverAddr6.Addr().AsSlice(),
+	}
+	if err := cnl.RouteAdd(route6); err != nil {
+		t.Fatalf("route to the IPv6 tunnel IP: %v", err)
+	}
 	return lab{client: client, pod: pod}
 }
 
@@ -91,16 +118,22 @@ func TestWhoReportsPodPeerAndTunnelIP(t *testing.T) {
 	l := newLab(t)
 	l.serve(t, "pod-a")
 	for _, tc := range []struct {
-		network string
-		port    uint16
-	}{{"tcp", tcpPort}, {"udp", udpPort}} {
-		dst := netip.AddrPortFrom(tunnelIP, tc.port)
+		network     string
+		port        uint16
+		vip, client netip.Addr
+	}{
+		{"tcp", tcpPort, tunnelIP, clientAddr.Addr()},
+		{"udp", udpPort, tunnelIP, clientAddr.Addr()},
+		{"tcp", tcpPort, tunnelIP6, clientAddr6.Addr()},
+		{"udp", udpPort, tunnelIP6, clientAddr6.Addr()},
+	} {
+		dst := netip.AddrPortFrom(tc.vip, tc.port)
 		id, err := Who(timeout(t, 5*time.Second), l.client.Handle, tc.network, dst, 0)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if id.Pod != "pod-a" || id.Local != dst || id.Peer.Addr() != clientAddr.Addr() || id.Peer.Port() == 0 {
-			t.Errorf("%s: got %v, want pod=pod-a peer=%s:* local=%s", tc.network, id, clientAddr.Addr(), dst)
+		if id.Pod != "pod-a" || id.Local != dst || id.Peer.Addr() != tc.client || id.Peer.Port() == 0 {
+			t.Errorf("%s: got %v, want pod=pod-a peer=%s:* local=%s", tc.network, id, tc.client, dst)
 		}
 	}
 }
@@ -108,27 +141,29 @@ func TestWhoReportsPodPeerAndTunnelIP(t *testing.T) {
 func TestUDPReplyComesFromTheTunnelIP(t *testing.T) {
 	l := newLab(t)
 	l.serve(t, "pod-a")
-	// An unconnected socket sees whatever source the reply has.
-	var c *net.UDPConn
-	if err := l.client.Do(func() (err error) {
-		c, err = net.ListenUDP("udp4", &net.UDPAddr{})
-		return err
-	}); err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	dst := netip.AddrPortFrom(tunnelIP, udpPort)
-	if _, err := c.WriteToUDPAddrPort([]byte("WHO"), dst); err != nil {
-		t.Fatal(err)
-	}
-	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
-	buf := make([]byte, 1500)
-	n, from, err := c.ReadFromUDPAddrPort(buf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if unmap(from) != dst {
-		t.Errorf("reply %q came from %s, want %s", buf[:n], from, dst)
+	for _, vip := range []netip.Addr{tunnelIP, tunnelIP6} {
+		// An unconnected socket sees whatever source the reply has.
+		var c *net.UDPConn
+		if err := l.client.Do(func() (err error) {
+			c, err = net.ListenUDP(family("udp", vip), &net.UDPAddr{})
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		dst := netip.AddrPortFrom(vip, udpPort)
+		if _, err := c.WriteToUDPAddrPort([]byte("WHO"), dst); err != nil {
+			t.Fatal(err)
+		}
+		_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		buf := make([]byte, 1500)
+		n, from, err := c.ReadFromUDPAddrPort(buf)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if unmap(from) != dst {
+			t.Errorf("reply %q came from %s, want %s", buf[:n], from, dst)
+		}
 	}
 }
 
@@ -172,16 +207,18 @@ func TestWhoWithoutListenerFails(t *testing.T) {
 func TestUploadAndDownload(t *testing.T) {
 	l := newLab(t)
 	l.serve(t, "pod-a")
-	dst := netip.AddrPortFrom(tunnelIP, tcpPort)
-	id, err := Upload(timeout(t, 10*time.Second), l.client.Handle, dst, 1<<20)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if id.Pod != "pod-a" || id.Local != dst {
-		t.Errorf("upload taken by %v", id)
-	}
-	if err := Download(timeout(t, 10*time.Second), l.client.Handle, dst, 1<<20); err != nil {
-		t.Fatal(err)
+	for _, vip := range []netip.Addr{tunnelIP, tunnelIP6} {
+		dst := netip.AddrPortFrom(vip, tcpPort)
+		id, err := Upload(timeout(t, 10*time.Second), l.client.Handle, dst, 1<<20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if id.Pod != "pod-a" || id.Local != dst {
+			t.Errorf("upload taken by %v", id)
+		}
+		if err := Download(timeout(t, 10*time.Second), l.client.Handle, dst, 1<<20); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
 
