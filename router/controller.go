@@ -70,6 +70,13 @@ type GenerationReader interface {
 	CurrentGeneration(netip.Addr) int
 }
 
+// FamilyServer tells whether the datapath serves a tunnel IP's address
+// family (*datapath.Families: IPv6 only with --ipv6); without it every
+// family is served.
+type FamilyServer interface {
+	Serves(netip.Addr) bool
+}
+
 // StatusPublisher publishes what the router programmed
 // (*routerstatus.Publisher).
 type StatusPublisher interface {
@@ -640,7 +647,11 @@ func (c *Controller) resync() error {
 	tunnels := make([]datapath.Tunnel, 0, len(c.byVIP))
 	var notices []notice
 	for vip := range c.byVIP {
-		t, _, n := c.tunnelFor(vip)
+		t, winner, n := c.tunnelFor(vip)
+		if winner != nil && !c.serves(vip) {
+			notices = append(notices, c.unservedFamily(winner, vip))
+			continue
+		}
 		tunnels = append(tunnels, t)
 		notices = append(notices, n...)
 	}
@@ -760,6 +771,12 @@ func (c *Controller) syncVIP(vip netip.Addr) error {
 		c.log.WithField("vip", vip).Info("tunnel removed")
 		return nil
 	}
+	if !c.serves(vip) {
+		// Nothing to program or announce; the Service is told once.
+		c.announced(vip, false)
+		c.record([]notice{c.unservedFamily(winner, vip)})
+		return nil
+	}
 	if !t.HasReady() {
 		c.announced(vip, false)
 	}
@@ -775,6 +792,19 @@ func (c *Controller) syncVIP(vip netip.Addr) error {
 	c.announced(vip, t.HasReady())
 	c.publish(t)
 	return nil
+}
+
+// serves reports whether the datapath serves vip's address family.
+func (c *Controller) serves(vip netip.Addr) bool {
+	fs, ok := c.dp.(FamilyServer)
+	return !ok || fs.Serves(vip)
+}
+
+// unservedFamily is the Warning on a Service whose tunnel IP is of a
+// family this router does not serve.
+func (c *Controller) unservedFamily(svc *corev1.Service, vip netip.Addr) notice {
+	return notice{svc, vip, corev1.EventTypeWarning, ReasonProgramFailed,
+		fmt.Sprintf("tunnel IP %v is not served: this router runs without %s (--ipv6=false)", vip, tunnelclaim.Family(vip))}
 }
 
 // setClaims records that the Service key claims vips (none: it claims

@@ -105,3 +105,31 @@ func TestControllerConflictOnOneFamilyOnly(t *testing.T) {
 		t.Fatalf("after the winner left: served %q, want %q", got, want)
 	}
 }
+
+// A router without an IPv6 datapath (--ipv6=false) serves the IPv4 tunnel
+// IPs and tells the Services once why their IPv6 one is not served; its
+// resyncs and syncs do not fail over it.
+func TestControllerWithoutIPv6ServesIPv4(t *testing.T) {
+	tc := newTestController(t, "192.0.2.0/24;2001:db8::/64")
+	tc.dp.ipv4Only = true
+	tc.add(t,
+		tunnelSvc("web", "dual", "192.0.2.10, 2001:db8::10", time.Hour),
+		oneEndpoint("web", "dual", "10.244.1.5"), oneEndpoint6("web", "dual", "fd00:244:1::5"),
+	)
+	if err := tc.resync(); err != nil {
+		t.Fatalf("resync failed over the unserved family: %v", err)
+	}
+	if got, want := tc.dp.served(), "192.0.2.10>10.244.1.5"; got != want {
+		t.Fatalf("served %q, want %q", got, want)
+	}
+	want := "Warning TunnelProgramFailed tunnel IP 2001:db8::10 is not served: this router runs without IPv6 (--ipv6=false)"
+	if events := tc.drain(); !hasEvent(events, want) {
+		t.Errorf("no event %q in %q", want, events)
+	}
+	if err := tc.syncService("web/dual"); err != nil {
+		t.Fatalf("sync failed over the unserved family: %v", err)
+	}
+	if again := tc.drain(); len(again) != 0 {
+		t.Errorf("the sync repeated %q", again)
+	}
+}

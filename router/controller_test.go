@@ -1,6 +1,7 @@
 package router
 
 import (
+	"fmt"
 	"context"
 	"errors"
 	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
@@ -28,8 +29,11 @@ import (
 type fakeProgrammer struct {
 	tunnels     map[netip.Addr]datapath.Tunnel
 	fail        error
-	collections int // CollectGenerations calls
+	collections int  // CollectGenerations calls
+	ipv4Only    bool // the datapath serves IPv4 tunnel IPs only (--ipv6=false)
 }
+
+func (f *fakeProgrammer) Serves(vip netip.Addr) bool { return vip.Is4() || !f.ipv4Only }
 
 func (f *fakeProgrammer) CollectGenerations() (int, error) {
 	f.collections++
@@ -42,6 +46,9 @@ func (f *fakeProgrammer) Resync(ts []datapath.Tunnel) error {
 	}
 	f.tunnels = map[netip.Addr]datapath.Tunnel{}
 	for _, t := range ts {
+		if !f.Serves(t.VIP) {
+			return fmt.Errorf("tunnel %v: no IPv6 datapath", t.VIP)
+		}
 		f.tunnels[t.VIP] = t
 	}
 	return nil
@@ -50,6 +57,9 @@ func (f *fakeProgrammer) Resync(ts []datapath.Tunnel) error {
 func (f *fakeProgrammer) SetTunnel(t datapath.Tunnel) error {
 	if f.fail != nil {
 		return f.fail
+	}
+	if !f.Serves(t.VIP) {
+		return fmt.Errorf("tunnel %v: no IPv6 datapath", t.VIP)
 	}
 	f.tunnels[t.VIP] = t
 	return nil

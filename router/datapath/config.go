@@ -250,8 +250,6 @@ func (c Config) Validate() error {
 			errs = append(errs, fmt.Errorf("gre6 device %q: must be 1-15 characters", dev))
 		case dev == "ip6gre0" || dev == "ip6gretap0" || dev == "ip6tnl0":
 			errs = append(errs, fmt.Errorf("gre6 device %q: the kernel's fallback device cannot be flow-based", dev))
-		case dev == c.GREDevice:
-			errs = append(errs, fmt.Errorf("gre6 device %q: the IPv4 gre device has that name", dev))
 		}
 	}
 	// iptables names have at most 28 characters; with generations the raw

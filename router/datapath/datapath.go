@@ -376,11 +376,16 @@ func (d *Datapath) Resync(tunnels []Tunnel) error {
 		own = append(own, t)
 	}
 	tunnels = own
-	link, err := d.device.Ensure()
-	if err != nil {
-		return errors.Join(append(errs, fmt.Errorf("tunnel device: %w", err))...)
+	// The device is needed once a tunnel IP is: a family that has none
+	// (an IPv4-only cluster's IPv6 datapath) neither creates nor requires
+	// its device.
+	if len(tunnels) > 0 {
+		link, err := d.device.Ensure()
+		if err != nil {
+			return errors.Join(append(errs, fmt.Errorf("tunnel device: %w", err))...)
+		}
+		d.greLink = link
 	}
-	d.greLink = link
 	if err := d.syncRules(); err != nil {
 		errs = append(errs, err)
 	}

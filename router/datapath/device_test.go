@@ -2,10 +2,13 @@ package datapath
 
 import (
 	"net"
+	"net/netip"
 	"strings"
 	"testing"
 
 	"github.com/vishvananda/netlink"
+
+	"github.com/cmdnu/kube-service-tunnel/test/support/seamtest"
 )
 
 // fakeLinks is a link table for the device seam.
@@ -127,5 +130,31 @@ func TestGRE6DeviceIsIP6GRE(t *testing.T) {
 	}
 	if len(links.added) != 0 {
 		t.Errorf("devices added: %v", links.added)
+	}
+}
+
+// A family without tunnel IPs neither needs nor creates its device: an
+// IPv4-only cluster's IPv6 datapath resyncs without kst-gre6 (or, with
+// --gre-device-create=false, without the operator's IPv6 device); the
+// first tunnel IP needs it, and names it when it is missing.
+func TestResyncNeedsTheDeviceOnlyForTunnels(t *testing.T) {
+	cfg := testConfig().ForFamily(IPv6)
+	k := seamtest.NewKernel()
+	links := &fakeLinks{links: map[string]netlink.Link{}}
+	dp := NewDatapath(cfg, k, k, k.Chain(), &ExistingDevice{Name: "kst-gre6", Links: links}, func(netip.Addr) (int, error) { return 7, nil }, seamtest.QuietLog())
+	if err := dp.Resync(nil); err != nil {
+		t.Fatalf("resync without tunnel IPs needed the device: %v", err)
+	}
+	err := dp.Resync([]Tunnel{tunnel6(cfg, "2001:db8:2::1", "fd00:10:244:1::5")})
+	if err == nil || !strings.Contains(err.Error(), "kst-gre6") {
+		t.Fatalf("resync of a tunnel IP without its device = %v, want an error naming kst-gre6", err)
+	}
+	created := &GREDevice{Name: "kst-gre6", Family: IPv6, Links: links}
+	dp = NewDatapath(cfg, k, k, k.Chain(), created, func(netip.Addr) (int, error) { return 7, nil }, seamtest.QuietLog())
+	if err := dp.Resync(nil); err != nil || len(links.added) != 0 {
+		t.Fatalf("resync without tunnel IPs: %v, created %v", err, links.added)
+	}
+	if err := dp.Resync([]Tunnel{tunnel6(cfg, "2001:db8:2::1", "fd00:10:244:1::5")}); err != nil || len(links.added) != 1 {
+		t.Fatalf("resync of a tunnel IP: %v, created %v; want the device created once", err, links.added)
 	}
 }

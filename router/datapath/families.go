@@ -69,6 +69,12 @@ func (fs *Families) of(vip netip.Addr) (*Datapath, error) {
 	return nil, fmt.Errorf("tunnel %v: %w: no %v datapath is configured (dual-stack is not enabled)", vip, ErrWrongFamily, f)
 }
 
+// Serves reports whether vip's family has a Datapath.
+func (fs *Families) Serves(vip netip.Addr) bool {
+	_, err := fs.of(vip)
+	return err == nil
+}
+
 // Resync hands each family's Datapath its family's tunnels, the whole
 // desired state of that family (none: the family's tunnels are all
 // removed). Tunnels of a family without a Datapath are refused, in one

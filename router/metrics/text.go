@@ -3,6 +3,7 @@ package metrics
 import (
 	"bufio"
 	"io"
+	"maps"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -45,6 +46,24 @@ type family struct{ name, typ, help string }
 // (*hmark.Chain).
 type vipCounterReader interface {
 	Counters() (map[netip.Addr]hmark.Counter, error)
+}
+
+// CounterReaders reads the counters of several chains (one per address
+// family) as one: their tunnel IPs never overlap.
+type CounterReaders[T vipCounterReader] []T
+
+// Counters implements vipCounterReader: every chain's counters, or the
+// first error.
+func (rs CounterReaders[T]) Counters() (map[netip.Addr]hmark.Counter, error) {
+	all := map[netip.Addr]hmark.Counter{}
+	for _, r := range rs {
+		counters, err := r.Counters()
+		if err != nil {
+			return nil, err
+		}
+		maps.Copy(all, counters)
+	}
+	return all, nil
 }
 
 // CollectVIPTraffic exports the per tunnel IP packet and byte counters,

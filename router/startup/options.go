@@ -46,6 +46,10 @@ type Options struct {
 	// PodName and PodUID are the router's pod (POD_NAME, POD_UID), owner of
 	// its status ConfigMap.
 	PodName, PodUID string
+	// IPv6 makes the router serve IPv6 tunnel IPs too (--ipv6): an IPv6
+	// datapath beside the IPv4 one. Without it IPv6 tunnel IPs are
+	// refused with a TunnelProgramFailed Warning.
+	IPv6 bool
 	// SeedGiven is true when --seed (or KST_SEED) set Seed.
 	SeedGiven bool
 	seed      string
@@ -85,7 +89,10 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	})
 	fs.StringVar(&o.GREDevice, "gre-device", o.GREDevice, "name of the flow-based GRE device (gre mode)")
 	fs.BoolVar(&o.CreateDevice, "gre-device-create", true, "create the flow-based GRE device; false uses an existing device of that name, which the router never changes or deletes")
-	fs.StringVar(&o.Chain, "chain", o.Chain, "iptables chain in the mangle table holding the HMARK rules")
+	fs.StringVar(&o.Chain, "chain", o.Chain, "iptables chain in the mangle table holding the HMARK rules; also the name of its ipsets")
+	fs.BoolVar(&o.IPv6, "ipv6", true, "serve IPv6 tunnel IPs as well: ip6tables chain --chain6, IPv6 rules and routes and, in gre mode, the flow-based ip6gre device --gre6-device; false serves IPv4 tunnel IPs only (for nodes without IPv6)")
+	fs.StringVar(&o.Chain6, "chain6", o.Chain6, "ip6tables chain in the mangle table holding the IPv6 HMARK rules; also the name of its ipsets, so it must differ from --chain")
+	fs.StringVar(&o.GRE6Device, "gre6-device", o.GRE6Device, "name of the flow-based ip6gre device carrying IPv6 tunnel IPs (gre mode)")
 	fs.DurationVar(&o.ResyncPeriod, "resync-period", o.ResyncPeriod, "how often the whole kernel state is compared and repaired (0 disables)")
 	daemon.AddPolicyFlags(fs, &o.Policy)
 	o.Common.AddFlags(fs)
@@ -118,6 +125,11 @@ func (o *Options) Parse(fs *flag.FlagSet, args []string) error {
 	}
 	if o.ResyncPeriod < 0 {
 		o.ResyncPeriod = time.Duration(0)
+	}
+	if o.IPv6 && o.CreateDevice && o.Mode == encap.GRE && o.GRE6Device == o.GREDevice {
+		// One device the operator made may carry both families; two the
+		// router creates are of two kinds (gre, ip6gre).
+		return fmt.Errorf("--gre6-device %q: --gre-device has that name, and the router creates a device of each kind", o.GRE6Device)
 	}
 	return o.Validate()
 }

@@ -64,8 +64,12 @@ func Main(args []string) error {
 	entry.WithFields(logrus.Fields{"backend": backend.Backend, "iptables": iptablesBinary, "why": backend.Reason}).Info("iptables backend chosen")
 	// Before any kernel state is touched; cleanup must work on any kernel.
 	if !o.Cleanup {
-		checks := kernelcheck.Router(kernelcheck.RouterParams{Mode: o.Mode, CreateGREDevice: o.CreateDevice, Generations: o.Generations})
-		if err := kernelcheck.Verify(checks, entry, kernelcheck.WithIPTables(iptablesBinary), kernelcheck.WithProcSys(o.ProcSys)); err != nil {
+		checks := kernelcheck.Router(kernelcheck.RouterParams{Mode: o.Mode, CreateGREDevice: o.CreateDevice, Generations: o.Generations, IPv6: o.IPv6})
+		if err := kernelcheck.Verify(checks, entry, kernelcheck.WithIPTables(iptablesBinary),
+			kernelcheck.WithIP6Tables(backend.Backend.Binary("ip6tables")), kernelcheck.WithProcSys(o.ProcSys)); err != nil {
+			if o.IPv6 {
+				return fmt.Errorf("kernel check (--mode %s, --ipv6): %w (--ipv6=false serves IPv4 tunnel IPs only)", o.Mode, err)
+			}
 			return fmt.Errorf("kernel check (--mode %s): %w", o.Mode, err)
 		}
 	}
@@ -84,7 +88,7 @@ func Main(args []string) error {
 
 	reg := daemon.NewRegistry()
 	meter := metrics.NewMetrics(reg)
-	dp, chain, closeKernel, err := openDatapath(o.Config.Config, o.CreateDevice, iptablesBinary, procSys(o.ProcSys), meter, entry)
+	dp, chains, closeKernel, err := openDatapath(o.Config.Config, o.IPv6, o.CreateDevice, backend.Backend, procSys(o.ProcSys), meter, entry)
 	if err != nil {
 		return err
 	}
@@ -109,7 +113,7 @@ func Main(args []string) error {
 	}).Info("starting tunnel router: bucket routes name one nexthop object per endpoint")
 	daemon.LogPolicy(entry, o.Policy)
 	sysctls := procSys(o.ProcSys)
-	warnIfNotForwarding(sysctls, entry)
+	warnIfNotForwarding(sysctls, o.IPv6, entry)
 	if o.Generations > 1 {
 		warnIfNoPickup(sysctls, entry)
 	}
@@ -144,7 +148,7 @@ func Main(args []string) error {
 	}
 	ctrl.SetMetrics(meter)
 	ctrl.SetAfterResync(debug.FreeOSMemory)
-	meter.CollectVIPTraffic(chain, entry.WithField("component", "metrics"))
+	meter.CollectVIPTraffic(metrics.CounterReaders[*hmark.Chain](chains), entry.WithField("component", "metrics"))
 	var speaker *bgp.Speaker
 	if bgpCfg != nil {
 		speaker = bgp.NewSpeaker(*bgpCfg, entry.WithField("component", "bgp"), bgp.NewMetrics(reg))
@@ -243,9 +247,10 @@ func followNode(factory informers.SharedInformerFactory, name string, speaker *b
 }
 
 // openDatapath opens the kernel seams of the current network namespace;
-// metrics counts the writes that go through them. It also returns the HMARK
-// chain, whose rules' counters are read at each scrape.
-func openDatapath(cfg datapath.Config, createDevice bool, iptablesBinary string, sysctls procSys, meter *metrics.Metrics, log logrus.FieldLogger) (*datapath.Datapath, *hmark.Chain, func(), error) {
+// metrics counts the writes that go through them. It returns the datapath
+// of each family served (IPv6 only with ipv6), dispatched by tunnel IP, and
+// the HMARK chains, whose tunnel IPs' counters are read at each scrape.
+func openDatapath(cfg datapath.Config, ipv6, createDevice bool, backend iptbackend.Backend, sysctls procSys, meter *metrics.Metrics, log logrus.FieldLogger) (*datapath.Families, []*hmark.Chain, func(), error) {
 	handle, err := netlink.NewHandle(unix.NETLINK_ROUTE)
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("netlink handle: %w", err)
@@ -262,40 +267,15 @@ func openDatapath(cfg datapath.Config, createDevice bool, iptablesBinary string,
 		return nil, nil, nil, fmt.Errorf("netfilter netlink handle (ipsets): %w", err)
 	}
 	closeAll := func() { routes.Close(); handle.Close(); sets.Close() }
-	ipt, err := iptables.New(iptables.Path(iptablesBinary))
-	if err != nil {
-		closeAll()
-		return nil, nil, nil, fmt.Errorf("%s (is the iptables package installed?): %w", iptablesBinary, err)
-	}
-	// Rules are read with iptablesBinary and written with its restore
-	// command: the same backend.
-	chain, err := hmark.NewChain(meter.IPTables(ipt), meter.IPSets(sets), cfg.Chain,
-		cfg.HMARKParams(),
-		meter.Restorer(hmark.NewExecRestorer(iptablesBinary)))
-	if err != nil {
-		closeAll()
-		return nil, nil, nil, err
-	}
 	var conntrack *netlink.Handle
 	tcpMinExpire := closingTimeout(sysctls, log)
 	if cfg.Generations > 1 {
-		if err := chain.SetSticky(cfg.Sticky(tcpMinExpire)); err != nil {
-			closeAll()
-			return nil, nil, nil, err
-		}
 		if conntrack, err = netlink.NewHandle(unix.NETLINK_NETFILTER); err != nil {
 			closeAll()
 			return nil, nil, nil, fmt.Errorf("netfilter netlink handle (conntrack): %w", err)
 		}
 		closeRoute := closeAll
 		closeAll = func() { closeRoute(); conntrack.Close() }
-	}
-	var device datapath.TunnelDevice = datapath.NoDevice{}
-	switch {
-	case cfg.Mode == encap.GRE && createDevice:
-		device = &datapath.GREDevice{Name: cfg.GREDevice, Links: handle}
-	case cfg.Mode == encap.GRE:
-		device = &datapath.ExistingDevice{Name: cfg.GREDevice, Links: handle}
 	}
 	nodeLink := func(ip netip.Addr) (int, error) {
 		rs, err := handle.RouteGet(ip.AsSlice())
@@ -307,11 +287,63 @@ func openDatapath(cfg datapath.Config, createDevice bool, iptablesBinary string,
 		}
 		return rs[0].LinkIndex, nil
 	}
-	dp := datapath.NewDatapath(cfg, meter.Routes(routes), meter.Rules(handle), chain, device, nodeLink, log)
-	if conntrack != nil {
-		dp.EnableGenerationCollection(conntrack, tcpMinExpire)
+	// open builds one family's chain and datapath over the shared handles.
+	open := func(family datapath.Family) (*datapath.Datapath, *hmark.Chain, error) {
+		fcfg := cfg.ForFamily(family)
+		binary, hfamily := backend.Binary("iptables"), hmark.IPv4
+		if family == datapath.IPv6 {
+			binary, hfamily = backend.Binary("ip6tables"), hmark.IPv6
+		}
+		ipt, err := iptables.New(iptables.Path(binary))
+		if err != nil {
+			return nil, nil, fmt.Errorf("%s (is the iptables package installed?): %w", binary, err)
+		}
+		// Rules are read with binary and written with its restore
+		// command: the same backend.
+		chain, err := hmark.NewChainFamily(hfamily, meter.IPTables(ipt), meter.IPSets(sets), fcfg.ChainName(),
+			fcfg.HMARKParams(), meter.Restorer(hmark.NewExecRestorer(binary)))
+		if err != nil {
+			return nil, nil, err
+		}
+		if fcfg.Generations > 1 {
+			if err := chain.SetSticky(fcfg.Sticky(tcpMinExpire)); err != nil {
+				return nil, nil, err
+			}
+		}
+		var device datapath.TunnelDevice = datapath.NoDevice{}
+		switch {
+		case fcfg.Mode == encap.GRE && createDevice:
+			device = &datapath.GREDevice{Name: fcfg.GREDeviceName(), Family: family, Links: handle}
+		case fcfg.Mode == encap.GRE:
+			device = &datapath.ExistingDevice{Name: fcfg.GREDeviceName(), Links: handle}
+		}
+		dp := datapath.NewDatapath(fcfg, meter.Routes(routes), meter.Rules(handle), chain, device, nodeLink, log.WithField("family", family.String()))
+		if conntrack != nil {
+			dp.EnableGenerationCollection(conntrack, tcpMinExpire)
+		}
+		return dp, chain, nil
 	}
-	return dp, chain, closeAll, nil
+	dp4, chain4, err := open(datapath.IPv4)
+	if err != nil {
+		closeAll()
+		return nil, nil, nil, err
+	}
+	chains := []*hmark.Chain{chain4}
+	var dp6 *datapath.Datapath
+	if ipv6 {
+		var chain6 *hmark.Chain
+		if dp6, chain6, err = open(datapath.IPv6); err != nil {
+			closeAll()
+			return nil, nil, nil, fmt.Errorf("IPv6 datapath (--ipv6=false serves IPv4 only): %w", err)
+		}
+		chains = append(chains, chain6)
+	}
+	families, err := datapath.NewFamilies(dp4, dp6)
+	if err != nil {
+		closeAll()
+		return nil, nil, nil, err
+	}
+	return families, chains, closeAll, nil
 }
 
 // closingTimeouts are the conntrack sysctls of TCP's closing states.
@@ -391,10 +423,17 @@ func warnIfNoPickup(sysctls procSys, log logrus.FieldLogger) {
 	}
 }
 
-// warnIfNotForwarding logs when the node would not forward tunnelled packets.
-// The router does not change host-wide sysctls itself.
-func warnIfNotForwarding(sysctls procSys, log logrus.FieldLogger) {
+// warnIfNotForwarding logs when the node would not forward tunnelled packets
+// (of IPv6 tunnel IPs too, with ipv6). The router does not change host-wide
+// sysctls itself.
+func warnIfNotForwarding(sysctls procSys, ipv6 bool, log logrus.FieldLogger) {
 	if v, err := sysctls.read("net/ipv4/ip_forward"); err == nil && v != 1 {
 		log.Warn("net.ipv4.ip_forward is 0: this node will not forward tunnel traffic (set it to 1)")
+	}
+	if !ipv6 {
+		return
+	}
+	if v, err := sysctls.read("net/ipv6/conf/all/forwarding"); err == nil && v != 1 {
+		log.Warn("net.ipv6.conf.all.forwarding is 0: this node will not forward the traffic of IPv6 tunnel IPs (set it to 1, or run with --ipv6=false)")
 	}
 }

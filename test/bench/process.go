@@ -93,7 +93,7 @@ func routerProcess(n int) error {
 	}
 	defer logFile.Close()
 	cmd := exec.Command("ip", "netns", "exec", ns.name, bin, "--kubeconfig", kubeconfig,
-		"--gre-device", "veth0", "--gre-device-create=false", "--seed", "0x5eed", "--buckets", fmt.Sprint(*buckets),
+		"--gre-device", "veth0", "--gre-device-create=false", "--ipv6=false", "--seed", "0x5eed", "--buckets", fmt.Sprint(*buckets),
 		"--generations", fmt.Sprint(*generations),
 		"--pools", "198.18.0.0/16") // the tunnel IPs createServices annotates
 	cmd.Stdout, cmd.Stderr = logFile, logFile
@@ -104,7 +104,7 @@ func routerProcess(n int) error {
 	defer func() {
 		_ = cmd.Process.Signal(syscall.SIGTERM)
 		_ = cmd.Wait()
-		_ = exec.Command("ip", "netns", "exec", ns.name, bin, "--cleanup", "--gre-device", "veth0", "--gre-device-create=false").Run()
+		_ = exec.Command("ip", "netns", "exec", ns.name, bin, "--cleanup", "--gre-device", "veth0", "--gre-device-create=false", "--ipv6=false").Run()
 	}()
 	want := fmt.Sprintf("tunnels=%d", n)
 	for {

@@ -183,6 +183,9 @@ func containerisedRouter(t *testing.T, c *testcri.Containerd, ref string, backen
 	t.Cleanup(func() { _ = exec.Command("ip", "netns", "del", ns).Run() })
 	in := func(args ...string) string { return run("ip", append([]string{"netns", "exec", ns}, args...)...) }
 	in("ip", "link", "set", "lo", "up")
+	// Without DAD the veths' link-local addresses, and their local routes,
+	// exist as soon as the links are up: the snapshot below sees them.
+	in("sysctl", "-qw", "net.ipv6.conf.all.accept_dad=0", "net.ipv6.conf.default.accept_dad=0")
 	in("ip", "link", "add", "veth0", "type", "veth", "peer", "name", "veth0p")
 	in("ip", "link", "set", "veth0", "up")
 	in("ip", "link", "set", "veth0p", "up")
@@ -232,7 +235,7 @@ func containerisedRouter(t *testing.T, c *testcri.Containerd, ref string, backen
 	}
 	defer logFile.Close()
 	cmd := ctrRun(id, "--kubeconfig", "/etc/kst/kubeconfig", "--seed", "0x5eed", "--gre-device", "veth0",
-		"--gre-device-create=false", "--metrics-address", "", "--pools", "192.0.2.0/24")
+		"--gre6-device", "veth0", "--gre-device-create=false", "--metrics-address", "", "--pools", "192.0.2.0/24;2001:db8:2::/64")
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -264,6 +267,11 @@ func containerisedRouter(t *testing.T, c *testcri.Containerd, ref string, backen
 			t.Fatalf("no chain %s in %s after 90 s; router log:\n%s", datapath.DefaultChain, backend, readLog(logPath))
 		}
 		time.Sleep(300 * time.Millisecond)
+	}
+	// The image's ip6tables of the same backend holds the IPv6 chain.
+	if out, err := exec.Command("ip", "netns", "exec", ns, backend.Binary("ip6tables")+"-save", "-t", "mangle").CombinedOutput(); err != nil ||
+		!strings.Contains(string(out), ":"+datapath.DefaultChain6+" ") {
+		t.Errorf("no chain %s in %s's ip6tables (%v):\n%s\nrouter log:\n%s", datapath.DefaultChain6, backend, err, out, readLog(logPath))
 	}
 	chosen := ""
 	for _, line := range strings.Split(readLog(logPath), "\n") {
