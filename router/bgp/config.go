@@ -1,7 +1,8 @@
 // Package bgp announces the tunnel IPs a tunnel router serves to the
 // datacenter's routers, with an embedded GoBGP speaker. Each served tunnel IP
-// is announced as a /32 with this node as the next hop, so that the peers
-// spread its traffic over every healthy tunnel router (ECMP).
+// is announced as a host prefix (/32 or /128) with this node's address of the
+// tunnel IP's family as the next hop, so that the peers spread its traffic
+// over every healthy tunnel router (ECMP).
 package bgp
 
 import (
@@ -37,11 +38,18 @@ const (
 type Config struct {
 	// ASN is the local autonomous system number of every router (required).
 	ASN uint32 `json:"asn"`
-	// RouterID is the BGP identifier; empty means the node's address.
+	// RouterID is the BGP identifier, an IPv4 address; empty means the
+	// node's IPv4 address.
 	RouterID string `json:"routerID,omitempty"`
-	// NextHop is the next hop announced for every tunnel IP; empty means the
-	// node's address.
+	// NextHop is the next hop announced for every IPv4 tunnel IP, an IPv4
+	// address; empty means the node's IPv4 address (its first InternalIP,
+	// else ExternalIP).
 	NextHop string `json:"nextHop,omitempty"`
+	// NextHopIPv6 is the next hop announced for every IPv6 tunnel IP, an
+	// IPv6 address; empty means the node's IPv6 address (its first
+	// InternalIP, else ExternalIP). With neither, IPv6 tunnel IPs are not
+	// announced (the IPv4 ones still are).
+	NextHopIPv6 string `json:"nextHopIPv6,omitempty"`
 	// ListenPort is the TCP port on which the router accepts sessions. 0
 	// (the default) means it does not listen and only connects out, so that
 	// it never competes with another BGP daemon of the node (a CNI's) for
@@ -154,8 +162,13 @@ func (c *Config) Validate() error {
 		}
 	}
 	if c.NextHop != "" {
-		if _, err := netip.ParseAddr(c.NextHop); err != nil {
-			field("nextHop", "%q is not an IP address", c.NextHop)
+		if a, err := netip.ParseAddr(c.NextHop); err != nil || !a.Is4() {
+			field("nextHop", "%q is not an IPv4 address (the next hop of IPv6 tunnel IPs is nextHopIPv6)", c.NextHop)
+		}
+	}
+	if c.NextHopIPv6 != "" {
+		if a, err := netip.ParseAddr(c.NextHopIPv6); err != nil || !usableIPv6NextHop(a) {
+			field("nextHopIPv6", "%q is not a global IPv6 address (the next hop of IPv4 tunnel IPs is nextHop)", c.NextHopIPv6)
 		}
 	}
 	if c.ListenPort < 0 || c.ListenPort > 65535 {
@@ -222,6 +235,13 @@ func (c *Config) Validate() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// usableIPv6NextHop reports whether a can be the next hop of IPv6 tunnel
+// IPs: an IPv6 address that is not IPv4-mapped, link-local (it would need
+// a zone, which BGP does not carry alone), multicast or unspecified.
+func usableIPv6NextHop(a netip.Addr) bool {
+	return a.Is6() && !a.Is4In6() && a.Zone() == "" && !a.IsLinkLocalUnicast() && !a.IsMulticast() && !a.IsUnspecified()
 }
 
 // WithdrawWait is how long to wait between withdrawing and closing.

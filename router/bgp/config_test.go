@@ -13,6 +13,8 @@ import (
 func TestParseValidConfig(t *testing.T) {
 	cfg, err := Parse([]byte(`
 asn: 64512
+nextHop: 198.51.100.7
+nextHopIPv6: 2001:db8:100::7
 gracefulRestart: {enabled: true, restartTime: 60s}
 peers:
 - address: 198.51.100.1
@@ -28,7 +30,7 @@ peers:
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cfg.ASN != 64512 || len(cfg.Peers) != 2 || cfg.Peers[0].holdTime() != 9*time.Second || cfg.Peers[1].holdTime() != DefaultHoldTime {
+	if cfg.ASN != 64512 || cfg.NextHop != "198.51.100.7" || cfg.NextHopIPv6 != "2001:db8:100::7" || len(cfg.Peers) != 2 || cfg.Peers[0].holdTime() != 9*time.Second || cfg.Peers[1].holdTime() != DefaultHoldTime {
 		t.Fatalf("parsed %+v", cfg)
 	}
 	if !cfg.Peers[0].Selects(map[string]string{"rack": "r1", "node": "tunnel"}) || cfg.Peers[0].Selects(map[string]string{"rack": "r2"}) {
@@ -56,6 +58,12 @@ func TestParseRejectsBadConfigNamingTheField(t *testing.T) {
 		{`{asn: 1, routerID: "2001:db8::1", peers: [{address: 198.51.100.1, asn: 2}]}`, "routerID"},
 		{`{asn: 1, peer: [{address: 198.51.100.1, asn: 2}]}`, `unknown field "peer"`},
 		{`{asn: 1, gracefulRestart: {enabled: true, restartTime: 2h}, peers: [{address: 198.51.100.1, asn: 2}]}`, "gracefulRestart.restartTime"},
+		{`{asn: 1, nextHop: "2001:db8::1", peers: [{address: 198.51.100.1, asn: 2}]}`, `nextHop: "2001:db8::1" is not an IPv4 address`},
+		{`{asn: 1, nextHop: nope, peers: [{address: 198.51.100.1, asn: 2}]}`, `nextHop: "nope"`},
+		{`{asn: 1, nextHopIPv6: 192.0.2.1, peers: [{address: 198.51.100.1, asn: 2}]}`, `nextHopIPv6: "192.0.2.1" is not a global IPv6 address`},
+		{`{asn: 1, nextHopIPv6: "::ffff:192.0.2.1", peers: [{address: 198.51.100.1, asn: 2}]}`, `nextHopIPv6: "::ffff:192.0.2.1"`},
+		{`{asn: 1, nextHopIPv6: "fe80::1", peers: [{address: 198.51.100.1, asn: 2}]}`, `nextHopIPv6: "fe80::1"`},
+		{`{asn: 1, nextHop6: "2001:db8::1", peers: [{address: 198.51.100.1, asn: 2}]}`, `unknown field "nextHop6"`},
 	} {
 		_, err := Parse([]byte(tc.yaml))
 		if err == nil || !strings.Contains(err.Error(), tc.field) {

@@ -24,8 +24,12 @@ import (
 // Node is what the speaker needs to know of the node it runs on.
 type Node struct {
 	Name string
-	// Address is the node's address: the default router ID and next hop.
+	// Address is the node's IPv4 address: the default router ID and next
+	// hop of IPv4 tunnel IPs.
 	Address netip.Addr
+	// AddressIPv6 is the node's IPv6 address: the default next hop of IPv6
+	// tunnel IPs.
+	AddressIPv6 netip.Addr
 	// Labels select the peers (Peer.NodeSelector).
 	Labels map[string]string
 }
@@ -53,9 +57,13 @@ type Speaker struct {
 
 	// Owned by Run's goroutine.
 	started   bool
-	nextHop   netip.Addr
-	announced map[netip.Addr]bool
+	routerID  netip.Addr
+	hops      NextHops
+	announced map[netip.Addr]netip.Addr // tunnel IP -> the next hop it is announced with
 	peers     map[netip.Addr]Peer
+	// unrouted is, per family ("IPv4", "IPv6"), whether wanted tunnel IPs
+	// are left unannounced for want of a next hop (logged once per change).
+	unrouted map[string]bool
 }
 
 // NewSpeaker returns a speaker for a validated configuration.
@@ -70,8 +78,9 @@ func NewSpeaker(cfg Config, log logrus.FieldLogger, metrics *Metrics) *Speaker {
 		server:    server.NewBgpServer(server.LoggerOption(gobgpLogger(log))),
 		desired:   map[netip.Addr]bool{},
 		kick:      make(chan struct{}, 1),
-		announced: map[netip.Addr]bool{},
+		announced: map[netip.Addr]netip.Addr{},
 		peers:     map[netip.Addr]Peer{},
+		unrouted:  map[string]bool{},
 	}
 }
 
@@ -89,10 +98,11 @@ func (s *Speaker) Announce(vips []netip.Addr) {
 
 // SetConfig hands the speaker a new validated configuration, applied by
 // Run without a restart of the router: peers added, removed, or (when their
-// settings changed) reset one by one; a change of the speaker's own
-// settings (asn, routerID, nextHop, listenPort, gracefulRestart) restarts
-// BGP, closing every session, as a router restart would. withdrawDelay
-// applies at the next exit.
+// settings changed) reset one by one; a new nextHop or nextHopIPv6
+// re-announces the tunnel IPs of its family with it; a change of the
+// speaker's own settings (asn, routerID, listenPort, gracefulRestart)
+// restarts BGP, closing every session, as a router restart would.
+// withdrawDelay applies at the next exit.
 func (s *Speaker) SetConfig(cfg Config) {
 	s.mu.Lock()
 	s.pending = &cfg
@@ -100,7 +110,10 @@ func (s *Speaker) SetConfig(cfg Config) {
 	s.poke()
 }
 
-// SetNode records the node's address and labels (the peers it selects).
+// SetNode records the node's addresses and labels (the peers it selects).
+// A new address of a family that gives the next hop re-announces the tunnel
+// IPs of that family with it; a new IPv4 address that gives the router ID
+// restarts BGP, as a new routerID does.
 func (s *Speaker) SetNode(n Node) {
 	s.mu.Lock()
 	s.node = &n
@@ -182,33 +195,57 @@ func (s *Speaker) reconcile() error {
 	if node == nil || !announces {
 		return nil // not before the node and the first full sync are known
 	}
+	if s.started {
+		if id := routerIDFor(s.cfg, *node); id.Is4() && id != s.routerID {
+			// GoBGP takes its router ID at start only.
+			if err := s.stop(logrus.Fields{"router_id": id, "was": s.routerID}, "the node's IPv4 address, the router ID, changed"); err != nil {
+				return err
+			}
+		}
+	}
 	if !s.started {
 		if err := s.start(*node); err != nil {
 			return err
 		}
 	}
+	s.setNextHops(*node)
 	// Paths before peers: a new session's first update carries the whole set.
-	if err := s.syncPaths(desired); err != nil {
+	if err := s.syncPaths(desired, node.Name); err != nil {
 		return err
 	}
 	return s.syncPeers(*node)
 }
 
-func (s *Speaker) start(node Node) error {
-	routerID := node.Address
-	if s.cfg.RouterID != "" {
-		routerID = netip.MustParseAddr(s.cfg.RouterID)
+// routerIDFor is the configured routerID, else the node's IPv4 address.
+func routerIDFor(cfg Config, node Node) netip.Addr {
+	if cfg.RouterID != "" {
+		return netip.MustParseAddr(cfg.RouterID)
 	}
+	return node.Address
+}
+
+// setNextHops takes the next hops of the configuration and node, and logs
+// those that changed.
+func (s *Speaker) setNextHops(node Node) {
+	hops := NextHopsFor(s.cfg, node)
+	for _, f := range []struct {
+		family    string
+		old, next netip.Addr
+	}{{"IPv4", s.hops.IPv4, hops.IPv4}, {"IPv6", s.hops.IPv6, hops.IPv6}} {
+		if f.old != f.next && f.old.IsValid() {
+			s.log.WithFields(logrus.Fields{"family": f.family, "next_hop": f.next, "was": f.old}).
+				Info("next hop of the family's tunnel IPs changed: re-announcing them")
+		}
+	}
+	s.hops = hops
+}
+
+func (s *Speaker) start(node Node) error {
+	routerID := routerIDFor(s.cfg, node)
 	if !routerID.Is4() {
 		return fmt.Errorf("node %s has no IPv4 address for the BGP router ID; set routerID in the BGP configuration", node.Name)
 	}
-	s.nextHop = node.Address
-	if s.cfg.NextHop != "" {
-		s.nextHop = netip.MustParseAddr(s.cfg.NextHop)
-	}
-	if !s.nextHop.IsValid() {
-		return fmt.Errorf("node %s has no address for the BGP next hop; set nextHop in the BGP configuration", node.Name)
-	}
+	hops := NextHopsFor(s.cfg, node)
 	listen := int32(-1) // GoBGP: do not listen
 	if s.cfg.ListenPort > 0 {
 		listen = s.cfg.ListenPort
@@ -220,9 +257,9 @@ func (s *Speaker) start(node Node) error {
 	if err := s.server.WatchEvent(context.Background(), server.WatchEventMessageCallbacks{OnPeerUpdate: s.peerEvent}, server.WatchPeer()); err != nil {
 		return fmt.Errorf("watching BGP peers: %w", err)
 	}
-	s.started = true
-	s.log.WithFields(logrus.Fields{"asn": s.cfg.ASN, "router_id": routerID, "next_hop": s.nextHop, "listen_port": s.cfg.ListenPort,
-		"graceful_restart": s.gracefulRestart()}).Info("BGP speaker started")
+	s.started, s.routerID, s.hops = true, routerID, hops
+	s.log.WithFields(logrus.Fields{"asn": s.cfg.ASN, "router_id": routerID, "next_hop": hops.IPv4, "next_hop_ipv6": hops.IPv6,
+		"listen_port": s.cfg.ListenPort, "graceful_restart": s.gracefulRestart()}).Info("BGP speaker started")
 	return nil
 }
 
@@ -235,16 +272,25 @@ func (s *Speaker) applyConfig(cfg Config) error {
 	if !s.started {
 		return nil
 	}
-	if old.ASN == cfg.ASN && old.RouterID == cfg.RouterID && old.NextHop == cfg.NextHop && old.ListenPort == cfg.ListenPort &&
+	if old.ASN == cfg.ASN && old.RouterID == cfg.RouterID && old.ListenPort == cfg.ListenPort &&
 		reflect.DeepEqual(old.GracefulRestart, cfg.GracefulRestart) {
-		s.log.Info("BGP configuration changed: updating the peers")
+		s.log.Info("BGP configuration changed: updating the peers and next hops")
 		return nil
 	}
-	s.log.WithFields(logrus.Fields{"asn": cfg.ASN, "router_id": cfg.RouterID, "next_hop": cfg.NextHop, "listen_port": cfg.ListenPort}).
-		Warn("BGP configuration changed the speaker's own settings: restarting BGP, every session closes and reopens")
-	if err := s.server.StopBgp(context.Background(), &api.StopBgpRequest{}); err != nil {
+	err := s.stop(logrus.Fields{"asn": cfg.ASN, "router_id": cfg.RouterID, "listen_port": cfg.ListenPort},
+		"the BGP configuration changed the speaker's own settings")
+	if err != nil {
 		s.cfg = old
-		return fmt.Errorf("stopping BGP to apply the new configuration: %w", err)
+	}
+	return err
+}
+
+// stop stops BGP, closing every session, so that the next reconcile starts
+// it again with the current configuration and node.
+func (s *Speaker) stop(fields logrus.Fields, why string) error {
+	s.log.WithFields(fields).Warn(why + ": restarting BGP, every session closes and reopens")
+	if err := s.server.StopBgp(context.Background(), &api.StopBgpRequest{}); err != nil {
+		return fmt.Errorf("stopping BGP to restart it (%s): %w", why, err)
 	}
 	for addr := range s.peers {
 		s.metrics.sessionUp.DeleteLabelValues(addr.String())
@@ -253,7 +299,7 @@ func (s *Speaker) applyConfig(cfg Config) error {
 	// starts a new one.
 	s.server = server.NewBgpServer(server.LoggerOption(gobgpLogger(s.log)))
 	go s.server.Serve()
-	s.started, s.peers, s.announced = false, map[netip.Addr]Peer{}, map[netip.Addr]bool{}
+	s.started, s.peers, s.announced = false, map[netip.Addr]Peer{}, map[netip.Addr]netip.Addr{}
 	s.metrics.announced.Set(0)
 	return nil
 }
@@ -282,42 +328,25 @@ func (s *Speaker) peerEvent(ev *apiutil.WatchEventMessage_PeerEvent, _ time.Time
 	entry.Info("BGP session state")
 }
 
-// Diff returns the tunnel IPs to announce and to withdraw to go from
-// announced to desired, each sorted.
-func Diff(desired, announced map[netip.Addr]bool) (announce, withdraw []netip.Addr) {
-	for v := range desired {
-		if !announced[v] {
-			announce = append(announce, v)
-		}
-	}
-	for v := range announced {
-		if !desired[v] {
-			withdraw = append(withdraw, v)
-		}
-	}
-	slices.SortFunc(announce, netip.Addr.Compare)
-	slices.SortFunc(withdraw, netip.Addr.Compare)
-	return announce, withdraw
-}
-
-func (s *Speaker) syncPaths(desired map[netip.Addr]bool) error {
-	announce, withdraw := Diff(desired, s.announced)
+func (s *Speaker) syncPaths(desired map[netip.Addr]bool, node string) error {
+	plan := Plan(desired, s.hops, s.announced)
+	s.logUnrouted(plan.Unrouted, node)
 	var errs []error
-	for _, vip := range announce {
-		p, err := s.path(vip)
+	for _, a := range plan.Announce {
+		p, err := path(a.VIP, a.NextHop)
 		if err == nil {
 			_, err = s.server.AddPath(apiutil.AddPathRequest{Paths: []*apiutil.Path{p}})
 		}
 		if err != nil {
-			errs = append(errs, fmt.Errorf("announcing %v: %w", vip, err))
+			errs = append(errs, fmt.Errorf("announcing %v: %w", a.VIP, err))
 			continue
 		}
-		s.announced[vip] = true
+		s.announced[a.VIP] = a.NextHop
 		s.metrics.updates.WithLabelValues("announce").Inc()
-		s.log.WithFields(logrus.Fields{"vip": vip, "next_hop": s.nextHop}).Info("announcing tunnel IP")
+		s.log.WithFields(logrus.Fields{"vip": a.VIP, "next_hop": a.NextHop}).Info("announcing tunnel IP")
 	}
-	for _, vip := range withdraw {
-		p, err := s.path(vip)
+	for _, vip := range plan.Withdraw {
+		p, err := path(vip, s.announced[vip])
 		if err == nil {
 			err = s.server.DeletePath(apiutil.DeletePathRequest{Paths: []*apiutil.Path{p}})
 		}
@@ -333,33 +362,31 @@ func (s *Speaker) syncPaths(desired map[netip.Addr]bool) error {
 	return errors.Join(errs...)
 }
 
-// path is the announcement of one tunnel IP: a host prefix with origin IGP
-// and this node as the next hop.
-func (s *Speaker) path(vip netip.Addr) (*apiutil.Path, error) {
-	if vip.Is4() != s.nextHop.Is4() {
-		return nil, fmt.Errorf("next hop %v is not of the tunnel IP's family", s.nextHop)
-	}
-	nlri, err := bgp.NewIPAddrPrefix(netip.PrefixFrom(vip, vip.BitLen()))
-	if err != nil {
-		return nil, err
-	}
-	family := bgp.RF_IPv4_UC
-	attrs := []bgp.PathAttributeInterface{bgp.NewPathAttributeOrigin(bgp.BGP_ORIGIN_ATTR_TYPE_IGP)}
-	if vip.Is4() {
-		nh, err := bgp.NewPathAttributeNextHop(s.nextHop)
-		if err != nil {
-			return nil, err
+// logUnrouted says, once each time it starts and stops, that the wanted
+// tunnel IPs of a family are not announced for want of a next hop, and
+// what to set. Retrying would not help: a new node address or
+// configuration reconciles again.
+func (s *Speaker) logUnrouted(unrouted []netip.Addr, node string) {
+	count := map[string]int{}
+	example := map[string]netip.Addr{}
+	for _, vip := range unrouted {
+		f := familyName(vip)
+		if count[f] == 0 {
+			example[f] = vip
 		}
-		attrs = append(attrs, nh)
-	} else {
-		family = bgp.RF_IPv6_UC
-		mp, err := bgp.NewPathAttributeMpReachNLRI(family, []bgp.PathNLRI{{NLRI: nlri}}, s.nextHop)
-		if err != nil {
-			return nil, err
-		}
-		attrs = append(attrs, mp)
+		count[f]++
 	}
-	return &apiutil.Path{Family: family, Nlri: nlri, Attrs: attrs}, nil
+	for _, f := range []string{"IPv4", "IPv6"} {
+		now := count[f] > 0
+		switch {
+		case now && !s.unrouted[f]:
+			s.log.WithError(missingNextHop(example[f], node)).WithFields(logrus.Fields{"family": f, "tunnel_ips": count[f], "vip": example[f]}).
+				Error("tunnel IPs of this family are not announced: no next hop")
+		case !now && s.unrouted[f]:
+			s.log.WithField("family", f).Info("no tunnel IP of this family is left unannounced for want of a next hop any more")
+		}
+		s.unrouted[f] = now
+	}
 }
 
 // syncPeers adds the peers that select this node and removes the others.
@@ -414,16 +441,28 @@ func seconds(d *metav1.Duration, def time.Duration) uint64 {
 	return uint64(d.Duration / time.Second)
 }
 
+// peerFamilies are the address families offered to a peer: IPv6 unicast to
+// an IPv6 peer; IPv4 and IPv6 unicast (multiprotocol, RFC 4760) to an IPv4
+// peer, so that a peer with IPv4 sessions only may take the IPv6 tunnel IPs
+// too (with their IPv6 next hop) by enabling IPv6 unicast on the session.
+// A family the peer does not enable is not negotiated, and not sent.
+func peerFamilies(addr netip.Addr) []api.Family_Afi {
+	if addr.Is6() {
+		return []api.Family_Afi{api.Family_AFI_IP6}
+	}
+	return []api.Family_Afi{api.Family_AFI_IP, api.Family_AFI_IP6}
+}
+
 // apiPeer translates a configured peer into GoBGP's neighbour configuration.
 func (s *Speaker) apiPeer(p Peer) (*api.Peer, error) {
 	password, err := p.password()
 	if err != nil {
 		return nil, err
 	}
-	addr := netip.MustParseAddr(p.Address)
-	family := &api.Family{Afi: api.Family_AFI_IP, Safi: api.Family_SAFI_UNICAST}
-	if addr.Is6() {
-		family.Afi = api.Family_AFI_IP6
+	var afiSafis []*api.AfiSafi
+	for _, afi := range peerFamilies(netip.MustParseAddr(p.Address)) {
+		afiSafis = append(afiSafis, &api.AfiSafi{Config: &api.AfiSafiConfig{
+			Family: &api.Family{Afi: afi, Safi: api.Family_SAFI_UNICAST}, Enabled: true}})
 	}
 	hold := uint64(p.holdTime() / time.Second)
 	keepalive := hold / 3
@@ -440,7 +479,7 @@ func (s *Speaker) apiPeer(p Peer) (*api.Peer, error) {
 		Timers: &api.Timers{Config: &api.TimersConfig{HoldTime: hold, KeepaliveInterval: keepalive,
 			ConnectRetry: retry, IdleHoldTimeAfterReset: retry}},
 		Transport: &api.Transport{LocalAddress: p.SourceAddress, RemotePort: uint32(p.Port)},
-		AfiSafis:  []*api.AfiSafi{{Config: &api.AfiSafiConfig{Family: family, Enabled: true}}},
+		AfiSafis:  afiSafis,
 	}
 	if p.EBGPMultihop > 0 {
 		conf.EbgpMultihop = &api.EbgpMultihop{Enabled: true, MultihopTtl: uint32(p.EBGPMultihop)}
@@ -450,7 +489,9 @@ func (s *Speaker) apiPeer(p Peer) (*api.Peer, error) {
 		// crashed router's routes until this new session's End-of-RIB.
 		conf.GracefulRestart = &api.GracefulRestart{Enabled: true, RestartTime: uint32(seconds(gr.RestartTime, DefaultRestartTime)),
 			LocalRestarting: true}
-		conf.AfiSafis[0].MpGracefulRestart = &api.MpGracefulRestart{Config: &api.MpGracefulRestartConfig{Enabled: true}}
+		for _, a := range conf.AfiSafis {
+			a.MpGracefulRestart = &api.MpGracefulRestart{Config: &api.MpGracefulRestartConfig{Enabled: true}}
+		}
 	}
 	if b := p.BFD; b != nil {
 		interval := DefaultBFDInterval
@@ -478,7 +519,7 @@ func (s *Speaker) shutdown() {
 		if err := s.server.DeletePath(apiutil.DeletePathRequest{DeleteAll: true}); err != nil {
 			s.log.WithError(err).Warn("withdrawing tunnel IPs before exit")
 		} else {
-			s.announced = map[netip.Addr]bool{}
+			s.announced = map[netip.Addr]netip.Addr{}
 			s.metrics.announced.Set(0)
 			s.log.WithFields(logrus.Fields{"tunnel_ips": n, "wait": s.cfg.WithdrawWait()}).Info("withdrew every tunnel IP; waiting before closing the BGP sessions")
 			time.Sleep(s.cfg.WithdrawWait())

@@ -8,6 +8,8 @@ import (
 	"net/netip"
 	"slices"
 	"strconv"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -19,28 +21,19 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
-func TestDiff(t *testing.T) {
-	a, b, c := netip.MustParseAddr("192.0.2.1"), netip.MustParseAddr("192.0.2.2"), netip.MustParseAddr("192.0.2.3")
-	announce, withdraw := Diff(map[netip.Addr]bool{a: true, b: true}, map[netip.Addr]bool{b: true, c: true})
-	if !slices.Equal(announce, []netip.Addr{a}) || !slices.Equal(withdraw, []netip.Addr{c}) {
-		t.Fatalf("announce %v withdraw %v", announce, withdraw)
-	}
-	if x, y := Diff(map[netip.Addr]bool{a: true}, map[netip.Addr]bool{a: true}); len(x)+len(y) != 0 {
-		t.Fatalf("no change gave %v %v", x, y)
-	}
-}
-
-// loopbackPeer is a GoBGP speaker on 127.0.0.2 standing in for a datacenter
-// router (the integration tests use a real bird2).
+// loopbackPeer is a GoBGP speaker on a loopback address standing in for a
+// datacenter router (the integration tests use a real bird2): on 127.0.0.2,
+// peering with 127.0.0.1, or on ::1, peering with ::1.
 type loopbackPeer struct {
 	s    *server.BgpServer
+	addr string
 	port int
 }
 
-func freePort(t *testing.T) int {
-	ln, err := net.Listen("tcp", "127.0.0.2:0")
+func freePort(t *testing.T, addr string) int {
+	ln, err := net.Listen("tcp", net.JoinHostPort(addr, "0"))
 	if err != nil {
-		t.Skipf("127.0.0.2 not usable: %v", err)
+		t.Skipf("%s not usable: %v", addr, err)
 	}
 	defer ln.Close()
 	_, p, _ := net.SplitHostPort(ln.Addr().String())
@@ -49,39 +42,54 @@ func freePort(t *testing.T) int {
 }
 
 func newLoopbackPeer(t *testing.T) *loopbackPeer {
-	port := freePort(t)
+	return newLoopbackPeerOn(t, "127.0.0.2", "127.0.0.1")
+}
+
+// newLoopbackPeerOn starts a peer listening on addr that accepts a session
+// from the speaker at neighbor.
+func newLoopbackPeerOn(t *testing.T, addr, neighbor string) *loopbackPeer {
+	port := freePort(t, addr)
 	s := server.NewBgpServer()
 	go s.Serve()
 	ctx := context.Background()
-	if err := s.StartBgp(ctx, &api.StartBgpRequest{Global: &api.Global{Asn: 64500, RouterId: "127.0.0.2",
-		ListenPort: int32(port), ListenAddresses: []string{"127.0.0.2"}}}); err != nil {
+	routerID := "127.0.0.2"
+	if netip.MustParseAddr(addr).Is6() {
+		routerID = "127.0.0.3"
+	}
+	if err := s.StartBgp(ctx, &api.StartBgpRequest{Global: &api.Global{Asn: 64500, RouterId: routerID,
+		ListenPort: int32(port), ListenAddresses: []string{addr}}}); err != nil {
 		t.Fatal(err)
 	}
 	if err := s.AddPeer(ctx, &api.AddPeerRequest{Peer: &api.Peer{
-		Conf:      &api.PeerConf{NeighborAddress: "127.0.0.1", PeerAsn: 64512},
+		Conf:      &api.PeerConf{NeighborAddress: neighbor, PeerAsn: 64512},
 		Transport: &api.Transport{PassiveMode: true},
 	}}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = s.StopBgp(ctx, &api.StopBgpRequest{}) })
-	return &loopbackPeer{s: s, port: port}
+	return &loopbackPeer{s: s, addr: addr, port: port}
 }
 
-// routes returns the peer's prefixes and their next hops.
+// routes returns the peer's prefixes of both families and their next hops.
 func (p *loopbackPeer) routes(t *testing.T) map[string]string {
 	out := map[string]string{}
-	err := p.s.ListPath(apiutil.ListPathRequest{TableType: api.TableType_TABLE_TYPE_GLOBAL, Family: bgp.RF_IPv4_UC},
-		func(prefix bgp.NLRI, paths []*apiutil.Path) {
-			for _, path := range paths {
-				for _, a := range path.Attrs {
-					if nh, ok := a.(*bgp.PathAttributeNextHop); ok {
-						out[prefix.String()] = nh.Value.String()
+	for _, family := range []bgp.Family{bgp.RF_IPv4_UC, bgp.RF_IPv6_UC} {
+		err := p.s.ListPath(apiutil.ListPathRequest{TableType: api.TableType_TABLE_TYPE_GLOBAL, Family: family},
+			func(prefix bgp.NLRI, paths []*apiutil.Path) {
+				for _, path := range paths {
+					for _, a := range path.Attrs {
+						switch a := a.(type) {
+						case *bgp.PathAttributeNextHop:
+							out[prefix.String()] = a.Value.String()
+						case *bgp.PathAttributeMpReachNLRI:
+							out[prefix.String()] = a.Nexthop.String()
+						}
 					}
 				}
-			}
-		})
-	if err != nil {
-		t.Fatal(err)
+			})
+		if err != nil {
+			t.Fatal(err)
+		}
 	}
 	return out
 }
@@ -198,5 +206,130 @@ func TestAPIPeerTimersAndBFD(t *testing.T) {
 				t.Errorf("BFD tx interval %d µs, want %d", got, tc.wantBFDMicros)
 			}
 		})
+	}
+}
+
+// syncBuffer is a log output the test reads while the speaker writes.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.String()
+}
+
+// A dual-stack set of tunnel IPs: each goes to the peer of its family with
+// the next hop of its family. Without an IPv6 next hop the IPv6 tunnel IP
+// is not announced (said once) while the IPv4 one is; the node's new IPv6
+// address re-announces it without restarting BGP; the node's new IPv4
+// address, the router ID, restarts BGP.
+func TestSpeakerAnnouncesEachFamilyWithItsNextHop(t *testing.T) {
+	peer4 := newLoopbackPeer(t)
+	peer6 := newLoopbackPeerOn(t, "::1", "::1")
+	out := &syncBuffer{}
+	log := logrus.New()
+	log.Out = out
+	retry := durationOf(time.Second)
+	cfg := Config{ASN: 64512, Peers: []Peer{
+		{Address: "127.0.0.2", ASN: 64500, Port: uint16(peer4.port), SourceAddress: "127.0.0.1", ConnectRetry: retry},
+		{Address: "::1", ASN: 64500, Port: uint16(peer6.port), SourceAddress: "::1", ConnectRetry: retry},
+	}, WithdrawDelay: durationOf(0)}
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	sp := NewSpeaker(cfg, log, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { sp.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+
+	sp.Announce([]netip.Addr{v4a, v6a})
+	sp.SetNode(Node{Name: "n1", Address: nh4})
+	waitRoutes(t, peer4, map[string]string{"192.0.2.1/32": nh4.String()})
+	deadline := time.Now().Add(20 * time.Second)
+	for !peer6.established(t) {
+		if time.Now().After(deadline) {
+			t.Fatal("no session with the IPv6 peer")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	time.Sleep(300 * time.Millisecond)
+	if got := peer6.routes(t); len(got) != 0 {
+		t.Fatalf("without an IPv6 next hop the IPv6 peer got %v", got)
+	}
+	sp.Announce([]netip.Addr{v4a, v4b, v6a}) // another reconcile, same missing next hop
+	waitRoutes(t, peer4, map[string]string{"192.0.2.1/32": nh4.String(), "192.0.2.2/32": nh4.String()})
+	if n := strings.Count(out.String(), "set nextHopIPv6 in the BGP configuration"); n != 1 {
+		t.Errorf("the missing IPv6 next hop was logged %d times, want once:\n%s", n, out.String())
+	}
+
+	sp.SetNode(Node{Name: "n1", Address: nh4, AddressIPv6: nh6})
+	waitRoutes(t, peer6, map[string]string{"2001:db8:5::1/128": nh6.String()})
+	moved6 := netip.MustParseAddr("2001:db8:100::8")
+	sp.SetNode(Node{Name: "n1", Address: nh4, AddressIPv6: moved6})
+	waitRoutes(t, peer6, map[string]string{"2001:db8:5::1/128": moved6.String()})
+	// Each family stays on its own session.
+	waitRoutes(t, peer4, map[string]string{"192.0.2.1/32": nh4.String(), "192.0.2.2/32": nh4.String()})
+	if n := strings.Count(out.String(), "BGP speaker started"); n != 1 {
+		t.Errorf("BGP started %d times, want once: a new IPv6 next hop must not restart it", n)
+	}
+
+	moved4 := netip.MustParseAddr("198.51.100.8")
+	sp.SetNode(Node{Name: "n1", Address: moved4, AddressIPv6: moved6})
+	waitRoutes(t, peer4, map[string]string{"192.0.2.1/32": moved4.String(), "192.0.2.2/32": moved4.String()})
+	waitRoutes(t, peer6, map[string]string{"2001:db8:5::1/128": moved6.String()})
+	if !strings.Contains(out.String(), "router_id=198.51.100.8") || strings.Count(out.String(), "BGP speaker started") != 2 {
+		t.Errorf("a new node IPv4 address (the router ID) must restart BGP with it:\n%s", out.String())
+	}
+
+	sp.Announce([]netip.Addr{v4a, v4b})
+	waitRoutes(t, peer6, map[string]string{})
+	waitRoutes(t, peer4, map[string]string{"192.0.2.1/32": moved4.String(), "192.0.2.2/32": moved4.String()})
+}
+
+func TestAPIPeerFamilies(t *testing.T) {
+	log := logrus.New()
+	log.Out = io.Discard
+	for _, tc := range []struct {
+		addr string
+		gr   bool
+		want []string
+	}{
+		{"192.0.2.1", false, []string{"AFI_IP/SAFI_UNICAST", "AFI_IP6/SAFI_UNICAST"}},
+		{"2001:db8::1", false, []string{"AFI_IP6/SAFI_UNICAST"}},
+		{"2001:db8::1", true, []string{"AFI_IP6/SAFI_UNICAST+gr"}},
+		{"192.0.2.1", true, []string{"AFI_IP/SAFI_UNICAST+gr", "AFI_IP6/SAFI_UNICAST+gr"}},
+	} {
+		cfg := Config{ASN: 64512, Peers: []Peer{{Address: tc.addr, ASN: 64500}}}
+		if tc.gr {
+			cfg.GracefulRestart = &GracefulRestart{Enabled: true}
+		}
+		conf, err := NewSpeaker(cfg, log, nil).apiPeer(cfg.Peers[0])
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got []string
+		for _, a := range conf.AfiSafis {
+			f := a.Config.Family.Afi.String() + "/" + a.Config.Family.Safi.String()
+			if a.MpGracefulRestart.GetConfig().GetEnabled() {
+				f += "+gr"
+			}
+			got = append(got, f)
+		}
+		if !slices.Equal(got, tc.want) {
+			t.Errorf("peer %s (graceful restart %v): families %v, want %v", tc.addr, tc.gr, got, tc.want)
+		}
+		if tc.gr && !conf.GracefulRestart.GetEnabled() {
+			t.Errorf("peer %s: graceful restart not enabled", tc.addr)
+		}
 	}
 }

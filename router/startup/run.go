@@ -224,16 +224,17 @@ func (o *Options) chooseSeed(ctx context.Context, client kubernetes.Interface, l
 	return nil
 }
 
-// followNode hands the speaker this node's address and labels, now and
-// whenever they change (a peer's nodeSelector may start or stop matching).
+// followNode hands the speaker this node's IPv4 and IPv6 addresses and
+// labels, now and whenever they change (a peer's nodeSelector may start or
+// stop matching; an address is a default next hop).
 func followNode(factory informers.SharedInformerFactory, name string, speaker *bgp.Speaker) error {
-	if name == "" { // routerID and nextHop are configured
+	if name == "" { // routerID, nextHop and nextHopIPv6 are configured
 		speaker.SetNode(bgp.Node{})
 		return nil
 	}
 	set := func(obj any) {
 		if n, ok := obj.(*corev1.Node); ok && n.Name == name {
-			speaker.SetNode(bgp.Node{Name: n.Name, Address: kubeobj.NodeAddress(n), Labels: n.Labels})
+			speaker.SetNode(bgp.Node{Name: n.Name, Address: kubeobj.NodeAddress(n), AddressIPv6: kubeobj.NodeAddressOf(n, false), Labels: n.Labels})
 		}
 	}
 	_, err := factory.Core().V1().Nodes().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{

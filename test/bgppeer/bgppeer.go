@@ -7,11 +7,12 @@
 //
 // Each Peer is one bird process started inside the namespace, with its
 // configuration, control socket and log in the test's temporary directory.
-// The peer imports every route its neighbors announce and exports nothing
-// but the prefixes it is told to originate. Its kernel protocol merges
-// equal-cost BGP paths into one multipath route ("merge paths on"), so two
-// nodes announcing the same prefix show up as one kernel route with two next
-// hops.
+// The peer imports every route its neighbors announce, over IPv4 and IPv6
+// sessions alike, and exports nothing but the prefixes it is told to
+// originate. Its kernel protocols merge equal-cost BGP paths into one
+// multipath route ("merge paths on"), so two nodes announcing the same
+// prefix show up as one kernel route with two next hops (ip route, or ip -6
+// route).
 //
 // Timers are set for tests rather than for the Internet: BIRD connects one
 // second after start (default 5), retries a failed connection every second

@@ -12,6 +12,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 )
 
 // Captured from bird 2.0.12 (Debian 12): "show route 192.0.2.20/32 all" on
@@ -47,6 +48,26 @@ const staticAndIBGPOutput = "Table master4:\n" +
 	"\tBGP.next_hop: 198.51.100.1\n" +
 	"\tBGP.local_pref: 100\n"
 
+// Captured from bird 2.0.12: "show route 2001:db8:5::68/128 all" on a peer
+// with an IPv6 session (router_a6) and an IPv4 session carrying IPv6 too
+// (router_a, "from" its IPv4 address) with the same GoBGP speaker.
+const ipv6RoutesOutput = `Table master6:
+2001:db8:5::68/128   unicast [router_a 10:58:11.065 from 198.51.100.2] * (100) [AS64512i]
+	via 2001:db8:100::2 on br0
+	Type: BGP univ
+	BGP.origin: IGP
+	BGP.as_path: 64512
+	BGP.next_hop: 2001:db8:100::2
+	BGP.local_pref: 100
+                     unicast [router_a6 10:58:10.931] (100) [AS64512i]
+	via 2001:db8:100::2 on br0
+	Type: BGP univ
+	BGP.origin: IGP
+	BGP.as_path: 64512
+	BGP.next_hop: 2001:db8:100::2
+	BGP.local_pref: 100
+`
+
 func TestParseRoutes(t *testing.T) {
 	a2, a3 := netip.MustParseAddr("198.51.100.2"), netip.MustParseAddr("198.51.100.3")
 	for _, tc := range []struct {
@@ -61,6 +82,10 @@ func TestParseRoutes(t *testing.T) {
 		{"static and iBGP", staticAndIBGPOutput, []Route{
 			{FromNeighbor: "originated", Primary: true},
 			{NextHop: netip.MustParseAddr("198.51.100.1"), FromNeighbor: "a"},
+		}},
+		{"IPv6, over an IPv6 and an IPv4 session", ipv6RoutesOutput, []Route{
+			{NextHop: netip.MustParseAddr("2001:db8:100::2"), FromNeighbor: "router_a", ASPath: "64512", Primary: true},
+			{NextHop: netip.MustParseAddr("2001:db8:100::2"), FromNeighbor: "router_a6", ASPath: "64512"},
 		}},
 		{"network not found", "Network not found\n", []Route{}},
 	} {
@@ -87,11 +112,14 @@ func fullConfig() Config {
 			{Name: "direct_bfd", Address: netip.MustParseAddr("198.51.100.2"), ASN: 65001,
 				Password: "s3cret", HoldTime: 9 * time.Second, KeepaliveTime: 3 * time.Second, BFD: true, Passive: true},
 			{Name: "ibgp_multihop", Address: netip.MustParseAddr("198.51.100.3"), ASN: 65000, Multihop: 2,
-				LocalAddress: netip.MustParseAddr("198.51.100.1")},
+				LocalAddress: netip.MustParseAddr("198.51.100.1"), CarryIPv6: true},
+			{Name: "direct6", Address: netip.MustParseAddr("2001:db8:100::2"), ASN: 65001,
+				LocalAddress: netip.MustParseAddr("2001:db8:100::1")},
 		},
 		ImportHostRoutesIn: netip.MustParsePrefix("192.0.2.0/24"),
 		BFD:                BFDIntervals{MinTx: 100 * time.Millisecond, MinRx: 100 * time.Millisecond, Multiplier: 3},
-		Originate:          []netip.Prefix{netip.MustParsePrefix("192.0.2.0/24"), netip.MustParsePrefix("192.0.2.10/32")},
+		Originate: []netip.Prefix{netip.MustParsePrefix("192.0.2.0/24"), netip.MustParsePrefix("192.0.2.10/32"),
+			netip.MustParsePrefix("2001:db8:5::10/128")},
 	}
 }
 
@@ -102,7 +130,11 @@ func TestRenderConfigRejects(t *testing.T) {
 		"name with dash":      func(c *Config) { c.Neighbors[0].Name = "a-b" },
 		"duplicate name":      func(c *Config) { c.Neighbors[1].Name = c.Neighbors[0].Name },
 		"internal name":       func(c *Config) { c.Neighbors[0].Name = "kernel1" },
-		"IPv6 neighbor":       func(c *Config) { c.Neighbors[0].Address = netip.MustParseAddr("2001:db8::1") },
+		"link-local neighbor": func(c *Config) { c.Neighbors[0].Address = netip.MustParseAddr("fe80::1") },
+		"IPv4-mapped":         func(c *Config) { c.Neighbors[0].Address = netip.MustParseAddr("::ffff:198.51.100.2") },
+		"IPv4 local for IPv6": func(c *Config) { c.Neighbors[2].LocalAddress = netip.MustParseAddr("198.51.100.1") },
+		"CarryIPv6 on IPv6":   func(c *Config) { c.Neighbors[2].CarryIPv6 = true },
+		"IPv6 host bits":      func(c *Config) { c.Originate[2] = netip.MustParsePrefix("2001:db8:5::10/64") },
 		"quote in password":   func(c *Config) { c.Neighbors[0].Password = `a"b` },
 		"fractional hold":     func(c *Config) { c.Neighbors[0].HoldTime = 1500 * time.Millisecond },
 		"host bits":           func(c *Config) { c.Originate[0] = netip.MustParsePrefix("192.0.2.1/24") },
@@ -131,7 +163,9 @@ func TestRenderConfigParses(t *testing.T) {
 	}
 	for _, want := range []string{"merge paths on;", "password \"s3cret\";", "passive on;", "bfd on;", "multihop 2;",
 		"hold time 9;", "keepalive time 3;", "route 192.0.2.10/32 blackhole;", "min tx interval 100000 us;", "multiplier 3;",
-		"local 198.51.100.1 as 65000;", "import where net ~ [ 192.0.2.0/24{32,32} ];"} {
+		"local 198.51.100.1 as 65000;", "import where net ~ [ 192.0.2.0/24{32,32} ];",
+		"protocol kernel kernel6 {", "route 2001:db8:5::10/128 blackhole;", "neighbor 2001:db8:100::2 as 65001;",
+		"\tipv6 { import all; export where source = RTS_STATIC; };"} {
 		if !strings.Contains(conf, want) {
 			t.Errorf("config lacks %q:\n%s", want, conf)
 		}
@@ -142,6 +176,18 @@ func TestRenderConfigParses(t *testing.T) {
 	}
 	if out, err := exec.Command("bird", "-p", "-c", file).CombinedOutput(); err != nil {
 		t.Fatalf("bird -p: %v: %s\n%s", err, out, conf)
+	}
+	// The IPv4 multihop session carries IPv6 too; the IPv6 one IPv6 only.
+	if i, j := strings.Index(conf, "protocol bgp ibgp_multihop"), strings.Index(conf, "protocol bgp direct6"); i < 0 || j < i ||
+		!strings.Contains(conf[i:j], "ipv4 {") || !strings.Contains(conf[i:j], "ipv6 {") || strings.Contains(conf[j:], "ipv4 {") {
+		t.Errorf("channels of the sessions:\n%s", conf)
+	}
+	// Without IPv6 sessions the configuration stays IPv4-only.
+	v4 := fullConfig()
+	v4.Neighbors = v4.Neighbors[:1]
+	v4.Originate = v4.Originate[:2]
+	if conf, err := renderConfig(v4, "/dev/null"); err != nil || strings.Contains(conf, "ipv6") {
+		t.Errorf("IPv4-only configuration (%v) mentions IPv6:\n%s", err, conf)
 	}
 }
 
@@ -333,4 +379,55 @@ func TestECMPFromTwoNeighbors(t *testing.T) {
 	}
 	took = peerB.WaitKernelNextHops(t, prefix, start, 20*time.Second, addrA1, addrA2)
 	t.Logf("ECMP back in B's kernel %v after A2's link came back", took)
+}
+
+// addAddr6 gives link an IPv6 address without duplicate address detection,
+// so that it is usable at once.
+func addAddr6(t *testing.T, ns *testnetns.NS, link string, addr netip.Prefix) {
+	t.Helper()
+	nl := ns.Netlink()
+	l, err := nl.LinkByName(link)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := nl.AddrAdd(l, &netlink.Addr{IPNet: testnetns.IPNet(addr), Flags: unix.IFA_F_NODAD}); err != nil {
+		t.Fatalf("add %s to %s: %v", addr, link, err)
+	}
+}
+
+// TestOriginateAndWithdrawIPv6: as TestOriginateAndWithdraw, over an IPv6
+// session: B learns A's IPv6 prefix with A's global address as BGP next
+// hop and gateway of its kernel route, and loses it when A stops.
+func TestOriginateAndWithdrawIPv6(t *testing.T) {
+	testnetns.RequireRoot(t)
+	RequireBird(t)
+	addrA6, addrB6 := netip.MustParseAddr("2001:db8:100::1"), netip.MustParseAddr("2001:db8:100::2")
+	nsA, nsB := testnetns.New(t), testnetns.New(t)
+	nsA.AddVeth("veth_a", "veth_b", netip.PrefixFrom(addrA, 24))
+	moveLink(t, nsA, nsB, "veth_b", netip.PrefixFrom(addrB, 24))
+	addAddr6(t, nsA, "veth_a", netip.PrefixFrom(addrA6, 64))
+	addAddr6(t, nsB, "veth_b", netip.PrefixFrom(addrB6, 64))
+	prefix := netip.MustParsePrefix("2001:db8:5::10/128")
+
+	start := time.Now()
+	peerA := Start(t, nsA, Config{RouterID: addrA, ASN: 65001, Originate: []netip.Prefix{prefix},
+		Neighbors: []Neighbor{{Name: "b6", Address: addrB6, ASN: 65002}}})
+	peerB := Start(t, nsB, Config{RouterID: addrB, ASN: 65002,
+		Neighbors: []Neighbor{{Name: "a6", Address: addrA6, ASN: 65001, Passive: true}}})
+	t.Logf("established after %v", peerB.WaitEstablished(t, "a6", start, 20*time.Second))
+	t.Logf("route at B after %v", peerB.WaitRoutes(t, prefix, 1, start, 10*time.Second))
+	routes, err := peerB.Routes(prefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []Route{{NextHop: addrA6, FromNeighbor: "a6", ASPath: "65001", Primary: true}}
+	if !slices.Equal(routes, want) {
+		t.Errorf("B's routes for %s = %+v, want %+v", prefix, routes, want)
+	}
+	peerB.WaitKernelNextHops(t, prefix, start, 5*time.Second, addrA6)
+
+	start = time.Now()
+	peerA.Stop()
+	t.Logf("withdrawn at B %v after A stopped", peerB.WaitRoutes(t, prefix, 0, start, 5*time.Second))
+	t.Logf("gone from B's kernel after %v", peerB.WaitKernelNextHops(t, prefix, start, 5*time.Second))
 }

@@ -14,6 +14,7 @@ import (
 	"regexp"
 	"runtime"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -21,8 +22,11 @@ import (
 	"time"
 
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
@@ -42,11 +46,23 @@ import (
 //
 //	peer 198.51.100.1 (bird2, AS 64500) ── br0 ──┬── router a 198.51.100.2 (AS 64512)
 //	                                              └── router b 198.51.100.3 (AS 64512)
+//
+// A dual-stack lab (peerOptions.ipv6, ipv6OverIPv4) adds 2001:db8:100::1,
+// ::2 and ::3 to the same links, and bird an IPv6 session with each router
+// (ipv6) or IPv6 routes on the IPv4 sessions (ipv6OverIPv4).
 var (
 	bgpPeerAddr = netip.MustParseAddr("198.51.100.1")
 	bgpRouterA  = netip.MustParseAddr("198.51.100.2")
 	bgpRouterB  = netip.MustParseAddr("198.51.100.3")
+
+	bgpPeerAddr6 = netip.MustParseAddr("2001:db8:100::1")
+	bgpRouterA6  = netip.MustParseAddr("2001:db8:100::2")
+	bgpRouterB6  = netip.MustParseAddr("2001:db8:100::3")
 )
+
+// bgpPools are the routers' address pools: the IPv4 tunnel IPs of every
+// test, and the IPv6 ones of the dual-stack tests.
+const bgpPools = "192.0.2.0/24;2001:db8:5::/64"
 
 const (
 	bgpPeerASN   = 64500
@@ -103,11 +119,18 @@ type bgpLab struct {
 type peerOptions struct {
 	bfd      bool
 	password string
+	// ipv6 addresses the links with IPv6 too, gives the Nodes an IPv6
+	// InternalIP, and adds an IPv6 session with each router (named
+	// router_a6, router_b6).
+	ipv6 bool
+	// ipv6OverIPv4 addresses the links with IPv6 too and lets the IPv4
+	// sessions carry IPv6 routes (multiprotocol BGP).
+	ipv6OverIPv4 bool
 }
 
 // newBGPLab builds the bridge, one namespace per router, starts bird, and
 // creates the routers' Nodes (with nodeLabels) and a Service "web" claiming
-// vip in a fresh namespace.
+// vip (its annotation: one tunnel IP or "IPv4, IPv6") in a fresh namespace.
 func newBGPLab(t *testing.T, opts peerOptions, vip string, nodeLabels map[string]string) *bgpLab {
 	t.Helper()
 	testnetns.RequireRoot(t)
@@ -118,6 +141,7 @@ func newBGPLab(t *testing.T, opts peerOptions, vip string, nodeLabels map[string
 		t.Fatal(err)
 	}
 	lab := &bgpLab{peerNS: testnetns.New(t), routers: map[string]*testnetns.NS{}, links: map[string]string{}, apiServer: u.Host}
+	linksIPv6 := opts.ipv6 || opts.ipv6OverIPv4
 	nl := lab.peerNS.Netlink()
 	br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: "br0"}}
 	if err := nl.LinkAdd(br); err != nil {
@@ -129,11 +153,15 @@ func newBGPLab(t *testing.T, opts peerOptions, vip string, nodeLabels map[string
 	if err := nl.LinkSetUp(br); err != nil {
 		t.Fatal(err)
 	}
+	if linksIPv6 {
+		addAddr6(t, nl, "br0", netip.PrefixFrom(bgpPeerAddr6, 64))
+	}
 	var neighbors []bgppeer.Neighbor
+	addrs := map[string][]netip.Addr{}
 	for _, r := range []struct {
-		name string
-		addr netip.Addr
-	}{{"a", bgpRouterA}, {"b", bgpRouterB}} {
+		name        string
+		addr, addr6 netip.Addr
+	}{{"a", bgpRouterA, bgpRouterA6}, {"b", bgpRouterB, bgpRouterB6}} {
 		ns := testnetns.New(t)
 		port := lab.peerNS.AddVeth("port_"+r.name, "eth_"+r.name, netip.Prefix{})
 		l, err := nl.LinkByIndex(port)
@@ -144,6 +172,11 @@ func newBGPLab(t *testing.T, opts peerOptions, vip string, nodeLabels map[string
 			t.Fatal(err)
 		}
 		moveLink(t, lab.peerNS, ns, "eth_"+r.name, netip.PrefixFrom(r.addr, 24))
+		addrs[r.name] = []netip.Addr{r.addr}
+		if linksIPv6 {
+			addAddr6(t, ns.Netlink(), "eth_"+r.name, netip.PrefixFrom(r.addr6, 64))
+			addrs[r.name] = append(addrs[r.name], r.addr6)
+		}
 		stop, err := testnetns.ForwardLoopback(ns.Handle, lab.apiServer)
 		if err != nil {
 			t.Fatal(err)
@@ -151,7 +184,11 @@ func newBGPLab(t *testing.T, opts peerOptions, vip string, nodeLabels map[string
 		t.Cleanup(stop)
 		lab.routers[r.name], lab.links[r.name] = ns, "eth_"+r.name
 		neighbors = append(neighbors, bgppeer.Neighbor{Name: "router_" + r.name, Address: r.addr, ASN: bgpRouterASN,
-			HoldTime: 3 * time.Second, KeepaliveTime: time.Second, BFD: opts.bfd, Password: opts.password})
+			HoldTime: 3 * time.Second, KeepaliveTime: time.Second, BFD: opts.bfd, Password: opts.password, CarryIPv6: opts.ipv6OverIPv4})
+		if opts.ipv6 {
+			neighbors = append(neighbors, bgppeer.Neighbor{Name: "router_" + r.name + "6", Address: r.addr6, ASN: bgpRouterASN,
+				HoldTime: 3 * time.Second, KeepaliveTime: time.Second, BFD: opts.bfd, Password: opts.password})
+		}
 	}
 	cfg := bgppeer.Config{RouterID: bgpPeerAddr, ASN: bgpPeerASN, Neighbors: neighbors}
 	if opts.bfd {
@@ -163,11 +200,25 @@ func newBGPLab(t *testing.T, opts peerOptions, vip string, nodeLabels map[string
 	lab.kubeconfig = writeKubeconfig(t, routerConfig(t))
 	lab.namespace = freshNamespace(t, lab.cs)
 	lab.nodes = map[string]string{"a": "bgp-a-" + lab.namespace, "b": "bgp-b-" + lab.namespace}
-	bgpNode(t, lab.cs, lab.nodes["a"], bgpRouterA, nodeLabels)
-	bgpNode(t, lab.cs, lab.nodes["b"], bgpRouterB, nodeLabels)
-	lab.vip = netip.PrefixFrom(netip.MustParseAddr(vip), 32)
+	bgpNode(t, lab.cs, lab.nodes["a"], nodeLabels, addrs["a"]...)
+	bgpNode(t, lab.cs, lab.nodes["b"], nodeLabels, addrs["b"]...)
+	first, _, _ := strings.Cut(vip, ",")
+	lab.vip = netip.PrefixFrom(netip.MustParseAddr(first), 32)
 	createService(t, lab.cs, lab.namespace, "web", vip)
 	return lab
+}
+
+// addAddr6 gives a link an IPv6 address without duplicate address
+// detection, so that it is usable at once.
+func addAddr6(t *testing.T, nl *netlink.Handle, link string, addr netip.Prefix) {
+	t.Helper()
+	l, err := nl.LinkByName(link)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := nl.AddrAdd(l, &netlink.Addr{IPNet: testnetns.IPNet(addr), Flags: unix.IFA_F_NODAD}); err != nil {
+		t.Fatalf("add %s to %s: %v", addr, link, err)
+	}
 }
 
 // setEndpoint sets the Service's one endpoint's readiness.
@@ -221,20 +272,33 @@ func (l *bgpLab) setLink(t *testing.T, router string, up bool) {
 	}
 }
 
-// bgpNode creates a Node whose InternalIP is the router's address: the BGP
-// router ID and next hop.
-func bgpNode(t *testing.T, cs kubernetes.Interface, name string, addr netip.Addr, labels map[string]string) {
+// bgpNode creates a Node whose InternalIPs are the router's addresses: the
+// BGP router ID and the next hop of each family.
+func bgpNode(t *testing.T, cs kubernetes.Interface, name string, labels map[string]string, addrs ...netip.Addr) {
 	t.Helper()
 	ctx := context.Background()
-	node, err := cs.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	node.Status.Addresses = []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: addr.String()}}
-	if _, err := cs.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{}); err != nil {
+	if _, err := cs.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = cs.CoreV1().Nodes().Delete(context.Background(), name, metav1.DeleteOptions{}) })
+	setNodeAddresses(t, cs, name, addrs...)
+}
+
+// setNodeAddresses makes addrs the Node's InternalIPs.
+func setNodeAddresses(t *testing.T, cs kubernetes.Interface, name string, addrs ...netip.Addr) {
+	t.Helper()
+	ctx := context.Background()
+	node, err := cs.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Status.Addresses = nil
+	for _, a := range addrs {
+		node.Status.Addresses = append(node.Status.Addresses, corev1.NodeAddress{Type: corev1.NodeInternalIP, Address: a.String()})
+	}
+	if _, err := cs.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // writeKubeconfig writes a kubeconfig for a client configuration.
@@ -275,7 +339,7 @@ func (l *bgpLab) startRouterProcess(t *testing.T, router, bgpYAML string) *route
 	}
 	p := &routerProcess{name: router, log: &syncBuffer{}, done: make(chan error, 1), ns: l.routers[router], cfgPath: cfgPath}
 	p.cmd = exec.Command(buildRouter(t), "--kubeconfig", l.kubeconfig, "--node-name", l.nodes[router], "--seed", "7",
-		"--gre-device-create=false", "--gre-device", l.links[router], "--generations", "1", "--pools", "192.0.2.0/24",
+		"--gre-device-create=false", "--gre-device", l.links[router], "--gre6-device", l.links[router], "--generations", "1", "--pools", bgpPools,
 		"--bgp-config", cfgPath, "--metrics-address", "127.0.0.1:9641", "--log-level", "debug")
 	p.cmd.Stdout, p.cmd.Stderr = p.log, p.log
 	// The child inherits the namespace of the thread that forks it. No
@@ -643,5 +707,220 @@ func TestBGPConfigChangeAppliesWithoutRestart(t *testing.T) {
 	t.Logf("bgp: router ID changed -> route via router a again after %v", lab.peer.WaitKernelNextHops(t, vip, start, 30*time.Second, bgpRouterA))
 	if a.cmd.ProcessState != nil || a.cmd.Process.Pid != pid {
 		t.Errorf("the router restarted")
+	}
+}
+
+// routerBGPConfigDualStack is routerBGPConfig with the peer's IPv6 address
+// as a second peer.
+func routerBGPConfigDualStack(extra string) string {
+	return routerBGPConfig(extra) + fmt.Sprintf(`- address: %v
+  asn: %d
+  holdTime: 3s
+  keepaliveTime: 1s
+  connectRetry: 1s
+`, bgpPeerAddr6, bgpPeerASN)
+}
+
+// setEndpoint6 sets the readiness of the one endpoint of the Service's
+// IPv6 EndpointSlice.
+func (l *bgpLab) setEndpoint6(t *testing.T, addr string, ready bool) {
+	t.Helper()
+	ctx := context.Background()
+	es := &discoveryv1.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Namespace: l.namespace, Name: "web-6", Labels: map[string]string{discoveryv1.LabelServiceName: "web"}},
+		AddressType: discoveryv1.AddressTypeIPv6,
+		Ports:       []discoveryv1.EndpointPort{{Name: ptr("http"), Port: ptr(int32(8080))}},
+		Endpoints: []discoveryv1.Endpoint{{Addresses: []string{addr},
+			Conditions: discoveryv1.EndpointConditions{Ready: ptr(ready), Serving: ptr(ready)}}},
+	}
+	existing, err := l.cs.DiscoveryV1().EndpointSlices(l.namespace).Get(ctx, es.Name, metav1.GetOptions{})
+	if err == nil {
+		es.ResourceVersion = existing.ResourceVersion
+		_, err = l.cs.DiscoveryV1().EndpointSlices(l.namespace).Update(ctx, es, metav1.UpdateOptions{})
+	} else {
+		_, err = l.cs.DiscoveryV1().EndpointSlices(l.namespace).Create(ctx, es, metav1.CreateOptions{})
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestBGPAnnouncesIPv6TunnelIPs runs the router binaries with an IPv4 and
+// an IPv6 peer (bird2 with an IPv4 and an IPv6 session per router) and a
+// dual-stack Service: its IPv6 tunnel IP goes to the IPv6 peer with each
+// router's IPv6 address (its Node's) as next hop, an ECMP route in the
+// peer's kernel, and its IPv4 one to the IPv4 peer, each session carrying
+// its own family. A node's new IPv6 address becomes the next hop without a
+// session reset; a node without one withdraws the IPv6 tunnel IP alone and
+// says what to set, once; the Service dropping its IPv6 address withdraws
+// it while the IPv4 one stays.
+func TestBGPAnnouncesIPv6TunnelIPs(t *testing.T) {
+	lab := newBGPLab(t, peerOptions{ipv6: true}, "192.0.2.67, 2001:db8:5::67", nil)
+	vip4, vip6 := lab.vip, netip.MustParsePrefix("2001:db8:5::67/128")
+	lab.setEndpoint(t, "10.244.1.10", true)
+	lab.setEndpoint6(t, "fd00:244:1::10", true)
+
+	start := time.Now()
+	a := lab.startRouterProcess(t, "a", routerBGPConfigDualStack(""))
+	lab.startRouterProcess(t, "b", routerBGPConfigDualStack(""))
+	t.Logf("bgp6: both routers started -> IPv6 ECMP in the peer's kernel took %v",
+		lab.peer.WaitKernelNextHops(t, vip6, start, 30*time.Second, bgpRouterA6, bgpRouterB6))
+	lab.peer.WaitKernelNextHops(t, vip4, start, 30*time.Second, bgpRouterA, bgpRouterB)
+	lab.checkRouteSources(t, vip6, "router_a6="+bgpRouterA6.String(), "router_b6="+bgpRouterB6.String())
+	lab.checkRouteSources(t, vip4, "router_a="+bgpRouterA.String(), "router_b="+bgpRouterB.String())
+	if out := lab.peerNS.Run("ip", "-6", "route", "show", vip6.String()); !strings.Contains(out, "via "+bgpRouterA6.String()) ||
+		!strings.Contains(out, "via "+bgpRouterB6.String()) {
+		t.Errorf("ip -6 route show %s in the peer's namespace, want both routers:\n%s", vip6, out)
+	}
+	if log := a.log.String(); !strings.Contains(log, fmt.Sprintf("next_hop_ipv6=%q", bgpRouterA6.String())) {
+		t.Errorf("router a did not take its Node's IPv6 address as the IPv6 next hop:\n%s", grepLines(log, "BGP speaker started"))
+	}
+	if log := a.log.String(); !strings.Contains(log, fmt.Sprintf(`msg="announcing tunnel IP" component=bgp next_hop=%q vip=%q`, bgpRouterA6, vip6.Addr())) {
+		t.Errorf("router a did not log its IPv6 announcement:\n%s", grepLines(log, "announcing tunnel IP"))
+	}
+	// The routers serve the Services of the earlier tests too: count the
+	// prefixes from here.
+	m := a.metrics(t)
+	if metric(m, fmt.Sprintf(`kube_service_tunnel_bgp_session_up{peer="%v"}`, bgpPeerAddr6)) != "1" {
+		t.Errorf("router a metrics: IPv6 session up expected:\n%s", grepLines(m, "kube_service_tunnel_bgp"))
+	}
+	dualStack := metric(m, "kube_service_tunnel_bgp_announced_prefixes")
+
+	// Node a's IPv6 address changes: its path follows, the session stays.
+	moved := netip.MustParseAddr("2001:db8:100::12")
+	addAddr6(t, lab.routers["a"].Netlink(), lab.links["a"], netip.PrefixFrom(moved, 64))
+	start = time.Now()
+	setNodeAddresses(t, lab.cs, lab.nodes["a"], bgpRouterA, moved)
+	t.Logf("bgp6: node a's IPv6 address changed -> the peer's next hop followed in %v",
+		lab.peer.WaitKernelNextHops(t, vip6, start, 20*time.Second, moved, bgpRouterB6))
+	if n := strings.Count(a.log.String(), "BGP speaker started"); n != 1 {
+		t.Errorf("router a started BGP %d times, want once (a new IPv6 address must not restart BGP)", n)
+	}
+
+	// Node a loses its IPv6 address: router a withdraws the IPv6 tunnel IP
+	// and says what to set, once; the IPv4 one stays announced by both.
+	start = time.Now()
+	setNodeAddresses(t, lab.cs, lab.nodes["a"], bgpRouterA)
+	t.Logf("bgp6: node a without an IPv6 address -> its IPv6 path withdrawn in %v",
+		lab.peer.WaitKernelNextHops(t, vip6, start, 20*time.Second, bgpRouterB6))
+	// A relabelled Node reaches the speaker (SetNode) and reconciles it
+	// again: the warning is not repeated.
+	if _, err := lab.cs.CoreV1().Nodes().Patch(context.Background(), lab.nodes["a"], types.MergePatchType,
+		[]byte(`{"metadata":{"labels":{"kst-test":"relabelled"}}}`), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(500 * time.Millisecond)
+	if n := strings.Count(a.log.String(), "set nextHopIPv6 in the BGP configuration"); n != 1 {
+		t.Errorf("router a logged the missing IPv6 next hop %d times, want once:\n%s", n, grepLines(a.log.String(), "not announced"))
+	}
+	if hops, err := lab.peer.KernelNextHops(vip4); err != nil || !slices.Equal(hops, []netip.Addr{bgpRouterA, bgpRouterB}) {
+		t.Errorf("IPv4 next hops %v (%v), want both routers still", hops, err)
+	}
+	setNodeAddresses(t, lab.cs, lab.nodes["a"], bgpRouterA, bgpRouterA6)
+	lab.peer.WaitKernelNextHops(t, vip6, time.Now(), 20*time.Second, bgpRouterA6, bgpRouterB6)
+
+	// The Service drops its IPv6 address: withdrawn by both; the IPv4
+	// tunnel IP stays announced to the IPv4 peer.
+	start = time.Now()
+	setAnnotation(t, lab.cs, lab.namespace, "web", ptr(vip4.Addr().String()))
+	t.Logf("bgp6: the Service dropped its IPv6 address -> withdrawn by both in %v", lab.peer.WaitRoutes(t, vip6, 0, start, 20*time.Second))
+	lab.peer.WaitKernelNextHops(t, vip6, start, 5*time.Second)
+	time.Sleep(500 * time.Millisecond)
+	if hops, err := lab.peer.KernelNextHops(vip4); err != nil || !slices.Equal(hops, []netip.Addr{bgpRouterA, bgpRouterB}) {
+		t.Errorf("after the IPv6 address went: IPv4 next hops %v (%v), want both routers", hops, err)
+	}
+	before, _ := strconv.Atoi(dualStack)
+	if m := a.metrics(t); metric(m, "kube_service_tunnel_bgp_announced_prefixes") != strconv.Itoa(before-1) {
+		t.Errorf("router a announced %s prefixes with the dual-stack Service, want one less now, metrics say:\n%s", dualStack, grepLines(m, "kube_service_tunnel_bgp"))
+	}
+}
+
+// checkRouteSources checks that the peer's BGP routes for prefix come from
+// exactly the sessions and next hops want ("router_a6=2001:db8:100::2").
+func (l *bgpLab) checkRouteSources(t *testing.T, prefix netip.Prefix, want ...string) {
+	t.Helper()
+	routes, err := l.peer.Routes(prefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, r := range routes {
+		got = append(got, r.FromNeighbor+"="+r.NextHop.String())
+	}
+	slices.Sort(got)
+	slices.Sort(want)
+	if !slices.Equal(got, want) {
+		t.Errorf("the peer's BGP routes for %s come from %v, want %v", prefix, got, want)
+	}
+}
+
+// TestBGPIPv6OverIPv4Session: a peer with IPv4 sessions only that enables
+// IPv6 unicast on them (multiprotocol BGP) gets a dual-stack Service's IPv6
+// tunnel IP over them, with each router's IPv6 address as next hop, as an
+// ECMP route in its kernel: the router offers IPv6 unicast to every IPv4
+// peer. (The peers of the other BGP tests do not enable it, and get IPv4
+// alone.)
+func TestBGPIPv6OverIPv4Session(t *testing.T) {
+	lab := newBGPLab(t, peerOptions{ipv6OverIPv4: true}, "192.0.2.69, 2001:db8:5::69", nil)
+	vip4, vip6 := lab.vip, netip.MustParsePrefix("2001:db8:5::69/128")
+	lab.setEndpoint(t, "10.244.1.13", true)
+	lab.setEndpoint6(t, "fd00:244:1::13", true)
+	start := time.Now()
+	lab.startRouterProcess(t, "a", routerBGPConfig(""))
+	lab.startRouterProcess(t, "b", routerBGPConfig(""))
+	t.Logf("bgp6 over IPv4 sessions: both routers started -> IPv6 ECMP in the peer's kernel took %v",
+		lab.peer.WaitKernelNextHops(t, vip6, start, 30*time.Second, bgpRouterA6, bgpRouterB6))
+	lab.peer.WaitKernelNextHops(t, vip4, start, 30*time.Second, bgpRouterA, bgpRouterB)
+	lab.checkRouteSources(t, vip6, "router_a="+bgpRouterA6.String(), "router_b="+bgpRouterB6.String())
+	lab.checkRouteSources(t, vip4, "router_a="+bgpRouterA.String(), "router_b="+bgpRouterB.String())
+
+	start = time.Now()
+	setAnnotation(t, lab.cs, lab.namespace, "web", ptr(vip4.Addr().String()))
+	t.Logf("bgp6 over IPv4 sessions: the Service dropped its IPv6 address -> withdrawn by both in %v", lab.peer.WaitRoutes(t, vip6, 0, start, 20*time.Second))
+	if hops, err := lab.peer.KernelNextHops(vip4); err != nil || !slices.Equal(hops, []netip.Addr{bgpRouterA, bgpRouterB}) {
+		t.Errorf("IPv4 next hops %v (%v), want both routers", hops, err)
+	}
+}
+
+// TestBGPWithBFDOverIPv6 pairs GoBGP's BFD with bird's on the IPv6 sessions
+// too: when a router's link dies, the peer takes its IPv6 session down by
+// BFD, well within the 3 s hold time.
+func TestBGPWithBFDOverIPv6(t *testing.T) {
+	lab := newBGPLab(t, peerOptions{ipv6: true, bfd: true}, "192.0.2.70", nil)
+	lab.setEndpoint(t, "10.244.1.12", true)
+	cfg := strings.ReplaceAll(routerBGPConfigDualStack(""), "  connectRetry: 1s\n", "  connectRetry: 1s\n  bfd: {minInterval: 300ms, multiplier: 3}\n")
+	start := time.Now()
+	lab.startRouterProcess(t, "a", cfg)
+	lab.startRouterProcess(t, "b", cfg)
+	for _, n := range []string{"router_a6", "router_b6"} {
+		t.Logf("bgp6+bfd: session %s established %v after the start", n, lab.peer.WaitEstablished(t, n, start, 30*time.Second))
+	}
+	bfdUp := bgppeer.Poll(t, start, 20*time.Second, "BFD sessions up at the peer with both routers' IPv6 addresses", func() (bool, string) {
+		out, err := lab.peer.Birdc("show", "bfd", "sessions")
+		if err != nil {
+			return false, err.Error()
+		}
+		up := 0
+		for _, line := range strings.Split(out, "\n") {
+			f := strings.Fields(line)
+			if len(f) > 2 && (f[0] == bgpRouterA6.String() || f[0] == bgpRouterB6.String()) && f[2] == "Up" {
+				up++
+			}
+		}
+		return up == 2, out
+	})
+	t.Logf("bgp6+bfd: IPv6 BFD sessions up %v after the start", bfdUp)
+	start = time.Now()
+	lab.setLink(t, "a", false)
+	var state string
+	took := bgppeer.Poll(t, start, 20*time.Second, "router a's IPv6 session down", func() (bool, string) {
+		var up bool
+		var err error
+		up, state, err = lab.peer.Established("router_a6")
+		return err == nil && !up, state
+	})
+	t.Logf("bgp6+bfd: router a's link cut (BFD 300ms x 3) -> its IPv6 session down after %v (%s)", took, state)
+	if took >= 3*time.Second || !strings.Contains(state, "BFD") {
+		t.Errorf("IPv6 session went down after %v with %q, want by BFD before the 3 s hold time", took, state)
 	}
 }

@@ -1,8 +1,8 @@
 // Package birdconf renders a BIRD 2 configuration for a BGP peer of the
-// tunnel routers (sessions with test-friendly timers, a kernel protocol that
-// merges equal BGP paths into one multipath route, optional BFD and
-// originated prefixes) and reads what that peer shows: birdc's protocol
-// states and the multipath routes it installs in the kernel. It does not
+// tunnel routers (IPv4 and IPv6 sessions with test-friendly timers, kernel
+// protocols that merge equal BGP paths into one multipath route, optional
+// BFD and originated prefixes) and reads what that peer shows: birdc's
+// protocol states and the multipath routes it installs in the kernel. It does not
 // import testing, so both the integration tests' peer (test/bgppeer) and the
 // lab VM's gateway (test/lab/topology) use it.
 //
@@ -18,6 +18,7 @@ import (
 	"fmt"
 	"net/netip"
 	"regexp"
+	"slices"
 	"strings"
 	"time"
 )
@@ -28,9 +29,12 @@ type Neighbor struct {
 	// Route.FromNeighbor: letters, digits and underscores, starting with a
 	// letter, and not a BIRD keyword (such as "router", "bgp" or "direct").
 	Name string
-	// Address is the neighbor's IPv4 address (the code under test).
+	// Address is the neighbor's address (the code under test): IPv4 for a
+	// session that carries IPv4 routes, a global IPv6 address for one that
+	// carries IPv6 routes.
 	Address netip.Addr
-	// LocalAddress, when set, is the peer's own address for the session.
+	// LocalAddress, when set, is the peer's own address for the session,
+	// of Address's family.
 	LocalAddress netip.Addr
 	// ASN is the neighbor's AS; equal to Config.ASN makes an iBGP session.
 	ASN uint32
@@ -48,6 +52,10 @@ type Neighbor struct {
 	// Passive makes BIRD only accept the neighbor's connection, never
 	// open one.
 	Passive bool
+	// CarryIPv6 lets a session with an IPv4 neighbor carry IPv6 routes too
+	// (an ipv6 channel beside the ipv4 one: multiprotocol BGP, the routes
+	// keeping their IPv6 next hops).
+	CarryIPv6 bool
 }
 
 // BFDIntervals are the peer's BFD timers; zero fields keep BIRD's defaults
@@ -57,7 +65,9 @@ type BFDIntervals struct {
 	Multiplier   int
 }
 
-// Config describes one BIRD peer. Only IPv4 is supported.
+// Config describes one BIRD peer. Each session carries the routes of its
+// neighbor address's family (an ipv4 or an ipv6 channel), and an IPv4 one
+// IPv6 routes too with Neighbor.CarryIPv6.
 type Config struct {
 	// RouterID is the peer's BGP identifier (an IPv4 address).
 	RouterID netip.Addr
@@ -67,16 +77,24 @@ type Config struct {
 	// BFD sets the timers of the sessions of neighbors with BFD set.
 	BFD BFDIntervals
 	// ImportHostRoutesIn, when set, limits what the peer accepts from its
-	// neighbors to /32s inside it; unset, it accepts every route.
+	// IPv4 neighbors to /32s inside it; unset, it accepts every route. IPv6
+	// neighbors' routes are all accepted.
 	ImportHostRoutesIn netip.Prefix
 	// Log is the file BIRD logs to; empty logs to stderr.
 	Log string
-	// Originate lists the prefixes the peer announces to every neighbor
-	// (as blackhole static routes, which stay out of its own kernel).
+	// Originate lists the prefixes the peer announces to every neighbor of
+	// their family (as blackhole static routes, which stay out of its own
+	// kernel).
 	Originate []netip.Prefix
 }
 
 var symbolRE = regexp.MustCompile(`^[A-Za-z][A-Za-z0-9_]*$`)
+
+// globalIPv6 reports whether a is an IPv6 address BIRD can peer with
+// without naming an interface: not IPv4-mapped, zoned or link-local.
+func globalIPv6(a netip.Addr) bool {
+	return a.Is6() && !a.Is4In6() && a.Zone() == "" && !a.IsLinkLocalUnicast()
+}
 
 // Render returns the BIRD configuration for cfg, or an error naming the
 // first field BIRD would not accept.
@@ -99,16 +117,36 @@ func Render(cfg Config) (string, error) {
 	b.WriteString("protocol device {}\n\n")
 	// Only BGP routes go to the kernel, so the originated blackholes stay
 	// out of it; merge paths turns equal BGP routes into a multipath route.
+	// The IPv6 kernel protocol is there only for IPv6 sessions, so that an
+	// IPv4-only peer's configuration stays what it was.
+	ipv6 := slices.ContainsFunc(cfg.Neighbors, func(n Neighbor) bool { return n.Address.Is6() || n.CarryIPv6 })
 	b.WriteString("protocol kernel {\n\tipv4 { import none; export where source = RTS_BGP; };\n\tmerge paths on;\n}\n")
+	if ipv6 {
+		b.WriteString("protocol kernel kernel6 {\n\tipv6 { import none; export where source = RTS_BGP; };\n\tmerge paths on;\n}\n")
+	}
 
 	export := "none"
 	if len(cfg.Originate) > 0 {
 		export = "where source = RTS_STATIC"
-		b.WriteString("\nprotocol static originated {\n\tipv4;\n")
+	}
+	for _, f := range []struct {
+		name, channel string
+		is4           bool
+	}{{"originated", "ipv4", true}, {"originated6", "ipv6", false}} {
+		var routes []netip.Prefix
 		for _, p := range cfg.Originate {
-			if !p.IsValid() || !p.Addr().Is4() || p.Masked() != p {
-				return "", fmt.Errorf("originate %v: must be an IPv4 prefix without host bits", p)
+			if !p.IsValid() || p.Addr().Is4In6() || p.Addr().Zone() != "" || p.Masked() != p {
+				return "", fmt.Errorf("originate %v: must be an IPv4 or IPv6 prefix without host bits", p)
 			}
+			if p.Addr().Is4() == f.is4 {
+				routes = append(routes, p)
+			}
+		}
+		if len(routes) == 0 {
+			continue
+		}
+		fmt.Fprintf(&b, "\nprotocol static %s {\n\t%s;\n", f.name, f.channel)
+		for _, p := range routes {
 			fmt.Fprintf(&b, "\troute %s blackhole;\n", p)
 		}
 		b.WriteString("}\n")
@@ -123,22 +161,25 @@ func Render(cfg Config) (string, error) {
 	}
 
 	bfd := false
-	seen := map[string]bool{"device1": true, "kernel1": true, "originated": true, "bfd1": true}
+	seen := map[string]bool{"device1": true, "kernel1": true, "kernel6": true, "originated": true, "originated6": true, "bfd1": true}
 	for _, n := range cfg.Neighbors {
 		if !symbolRE.MatchString(n.Name) || seen[n.Name] {
 			return "", fmt.Errorf("neighbor name %q: must be unique, start with a letter and hold only letters, digits and underscores", n.Name)
 		}
 		seen[n.Name] = true
-		if !n.Address.Is4() {
-			return "", fmt.Errorf("neighbor %s: address %v must be IPv4", n.Name, n.Address)
+		if !n.Address.Is4() && !globalIPv6(n.Address) {
+			return "", fmt.Errorf("neighbor %s: address %v must be IPv4 or a global IPv6 address", n.Name, n.Address)
 		}
 		if n.ASN == 0 {
 			return "", fmt.Errorf("neighbor %s: ASN must be set", n.Name)
 		}
+		if n.CarryIPv6 && !n.Address.Is4() {
+			return "", fmt.Errorf("neighbor %s: CarryIPv6 is for a session with an IPv4 neighbor", n.Name)
+		}
 		local := ""
 		if n.LocalAddress.IsValid() {
-			if !n.LocalAddress.Is4() {
-				return "", fmt.Errorf("neighbor %s: local address %v must be IPv4", n.Name, n.LocalAddress)
+			if n.LocalAddress.Is4() != n.Address.Is4() || (n.LocalAddress.Is6() && !globalIPv6(n.LocalAddress)) {
+				return "", fmt.Errorf("neighbor %s: local address %v must be of the neighbor address's family", n.Name, n.LocalAddress)
 			}
 			local = n.LocalAddress.String() + " "
 		}
@@ -177,7 +218,13 @@ func Render(cfg Config) (string, error) {
 			bfd = true
 			b.WriteString("\tbfd on;\n")
 		}
-		fmt.Fprintf(&b, "\tipv4 { import %s; export %s; };\n}\n", imp, export)
+		if n.Address.Is4() {
+			fmt.Fprintf(&b, "\tipv4 { import %s; export %s; };\n", imp, export)
+		}
+		if n.Address.Is6() || n.CarryIPv6 {
+			fmt.Fprintf(&b, "\tipv6 { import all; export %s; };\n", export)
+		}
+		b.WriteString("}\n")
 	}
 
 	if bfd {
