@@ -1,6 +1,7 @@
 package endpoint
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -189,7 +190,7 @@ func NewController(cfg Config, inf Informers, locator runtime.Locator, podNet Po
 				if o.ResourceVersion != n.ResourceVersion {
 					c.enqueuePod(obj)
 				}
-				if o.Status.PodIP != n.Status.PodIP || o.Status.Phase != n.Status.Phase || o.UID != n.UID {
+				if o.Status.PodIP != n.Status.PodIP || !slices.Equal(o.Status.PodIPs, n.Status.PodIPs) || o.Status.Phase != n.Status.Phase || o.UID != n.UID {
 					recompute(obj)
 				}
 			},
@@ -501,11 +502,11 @@ func (c *Controller) syncPod(ctx context.Context, key string) error {
 	if pod.Spec.HostNetwork || pod.Spec.NodeName != c.cfg.NodeName || pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
 		return nil
 	}
-	podIP, err := netip.ParseAddr(pod.Status.PodIP)
-	if err != nil || !podIP.Is4() {
+	podNow := runtimePod(pod)
+	if len(podNow.Addrs()) == 0 {
 		return nil // not started yet; its update will come
 	}
-	identity := string(pod.UID) + "/" + podIP.String()
+	identity := string(pod.UID) + "/" + podNow.IP.String() + "/" + podNow.IPv6.String()
 
 	c.mu.Lock()
 	want, served := c.desired[key]
@@ -516,13 +517,13 @@ func (c *Controller) syncPod(ctx context.Context, key string) error {
 		if wasClean {
 			return nil
 		}
-		want = PodTunnels{Pod: runtime.Pod{Namespace: pod.Namespace, Name: pod.Name, UID: string(pod.UID), IP: podIP}}
+		want = PodTunnels{Pod: podNow}
 	}
-	if want.Pod.IP != podIP || want.Pod.UID != string(pod.UID) {
+	if want.Pod != podNow {
 		c.queue.Add(desiredKey)
 		return fmt.Errorf("pod %s: %w", key, errDesiredStale)
 	}
-	log := c.log.WithFields(logrus.Fields{"pod": key, "pod_ip": podIP})
+	log := c.log.WithFields(logrus.Fields{"pod": key, "pod_ips": podNow.Addrs()})
 
 	lctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
@@ -572,7 +573,9 @@ func (c *Controller) syncNode() error {
 	c.mu.Lock()
 	served := slices.Collect(maps.Values(c.desired))
 	c.mu.Unlock()
-	slices.SortFunc(served, func(a, b PodTunnels) int { return a.Pod.IP.Compare(b.Pod.IP) })
+	slices.SortFunc(served, func(a, b PodTunnels) int {
+		return cmp.Or(a.Pod.IP.Compare(b.Pod.IP), a.Pod.IPv6.Compare(b.Pod.IPv6))
+	})
 	var nodeIP netip.Addr
 	if node, err := c.nodes.Get(c.cfg.NodeName); err == nil {
 		nodeIP = kubeobj.NodeAddress(node)

@@ -19,11 +19,12 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 )
 
-// fakeLocator hands out the namespace of a pod IP listed in found and counts
-// lookups; other pods have no sandbox.
+// fakeLocator hands out the namespace of a pod with an address listed in
+// found and counts lookups; other pods have no sandbox.
 type fakeLocator struct {
 	mu      sync.Mutex
 	found   map[netip.Addr]bool
@@ -36,7 +37,7 @@ func (f *fakeLocator) Locate(_ context.Context, pod runtime.Pod) (runtime.Netns,
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.lookups[pod.Name]++
-	if !f.found[pod.IP] {
+	if !slices.ContainsFunc(pod.Addrs(), func(ip netip.Addr) bool { return f.found[ip] }) {
 		return runtime.Netns{}, runtime.NotFoundf("pod %s", pod)
 	}
 	return runtime.Netns{Handle: netns.None(), Path: "fake/" + pod.Name, Via: "fake"}, nil
@@ -279,4 +280,100 @@ func TestControllerFollowsNetworkPolicies(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor(t, "not isolated once the policy is gone", func() bool { return !last().Isolated() && len(last().TunnelIPs) == 1 })
+}
+
+// recordingNode records what each node sync was asked to serve.
+type recordingNode struct {
+	mu     sync.Mutex
+	served [][]PodTunnels
+}
+
+func (n *recordingNode) Sync(served []PodTunnels, _ netip.Addr) ([]NodeChange, error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.served = append(n.served, served)
+	return nil, nil
+}
+
+func (n *recordingNode) last() []PodTunnels {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if len(n.served) == 0 {
+		return nil
+	}
+	return n.served[len(n.served)-1]
+}
+
+// TestControllerDualStack: a Service with a tunnel IP of each family is
+// served to each local endpoint of that family: a dual-stack pod gets both,
+// an IPv6-only pod (found by its IPv6 address) the IPv6 one; the node is
+// handed both. When the IPv6 EndpointSlice goes, so does the IPv6 tunnel IP,
+// and the IPv4 one stays.
+func TestControllerDualStack(t *testing.T) {
+	if _, err := tunnelclaim.ParseIPs("192.0.2.10, 2001:db8::10"); err != nil {
+		t.Skipf("the annotation parser does not take two families yet: %v", err)
+	}
+	svc := tunnelService("a", "web", "192.0.2.10, 2001:db8::10", time.Hour)
+	dual := dualPod("a", "dual", "n1", "10.1.0.11", "fd00:10:1::11")
+	only6 := dualPod("a", "only6", "n1", "fd00:10:1::12")
+	es4 := slice("a", "web", ep{"10.1.0.11", "n1", "dual", true})
+	es6 := slice6("a", "web", ep{"fd00:10:1::11", "n1", "dual", true}, ep{"fd00:10:1::12", "n1", "only6", true})
+	loc := &fakeLocator{found: map[netip.Addr]bool{netip.MustParseAddr("10.1.0.11"): true, netip.MustParseAddr("fd00:10:1::12"): true}, lookups: map[string]int{}}
+	pods := &fakePods{wants: map[string][]PodTunnels{}}
+	node := &recordingNode{}
+	client, _ := startControllerWith(t, loc, pods, node, nil, svc, dual, only6, es4, es6)
+	last := func(pod string) PodTunnels {
+		h := pods.history(pod)
+		if len(h) == 0 {
+			return PodTunnels{}
+		}
+		return h[len(h)-1]
+	}
+	waitFor(t, "both pods served", func() bool { return len(last("dual").TunnelIPs) == 2 && len(last("only6").TunnelIPs) == 1 })
+	if got := last("dual"); !slices.Equal(got.TunnelIPs, []netip.Addr{vip1, v6vip1}) || got.Pod.IP != netip.MustParseAddr("10.1.0.11") || got.Pod.IPv6 != netip.MustParseAddr("fd00:10:1::11") {
+		t.Fatalf("dual-stack pod: %+v", got)
+	}
+	if got := last("only6"); !slices.Equal(got.TunnelIPs, []netip.Addr{v6vip1}) || got.Pod.IP.IsValid() || got.Pod.IPv6 != netip.MustParseAddr("fd00:10:1::12") {
+		t.Fatalf("IPv6-only pod: %+v", got)
+	}
+	waitFor(t, "the node handed both pods", func() bool { return len(node.last()) == 2 })
+
+	if err := client.DiscoveryV1().EndpointSlices("a").Delete(context.Background(), es6.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the IPv6 tunnel IP removed", func() bool {
+		return slices.Equal(last("dual").TunnelIPs, []netip.Addr{vip1}) && len(pods.history("only6")) >= 2 && len(last("only6").TunnelIPs) == 0
+	})
+}
+
+// TestControllerFollowsPodIPs: a pod whose status.podIPs gain an IPv6
+// address (its status.podIP unchanged) is served its IPv6 tunnel IP.
+func TestControllerFollowsPodIPs(t *testing.T) {
+	if _, err := tunnelclaim.ParseIPs("192.0.2.10, 2001:db8::10"); err != nil {
+		t.Skipf("the annotation parser does not take two families yet: %v", err)
+	}
+	svc := tunnelService("a", "web", "192.0.2.10, 2001:db8::10", time.Hour)
+	pod := dualPod("a", "p", "n1", "10.1.0.11")
+	es4 := slice("a", "web", ep{"10.1.0.11", "n1", "p", true})
+	es6 := slice6("a", "web", ep{"fd00:10:1::11", "n1", "p", true})
+	loc := &fakeLocator{found: map[netip.Addr]bool{netip.MustParseAddr("10.1.0.11"): true}, lookups: map[string]int{}}
+	pods := &fakePods{wants: map[string][]PodTunnels{}}
+	client := startController(t, loc, pods, svc, pod, es4, es6)
+	last := func() PodTunnels {
+		h := pods.history("p")
+		if len(h) == 0 {
+			return PodTunnels{}
+		}
+		return h[len(h)-1]
+	}
+	waitFor(t, "the IPv4 tunnel IP served", func() bool { return slices.Equal(last().TunnelIPs, []netip.Addr{vip1}) })
+	pod = pod.DeepCopy()
+	pod.Status.PodIPs = append(pod.Status.PodIPs, corev1.PodIP{IP: "fd00:10:1::11"})
+	pod.ResourceVersion = "2"
+	if _, err := client.CoreV1().Pods("a").UpdateStatus(context.Background(), pod, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "both tunnel IPs served", func() bool {
+		return slices.Equal(last().TunnelIPs, []netip.Addr{vip1, v6vip1}) && last().Pod.IPv6 == netip.MustParseAddr("fd00:10:1::11")
+	})
 }

@@ -19,27 +19,57 @@ import (
 // PodTunnels is the desired state of one local pod: the tunnel IPs it serves.
 type PodTunnels struct {
 	Pod runtime.Pod
-	// TunnelIPs is sorted and free of duplicates; empty means the pod must
-	// hold nothing of the agent's.
+	// TunnelIPs is sorted (IPv4 first) and free of duplicates; empty means
+	// the pod must hold nothing of the agent's. An IPv4 tunnel IP is
+	// decapsulated towards Pod.IP, an IPv6 one towards Pod.IPv6.
 	TunnelIPs []netip.Addr
-	// Policy is the pod's tunneled ingress policy rules (WithPolicies);
-	// nil when network policy is off. When no NetworkPolicy isolates the
-	// pod (Policy.Isolated false) it accepts everything, and the rules only
-	// turn on connection tracking in its namespace.
-	Policy *netpol.Rules
+	// Policy and Policy6 are the pod's tunneled ingress policy rules
+	// (WithPolicies) for its IPv4 tunnel IPs (iptables) and its IPv6 ones
+	// (ip6tables); each is nil when the pod has no tunnel IP of its
+	// family, and both are nil when network policy is off. When no
+	// NetworkPolicy isolates the pod (Isolated false) a family's rules
+	// accept everything and only turn on connection tracking in its
+	// namespace.
+	Policy, Policy6 *netpol.Rules
 }
 
 // Equal reports whether two desired states are the same.
 func (p PodTunnels) Equal(o PodTunnels) bool {
-	return p.Pod == o.Pod && slices.Equal(p.TunnelIPs, o.TunnelIPs) && p.Policy.Equal(o.Policy)
+	return p.Pod == o.Pod && slices.Equal(p.TunnelIPs, o.TunnelIPs) && p.Policy.Equal(o.Policy) && p.Policy6.Equal(o.Policy6)
 }
 
 // Isolated reports whether a NetworkPolicy restricts the pod's tunneled
 // traffic.
-func (p PodTunnels) Isolated() bool { return p.Policy != nil && p.Policy.Isolated }
+func (p PodTunnels) Isolated() bool {
+	return p.Policy != nil && p.Policy.Isolated || p.Policy6 != nil && p.Policy6.Isolated
+}
 
-// WithPolicies sets the Policy of every pod in desired from the ingress
-// NetworkPolicies that select it (netpol.ForPod, resolved against
+// TunnelIPsOf returns the pod's IPv6 tunnel IPs (ipv6) or its IPv4 ones.
+func (p PodTunnels) TunnelIPsOf(ipv6 bool) []netip.Addr {
+	return tunnelIPsOf(p.TunnelIPs, ipv6)
+}
+
+// PolicyOf returns the rules of the pod's IPv6 tunnel IPs (ipv6) or of its
+// IPv4 ones.
+func (p PodTunnels) PolicyOf(ipv6 bool) *netpol.Rules {
+	if ipv6 {
+		return p.Policy6
+	}
+	return p.Policy
+}
+
+func tunnelIPsOf(ips []netip.Addr, ipv6 bool) []netip.Addr {
+	var out []netip.Addr
+	for _, ip := range ips {
+		if ip.Is6() == ipv6 {
+			out = append(out, ip)
+		}
+	}
+	return out
+}
+
+// WithPolicies sets the Policy and Policy6 of every pod in desired from the
+// ingress NetworkPolicies that select it (netpol.ForPod, resolved against
 // cluster); localPods are the node's pods by "namespace/name". problems
 // name each policy field that could not be used, once.
 func WithPolicies(desired map[string]PodTunnels, localPods map[string]*corev1.Pod, policies []*networkingv1.NetworkPolicy, cluster netpol.Cluster) (problems []string) {
@@ -56,11 +86,48 @@ func WithPolicies(desired map[string]PodTunnels, localPods map[string]*corev1.Po
 				problems = append(problems, msg)
 			}
 		}
-		pt.Policy = netpol.Render(in, pt.TunnelIPs)
+		pt.Policy = netpol.Render(in, pt.TunnelIPsOf(false))
+		pt.Policy6 = netpol.Render(in, pt.TunnelIPsOf(true))
 		desired[key] = pt
 	}
 	slices.Sort(problems)
 	return problems
+}
+
+// podAddrs returns a pod's IPv4 and IPv6 addresses from status.podIPs (and
+// status.podIP, its first): the first of each family, the zero Addr when
+// it has none of that family.
+func podAddrs(pod *corev1.Pod) (v4, v6 netip.Addr) {
+	ips := []string{pod.Status.PodIP}
+	for _, ip := range pod.Status.PodIPs {
+		ips = append(ips, ip.IP)
+	}
+	for _, s := range ips {
+		a, err := netip.ParseAddr(s)
+		switch {
+		case err != nil || a.Is4In6() || a.Zone() != "":
+		case a.Is4() && !v4.IsValid():
+			v4 = a
+		case a.Is6() && !v6.IsValid():
+			v6 = a
+		}
+	}
+	return v4, v6
+}
+
+// runtimePod identifies pod for the runtime (its namespace's search) and
+// for the desired state.
+func runtimePod(pod *corev1.Pod) runtime.Pod {
+	v4, v6 := podAddrs(pod)
+	return runtime.Pod{Namespace: pod.Namespace, Name: pod.Name, UID: string(pod.UID), IP: v4, IPv6: v6}
+}
+
+// family names an address family as the EndpointSlice API does.
+func family(ipv6 bool) string {
+	if ipv6 {
+		return "IPv6"
+	}
+	return "IPv4"
 }
 
 // Desired computes, for every pod of this node that backs a tunnel Service,
@@ -68,21 +135,39 @@ func WithPolicies(desired map[string]PodTunnels, localPods map[string]*corev1.Po
 // function of the objects, so every run over the same objects gives the same
 // answer.
 //
-// A Service's tunnel IP goes to the endpoints of its EndpointSlices whose pod
-// runs on node, whatever their ready/serving/terminating conditions: the
-// routers decide who gets new flows, and a pod that is not ready or is
-// draining must still accept the flows it already has. Of several Services
-// claiming one tunnel IP, only the winner (tunnelclaim.Decide) counts, as on
-// the routers; a Service whose tunnel IP the address pools refuse
-// (Pools.Admit, given the cluster's known networks) claims nothing and is
-// listed in refused. Entries that cannot be used are skipped and described in
-// problems, one line each naming the object and field.
+// A Service's tunnel IP goes to the endpoints of its EndpointSlices of the
+// same address family (an IPv4 tunnel IP to the IPv4 slices, an IPv6 one to
+// the IPv6 slices) whose pod runs on node, whatever their
+// ready/serving/terminating conditions: the routers decide who gets new
+// flows, and a pod that is not ready or is draining must still accept the
+// flows it already has. Of several Services claiming one tunnel IP, only
+// the winner (tunnelclaim.Decide) counts, as on the routers; a Service
+// whose tunnel IP the address pools refuse (Pools.Admit, given the
+// cluster's known networks) claims nothing and is listed in refused.
+// Entries that cannot be used are skipped and described in problems, one
+// line each naming the object and field. A Service with no endpoints of a
+// family is the routers' to report.
 func Desired(node string, pools tunnelclaim.Pools, known tunnelclaim.Networks, services []*corev1.Service, endpointSlices []*kubeobj.EndpointSlice, pods []*corev1.Pod) (desired map[string]PodTunnels, problems []string, refused []tunnelclaim.Claim) {
 	decision := tunnelclaim.Decide(services, pools, known)
-	refused = decision.With(tunnelclaim.Refused)
-	winners := make(map[string]netip.Addr, len(decision.Winners))
-	for vip, svc := range decision.Winners {
-		winners[tunnelclaim.ServiceKey(svc)] = vip
+	desired, problems = desiredOf(node, decision.Winners, endpointSlices, pods)
+	return desired, problems, decision.With(tunnelclaim.Refused)
+}
+
+// desiredOf is Desired given the claim decision's winners: every served
+// tunnel IP, of either family, and the Service that has it.
+func desiredOf(node string, winnerOf map[netip.Addr]*corev1.Service, endpointSlices []*kubeobj.EndpointSlice, pods []*corev1.Pod) (desired map[string]PodTunnels, problems []string) {
+	// The tunnel IPs each Service won, at most one per family.
+	type won struct{ v4, v6 netip.Addr }
+	winners := make(map[string]won, len(winnerOf))
+	for vip, svc := range winnerOf {
+		key := tunnelclaim.ServiceKey(svc)
+		w := winners[key]
+		if vip.Is4() {
+			w.v4 = vip
+		} else {
+			w.v6 = vip
+		}
+		winners[key] = w
 	}
 
 	localPods := map[string]*corev1.Pod{}
@@ -95,28 +180,37 @@ func Desired(node string, pools tunnelclaim.Pools, known tunnelclaim.Networks, s
 			continue
 		}
 		localPods[pod.Namespace+"/"+pod.Name] = pod
-		if ip, err := netip.ParseAddr(pod.Status.PodIP); err == nil {
+		for _, ip := range runtimePod(pod).Addrs() {
 			podByIP[ip] = pod
 		}
 	}
 
 	sets := map[string]map[netip.Addr]bool{}
 	for _, es := range endpointSlices {
-		vip, ok := winners[es.Namespace+"/"+es.Service]
+		w, ok := winners[es.Namespace+"/"+es.Service]
 		if !ok {
 			continue
 		}
-		name := "EndpointSlice " + es.Namespace + "/" + es.Name
-		if es.AddressType != discoveryv1.AddressTypeIPv4 {
-			continue // the router reports this once per Service
+		var ipv6 bool
+		vip := w.v4
+		switch es.AddressType {
+		case discoveryv1.AddressTypeIPv4:
+		case discoveryv1.AddressTypeIPv6:
+			ipv6, vip = true, w.v6
+		default:
+			continue // FQDN: the router reports this once per Service
 		}
+		if !vip.IsValid() {
+			continue // no tunnel IP of the slice's family
+		}
+		name := "EndpointSlice " + es.Namespace + "/" + es.Name
 		for i, ep := range es.Endpoints {
 			if ep.NodeName != "" && ep.NodeName != node {
 				continue
 			}
 			addr, err := netip.ParseAddr(ep.Address)
-			if err != nil || !addr.Is4() {
-				continue
+			if err != nil || addr.Is6() != ipv6 || addr.Is4In6() {
+				continue // not of the slice's family: the API refuses it
 			}
 			pod := podOf(ep, localPods, podByIP)
 			if pod == nil {
@@ -125,13 +219,13 @@ func Desired(node string, pools tunnelclaim.Pools, known tunnelclaim.Networks, s
 				}
 				continue
 			}
-			podIP, err := netip.ParseAddr(pod.Status.PodIP)
-			if err != nil || !podIP.Is4() {
-				problems = append(problems, fmt.Sprintf("%s: endpoints[%d]: pod %s/%s has no IPv4 status.podIP yet", name, i, pod.Namespace, pod.Name))
+			podIP := runtimePod(pod).Addr(ipv6)
+			if !podIP.IsValid() {
+				problems = append(problems, fmt.Sprintf("%s: endpoints[%d]: pod %s/%s has no %s address in status.podIPs yet", name, i, pod.Namespace, pod.Name, family(ipv6)))
 				continue
 			}
 			if podIP != addr {
-				problems = append(problems, fmt.Sprintf("%s: endpoints[%d].addresses[0] %v is not the status.podIP %v of pod %s/%s (stale slice?)", name, i, addr, podIP, pod.Namespace, pod.Name))
+				problems = append(problems, fmt.Sprintf("%s: endpoints[%d].addresses[0] %v is not the %s address %v of pod %s/%s in status.podIPs (stale slice?)", name, i, addr, family(ipv6), podIP, pod.Namespace, pod.Name))
 				continue
 			}
 			key := pod.Namespace + "/" + pod.Name
@@ -144,16 +238,14 @@ func Desired(node string, pools tunnelclaim.Pools, known tunnelclaim.Networks, s
 
 	desired = make(map[string]PodTunnels, len(sets))
 	for key, set := range sets {
-		pod := localPods[key]
-		ip, _ := netip.ParseAddr(pod.Status.PodIP)
-		pt := PodTunnels{Pod: runtime.Pod{Namespace: pod.Namespace, Name: pod.Name, UID: string(pod.UID), IP: ip}}
+		pt := PodTunnels{Pod: runtimePod(localPods[key])}
 		for vip := range set {
 			pt.TunnelIPs = append(pt.TunnelIPs, vip)
 		}
 		slices.SortFunc(pt.TunnelIPs, netip.Addr.Compare)
 		desired[key] = pt
 	}
-	return desired, problems, refused
+	return desired, problems
 }
 
 // podOf finds the local pod behind an endpoint: by its targetRef when it names

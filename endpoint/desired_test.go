@@ -15,12 +15,14 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
+	"github.com/cmdnu/kube-service-tunnel/runtime"
 )
 
 var t0 = time.Date(2026, 11, 1, 0, 0, 0, 0, time.UTC)
 
-// testPools admits the tunnel IPs the tests use, in every namespace.
-var testPools = tunnelclaim.Pools{{Prefix: netip.MustParsePrefix("192.0.2.0/24")}}
+// testPools admits the tunnel IPs the tests use, of both families, in
+// every namespace.
+var testPools = tunnelclaim.Pools{{Prefix: netip.MustParsePrefix("192.0.2.0/24")}, {Prefix: netip.MustParsePrefix("2001:db8::/64")}}
 
 func tunnelService(ns, name, vip string, age time.Duration) *corev1.Service {
 	return &corev1.Service{ObjectMeta: metav1.ObjectMeta{
@@ -142,7 +144,7 @@ func TestDesired(t *testing.T) {
 			services: []*corev1.Service{tunnelService("a", "web", "192.0.2.10", 0)},
 			slices:   []*discoveryv1.EndpointSlice{slice("a", "web", ep{"10.1.0.99", node, "web-1", true})},
 			want:     "",
-			problem:  "EndpointSlice a/web-x: endpoints[0].addresses[0] 10.1.0.99 is not the status.podIP",
+			problem:  "EndpointSlice a/web-x: endpoints[0].addresses[0] 10.1.0.99 is not the IPv4 address 10.1.0.11 of pod a/web-1 in status.podIPs",
 		},
 		{
 			name:     "host-network pod is never entered",
@@ -220,5 +222,140 @@ func TestDesiredAdmission(t *testing.T) {
 	want := "b/db: tunnel IP 192.0.2.10 is in address pool 192.0.2.0/24, which only namespaces a may use, not b"
 	if joined := strings.Join(lines, "\n"); joined != want {
 		t.Errorf("refused = %q, want %q", joined, want)
+	}
+}
+
+// dualPod is a pod with the given status.podIPs, the first as status.podIP.
+func dualPod(ns, name, node string, ips ...string) *corev1.Pod {
+	p := testPod(ns, name, node, ips[0])
+	for _, ip := range ips {
+		p.Status.PodIPs = append(p.Status.PodIPs, corev1.PodIP{IP: ip})
+	}
+	return p
+}
+
+// slice6 is slice for an IPv6 EndpointSlice (named SVC-6).
+func slice6(ns, svc string, eps ...ep) *discoveryv1.EndpointSlice {
+	es := slice(ns, svc, eps...)
+	es.Name, es.AddressType = svc+"-6", discoveryv1.AddressTypeIPv6
+	return es
+}
+
+var (
+	v6vip1 = netip.MustParseAddr("2001:db8::10")
+	v6vip2 = netip.MustParseAddr("2001:db8::11")
+)
+
+// TestDesiredDualStack: each tunnel IP goes to the endpoints of its own
+// family, whose pod's address of that family (status.podIPs) it is; the
+// claim decision is given (desiredOf), so that the test holds whatever the
+// annotation parser accepts.
+func TestDesiredDualStack(t *testing.T) {
+	const node = "n1"
+	web := tunnelService("a", "web", "", time.Hour)
+	only6 := tunnelService("a", "only6", "", time.Hour)
+	only4 := tunnelService("a", "only4", "", time.Hour)
+	winners := map[netip.Addr]*corev1.Service{vip1: web, v6vip1: web, v6vip2: only6, vip2: only4}
+	pods := []*corev1.Pod{
+		dualPod("a", "dual", node, "10.1.0.11", "fd00:10:1::11"),
+		dualPod("a", "v4only", node, "10.1.0.12"),
+		dualPod("a", "v6only", node, "fd00:10:1::13"),
+		dualPod("a", "stale6", node, "10.1.0.14", "fd00:10:1::14"),
+		dualPod("a", "byaddr", node, "10.1.0.15", "fd00:10:1::15"),
+		dualPod("a", "elsewhere", "n2", "10.1.1.16", "fd00:10:2::16"),
+	}
+	esl := []*discoveryv1.EndpointSlice{
+		slice("a", "web", ep{"10.1.0.11", node, "dual", true}, ep{"10.1.0.12", node, "v4only", true},
+			ep{"fd00:10:1::13", node, "v6only", true}, // an IPv6 address in an IPv4 slice: ignored
+			ep{"10.1.0.14", node, "stale6", true}, ep{"10.1.1.16", "n2", "elsewhere", true}),
+		slice6("a", "web", ep{"fd00:10:1::11", node, "dual", true}, ep{"fd00:10:1::13", node, "v6only", true},
+			ep{"10.1.0.12", node, "v4only", true}, // an IPv4 address in an IPv6 slice: ignored
+			ep{"fd00:10:1::99", node, "stale6", true},
+			ep{"fd00:10:1::15", node, "", true}, // no targetRef: found by its IPv6 address
+			ep{"fd00:10:2::16", "n2", "elsewhere", true}),
+		// only6 won an IPv6 tunnel IP only: its IPv4 endpoints get nothing.
+		slice("a", "only6", ep{"10.1.0.12", node, "v4only", true}),
+		slice6("a", "only6", ep{"fd00:10:1::11", node, "dual", true}),
+		// only4 won an IPv4 tunnel IP only: its IPv6 endpoints get nothing.
+		slice6("a", "only4", ep{"fd00:10:1::13", node, "v6only", true}),
+		// An IPv6 endpoint of a pod without an IPv6 address.
+		slice6("a", "only6", ep{"fd00:10:1::12", node, "v4only", true}),
+	}
+	fqdn := slice("a", "web", ep{"web.example", node, "dual", true})
+	fqdn.Name, fqdn.AddressType = "web-fqdn", discoveryv1.AddressTypeFQDN
+	esl = append(esl, fqdn)
+
+	got, problems := desiredOf(node, winners, cached(esl...), pods)
+	// stale6 keeps its IPv4 tunnel IP: the stale IPv6 endpoint costs it the IPv6 one only.
+	want := "a/byaddr=2001:db8::10 a/dual=192.0.2.10,2001:db8::10,2001:db8::11 a/stale6=192.0.2.10 a/v4only=192.0.2.10 a/v6only=2001:db8::10"
+	if s := summary(got); s != want {
+		t.Errorf("desired = %q\n want %q", s, want)
+	}
+	joined := strings.Join(problems, "\n")
+	for _, p := range []string{
+		"EndpointSlice a/web-6: endpoints[3].addresses[0] fd00:10:1::99 is not the IPv6 address fd00:10:1::14 of pod a/stale6",
+		"EndpointSlice a/only6-6: endpoints[0]: pod a/v4only has no IPv6 address in status.podIPs yet",
+	} {
+		if !strings.Contains(joined, p) {
+			t.Errorf("problems = %q, want one containing %q", joined, p)
+		}
+	}
+	if len(problems) != 2 {
+		t.Errorf("problems = %q, want exactly 2 (wrong-family endpoints are ignored silently)", joined)
+	}
+	// Each pod carries both its addresses, whatever it serves.
+	for key, wantPod := range map[string]runtime.Pod{
+		"a/dual":   {Namespace: "a", Name: "dual", UID: "uid-dual", IP: netip.MustParseAddr("10.1.0.11"), IPv6: netip.MustParseAddr("fd00:10:1::11")},
+		"a/v4only": {Namespace: "a", Name: "v4only", UID: "uid-v4only", IP: netip.MustParseAddr("10.1.0.12")},
+		"a/v6only": {Namespace: "a", Name: "v6only", UID: "uid-v6only", IPv6: netip.MustParseAddr("fd00:10:1::13")},
+	} {
+		if got[key].Pod != wantPod {
+			t.Errorf("%s: pod = %+v, want %+v", key, got[key].Pod, wantPod)
+		}
+	}
+	if ips := got["a/dual"].TunnelIPsOf(true); !slices.Equal(ips, []netip.Addr{v6vip1, v6vip2}) {
+		t.Errorf("TunnelIPsOf(IPv6) = %v", ips)
+	}
+}
+
+// TestDesiredDualStackAnnotation: a Service annotated with one tunnel IP
+// of each family serves each to its endpoints of that family, through the
+// whole claim decision; a pool refusing the IPv6 one leaves the IPv4 one
+// served.
+func TestDesiredDualStackAnnotation(t *testing.T) {
+	if ips, err := tunnelclaim.ParseIPs("192.0.2.10, 2001:db8::10"); err != nil || len(ips) != 2 {
+		t.Skipf("the annotation parser does not take two families yet: %v", err)
+	}
+	const node = "n1"
+	pods := []*corev1.Pod{dualPod("a", "web-1", node, "10.1.0.11", "fd00:10:1::11")}
+	esl := cached(slice("a", "web", ep{"10.1.0.11", node, "web-1", true}), slice6("a", "web", ep{"fd00:10:1::11", node, "web-1", true}))
+	services := []*corev1.Service{tunnelService("a", "web", "192.0.2.10, 2001:db8::10", time.Hour)}
+	got, problems, refused := Desired(node, testPools, tunnelclaim.Networks{}, services, esl, pods)
+	if s := summary(got); s != "a/web-1=192.0.2.10,2001:db8::10" || len(problems) > 0 || len(refused) > 0 {
+		t.Errorf("desired = %q, problems %q, refused %v; want both tunnel IPs served", s, problems, refused)
+	}
+	only4 := tunnelclaim.Pools{testPools[0]}
+	got, _, refused = Desired(node, only4, tunnelclaim.Networks{}, services, esl, pods)
+	if s := summary(got); s != "a/web-1=192.0.2.10" || len(refused) != 1 || refused[0].VIP != v6vip1 {
+		t.Errorf("with no IPv6 pool: desired = %q, refused %v; want the IPv4 tunnel IP alone served", s, refused)
+	}
+}
+
+func TestPodAddrs(t *testing.T) {
+	for _, tc := range []struct {
+		pod    *corev1.Pod
+		v4, v6 string
+	}{
+		{dualPod("a", "p", "n1", "10.1.0.11", "fd00::11"), "10.1.0.11", "fd00::11"},
+		{dualPod("a", "p", "n1", "fd00::11", "10.1.0.11"), "10.1.0.11", "fd00::11"}, // IPv6 primary
+		{dualPod("a", "p", "n1", "fd00::11"), "invalid IP", "fd00::11"},
+		{testPod("a", "p", "n1", "10.1.0.11"), "10.1.0.11", "invalid IP"}, // status.podIP alone
+		{testPod("a", "p", "n1", ""), "invalid IP", "invalid IP"},
+		{dualPod("a", "p", "n1", "::ffff:10.1.0.11", "fe80::1%eth0"), "invalid IP", "invalid IP"},
+	} {
+		v4, v6 := podAddrs(tc.pod)
+		if v4.String() != tc.v4 || v6.String() != tc.v6 {
+			t.Errorf("podAddrs(%v, %v) = %v, %v; want %s, %s", tc.pod.Status.PodIP, tc.pod.Status.PodIPs, v4, v6, tc.v4, tc.v6)
+		}
 	}
 }

@@ -1,20 +1,33 @@
 package endpoint
 
 import (
+	"context"
+	"maps"
+	"net"
 	"net/netip"
 	"os"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
+	"github.com/cmdnu/kube-service-tunnel/internal/mplslabel"
+	"github.com/cmdnu/kube-service-tunnel/runtime"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
 // The TestKernel* tests need a kernel with GRE and MPLS routing, which this
 // project's hosts lack: test/lab builds this package's test binary and runs
 // them inside the lab VM (TestEndpointKernelInVM). Elsewhere they skip.
+// Their "ipv6" subtests (ip6gre, IPv6 over MPLS) run with them, so that the
+// lab's list of tests needs no new name; they also send traffic through
+// the decapsulation path, which only a real ip6gre device and MPLS
+// routing can carry.
 
 func requireGREAndMPLS(t *testing.T) {
 	t.Helper()
@@ -61,6 +74,7 @@ func TestKernelGREPod(t *testing.T) {
 	if out, err := pod.Output("ip", "link", "show", DefaultDevice); err == nil {
 		t.Fatalf("device still there: %s", out)
 	}
+	t.Run("ipv6", kernelGREPodIPv6)
 }
 
 func TestKernelMPLSPod(t *testing.T) {
@@ -96,6 +110,7 @@ func TestKernelMPLSPod(t *testing.T) {
 	if out := pod.Run("ip", "-f", "mpls", "route", "show"); strings.Contains(out, "100 dev lo") {
 		t.Errorf("pop route still there: %q", out)
 	}
+	t.Run("ipv6", kernelMPLSPodIPv6)
 }
 
 func TestKernelMPLSNode(t *testing.T) {
@@ -114,7 +129,7 @@ func TestKernelMPLSNode(t *testing.T) {
 	if out := node.Run("ip", "-f", "mpls", "route", "show"); !strings.Contains(out, "3677 as to 100 via inet 198.18.10.93 dev podveth proto 245") {
 		t.Errorf("node mpls routes = %q, want the swap route", out)
 	}
-	if v := readSysctl(t, node, "net/mpls/platform_labels"); v != "66560" {
+	if v := readSysctl(t, node, "net/mpls/platform_labels"); v != strconv.Itoa(mplslabel.PlatformLabels) {
 		t.Errorf("platform_labels = %q", v)
 	}
 	if v := readSysctl(t, node, "net/mpls/conf/podveth/input"); v != "1" {
@@ -128,5 +143,166 @@ func TestKernelMPLSNode(t *testing.T) {
 	}
 	if out := node.Run("ip", "-f", "mpls", "route", "show"); strings.Contains(out, "3677") {
 		t.Errorf("swap route still there: %q", out)
+	}
+	t.Run("ipv6", kernelMPLSNodeIPv6)
+}
+
+// routerIPv6 is the node's own address the tests' routers send from.
+var routerIPv6 = netip.MustParseAddr("fd00:ff::1")
+
+// serveTCP listens on to:port inside ns, accepting and closing
+// connections, until the test ends.
+func serveTCP(t *testing.T, ns *testnetns.NS, to netip.Addr, port uint16) {
+	t.Helper()
+	var l net.Listener
+	if err := ns.Do(func() (err error) { l, err = net.Listen("tcp", netip.AddrPortFrom(to, port).String()); return err }); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			c.Close()
+		}
+	}()
+}
+
+// connect opens a TCP connection from src to to:port inside ns.
+func connect(ns *testnetns.NS, src, to netip.Addr, port uint16) error {
+	return ns.Do(func() error {
+		d := net.Dialer{LocalAddr: &net.TCPAddr{IP: src.AsSlice()}, Timeout: 3 * time.Second}
+		c, err := d.DialContext(context.Background(), "tcp", netip.AddrPortFrom(to, port).String())
+		if err == nil {
+			c.Close()
+		}
+		return err
+	})
+}
+
+// kernelGREPodIPv6: a dual-stack pod gets a real ip6gre device with its
+// IPv6 address as local address and no remote, which decapsulates GRE over
+// IPv6 from a router it was never told about (the node's p2p ip6gre device
+// here): a TCP connection from the node to the IPv6 tunnel IP through it
+// opens, the pod answering from the tunnel IP by its default route.
+func kernelGREPodIPv6(t *testing.T) {
+	ip4, ip6 := netip.MustParseAddr("198.18.10.94"), netip.MustParseAddr("fd00:198:18:10::94")
+	pod, node := podAndNode6(t, ip4, ip6)
+	pn := NewPodNetwork(testConfig(encap.GRE), netns.None())
+	w := PodTunnels{Pod: runtime.Pod{Namespace: "a", Name: "web-1", UID: "u", IP: ip4, IPv6: ip6}, TunnelIPs: []netip.Addr{vip1, v6vip1}}
+	if _, err := pn.Sync(pod.Handle, w); err != nil {
+		t.Fatal(err)
+	}
+	link, err := pod.Netlink().LinkByName(DefaultDevice + "6")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gre, ok := link.(*netlink.Gretun)
+	if !ok || gre.Type() != "ip6gre" || !gre.Local.Equal(ip6.AsSlice()) || !(gre.Remote == nil || gre.Remote.IsUnspecified()) ||
+		link.Attrs().Alias != DeviceAlias || link.Attrs().Flags&net.FlagUp == 0 {
+		t.Fatalf("IPv6 device: %T %+v; want an ip6gre device, local %v, no remote, alias %s, up\n%s", link, link, ip6, DeviceAlias, pod.Run("ip", "-d", "link", "show", DefaultDevice+"6"))
+	}
+	if got := addrs6On(t, pod, DefaultDevice+"6"); !slices.Equal(got, []string{"2001:db8::10/128 nodad noprefixroute"}) {
+		t.Errorf("IPv6 device addresses = %v", got)
+	}
+	if acts, err := NewPodNetwork(testConfig(encap.GRE), netns.None()).Sync(pod.Handle, w); err != nil || len(acts) != 0 {
+		t.Fatalf("re-sync: %v, %v; want no change", render(acts), err)
+	}
+
+	serveTCP(t, pod, v6vip1, 8080)
+	node.Run("ip", "-6", "addr", "add", routerIPv6.String()+"/128", "dev", "lo", "nodad")
+	node.Run("ip", "link", "add", "rtr6", "type", "ip6gre", "local", routerIPv6.String(), "remote", ip6.String())
+	node.Run("ip", "link", "set", "rtr6", "up")
+	node.Run("ip", "-6", "route", "add", v6vip1.String()+"/128", "dev", "rtr6")
+	if err := connect(node, routerIPv6, v6vip1, 8080); err != nil {
+		t.Fatalf("TCP to [%v]:8080 through GRE over IPv6: %v\npod:\n%s", v6vip1, err, pod.Run("ip", "-s", "link", "show", DefaultDevice+"6"))
+	}
+	if c, err := pn.DecapCounters(pod.Handle, true); err != nil || c.Packets == 0 {
+		t.Errorf("IPv6 device counters %+v, %v; want the decapsulated packets", c, err)
+	}
+
+	w.TunnelIPs = []netip.Addr{vip1}
+	if _, err := pn.Sync(pod.Handle, w); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pod.Netlink().LinkByName(DefaultDevice + "6"); err == nil {
+		t.Fatal("IPv6 device still there with no IPv6 tunnel IP")
+	}
+	if _, err := pod.Netlink().LinkByName(DefaultDevice); err != nil {
+		t.Fatalf("the IPv4 device went with the IPv6 one: %v", err)
+	}
+}
+
+// kernelMPLSPodIPv6: in mpls mode the IPv6 tunnel IP is on lo with the
+// agent's address protocol, which this kernel keeps (a restart adopts it
+// without a write), and the pop route delivers an IPv6 packet labelled 100
+// to it: a TCP connection from the node, MPLS-encapsulated to the pod,
+// opens.
+func kernelMPLSPodIPv6(t *testing.T) {
+	ip4, ip6 := netip.MustParseAddr("198.18.10.96"), netip.MustParseAddr("fd00:198:18:10::96")
+	pod, node := podAndNode6(t, ip4, ip6)
+	pod.Run("ip", "-6", "addr", "add", "fe80::2/64", "dev", "net1", "nodad")
+	cfg := testConfig(encap.MPLS)
+	w := PodTunnels{Pod: runtime.Pod{Namespace: "a", Name: "web-1", UID: "u", IP: ip4, IPv6: ip6}, TunnelIPs: []netip.Addr{vip1, v6vip1}}
+	if _, err := NewPodNetwork(cfg, netns.None()).Sync(pod.Handle, w); err != nil {
+		t.Fatal(err)
+	}
+	if a := loAddrs6(t, pod)[v6vip1]; a.Proto != cfg.RouteProtocol || a.Flags&tunnelIPFlags != tunnelIPFlags {
+		t.Fatalf("the IPv6 tunnel IP on lo: %+v; want address protocol %d, nodad, noprefixroute (does this kernel keep IFA_PROTO?)", a, cfg.RouteProtocol)
+	}
+	if acts, err := NewPodNetwork(cfg, netns.None()).Sync(pod.Handle, w); err != nil || len(acts) != 0 {
+		t.Fatalf("re-sync: %v, %v; want no change", render(acts), err)
+	}
+
+	serveTCP(t, pod, v6vip1, 8081)
+	node.Run("ip", "-6", "addr", "add", routerIPv6.String()+"/128", "dev", "lo", "nodad")
+	node.Run("ip", "-6", "route", "add", v6vip1.String()+"/128", "encap", "mpls", strconv.Itoa(PodLabel), "via", "fe80::2", "dev", "podveth")
+	if err := connect(node, routerIPv6, v6vip1, 8081); err != nil {
+		t.Fatalf("TCP to [%v]:8081 over MPLS label %d: %v", v6vip1, PodLabel, err)
+	}
+
+	w.TunnelIPs = []netip.Addr{vip1}
+	if _, err := NewPodNetwork(cfg, netns.None()).Sync(pod.Handle, w); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := loAddrs6(t, pod)[v6vip1]; ok {
+		t.Fatal("the IPv6 tunnel IP is still on lo")
+	}
+	if out := pod.Run("ip", "-f", "mpls", "route", "show"); !strings.Contains(out, "100 dev lo") {
+		t.Errorf("the pop route went with the IPv6 tunnel IP although the IPv4 one is served: %q", out)
+	}
+}
+
+// kernelMPLSNodeIPv6: the node swaps the label of a pod's IPv6 address to
+// 100 via inet6 towards it, reads the route back as written (no change on
+// a second sync), and removes it alone when the IPv6 tunnel IP goes.
+func kernelMPLSNodeIPv6(t *testing.T) {
+	ip4, ip6 := netip.MustParseAddr("198.18.10.95"), netip.MustParseAddr("fd00:198:18:10::93")
+	_, node := podAndNode6(t, ip4, ip6)
+	cfg := testConfig(encap.MPLS)
+	cfg.MPLSInputInterfaces = []string{"podveth"}
+	nn := &NodeNetwork{cfg: cfg, ns: node.Handle, sysctl: ProcSysctls{}}
+	pt := PodTunnels{Pod: runtime.Pod{Namespace: "a", Name: "web-1", UID: "u", IP: ip4, IPv6: ip6}, TunnelIPs: []netip.Addr{vip1, v6vip1}}
+	if _, err := nn.Sync([]PodTunnels{pt}, netip.Addr{}); err != nil {
+		t.Fatal(err)
+	}
+	label4, label6 := uint32(1024+10*256+95), uint32(mplslabel.Base6+0x93)
+	podveth, err := node.Netlink().LinkByName("podveth")
+	if err != nil {
+		t.Fatal(err)
+	}
+	routes, err := nn.listRoutes(node.Netlink())
+	want := map[uint32]swapRoute{label4: {Label: label4, Pod: ip4, LinkIdx: podveth.Attrs().Index}, label6: {Label: label6, Pod: ip6, LinkIdx: podveth.Attrs().Index}}
+	if err != nil || !maps.Equal(routes, want) {
+		t.Fatalf("swap routes %v, %v; want %v\n%s", routes, err, want, node.Run("ip", "-f", "mpls", "route", "show"))
+	}
+	if acts, err := nn.Sync([]PodTunnels{pt}, netip.Addr{}); err != nil || len(acts) != 0 {
+		t.Fatalf("re-sync: %v, %v; want no change (the inet6 swap route must read back as written)", acts, err)
+	}
+	pt.TunnelIPs = []netip.Addr{vip1}
+	if acts, err := nn.Sync([]PodTunnels{pt}, netip.Addr{}); err != nil || len(acts) != 1 || acts[0].Del != label6 {
+		t.Fatalf("IPv6 no longer served: %v, %v; want the IPv6 swap route removed alone", acts, err)
 	}
 }

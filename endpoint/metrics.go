@@ -24,22 +24,23 @@ const (
 )
 
 // DecapCounters are the receive counters of a pod's decapsulation device:
-// every packet it decapsulated, whichever of the pod's tunnel IPs it was
-// sent to.
+// every packet it decapsulated, whichever of the pod's tunnel IPs of the
+// device's family it was sent to.
 type DecapCounters struct {
 	Packets, Bytes uint64
 }
 
-// DecapCounterReader reads the decapsulation device's counters in a pod's
-// namespace (*PodNetwork).
+// DecapCounterReader reads the counters of the IPv6 (ipv6) or IPv4
+// decapsulation device in a pod's namespace (*PodNetwork).
 type DecapCounterReader interface {
-	DecapCounters(ns netns.NsHandle) (DecapCounters, error)
+	DecapCounters(ns netns.NsHandle, ipv6 bool) (DecapCounters, error)
 }
 
 // PolicyCounterReader reads, in a pod's namespace, the counters of what
-// each tunnel IP's network policy dropped (*PodNetwork).
+// each tunnel IP's network policy dropped, from the IPv6 (ipv6) or the IPv4
+// filter table (*PodNetwork).
 type PolicyCounterReader interface {
-	PolicyDrops(ns netns.NsHandle) (map[netip.Addr]netpol.Counter, error)
+	PolicyDrops(ns netns.NsHandle, ipv6 bool) (map[netip.Addr]netpol.Counter, error)
 }
 
 // Metrics are the endpoint agent's Prometheus metrics. A nil *Metrics
@@ -196,7 +197,7 @@ func (m *Metrics) keepNamespace(pod string, want PodTunnels, ns netns.NsHandle) 
 		m.forgetPod(pod)
 		return false
 	}
-	m.decap.keep(pod, want.TunnelIPs, policy, ns)
+	m.decap.keep(pod, want, m.decap.drops != nil, ns)
 	return true
 }
 
@@ -232,18 +233,26 @@ type decapCollector struct {
 	pods map[string]decapPod
 }
 
-// decapPod is a served pod's namespace and the tunnel IPs its device
-// holds; policy: a NetworkPolicy isolates it (its drops are read).
+// decapPod is a served pod's namespace and, for each family it serves,
+// what its counters are read for.
 type decapPod struct {
-	ns     netns.NsHandle
+	ns       netns.NsHandle
+	families []decapFamily
+}
+
+// decapFamily is one family's side of a served pod: the tunnel IPs its
+// device holds; policy: a NetworkPolicy isolates them (the drops of that
+// family's filter table are read).
+type decapFamily struct {
+	ipv6   bool
 	vip    string
 	policy bool
 }
 
 func newDecapCollector(reader DecapCounterReader, drops PolicyCounterReader) *decapCollector {
-	// A pod's device holds all its tunnel IPs and the kernel counts per
-	// device: vip is the pod's tunnel IP, or all of them comma-separated when
-	// it serves several.
+	// A pod's device holds all its tunnel IPs of the device's family and
+	// the kernel counts per device: vip is the pod's tunnel IP of that
+	// family, or all of them comma-separated when it serves several.
 	labels := []string{"vip", "pod"}
 	return &decapCollector{
 		reader: reader,
@@ -264,17 +273,28 @@ func newDecapCollector(reader DecapCounterReader, drops PolicyCounterReader) *de
 	}
 }
 
-func (d *decapCollector) keep(pod string, tunnelIPs []netip.Addr, policy bool, ns netns.NsHandle) {
-	ips := make([]string, len(tunnelIPs))
-	for i, ip := range tunnelIPs {
-		ips[i] = ip.String()
+// keep reads the counters of the pod converged to want in ns from now on
+// (drops: network policy is on).
+func (d *decapCollector) keep(pod string, want PodTunnels, drops bool, ns netns.NsHandle) {
+	p := decapPod{ns: ns}
+	for _, ipv6 := range []bool{false, true} {
+		vips := want.TunnelIPsOf(ipv6)
+		if len(vips) == 0 {
+			continue
+		}
+		ips := make([]string, len(vips))
+		for i, ip := range vips {
+			ips[i] = ip.String()
+		}
+		rules := want.PolicyOf(ipv6)
+		p.families = append(p.families, decapFamily{ipv6: ipv6, vip: strings.Join(ips, ","), policy: drops && rules != nil && rules.Isolated})
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if old, ok := d.pods[pod]; ok && old.ns != ns {
 		old.ns.Close()
 	}
-	d.pods[pod] = decapPod{ns: ns, vip: strings.Join(ips, ","), policy: policy}
+	d.pods[pod] = p
 }
 
 // retain keeps the pods for which keep is true and closes the others'
@@ -310,27 +330,34 @@ func (d *decapCollector) Collect(ch chan<- prometheus.Metric) {
 	slices.Sort(pods)
 	for _, pod := range pods {
 		p := d.pods[pod]
-		if d.reader != nil {
-			c, err := d.reader.DecapCounters(p.ns)
-			if err != nil {
-				d.errors.Inc()
-			} else {
-				ch <- prometheus.MustNewConstMetric(d.packets, prometheus.CounterValue, float64(c.Packets), p.vip, pod)
-				ch <- prometheus.MustNewConstMetric(d.bytes, prometheus.CounterValue, float64(c.Bytes), p.vip, pod)
-			}
+		for _, f := range p.families {
+			d.collectFamily(ch, pod, p.ns, f)
 		}
-		if d.drops != nil && p.policy {
-			dropped, err := d.drops.PolicyDrops(p.ns)
-			if err != nil {
-				d.errors.Inc()
-				continue
-			}
-			vips := slices.SortedFunc(maps.Keys(dropped), netip.Addr.Compare)
-			for _, vip := range vips {
-				c := dropped[vip]
-				ch <- prometheus.MustNewConstMetric(d.dropPackets, prometheus.CounterValue, float64(c.Packets), vip.String(), pod)
-				ch <- prometheus.MustNewConstMetric(d.dropBytes, prometheus.CounterValue, float64(c.Bytes), vip.String(), pod)
-			}
+	}
+}
+
+// collectFamily exports one family's counters of a pod.
+func (d *decapCollector) collectFamily(ch chan<- prometheus.Metric, pod string, ns netns.NsHandle, f decapFamily) {
+	if d.reader != nil {
+		c, err := d.reader.DecapCounters(ns, f.ipv6)
+		if err != nil {
+			d.errors.Inc()
+		} else {
+			ch <- prometheus.MustNewConstMetric(d.packets, prometheus.CounterValue, float64(c.Packets), f.vip, pod)
+			ch <- prometheus.MustNewConstMetric(d.bytes, prometheus.CounterValue, float64(c.Bytes), f.vip, pod)
+		}
+	}
+	if d.drops != nil && f.policy {
+		dropped, err := d.drops.PolicyDrops(ns, f.ipv6)
+		if err != nil {
+			d.errors.Inc()
+			return
+		}
+		vips := slices.SortedFunc(maps.Keys(dropped), netip.Addr.Compare)
+		for _, vip := range vips {
+			c := dropped[vip]
+			ch <- prometheus.MustNewConstMetric(d.dropPackets, prometheus.CounterValue, float64(c.Packets), vip.String(), pod)
+			ch <- prometheus.MustNewConstMetric(d.dropBytes, prometheus.CounterValue, float64(c.Bytes), vip.String(), pod)
 		}
 	}
 }

@@ -18,6 +18,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 
+	"github.com/cmdnu/kube-service-tunnel/endpoint/netpol"
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/test/support/promtest"
 )
@@ -104,7 +105,7 @@ type fixedCounters struct {
 	fail bool
 }
 
-func (f *fixedCounters) DecapCounters(netns.NsHandle) (DecapCounters, error) {
+func (f *fixedCounters) DecapCounters(netns.NsHandle, bool) (DecapCounters, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.fail {
@@ -306,4 +307,52 @@ func mapsEqual(a, b map[string]float64) bool {
 		}
 	}
 	return true
+}
+
+// familyCounters reads different counters on each family's device and
+// filter table, so that a series taken from the wrong one shows.
+type familyCounters struct{}
+
+func (familyCounters) DecapCounters(_ netns.NsHandle, ipv6 bool) (DecapCounters, error) {
+	if ipv6 {
+		return DecapCounters{Packets: 6, Bytes: 600}, nil
+	}
+	return DecapCounters{Packets: 4, Bytes: 400}, nil
+}
+
+func (familyCounters) PolicyDrops(_ netns.NsHandle, ipv6 bool) (map[netip.Addr]netpol.Counter, error) {
+	if ipv6 {
+		return map[netip.Addr]netpol.Counter{v6vip1: {Packets: 2, Bytes: 160}}, nil
+	}
+	return map[netip.Addr]netpol.Counter{vip1: {Packets: 1, Bytes: 60}}, nil
+}
+
+// TestMetricsDualStack: a dual-stack pod's decapsulation counters are
+// exported per device, each labelled with its family's tunnel IPs, and
+// its drops are read from each family's table; IPv6 tunnel IPs are
+// label values like IPv4 ones.
+func TestMetricsDualStack(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	m := NewMetrics(reg, familyCounters{}, familyCounters{})
+	w := isolated(want6(vip1, v6vip1, v6vip2))
+	m.desiredState(map[string]PodTunnels{"a/web-1": w}, nil)
+	if !m.keepNamespace("a/web-1", w, netns.None()) {
+		t.Fatal("the namespace of a served pod was not kept")
+	}
+	defer m.release()
+	for name, want := range map[string]map[string]float64{
+		"kube_service_tunnel_endpoint_decap_received_packets_total": {"pod=a/web-1,vip=192.0.2.10": 4, "pod=a/web-1,vip=2001:db8::10,2001:db8::11": 6},
+		"kube_service_tunnel_endpoint_policy_dropped_packets_total": {"pod=a/web-1,vip=192.0.2.10": 1, "pod=a/web-1,vip=2001:db8::10": 2},
+		"kube_service_tunnel_endpoint_local_endpoints":              {"vip=192.0.2.10": 1, "vip=2001:db8::10": 1, "vip=2001:db8::11": 1},
+	} {
+		if got := promtest.Series(t, reg, name); !mapsEqual(got, want) {
+			t.Errorf("%s = %v, want %v", name, got, want)
+		}
+	}
+	// An IPv6-only pod: nothing is read from an IPv4 device it has not.
+	w = wantOnly6(v6vip1)
+	m.keepNamespace("a/web-1", w, netns.None())
+	if got := promtest.Series(t, reg, "kube_service_tunnel_endpoint_decap_received_packets_total"); !mapsEqual(got, map[string]float64{"pod=a/web-1,vip=2001:db8::10": 6}) {
+		t.Errorf("IPv6-only pod: %v", got)
+	}
 }

@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"slices"
 	"strconv"
+	"strings"
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
@@ -16,12 +17,21 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/mplslabel"
 )
 
-// swapRoute is one MPLS route on the node: the pod's label is swapped to
-// PodLabel and sent to the pod.
+// swapRoute is one MPLS route on the node: the label of a pod address is
+// swapped to PodLabel and sent to the pod, via that address (IPv4 or IPv6:
+// a dual-stack pod has one route per address, each with its own label).
 type swapRoute struct {
 	Label   uint32
 	Pod     netip.Addr
 	LinkIdx int
+}
+
+// viaFamily names the family of the route's next hop as iproute2 does.
+func (r swapRoute) viaFamily() string {
+	if r.Pod.Is6() {
+		return "inet6"
+	}
+	return "inet"
 }
 
 // NodeChange is one change to the node's namespace.
@@ -36,7 +46,7 @@ func (a NodeChange) String() string {
 	case a.Sysctl != "":
 		return "sysctl " + a.Sysctl + "=" + a.Value
 	case a.Add.Label != 0:
-		return fmt.Sprintf("mpls route %d as %d via inet %v dev #%d", a.Add.Label, PodLabel, a.Add.Pod, a.Add.LinkIdx)
+		return fmt.Sprintf("mpls route %d as %d via %s %v dev #%d", a.Add.Label, PodLabel, a.Add.viaFamily(), a.Add.Pod, a.Add.LinkIdx)
 	default:
 		return fmt.Sprintf("remove mpls route %d", a.Del)
 	}
@@ -66,15 +76,21 @@ type nodeState struct {
 // nodeWant is the node's desired state, derived from the served pods.
 type nodeWant struct {
 	Routes map[uint32]swapRoute
-	// PodLinks are the interfaces towards served pods (loose rp_filter).
+	// PodLinks are the interfaces towards the pods served on IPv4 (loose
+	// rp_filter; IPv6 has none).
 	PodLinks []string
 	// MPLSInput are the interfaces where routers' MPLS packets arrive.
 	MPLSInput []string
+	// IPv6Pods: some served pod has an IPv6 tunnel IP.
+	IPv6Pods bool
 }
 
 // sysctlNames lists the sysctls planNode reads.
 func (w nodeWant) sysctlNames(mode encap.Mode) []string {
 	names := []string{sysctlIPForward}
+	if mode == encap.GRE && w.IPv6Pods {
+		names = append(names, sysctlIPv6Forwarding)
+	}
 	for _, l := range w.PodLinks {
 		names = append(names, rpFilterSysctl(l))
 	}
@@ -90,11 +106,21 @@ func (w nodeWant) sysctlNames(mode encap.Mode) []string {
 // planNode returns the changes that turn have into want: sysctls first (so a
 // route is never added that the node would not forward), then swap routes.
 // Sysctls are only raised. It is pure.
-func planNode(mode encap.Mode, want nodeWant, have nodeState) []NodeChange {
-	var acts []NodeChange
-	served := len(want.PodLinks) > 0
-	if served && have.Sysctls[sysctlIPForward] != "1" {
+//
+// IPv6 forwarding is checked, never set: in gre mode the node forwards the
+// routers' outer IPv6 packets to its pods, which needs
+// net.ipv6.conf.all.forwarding=1, but turning it on makes every interface
+// of the node a router, which then ignores router advertisements and may
+// lose its own IPv6 default route. A dual-stack cluster has it on already
+// (Kubernetes requires it); when it is off, problems say so.
+func planNode(mode encap.Mode, want nodeWant, have nodeState) (acts []NodeChange, problems []error) {
+	// PodLinks are towards the pods served on IPv4.
+	served := len(want.PodLinks) > 0 || want.IPv6Pods
+	if len(want.PodLinks) > 0 && have.Sysctls[sysctlIPForward] != "1" {
 		acts = append(acts, NodeChange{Sysctl: sysctlIPForward, Value: "1"})
+	}
+	if mode == encap.GRE && want.IPv6Pods && have.Sysctls[sysctlIPv6Forwarding] != "1" {
+		problems = append(problems, fmt.Errorf("sysctl %s is %q, not 1: the node does not forward IPv6, so its pods' IPv6 tunnel IPs are unreachable (Kubernetes dual-stack needs it on; the agent leaves it to the node's configuration)", strings.ReplaceAll(sysctlIPv6Forwarding, "/", "."), have.Sysctls[sysctlIPv6Forwarding]))
 	}
 	for _, l := range want.PodLinks {
 		if have.Sysctls[rpFilterSysctl(l)] == "1" {
@@ -131,7 +157,7 @@ func planNode(mode encap.Mode, want nodeWant, have nodeState) []NodeChange {
 			acts = append(acts, NodeChange{Add: w})
 		}
 	}
-	return acts
+	return acts, problems
 }
 
 // NodeNetwork configures the node's own namespace for the pods it serves.
@@ -165,44 +191,58 @@ func (n *NodeNetwork) Sync(served []PodTunnels, nodeIP netip.Addr) ([]NodeChange
 	if have.Sysctls, err = n.sysctl.Read(n.ns, want.sysctlNames(n.cfg.Mode)); err != nil {
 		return nil, err
 	}
-	acts := planNode(n.cfg.Mode, want, have)
+	acts, planProblems := planNode(n.cfg.Mode, want, have)
 	for i, a := range acts {
 		if err := n.apply(nl, a); err != nil {
 			return acts[:i], fmt.Errorf("%s: %w", a, err)
 		}
 	}
-	return acts, errors.Join(problems...)
+	return acts, errors.Join(append(problems, planProblems...)...)
 }
 
-// want derives the node's desired state. A pod the node has no route to is
-// reported and left out; the others are still served.
+// want derives the node's desired state: for each served pod, for each
+// family of its tunnel IPs, the interface towards its address of that
+// family (loose rp_filter for IPv4) and, in mpls mode, the swap route of
+// that address's label. A pod address the node has no route to is reported
+// and left out; the others are still served.
 func (n *NodeNetwork) want(nl *netlink.Handle, served []PodTunnels, nodeIP netip.Addr) (nodeWant, []error) {
 	w := nodeWant{Routes: map[uint32]swapRoute{}}
 	var problems []error
 	links := map[string]bool{}
 	for _, pt := range served {
-		routes, err := nl.RouteGet(pt.Pod.IP.AsSlice())
-		if err != nil || len(routes) == 0 || routes[0].LinkIndex == 0 {
-			problems = append(problems, fmt.Errorf("pod %s: the node has no route to its IP %v: %v", pt.Pod, pt.Pod.IP, err))
-			continue
-		}
-		link, err := nl.LinkByIndex(routes[0].LinkIndex)
-		if err != nil {
-			problems = append(problems, fmt.Errorf("pod %s: interface towards %v: %w", pt.Pod, pt.Pod.IP, err))
-			continue
-		}
-		links[link.Attrs().Name] = true
-		if n.cfg.Mode == encap.MPLS {
-			label, err := mplslabel.ForEndpoint(pt.Pod.IP)
+		for _, ipv6 := range []bool{false, true} {
+			podIP := pt.Pod.Addr(ipv6)
+			if len(pt.TunnelIPsOf(ipv6)) == 0 || !podIP.IsValid() {
+				continue
+			}
+			routes, err := nl.RouteGet(podIP.AsSlice())
+			if err != nil || len(routes) == 0 || routes[0].LinkIndex == 0 {
+				problems = append(problems, fmt.Errorf("pod %s: the node has no route to its IP %v: %v", pt.Pod, podIP, err))
+				continue
+			}
+			link, err := nl.LinkByIndex(routes[0].LinkIndex)
 			if err != nil {
-				problems = append(problems, fmt.Errorf("pod %s: %w", pt.Pod, err))
+				problems = append(problems, fmt.Errorf("pod %s: interface towards %v: %w", pt.Pod, podIP, err))
 				continue
 			}
-			if other, dup := w.Routes[label]; dup {
-				problems = append(problems, fmt.Errorf("pods %v and %v share MPLS label %d: the node's pod CIDR must be a /16 or smaller", other.Pod, pt.Pod.IP, label))
-				continue
+			if ipv6 {
+				w.IPv6Pods = true
+			} else {
+				// rp_filter is IPv4's: IPv6 has none.
+				links[link.Attrs().Name] = true
 			}
-			w.Routes[label] = swapRoute{Label: label, Pod: pt.Pod.IP, LinkIdx: link.Attrs().Index}
+			if n.cfg.Mode == encap.MPLS {
+				label, err := mplslabel.ForEndpoint(podIP)
+				if err != nil {
+					problems = append(problems, fmt.Errorf("pod %s: %w", pt.Pod, err))
+					continue
+				}
+				if other, dup := w.Routes[label]; dup {
+					problems = append(problems, fmt.Errorf("pods %v and %v share MPLS label %d: the node's pod CIDR must be a /16 or smaller (IPv4) and its pods' IPv6 addresses must differ in their last 16 bits", other.Pod, podIP, label))
+					continue
+				}
+				w.Routes[label] = swapRoute{Label: label, Pod: podIP, LinkIdx: link.Attrs().Index}
+			}
 		}
 	}
 	for l := range links {
@@ -257,7 +297,12 @@ func (n *NodeNetwork) listRoutes(nl *netlink.Handle) (map[uint32]swapRoute, erro
 		}
 		sr := swapRoute{Label: uint32(*r.MPLSDst), LinkIdx: r.LinkIndex}
 		if via, ok := r.Via.(*netlink.Via); ok {
-			sr.Pod, _ = netip.AddrFromSlice(via.Addr.To4())
+			switch via.AddrFamily {
+			case netlink.FAMILY_V4:
+				sr.Pod, _ = netip.AddrFromSlice(via.Addr.To4())
+			case netlink.FAMILY_V6:
+				sr.Pod, _ = netip.AddrFromSlice(via.Addr.To16())
+			}
 		}
 		if !swapsToPodLabel(r) {
 			sr.Pod = netip.Addr{} // not what the agent writes: replaced
@@ -280,10 +325,14 @@ func (n *NodeNetwork) apply(nl *netlink.Handle, a NodeChange) error {
 		return n.sysctl.Write(n.ns, a.Sysctl, a.Value)
 	case a.Add.Label != 0:
 		label := int(a.Add.Label)
+		family := netlink.FAMILY_V4
+		if a.Add.Pod.Is6() {
+			family = netlink.FAMILY_V6
+		}
 		return nl.RouteReplace(&netlink.Route{
 			MPLSDst:   &label,
 			NewDst:    &netlink.MPLSDestination{Labels: []int{PodLabel}},
-			Via:       &netlink.Via{AddrFamily: netlink.FAMILY_V4, Addr: net.IP(a.Add.Pod.AsSlice())},
+			Via:       &netlink.Via{AddrFamily: family, Addr: net.IP(a.Add.Pod.AsSlice())},
 			LinkIndex: a.Add.LinkIdx,
 			Protocol:  netlink.RouteProtocol(n.cfg.RouteProtocol),
 		})

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/sirupsen/logrus"
 	"github.com/vishvananda/netlink"
@@ -45,7 +46,29 @@ func podAndNode(t *testing.T, ip netip.Addr) (pod, node *testnetns.NS) {
 	node.Run("ip", "link", "set", "podveth", "up")
 	node.Run("ip", "route", "add", ip.String()+"/32", "dev", "podveth")
 	_ = nnl
+	waitForCarrier(t, pod, "net1")
 	return pod, node
+}
+
+// waitForCarrier waits until link in ns is operationally up (its veth peer
+// too), so that snapshots taken a moment apart do not differ by a carrier
+// that came up in between.
+func waitForCarrier(t *testing.T, ns *testnetns.NS, link string) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		l, err := ns.Netlink().LinkByName(link)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if l.Attrs().OperState == netlink.OperUp {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s is still %v", link, l.Attrs().OperState)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
 
 func standInPodNetwork(cfg Config) *PodNetwork {
@@ -349,7 +372,7 @@ func TestPodNetworkPolicyLifecycle(t *testing.T) {
 	if acts, err := pn.Sync(pod.Handle, w); err != nil || render(acts) != "write network policy rules "+w.Policy.Digest {
 		t.Fatalf("repairing a deleted jump: %q, %v", render(acts), err)
 	}
-	if drops, err := pn.PolicyDrops(pod.Handle); err != nil || len(drops) != 2 {
+	if drops, err := pn.PolicyDrops(pod.Handle, false); err != nil || len(drops) != 2 {
 		t.Fatalf("PolicyDrops = %v, %v; want a counter for each tunnel IP", drops, err)
 	}
 	// No longer served: the rules go with the tunnel IPs; the pod's own rule stays.

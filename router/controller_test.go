@@ -1,9 +1,9 @@
 package router
 
 import (
-	"fmt"
 	"context"
 	"errors"
+	"fmt"
 	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
 	"net/netip"
 	"slices"

@@ -37,7 +37,7 @@ func TestServiceEndpoints(t *testing.T) {
 		),
 		slice("b", discoveryv1.AddressTypeIPv6,
 			discoveryv1.Endpoint{Addresses: []string{"fd00::1"}, NodeName: ptr("node-1")},
-			discoveryv1.Endpoint{Addresses: []string{"10.244.1.9"}, NodeName: ptr("node-1")},       // the wrong family for the slice
+			discoveryv1.Endpoint{Addresses: []string{"10.244.1.9"}, NodeName: ptr("node-1")},        // the wrong family for the slice
 			discoveryv1.Endpoint{Addresses: []string{"::ffff:10.244.1.9"}, NodeName: ptr("node-1")}, // IPv4-mapped is not IPv6
 			discoveryv1.Endpoint{Addresses: []string{"fd00::1"}, NodeName: ptr("node-2")},           // a duplicate on another node
 		),

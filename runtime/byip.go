@@ -24,9 +24,9 @@ var ErrAmbiguous = errors.New("pod IP held by several network namespaces")
 
 // ByIP finds a pod's network namespace without asking any container runtime:
 // it searches the node's network namespaces for the one that holds the pod's
-// IP on an interface other than lo. It is the fallback for runtimes the agent
-// cannot talk to, and needs root (CAP_SYS_ADMIN, CAP_SYS_PTRACE) and the
-// host's PID namespace.
+// addresses (IPv4, IPv6 or both) on interfaces other than lo. It is the
+// fallback for runtimes the agent cannot talk to, and needs root
+// (CAP_SYS_ADMIN, CAP_SYS_PTRACE) and the host's PID namespace.
 type ByIP struct {
 	// netnsDirs hold bind-mounted named namespaces (ip netns, CNI).
 	netnsDirs []string
@@ -88,14 +88,16 @@ type nsCandidate struct {
 }
 
 // Locate opens the only network namespace, other than the agent's and the
-// host's, that holds pod.IP on an interface other than lo. It returns an
-// error wrapping ErrNotFound when none does, and one wrapping ErrAmbiguous,
+// host's, that holds every address of pod (its IPv4 and its IPv6 address,
+// whichever it has) on interfaces other than lo. It returns an error
+// wrapping ErrNotFound when none does, and one wrapping ErrAmbiguous,
 // naming the namespaces, when several do.
 func (b *ByIP) Locate(ctx context.Context, pod Pod) (Netns, error) {
-	if !pod.IP.IsValid() {
+	ips := pod.Addrs()
+	if len(ips) == 0 {
 		return Netns{}, fmt.Errorf("pod %s: no IP to search network namespaces for", pod)
 	}
-	ip := pod.IP.Unmap()
+	what := joinAddrs(ips)
 	skip, err := b.ownAndHost()
 	if err != nil {
 		return Netns{}, fmt.Errorf("pod %s: %w", pod, err)
@@ -107,7 +109,7 @@ func (b *ByIP) Locate(ctx context.Context, pod Pod) (Netns, error) {
 		}
 	}()
 	scanErrs, err := b.each(ctx, skip, func(ns Netns) (bool, error) {
-		ok, err := holdsIP(ns.Handle, ip)
+		ok, err := holdsIPs(ns.Handle, ips)
 		if err != nil || !ok {
 			return false, err
 		}
@@ -116,15 +118,15 @@ func (b *ByIP) Locate(ctx context.Context, pod Pod) (Netns, error) {
 		return true, nil
 	})
 	if err != nil {
-		return Netns{}, fmt.Errorf("pod %s: searching network namespaces for %s: %w", pod, ip, err)
+		return Netns{}, fmt.Errorf("pod %s: searching network namespaces for %s: %w", pod, what, err)
 	}
 
 	switch len(matches) {
 	case 0:
 		if len(scanErrs) > 0 {
-			return Netns{}, NotFoundf("pod %s: no network namespace holds %s outside lo (%d could not be searched, first: %v)", pod, ip, len(scanErrs), scanErrs[0])
+			return Netns{}, NotFoundf("pod %s: no network namespace holds %s outside lo (%d could not be searched, first: %v)", pod, what, len(scanErrs), scanErrs[0])
 		}
-		return Netns{}, NotFoundf("pod %s: no network namespace holds %s outside lo", pod, ip)
+		return Netns{}, NotFoundf("pod %s: no network namespace holds %s outside lo", pod, what)
 	case 1:
 		found := matches[0]
 		matches = nil // the caller owns it now
@@ -134,8 +136,17 @@ func (b *ByIP) Locate(ctx context.Context, pod Pod) (Netns, error) {
 		for i, m := range matches {
 			paths[i] = m.Path
 		}
-		return Netns{}, fmt.Errorf("%w: pod %s: %s is held by %s", ErrAmbiguous, pod, ip, strings.Join(paths, ", "))
+		return Netns{}, fmt.Errorf("%w: pod %s: %s is held by %s", ErrAmbiguous, pod, what, strings.Join(paths, ", "))
 	}
+}
+
+// joinAddrs writes addresses as "10.1.0.5 and fd00::5".
+func joinAddrs(ips []netip.Addr) string {
+	s := make([]string, len(ips))
+	for i, ip := range ips {
+		s[i] = ip.String()
+	}
+	return strings.Join(s, " and ")
 }
 
 // ownAndHost returns the keys of the namespaces never handed out: the
@@ -261,35 +272,50 @@ func vanished(err error) bool {
 	return errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ESRCH) || errors.Is(err, unix.ENOENT)
 }
 
-// holdsIP tells whether the namespace has ip on an interface other than a
-// loopback one. It reads through a netlink socket bound to the namespace.
-func holdsIP(ns netns.NsHandle, ip netip.Addr) (bool, error) {
+// holdsIPs tells whether the namespace has every one of ips on an
+// interface other than a loopback one. It reads the addresses of both
+// families at once, through a netlink socket bound to the namespace.
+func holdsIPs(ns netns.NsHandle, ips []netip.Addr) (bool, error) {
 	nl, err := netlink.NewHandleAt(ns, unix.NETLINK_ROUTE)
 	if err != nil {
 		return false, fmt.Errorf("netlink socket in namespace: %w", err)
 	}
 	defer nl.Close()
-	family := netlink.FAMILY_V4
-	if ip.Is6() {
+	family := netlink.FAMILY_ALL
+	if len(ips) == 1 && ips[0].Is4() {
+		family = netlink.FAMILY_V4
+	} else if len(ips) == 1 {
 		family = netlink.FAMILY_V6
 	}
 	addrs, err := nl.AddrList(nil, family)
 	if err != nil {
 		return false, fmt.Errorf("listing addresses: %w", err)
 	}
-	want := net.IP(ip.AsSlice())
-	for _, a := range addrs {
-		if a.IPNet == nil || !a.IP.Equal(want) {
-			continue
+	loopback := map[int]bool{}
+	for _, ip := range ips {
+		want := net.IP(ip.AsSlice())
+		held := false
+		for _, a := range addrs {
+			if a.IPNet == nil || !a.IP.Equal(want) {
+				continue
+			}
+			lo, known := loopback[a.LinkIndex]
+			if !known {
+				link, err := nl.LinkByIndex(a.LinkIndex)
+				if err != nil {
+					return false, fmt.Errorf("interface %d holding %s: %w", a.LinkIndex, ip, err)
+				}
+				lo = link.Attrs().Flags&net.FlagLoopback != 0
+				loopback[a.LinkIndex] = lo
+			}
+			if !lo {
+				held = true
+				break
+			}
 		}
-		link, err := nl.LinkByIndex(a.LinkIndex)
-		if err != nil {
-			return false, fmt.Errorf("interface %d holding %s: %w", a.LinkIndex, ip, err)
+		if !held {
+			return false, nil
 		}
-		if link.Attrs().Flags&net.FlagLoopback != 0 {
-			continue
-		}
-		return true, nil
 	}
-	return false, nil
+	return true, nil
 }

@@ -266,3 +266,83 @@ func TestByIPHostKeyFallsBackToKthreadd(t *testing.T) {
 		t.Errorf("PID 1 readable: got %v, %v; want %v", got, err, want)
 	}
 }
+
+// TestByIPDualStack: a dual-stack pod's namespace is the one holding both
+// its addresses; an IPv6-only pod's is found by its IPv6 address. Named
+// namespaces only, so that the test's three are the whole search.
+func TestByIPDualStack(t *testing.T) {
+	const v4, v4Other = "198.19.201.7", "198.19.201.8"
+	v6 := netip.MustParseAddr("2001:2:0:201::7")
+	dir := t.TempDir()
+	both := vethNS(t, v4)
+	both.Run("ip", "-6", "addr", "add", v6.String()+"/64", "dev", "eth0", "nodad")
+	// Holds the pod's IPv4 address but not its IPv6 one (a stale sandbox,
+	// say): a search by the IPv4 address alone would be ambiguous.
+	onlyV4 := vethNS(t, v4)
+	// Holds the IPv6 address, with another IPv4 address.
+	onlyV6 := vethNS(t, v4Other)
+	onlyV6.Run("ip", "-6", "addr", "add", v6.String()+"/64", "dev", "eth0", "nodad")
+	bindNS(t, both, dir, "a-both")
+	bindNS(t, onlyV4, dir, "b-only-v4")
+	bindNS(t, onlyV6, dir, "c-only-v6")
+
+	b := NewByIP()
+	b.netnsDirs, b.procRoot = []string{dir}, ""
+	locate := func(pod Pod) (Netns, error) { return b.Locate(context.Background(), pod) }
+
+	pod := podWithIP(v4)
+	if _, err := locate(pod); !errors.Is(err, ErrAmbiguous) {
+		t.Fatalf("by the IPv4 address alone: got %v, want ErrAmbiguous (the control)", err)
+	}
+	pod.IPv6 = v6
+	got, err := locate(pod)
+	if err != nil {
+		t.Fatalf("dual-stack pod: %v", err)
+	}
+	if !got.Handle.Equal(both.Handle) {
+		t.Errorf("dual-stack pod: opened %s, want the namespace holding both addresses", got.Path)
+	}
+	got.Close()
+
+	// No namespace holds this pair: each holds one of the two.
+	pod.IP = netip.MustParseAddr("198.19.201.9")
+	if _, err := locate(pod); !errors.Is(err, ErrNotFound) || !strings.Contains(err.Error(), "198.19.201.9 and 2001:2:0:201::7") {
+		t.Fatalf("addresses split across namespaces: got %v, want ErrNotFound naming both", err)
+	}
+
+	v6only := Pod{Namespace: "default", Name: "web6", UID: "uid-6", IPv6: netip.MustParseAddr("2001:2:0:201::8")}
+	onlyV6.Run("ip", "-6", "addr", "add", "2001:2:0:201::8/64", "dev", "eth0", "nodad")
+	got, err = locate(v6only)
+	if err != nil {
+		t.Fatalf("IPv6-only pod: %v", err)
+	}
+	if !got.Handle.Equal(onlyV6.Handle) {
+		t.Errorf("IPv6-only pod: opened %s, want c-only-v6", got.Path)
+	}
+	got.Close()
+	// An IPv6 address on lo does not count, as an IPv4 one does not.
+	both.Run("ip", "-6", "addr", "add", "2001:2:0:201::9/128", "dev", "lo")
+	if _, err := locate(Pod{Name: "lo6", IPv6: netip.MustParseAddr("2001:2:0:201::9")}); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("IPv6 address on lo only: got %v, want ErrNotFound", err)
+	}
+}
+
+func TestPodAddrs(t *testing.T) {
+	v4, v6 := netip.MustParseAddr("10.1.0.5"), netip.MustParseAddr("fd00::5")
+	for _, tc := range []struct {
+		pod  Pod
+		want string
+	}{
+		{Pod{}, "[]"},
+		{Pod{IP: v4}, "[10.1.0.5]"},
+		{Pod{IPv6: v6}, "[fd00::5]"},
+		{Pod{IP: v4, IPv6: v6}, "[10.1.0.5 fd00::5]"},
+	} {
+		if got := fmt.Sprint(tc.pod.Addrs()); got != tc.want {
+			t.Errorf("%+v.Addrs() = %s, want %s", tc.pod, got, tc.want)
+		}
+	}
+	if p := (Pod{IP: v4, IPv6: v6}); p.Addr(false) != v4 || p.Addr(true) != v6 {
+		t.Errorf("Addr picks the wrong family")
+	}
+}

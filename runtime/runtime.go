@@ -1,7 +1,8 @@
 // Package runtime finds the network namespace of a pod on this node, for the
 // endpoint agent. It asks the container runtime (Docker, or containerd and
 // CRI-O through the CRI API) for the pod's sandbox, and falls back to a
-// runtime-free search for the namespace that holds the pod's IP.
+// runtime-free search for the namespace that holds the pod's addresses (its
+// IPv4 and its IPv6 one, whichever it has).
 //
 // A Locator only finds and opens a namespace; it never changes one. The
 // caller owns the returned handle and must close it.
@@ -29,11 +30,35 @@ type Pod struct {
 	Namespace string
 	Name      string
 	UID       string
-	// IP is the pod's IPv4 address (status.podIP).
-	IP netip.Addr
+	// IP is the pod's IPv4 address and IPv6 its IPv6 address, from
+	// status.podIPs; each is the zero Addr when the pod has no address of
+	// that family (an IPv6-only pod has no IP).
+	IP   netip.Addr
+	IPv6 netip.Addr
 }
 
 func (p Pod) String() string { return p.Namespace + "/" + p.Name }
+
+// Addrs returns the pod's addresses, IPv4 first; none when it has no
+// address yet.
+func (p Pod) Addrs() []netip.Addr {
+	var out []netip.Addr
+	for _, a := range []netip.Addr{p.IP, p.IPv6} {
+		if a.IsValid() {
+			out = append(out, a.Unmap())
+		}
+	}
+	return out
+}
+
+// Addr returns the pod's address of the family of ip (IP for an IPv4
+// one, IPv6 for an IPv6 one).
+func (p Pod) Addr(ipv6 bool) netip.Addr {
+	if ipv6 {
+		return p.IPv6
+	}
+	return p.IP
+}
 
 // Netns is an opened network namespace of a pod.
 type Netns struct {

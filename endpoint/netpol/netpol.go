@@ -2,7 +2,9 @@
 // NetworkPolicies of a pod admit, as pure data, with the semantics of the
 // NetworkPolicy API (networking.k8s.io/v1): the first step of enforcing
 // them on the decapsulated packets inside the pod. The endpoint agent
-// renders the result (Render) into each served pod's filter table.
+// renders the result (Render) into each served pod's filter tables, one per
+// address family of its tunnel IPs (iptables for IPv4, ip6tables for
+// IPv6), each with the sources of its family.
 //
 // A pod that no policy with Ingress in its policyTypes selects is not
 // isolated: every packet is admitted. Once one selects it, a packet is

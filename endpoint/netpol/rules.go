@@ -48,8 +48,13 @@ func (r *Rules) Equal(o *Rules) bool {
 	return r.Digest == o.Digest && slices.Equal(r.VIPs, o.VIPs)
 }
 
-// Render renders in for the pod's tunnel IPs vips (sorted): nil when there
-// is no tunnel IP. Packets of established connections are admitted first
+// Render renders in for the pod's tunnel IPs vips (sorted) of one address
+// family, the family of the first: the IPv4 ones for iptables, or the IPv6
+// ones for ip6tables (tunnel IPs of the other family are left out). It
+// returns nil when there is no tunnel IP. Only the sources of that family
+// are rendered: an IPv4 ipBlock or peer pod address admits no IPv6 client,
+// nor the reverse, and a rule whose peers are all of the other family
+// admits nothing here. Packets of established connections are admitted first
 // (as network plugins do), so that a policy change cuts no open
 // connection; then the rules; then one DROP per tunnel IP, whose counters
 // count what the policy dropped.
@@ -65,6 +70,8 @@ func Render(in Ingress, vips []netip.Addr) *Rules {
 	if len(vips) == 0 {
 		return nil
 	}
+	ipv6 := vips[0].Is6()
+	vips = slices.DeleteFunc(slices.Clone(vips), func(a netip.Addr) bool { return a.Is6() != ipv6 })
 	r := &Rules{Isolated: in.Isolated, Chains: []string{Chain}, Counts: map[string]int{}}
 	add := func(chain string, words ...string) {
 		r.Body = append(r.Body, "-A "+chain+" "+strings.Join(words, " ")+" -m comment --comment "+Comment)
@@ -75,7 +82,7 @@ func Render(in Ingress, vips []netip.Addr) *Rules {
 		r.seal()
 		return r
 	}
-	r.VIPs = slices.Clone(vips)
+	r.VIPs = vips
 	add(Chain, "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT")
 	sub := 0
 	for _, rule := range in.Rules {
@@ -85,7 +92,14 @@ func Render(in Ingress, vips []netip.Addr) *Rules {
 		}
 		sources := []Source{{}} // any source
 		if !rule.AllSources {
-			sources = rule.Sources
+			sources = nil
+			for _, s := range rule.Sources {
+				// Excepts lie within their prefix (the API checks), so
+				// they are of its family.
+				if s.Prefix.Addr().Is6() == ipv6 {
+					sources = append(sources, s)
+				}
+			}
 		}
 		for _, s := range sources {
 			var from []string

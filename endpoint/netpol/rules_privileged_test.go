@@ -36,14 +36,21 @@ var (
 // and returns what the table holds.
 func apply(t *testing.T, ns *testnetns.NS, in Ingress) Observed {
 	t.Helper()
-	want := Render(in, []netip.Addr{vip})
-	payload := Update(want, ParseSave(ns.Run("iptables-save", "-c")))
+	return applyTo(t, ns, in, vip, "iptables")
+}
+
+// applyTo is apply for the tunnel IP to, with the iptables command of its
+// family (iptables, ip6tables).
+func applyTo(t *testing.T, ns *testnetns.NS, in Ingress, to netip.Addr, iptables string) Observed {
+	t.Helper()
+	want := Render(in, []netip.Addr{to})
+	payload := Update(want, ParseSave(ns.Run(iptables+"-save", "-c")))
 	if payload != nil {
 		err := ns.Do(func() error {
-			cmd := exec.Command("iptables-restore", "--noflush")
+			cmd := exec.Command(iptables+"-restore", "--noflush")
 			cmd.Stdin = strings.NewReader(string(payload))
 			if out, err := cmd.CombinedOutput(); err != nil {
-				return fmt.Errorf("iptables-restore: %v: %s\n%s", err, out, payload)
+				return fmt.Errorf("%s-restore: %v: %s\n%s", iptables, err, out, payload)
 			}
 			return nil
 		})
@@ -51,20 +58,25 @@ func apply(t *testing.T, ns *testnetns.NS, in Ingress) Observed {
 			t.Fatal(err)
 		}
 	}
-	have := ParseSave(ns.Run("iptables-save", "-c"))
+	have := ParseSave(ns.Run(iptables+"-save", "-c"))
 	if again := Update(want, have); again != nil {
-		t.Fatalf("after applying, the table does not read back as the policy; the agent would write again:\n%s\ntable:\n%s", again, ns.Run("iptables-save"))
+		t.Fatalf("after applying, the table does not read back as the policy; the agent would write again:\n%s\ntable:\n%s", again, ns.Run(iptables+"-save"))
 	}
 	return have
 }
 
 // dial connects from src to vip:port inside ns; a dropped SYN times out.
 func dial(ns *testnetns.NS, src netip.Addr, port int) (net.Conn, error) {
+	return dialTo(ns, src, vip, port)
+}
+
+// dialTo connects from src to to:port inside ns.
+func dialTo(ns *testnetns.NS, src, to netip.Addr, port int) (net.Conn, error) {
 	var c net.Conn
 	err := ns.Do(func() error {
 		d := net.Dialer{LocalAddr: &net.TCPAddr{IP: src.AsSlice()}, Timeout: 400 * time.Millisecond}
 		var err error
-		c, err = d.DialContext(context.Background(), "tcp4", netip.AddrPortFrom(vip, uint16(port)).String())
+		c, err = d.DialContext(context.Background(), "tcp", netip.AddrPortFrom(to, uint16(port)).String())
 		return err
 	})
 	return c, err
@@ -208,4 +220,86 @@ func echo(c net.Conn) error {
 		return errors.New("garbled echo")
 	}
 	return nil
+}
+
+// TestRulesOnTheKernelIPv6: the rules of an IPv6 tunnel IP in ip6tables,
+// from a policy whose peers are of both families: the IPv6 ones admit, the
+// IPv4 ones are left out (ip6tables would refuse them), and removal leaves
+// the pod's own rule.
+func TestRulesOnTheKernelIPv6(t *testing.T) {
+	vip6 := netip.MustParseAddr("2001:db8::10")
+	office6, excl6, elsewhere6 := netip.MustParseAddr("2001:db8:77::1"), netip.MustParseAddr("2001:db8:77::4"), netip.MustParseAddr("2001:db8:99::10")
+	ns := testnetns.New(t)
+	if _, err := exec.LookPath("ip6tables-restore"); err != nil {
+		t.Skip("no ip6tables-restore")
+	}
+	// nodad: usable at once (an IPv6 address is tentative a moment even on lo).
+	for _, a := range []netip.Addr{vip6, office6, excl6, elsewhere6} {
+		ns.Run("ip", "-6", "addr", "add", a.String()+"/128", "dev", "lo", "nodad")
+	}
+	var l net.Listener
+	if err := ns.Do(func() (err error) { l, err = net.Listen("tcp6", netip.AddrPortFrom(vip6, 80).String()); return err }); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			c.Close()
+		}
+	}()
+	ns.Run("ip6tables", "-A", "INPUT", "-s", "2001:db8:5::1/128", "-j", "ACCEPT") // the pod's own
+
+	office := &networkingv1.NetworkPolicy{Spec: networkingv1.NetworkPolicySpec{Ingress: []networkingv1.NetworkPolicyIngressRule{{
+		From: []networkingv1.NetworkPolicyPeer{
+			{IPBlock: &networkingv1.IPBlock{CIDR: "2001:db8:77::/64", Except: []string{"2001:db8:77::4/128"}}},
+			{IPBlock: &networkingv1.IPBlock{CIDR: "203.0.113.0/29"}},
+		},
+		Ports: []networkingv1.NetworkPolicyPort{{Port: ptr(intstr.FromInt32(80))}},
+	}}}}
+	office.Namespace = served.Namespace
+	in, problems := ForPod(served, []*networkingv1.NetworkPolicy{office}, cluster)
+	if len(problems) > 0 {
+		t.Fatal(problems)
+	}
+	have := applyTo(t, ns, in, vip6, "ip6tables")
+	if rules := ns.Run("ip6tables", "-S"); strings.Contains(rules, "203.0.113") {
+		t.Fatalf("an IPv4 peer in the IPv6 rules:\n%s", rules)
+	}
+	for _, c := range []struct {
+		src  netip.Addr
+		want bool
+	}{{office6, true}, {excl6, false}, {elsewhere6, false}} {
+		conn, err := dialTo(ns, c.src, vip6, 80)
+		if conn != nil {
+			conn.Close()
+		}
+		if got := err == nil; got != c.want {
+			t.Errorf("%v -> [%v]:80: connected %t (%v), want %t", c.src, vip6, got, err, c.want)
+		}
+		if got := in.Allows(c.src, "TCP", 80); got != c.want {
+			t.Errorf("Ingress.Allows(%v) = %t, the kernel's verdict is to be %t", c.src, got, c.want)
+		}
+	}
+	have = ParseSave(ns.Run("ip6tables-save", "-c"))
+	if d := have.Dropped[vip6]; d.Packets == 0 {
+		t.Errorf("dropped counters of %v: %+v, want the refused SYNs", vip6, d)
+	}
+	if err := ns.Do(func() error {
+		cmd := exec.Command("ip6tables-restore", "--noflush")
+		cmd.Stdin = strings.NewReader(string(Update(nil, have)))
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("%v: %s", err, out)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	after := ns.Run("ip6tables-save")
+	if o := ParseSave(after); !o.Empty() || !strings.Contains(after, "-A INPUT -s 2001:db8:5::1/128 -j ACCEPT") {
+		t.Errorf("after removal:\n%s", after)
+	}
 }

@@ -2,6 +2,7 @@ package netpol
 
 import (
 	"net/netip"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -103,5 +104,59 @@ func TestUpdate(t *testing.T) {
 	}
 	if p := Update(nil, ParseSave("*filter\n:INPUT ACCEPT [0:0]\n-A INPUT -j ACCEPT\nCOMMIT\n")); p != nil {
 		t.Errorf("nothing of ours, nothing wanted, yet Update writes:\n%s", p)
+	}
+}
+
+// TestRenderByFamily: the rules of one family's tunnel IPs name only that
+// family's sources (iptables refuses an IPv6 address, ip6tables an IPv4
+// one), and a rule whose peers are all of the other family admits nothing
+// of this one; a rule without peers admits both.
+func TestRenderByFamily(t *testing.T) {
+	v4, v6 := netip.MustParseAddr("192.0.2.10"), netip.MustParseAddr("2001:db8::10")
+	in := Ingress{Isolated: true, Rules: []Rule{
+		{Sources: []Source{
+			{Prefix: netip.MustParsePrefix("203.0.113.0/24"), Except: []netip.Prefix{netip.MustParsePrefix("203.0.113.4/32")}},
+			{Prefix: netip.MustParsePrefix("2001:db8:77::/48"), Except: []netip.Prefix{netip.MustParsePrefix("2001:db8:77::4/128")}},
+			{Prefix: netip.MustParsePrefix("10.244.1.5/32")},
+			{Prefix: netip.MustParsePrefix("fd00:10:244::5/128")},
+		}, AllPorts: true},
+		{Sources: []Source{{Prefix: netip.MustParsePrefix("198.51.100.0/24")}}, Ports: []Port{{Protocol: "TCP", First: 443, Last: 443}}},
+		{AllSources: true, Ports: []Port{{Protocol: "UDP", First: 53, Last: 53}}},
+	}}
+	for _, tc := range []struct {
+		name      string
+		vips      []netip.Addr
+		want, not []string
+	}{
+		{"IPv4", []netip.Addr{v4, v6}, []string{"-s 203.0.113.0/24 -j KST-POLICY-0", "-A KST-POLICY-0 -s 203.0.113.4/32", "-s 10.244.1.5/32 -j ACCEPT",
+			"-s 198.51.100.0/24 -p tcp --dport 443", "-A KST-POLICY -p udp --dport 53 -j ACCEPT", "-d 192.0.2.10/32 -j DROP"}, []string{"2001:", "fd00:"}},
+		{"IPv6", []netip.Addr{v6, v4}, []string{"-s 2001:db8:77::/48 -j KST-POLICY-0", "-A KST-POLICY-0 -s 2001:db8:77::4/128", "-s fd00:10:244::5/128 -j ACCEPT",
+			"-A KST-POLICY -p udp --dport 53 -j ACCEPT", "-d 2001:db8::10/128 -j DROP"}, []string{"203.0.113", "10.244.1.5", "198.51.100", "192.0.2.10", "--dport 443"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := Render(in, tc.vips)
+			body := strings.Join(r.Body, "\n")
+			for _, s := range tc.want {
+				if !strings.Contains(body, s) {
+					t.Errorf("rules lack %q:\n%s", s, body)
+				}
+			}
+			for _, s := range tc.not {
+				if strings.Contains(body, s) {
+					t.Errorf("rules hold %q of the other family:\n%s", s, body)
+				}
+			}
+			if len(r.VIPs) != 1 || r.VIPs[0] != tc.vips[0] {
+				t.Errorf("VIPs = %v, want the first family's alone", r.VIPs)
+			}
+		})
+	}
+	// The IPv4 rules of a pod without IPv6 peers are what they were before
+	// IPv6: the digests adopted from an earlier version stay.
+	only4 := Ingress{Isolated: true, Rules: []Rule{{Sources: []Source{{Prefix: netip.MustParsePrefix("203.0.113.0/24")}}, AllPorts: true}}}
+	mixed := only4
+	mixed.Rules = []Rule{{Sources: append(slices.Clone(only4.Rules[0].Sources), Source{Prefix: netip.MustParsePrefix("2001:db8:77::/48")}), AllPorts: true}}
+	if a, b := Render(only4, []netip.Addr{v4}), Render(mixed, []netip.Addr{v4}); a.Digest != b.Digest {
+		t.Errorf("an IPv6 peer changed the IPv4 rules: %s vs %s", a.Digest, b.Digest)
 	}
 }
