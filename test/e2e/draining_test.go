@@ -30,9 +30,9 @@ const drainAnnotation = "cmd.nu/tunnel-drain"
 // the flows to it that crossed the dead router (the known limit): that
 // share is measured, not asserted.
 func drainingEndpoint(t *testing.T, e *env) {
-	vip := topology.TunnelIP(9)
+	vip := e.tunnelIP(9)
 	full := e.deploy(t, "draining", vip, e.Pods...)
-	if want := bucket.Assign(e.Opts.Buckets, podAddrs(e.Pods)); !slices.Equal(full, want) {
+	if want := bucket.Assign(e.Opts.Buckets, e.podAddrs(e.Pods)); !slices.Equal(full, want) {
 		t.Fatalf("the routers' table for %s is not the assignment of the %d pods:\n got %v\nwant %v", vip, len(e.Pods), full, want)
 	}
 	x, y := e.Pods[0], e.Pods[len(e.Pods)-1]
@@ -65,7 +65,7 @@ func drainTerminating(t *testing.T, e *env, vip netip.Addr, full []netip.Addr, x
 	// b. x terminates: serving but not ready.
 	rest := others(e.Pods, x)
 	drainedAt, echoed, streamAt := time.Now(), progress(flows), stream.Stats().Verified
-	if err := e.ApplyEndpoints(ctx, "draining", append(topology.Ready(rest...), topology.Endpoint{Pod: x, Terminating: true})); err != nil {
+	if err := e.applyEndpoints(ctx, "draining", append(topology.Ready(rest...), topology.Endpoint{Pod: x, Terminating: true})); err != nil {
 		t.Fatal(err)
 	}
 	drained, err := e.WaitTunnel(ctx, vip, rest...)
@@ -73,7 +73,7 @@ func drainTerminating(t *testing.T, e *env, vip netip.Addr, full []netip.Addr, x
 		t.Fatalf("after %s turned terminating: %v", x.Name, err)
 	}
 	t.Logf("%s terminating: both routers' current tables left it out %v later", x.Name, time.Since(drainedAt).Round(time.Millisecond))
-	if want := bucket.Assign(e.Opts.Buckets, podAddrs(rest)); !slices.Equal(drained, want) {
+	if want := bucket.Assign(e.Opts.Buckets, e.podAddrs(rest)); !slices.Equal(drained, want) {
 		t.Errorf("the current table is not the assignment without %s:\n got %v\nwant %v", x.Name, drained, want)
 	}
 	if ok, err := topology.PodHasAddr(ctx, x, vip); err != nil || !ok {
@@ -164,7 +164,7 @@ func drainTerminating(t *testing.T, e *env, vip netip.Addr, full []netip.Addr, x
 	}
 	errs.Done("flows failed")
 	removedAt := time.Now()
-	if err := e.ApplyEndpoints(ctx, "draining", topology.Ready(rest...)); err != nil {
+	if err := e.applyEndpoints(ctx, "draining", topology.Ready(rest...)); err != nil {
 		t.Fatal(err)
 	}
 	if err := e.poll(30*time.Second, func() (bool, string) {
@@ -175,7 +175,7 @@ func drainTerminating(t *testing.T, e *env, vip netip.Addr, full []netip.Addr, x
 					return false, err.Error()
 				}
 				if !slices.Equal(table, drained) {
-					return false, fmt.Sprintf("%s's generation %d still sends %d buckets to %s", r.Name, gen, countAddr(table, x.Addr), x.Name)
+					return false, fmt.Sprintf("%s's generation %d still sends %d buckets to %s", r.Name, gen, countAddr(table, e.podAddr(x)), x.Name)
 				}
 			}
 		}
@@ -215,14 +215,14 @@ func drainTerminating(t *testing.T, e *env, vip netip.Addr, full []netip.Addr, x
 // terminating endpoint, and removing it gives y its buckets back (step h).
 func drainAnnotated(t *testing.T, e *env, vip netip.Addr, y *topology.Pod) {
 	ctx := context.Background()
-	if err := e.ApplyEndpoints(ctx, "draining", topology.Ready(e.Pods...)); err != nil {
+	if err := e.applyEndpoints(ctx, "draining", topology.Ready(e.Pods...)); err != nil {
 		t.Fatal(err)
 	}
 	full, err := e.WaitTunnel(ctx, vip, e.Pods...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := bucket.Assign(e.Opts.Buckets, podAddrs(e.Pods)); !slices.Equal(full, want) {
+	if want := bucket.Assign(e.Opts.Buckets, e.podAddrs(e.Pods)); !slices.Equal(full, want) {
 		t.Fatalf("with every pod ready again, the table is not their assignment:\n got %v\nwant %v", full, want)
 	}
 	port := e.portTo(t, full, vip, 48500, y)
@@ -243,7 +243,7 @@ func drainAnnotated(t *testing.T, e *env, vip netip.Addr, y *topology.Pod) {
 		t.Fatalf("after annotating %s %s=true: %v", y.Name, drainAnnotation, err)
 	}
 	t.Logf("%s annotated %s=true: both routers' current tables left it out %v later", y.Name, drainAnnotation, time.Since(annotatedAt).Round(time.Millisecond))
-	if want := bucket.Assign(e.Opts.Buckets, podAddrs(rest)); !slices.Equal(drained, want) {
+	if want := bucket.Assign(e.Opts.Buckets, e.podAddrs(rest)); !slices.Equal(drained, want) {
 		t.Errorf("the current table is not the assignment without %s:\n got %v\nwant %v", y.Name, drained, want)
 	}
 	if ok, err := topology.PodHasAddr(ctx, y, vip); err != nil || !ok {
@@ -267,16 +267,16 @@ func drainAnnotated(t *testing.T, e *env, vip netip.Addr, y *topology.Pod) {
 	e.newFlows(t, again, vip, newPorts, nil)
 	backOnY := 0
 	for _, p := range newPorts {
-		if e.predicted(again, vip, p) == y.Addr {
+		if e.predicted(again, vip, p) == e.podAddr(y) {
 			backOnY++ // newFlows checked that each went where the table says
 		}
 	}
-	if backOnY == 0 || countAddr(again, y.Addr) == 0 {
-		t.Errorf("with the annotation removed, %s owns %d buckets and got %d of %d new flows", y.Name, countAddr(again, y.Addr), backOnY, len(newPorts))
+	if backOnY == 0 || countAddr(again, e.podAddr(y)) == 0 {
+		t.Errorf("with the annotation removed, %s owns %d buckets and got %d of %d new flows", y.Name, countAddr(again, e.podAddr(y)), backOnY, len(newPorts))
 	}
 	stats := stopStream(t, stream)
 	t.Logf("annotation removed: %s owns %d of %d buckets again and got %d of %d new flows; the stream to it echoed %d bytes intact throughout",
-		y.Name, countAddr(again, y.Addr), len(again), backOnY, len(newPorts), stats.Sent)
+		y.Name, countAddr(again, e.podAddr(y)), len(again), backOnY, len(newPorts), stats.Sent)
 }
 
 // drainFailover: router-a dies while x drains (step f). router-b has no
@@ -292,7 +292,7 @@ func drainFailover(t *testing.T, e *env, vip netip.Addr, x *topology.Pod) {
 	flows := startLightFlows(t, e, vip, ports[0], len(ports))
 	onX := e.flowsOn(t, full, vip, ports, x)
 	rest := others(e.Pods, x)
-	if err := e.ApplyEndpoints(ctx, "draining", append(topology.Ready(rest...), topology.Endpoint{Pod: x, Terminating: true})); err != nil {
+	if err := e.applyEndpoints(ctx, "draining", append(topology.Ready(rest...), topology.Endpoint{Pod: x, Terminating: true})); err != nil {
 		t.Fatal(err)
 	}
 	drained, err := e.WaitTunnel(ctx, vip, rest...)
@@ -321,7 +321,7 @@ func drainFailover(t *testing.T, e *env, vip netip.Addr, x *topology.Pod) {
 		isBroken[i] = true
 	}
 	for i, port := range ports {
-		b := e.HMARK().Bucket(hmark.Flow{Src: topology.ClientAddr, Dst: vip, SrcPort: port, DstPort: tcpPort, Proto: 6})
+		b := e.HMARK().Bucket(hmark.Flow{Src: topology.ClientAddrFor(vip), Dst: vip, SrcPort: port, DstPort: tcpPort, Proto: 6})
 		bucketMoved := full[b] != drained[b]
 		if bucketMoved && !onX[i] {
 			moved++
@@ -382,7 +382,7 @@ func drainFailover(t *testing.T, e *env, vip netip.Addr, x *topology.Pod) {
 func (e *env) portTo(t *testing.T, table []netip.Addr, vip netip.Addr, from uint16, pod *topology.Pod) uint16 {
 	t.Helper()
 	for port := from; port < from+1000; port++ {
-		if e.predicted(table, vip, port) == pod.Addr {
+		if e.predicted(table, vip, port) == e.podAddr(pod) {
 			return port
 		}
 	}
@@ -397,7 +397,7 @@ func (e *env) reachedPods(t *testing.T, ports []uint16) map[uint16]*topology.Pod
 	out := map[uint16]*topology.Pod{}
 	for _, p := range e.Pods {
 		for _, peer := range e.servers[p.Name].Peers() {
-			if peer.Addr() != topology.ClientAddr || !slices.Contains(ports, peer.Port()) {
+			if peer.Addr() != e.clientAddr() || !slices.Contains(ports, peer.Port()) {
 				continue
 			}
 			if other := out[peer.Port()]; other != nil {
@@ -422,7 +422,7 @@ func (e *env) flowsOn(t *testing.T, table []netip.Addr, vip netip.Addr, ports []
 	on := make([]bool, len(ports))
 	errs := firstErrors(t)
 	for i, port := range ports {
-		if want := e.predicted(table, vip, port); reached[port].Addr != want {
+		if want := e.predicted(table, vip, port); e.podAddr(reached[port]) != want {
 			errs.Errorf("flow from port %d reached %s, the bucket table says %v", port, reached[port].Name, want)
 		}
 		on[i] = reached[port] == pod
@@ -443,7 +443,7 @@ func (e *env) newFlows(t *testing.T, table []netip.Addr, vip netip.Addr, ports [
 		if want := e.predicted(table, vip, port); got[port] != want {
 			errs.Errorf("new flow from port %d reached %v, the current table says %v", port, got[port], want)
 		}
-		if draining != nil && got[port] == draining.Addr {
+		if draining != nil && got[port] == e.podAddr(draining) {
 			toDraining++
 		}
 	}
@@ -558,7 +558,8 @@ func conntrackOf(r *topology.Node, vip netip.Addr) string {
 	}
 	var lines []string
 	for _, l := range strings.Split(out, "\n") {
-		if strings.Contains(l, "dst="+vip.String()+" ") {
+		// The table writes IPv6 addresses in full.
+		if strings.Contains(l, "dst="+vip.String()+" ") || strings.Contains(l, "dst="+vip.StringExpanded()+" ") {
 			lines = append(lines, l)
 		}
 	}
@@ -589,14 +590,6 @@ func (l *errorLimit) Done(what string) {
 	if l.n > shownErrors {
 		l.t.Errorf("%d %s in all (the first %d shown)", l.n, what, shownErrors)
 	}
-}
-
-func podAddrs(pods []*topology.Pod) []netip.Addr {
-	out := make([]netip.Addr, len(pods))
-	for i, p := range pods {
-		out[i] = p.Addr
-	}
-	return out
 }
 
 // others returns pods without p.

@@ -10,6 +10,7 @@ package e2e
 
 import (
 	"context"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -55,6 +56,17 @@ func TestInVM(t *testing.T) {
 					t.Logf("daemon logs after %s:\n%s", sc.name, e.Logs(40))
 				}
 			}
+			// The same lab again, for IPv6 tunnel IPs carried to the pods'
+			// IPv6 addresses.
+			t.Run("ipv6", func(t *testing.T) {
+				e6 := *e
+				e6.ipv6 = true
+				for _, sc := range ipv6Scenarios {
+					if !t.Run(sc.name, func(t *testing.T) { sc.run(t, &e6) }) {
+						t.Logf("daemon logs after ipv6/%s:\n%s", sc.name, e.Logs(40))
+					}
+				}
+			})
 		})
 	}
 }
@@ -71,6 +83,62 @@ type env struct {
 	client netns.NsHandle
 	// servers are the pods' servers by pod name.
 	servers map[string]*workload.Server
+	// ipv6 makes the family-generic scenarios use IPv6 tunnel IPs, carried
+	// to the pods' IPv6 addresses of dual-stack Services, and the client's
+	// IPv6 address (see tunnelIP, podAddr, service).
+	ipv6 bool
+}
+
+// tunnelIP is the scenario's tunnel IP number i of the env's family.
+func (e *env) tunnelIP(i int) netip.Addr {
+	if e.ipv6 {
+		return topology.TunnelIP6(i)
+	}
+	return topology.TunnelIP(i)
+}
+
+// clientAddr is the client's address of the env's family.
+func (e *env) clientAddr() netip.Addr {
+	if e.ipv6 {
+		return topology.ClientAddr6
+	}
+	return topology.ClientAddr
+}
+
+// podAddr is p's address of the env's family: where its tunnel IPs are
+// carried.
+func (e *env) podAddr(p *topology.Pod) netip.Addr {
+	if e.ipv6 {
+		return p.Addr6
+	}
+	return p.Addr
+}
+
+// podAddrs are the pods' addresses of the env's family.
+func (e *env) podAddrs(pods []*topology.Pod) []netip.Addr {
+	out := make([]netip.Addr, len(pods))
+	for i, p := range pods {
+		out[i] = e.podAddr(p)
+	}
+	return out
+}
+
+// service is s as the env's family needs it: for IPv6, a dual-stack
+// Service, whose IPv6 EndpointSlice carries the pods' IPv6 addresses.
+func (e *env) service(s topology.Service) topology.Service {
+	if e.ipv6 {
+		s.Families = topology.DualStack
+	}
+	return s
+}
+
+// applyEndpoints replaces the endpoints of Service name, created by
+// e.service, with eps.
+func (e *env) applyEndpoints(ctx context.Context, name string, eps []topology.Endpoint) error {
+	if e.ipv6 {
+		return e.ApplyEndpointSlices(ctx, name, topology.DualStack, eps)
+	}
+	return e.ApplyEndpoints(ctx, name, eps)
 }
 
 func up(t *testing.T, mode string) *env {

@@ -50,7 +50,7 @@ const (
 func (e *env) deploy(t *testing.T, name string, vip netip.Addr, pods ...*topology.Pod) []netip.Addr {
 	t.Helper()
 	ctx := context.Background()
-	if err := e.ApplyService(ctx, topology.Service{Name: name, Annotation: vip.String(), Endpoints: topology.Ready(pods...)}); err != nil {
+	if err := e.ApplyService(ctx, e.service(topology.Service{Name: name, Annotation: vip.String(), Endpoints: topology.Ready(pods...)})); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
@@ -100,7 +100,7 @@ func (e *env) flows(t *testing.T, vip netip.Addr, ports []uint16) map[uint16]net
 		if pod == nil {
 			t.Fatalf("answer from unknown pod %q", id.Pod)
 		}
-		out[port] = pod.Addr
+		out[port] = e.podAddr(pod)
 	}
 	return out
 }
@@ -108,7 +108,7 @@ func (e *env) flows(t *testing.T, vip netip.Addr, ports []uint16) map[uint16]net
 // predicted is the pod the bucket table gives the client's TCP flow from
 // port: HMARK's bucket for the 5-tuple, computed as the kernel does.
 func (e *env) predicted(table []netip.Addr, vip netip.Addr, port uint16) netip.Addr {
-	b := e.HMARK().Bucket(hmark.Flow{Src: topology.ClientAddr, Dst: vip, SrcPort: port, DstPort: tcpPort, Proto: 6})
+	b := e.HMARK().Bucket(hmark.Flow{Src: topology.ClientAddrFor(vip), Dst: vip, SrcPort: port, DstPort: tcpPort, Proto: 6})
 	return table[b]
 }
 
@@ -124,17 +124,17 @@ func portRange(first uint16, n int) []uint16 {
 // address; the reply comes from the tunnel IP and never crosses a router.
 func reachPod(t *testing.T, e *env) {
 	ctx := context.Background()
-	vip := topology.TunnelIP(1)
+	vip := e.tunnelIP(1)
 	e.deploy(t, "reach", vip, e.Pods...)
 
 	// Count packets from the tunnel IP (the pods' replies) on every node.
 	nodes := e.Nodes()
 	for _, n := range nodes {
-		if _, err := topology.InNS(ctx, n.Name, "iptables", "-t", "mangle", "-A", "PREROUTING", "-s", vip.String()+"/32"); err != nil {
+		if _, err := topology.InNS(ctx, n.Name, iptablesFor(vip), "-t", "mangle", "-A", "PREROUTING", "-s", hostPrefix(vip)); err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() {
-			_, _ = topology.InNS(ctx, n.Name, "iptables", "-t", "mangle", "-D", "PREROUTING", "-s", vip.String()+"/32")
+			_, _ = topology.InNS(ctx, n.Name, iptablesFor(vip), "-t", "mangle", "-D", "PREROUTING", "-s", hostPrefix(vip))
 		})
 	}
 	answered := map[string]bool{}
@@ -144,8 +144,8 @@ func reachPod(t *testing.T, e *env) {
 		if network == "udp" {
 			wantPort = udpPort
 		}
-		if id.Peer.Addr() != topology.ClientAddr {
-			t.Errorf("%s: the pod saw the client as %v, want its real address %v", network, id.Peer, topology.ClientAddr)
+		if id.Peer.Addr() != topology.ClientAddrFor(vip) {
+			t.Errorf("%s: the pod saw the client as %v, want its real address %v", network, id.Peer, topology.ClientAddrFor(vip))
 		}
 		if id.Local != netip.AddrPortFrom(vip, wantPort) {
 			t.Errorf("%s: the request arrived on %v, want the tunnel IP %v:%d", network, id.Local, vip, wantPort)
@@ -178,14 +178,14 @@ func nextHopObjects(t *testing.T, e *env, vip netip.Addr) {
 		objectsWanted, shape = 0, "encap"
 	}
 	for _, r := range e.Routers {
-		objects, err := topology.IP(ctx, "-n", r.Name, "nexthop", "show", "proto", "245")
+		objects, err := topology.IP(ctx, append(append([]string{"-n", r.Name}, familyArgs(vip)...), "nexthop", "show", "proto", "245")...)
 		if err != nil {
 			t.Fatal(err)
 		}
 		if n := strings.Count(objects, "\n"); n != objectsWanted {
 			t.Errorf("%s holds %d nexthop objects, want %d:\n%s", r.Name, n, objectsWanted, objects)
 		}
-		routes, err := topology.IP(ctx, "-n", r.Name, "route", "show", "table", "all", "proto", "245")
+		routes, err := topology.IP(ctx, append(append([]string{"-n", r.Name}, familyArgs(vip)...), "route", "show", "table", "all", "proto", "245")...)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -195,7 +195,7 @@ func nextHopObjects(t *testing.T, e *env, vip netip.Addr) {
 			}
 		}
 		if r == e.Routers[0] {
-			bucket0, err := topology.IP(ctx, "-n", r.Name, "route", "show", "table", strconv.Itoa(datapath.DefaultTableBase), vip.String())
+			bucket0, err := topology.IP(ctx, append(append([]string{"-n", r.Name}, familyArgs(vip)...), "route", "show", "table", strconv.Itoa(datapath.DefaultTableBase), vip.String())...)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -208,7 +208,7 @@ func nextHopObjects(t *testing.T, e *env, vip netip.Addr) {
 // the node's mangle PREROUTING.
 func countPackets(t *testing.T, ns string, vip netip.Addr) int {
 	t.Helper()
-	out, err := topology.InNS(context.Background(), ns, "iptables", "-t", "mangle", "-L", "PREROUTING", "-v", "-x", "-n")
+	out, err := topology.InNS(context.Background(), ns, iptablesFor(vip), "-t", "mangle", "-L", "PREROUTING", "-v", "-x", "-n")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -228,7 +228,7 @@ func countPackets(t *testing.T, ns string, vip netip.Addr) int {
 // bucket table names.
 func routersAgree(t *testing.T, e *env) {
 	ctx := context.Background()
-	vip := topology.TunnelIP(2)
+	vip := e.tunnelIP(2)
 	table := e.deploy(t, "agree", vip, e.Pods...)
 	ports := portRange(41000, 50)
 	t.Cleanup(func() { _ = e.RouteTunnelsVia(ctx, e.Routers...) })
@@ -259,7 +259,7 @@ func routersAgree(t *testing.T, e *env) {
 // once the gateway's route moves to router-b.
 func routerFailover(t *testing.T, e *env) {
 	ctx := context.Background()
-	vip := topology.TunnelIP(3)
+	vip := e.tunnelIP(3)
 	e.deploy(t, "failover", vip, e.Pods...)
 	dead, survivor := e.Routers[0], e.Routers[1]
 	if err := e.RouteTunnelsVia(ctx, dead); err != nil {
@@ -361,7 +361,7 @@ func disruptedFlows(t *testing.T, flows []*workload.Stream, before []int64, sinc
 // 4. Removing one endpoint of N moves only the flows of its buckets; adding
 // one moves about 1/(N+1) of the flows, all to the newcomer.
 func endpointChurn(t *testing.T, e *env) {
-	vip := topology.TunnelIP(4)
+	vip := e.tunnelIP(4)
 	table := e.deploy(t, "churn", vip, e.Pods...)
 	ports := portRange(43000, 200)
 	before := e.flows(t, vip, ports)
@@ -372,7 +372,7 @@ func endpointChurn(t *testing.T, e *env) {
 	}
 
 	gone, rest := e.Pods[0], e.Pods[1:]
-	if err := e.ApplyService(context.Background(), topology.Service{Name: "churn", Annotation: vip.String(), Endpoints: topology.Ready(rest...)}); err != nil {
+	if err := e.ApplyService(context.Background(), e.service(topology.Service{Name: "churn", Annotation: vip.String(), Endpoints: topology.Ready(rest...)})); err != nil {
 		t.Fatal(err)
 	}
 	smaller, err := e.WaitTunnel(context.Background(), vip, rest...)
@@ -385,9 +385,9 @@ func endpointChurn(t *testing.T, e *env) {
 		if want := e.predicted(smaller, vip, port); after[port] != want {
 			t.Errorf("after the removal, flow from port %d reached %v, the bucket table says %v", port, after[port], want)
 		}
-		if before[port] == gone.Addr {
+		if before[port] == e.podAddr(gone) {
 			owned++
-			if after[port] == gone.Addr {
+			if after[port] == e.podAddr(gone) {
 				t.Errorf("flow from port %d still reaches the removed pod", port)
 			}
 			continue
@@ -399,7 +399,7 @@ func endpointChurn(t *testing.T, e *env) {
 	}
 	t.Logf("removing %s (1 of %d endpoints) moved %d of %d flows: the %d it served; %d other flows moved", gone.Name, len(e.Pods), owned, len(ports), owned, moved)
 
-	if err := e.ApplyService(context.Background(), topology.Service{Name: "churn", Annotation: vip.String(), Endpoints: topology.Ready(e.Pods...)}); err != nil {
+	if err := e.ApplyService(context.Background(), e.service(topology.Service{Name: "churn", Annotation: vip.String(), Endpoints: topology.Ready(e.Pods...)})); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := e.WaitTunnel(context.Background(), vip, e.Pods...); err != nil {
@@ -411,7 +411,7 @@ func endpointChurn(t *testing.T, e *env) {
 		if again[port] == after[port] {
 			continue
 		}
-		if again[port] != gone.Addr {
+		if again[port] != e.podAddr(gone) {
 			t.Errorf("adding %s moved flow from port %d from %v to %v", gone.Name, port, after[port], again[port])
 		}
 		movedToNew++
@@ -432,10 +432,10 @@ func removalRestoresState(t *testing.T, e *env) {
 	for i, how := range []string{"delete the Service", "remove the annotation"} {
 		t.Run(strings.ReplaceAll(how, " ", "_"), func(t *testing.T) {
 			ctx := context.Background()
-			vip := topology.TunnelIP(5 + 100*i)
+			vip := e.tunnelIP(5 + 100*i)
 			before := snapshotAll(t, e)
 			name := fmt.Sprintf("removal-%d", i)
-			if err := e.ApplyService(ctx, topology.Service{Name: name, Annotation: vip.String(), Endpoints: topology.Ready(e.Pods...)}); err != nil {
+			if err := e.ApplyService(ctx, e.service(topology.Service{Name: name, Annotation: vip.String(), Endpoints: topology.Ready(e.Pods...)})); err != nil {
 				t.Fatal(err)
 			}
 			t.Cleanup(func() { _ = e.DeleteService(ctx, name) })
@@ -451,7 +451,7 @@ func removalRestoresState(t *testing.T, e *env) {
 			if i == 0 {
 				err = e.DeleteService(ctx, name)
 			} else {
-				err = e.ApplyService(ctx, topology.Service{Name: name, Endpoints: topology.Ready(e.Pods...)})
+				err = e.ApplyService(ctx, e.service(topology.Service{Name: name, Endpoints: topology.Ready(e.Pods...)}))
 			}
 			if err != nil {
 				t.Fatal(err)
@@ -514,7 +514,7 @@ func diffAll(a, b map[string]kstate.State) string {
 // 6. Restarting the endpoint agents and the routers while a connection is
 // open loses no byte, keeps the connection and changes no kernel state.
 func restartsKeepConnection(t *testing.T, e *env) {
-	vip := topology.TunnelIP(6)
+	vip := e.tunnelIP(6)
 	e.deploy(t, "restarts", vip, e.Pods...)
 	stream := startStream(t, e, vip, 44000)
 	flows := startLightFlows(t, e, vip, 44001, 200)
@@ -550,10 +550,10 @@ func restartsKeepConnection(t *testing.T, e *env) {
 // 7. A bad annotation gets a Warning event; the other tunnel IPs keep working.
 func badAnnotation(t *testing.T, e *env) {
 	ctx := context.Background()
-	vip := topology.TunnelIP(7)
+	vip := e.tunnelIP(7)
 	e.deploy(t, "good", vip, e.Pods...)
 	const bad = "not-an-ip"
-	if err := e.ApplyService(ctx, topology.Service{Name: "bad", Annotation: bad, Endpoints: topology.Ready(e.Pods...)}); err != nil {
+	if err := e.ApplyService(ctx, e.service(topology.Service{Name: "bad", Annotation: bad, Endpoints: topology.Ready(e.Pods...)})); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = e.DeleteService(ctx, "bad") })
@@ -586,7 +586,7 @@ func badAnnotation(t *testing.T, e *env) {
 
 // 8. A 1 MB upload and a 1 MB download through the tunnel complete intact.
 func bulkTransfer(t *testing.T, e *env) {
-	vip := topology.TunnelIP(8)
+	vip := e.tunnelIP(8)
 	e.deploy(t, "bulk", vip, e.Pods...)
 	const size = 1 << 20
 	dst := netip.AddrPortFrom(vip, tcpPort)
@@ -664,4 +664,23 @@ func (e *env) failRouter(t *testing.T, dead, survivor *topology.Node) {
 	if err := e.RouteTunnelsVia(ctx, survivor); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// iptablesFor is the iptables command of vip's family.
+func iptablesFor(vip netip.Addr) string {
+	if vip.Is4() {
+		return "iptables"
+	}
+	return "ip6tables"
+}
+
+// hostPrefix is vip's host prefix: "192.0.2.1/32", "2001:db8::1/128".
+func hostPrefix(vip netip.Addr) string { return netip.PrefixFrom(vip, vip.BitLen()).String() }
+
+// familyArgs is the ip option of vip's family: none for IPv4, -6 for IPv6.
+func familyArgs(vip netip.Addr) []string {
+	if vip.Is4() {
+		return nil
+	}
+	return []string{"-6"}
 }

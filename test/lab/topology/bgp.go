@@ -224,7 +224,7 @@ func (l *Lab) BGPSession(ctx context.Context, r *Node) (bool, string, error) {
 }
 
 // GatewayNextHops returns, sorted, the next hops of the gateway's kernel
-// route for exactly vip/32 in its main table (one per path of a multipath
+// route for exactly vip/32 (or /128) in its main table (one per path of a multipath
 // route); none when there is no such route. The static route for TunnelNet
 // is not one.
 func (l *Lab) GatewayNextHops(vip netip.Addr) ([]netip.Addr, error) {
@@ -238,7 +238,7 @@ func (l *Lab) GatewayNextHops(vip netip.Addr) ([]netip.Addr, error) {
 		return nil, fmt.Errorf("netlink handle in %s: %w", GatewayNS, err)
 	}
 	defer h.Close()
-	hops, err := birdconf.KernelNextHops(h, netip.PrefixFrom(vip, 32))
+	hops, err := birdconf.KernelNextHops(h, netip.PrefixFrom(vip, vip.BitLen()))
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", GatewayNS, err)
 	}
@@ -252,7 +252,11 @@ func (l *Lab) GatewayNextHops(vip netip.Addr) ([]netip.Addr, error) {
 func (l *Lab) WaitGatewayNextHops(ctx context.Context, vip netip.Addr, since time.Time, timeout time.Duration, routers ...*Node) (time.Duration, error) {
 	want := make([]netip.Addr, 0, len(routers))
 	for _, r := range routers {
-		want = append(want, r.Addr)
+		if vip.Is4() {
+			want = append(want, r.Addr)
+		} else {
+			want = append(want, r.Addr6)
+		}
 	}
 	slices.SortFunc(want, netip.Addr.Compare)
 	deadline := since.Add(timeout)
@@ -314,7 +318,7 @@ func (l *Lab) GatewayPaths(ctx context.Context, vip netip.Addr, srcPorts []uint1
 	var batch strings.Builder
 	for _, p := range srcPorts {
 		// /etc/protocols is missing in the VM: TCP by number.
-		fmt.Fprintf(&batch, "route get %s from %s iif %s ipproto 6 sport %d dport %d\n", vip, ClientAddr, ClientNS, p, dstPort)
+		fmt.Fprintf(&batch, "route get %s from %s iif %s ipproto 6 sport %d dport %d\n", vip, ClientAddrFor(vip), ClientNS, p, dstPort)
 	}
 	file := filepath.Join(l.Opts.WorkDir, "gateway-paths.batch")
 	if err := os.WriteFile(file, []byte(batch.String()), 0o644); err != nil {
@@ -367,7 +371,7 @@ func (l *Lab) RouterFlows(ctx context.Context, r *Node, vip netip.Addr) (map[uin
 	if err != nil {
 		return nil, err
 	}
-	return parseConntrackFlows(out, ClientAddr, vip), nil
+	return parseConntrackFlows(out, ClientAddrFor(vip), vip), nil
 }
 
 // parseConntrackFlows returns the source ports of the TCP entries from

@@ -22,15 +22,46 @@ func (l *Lab) HMARK() hmark.Params {
 
 // A router's bucket route for a tunnel IP in `ip route show table all`
 // output, which repeats its nexthop object's encapsulation: GRE "VIP nhid ID
-// encap ip id 0 src 0.0.0.0 dst POD ... table T", MPLS "VIP nhid ID encap
-// mpls LABEL via NODE dev eth0 table T"; a node's swap route "LABEL as to 100
-// via inet POD dev cni0".
+// encap ip id 0 src 0.0.0.0 dst POD ... table T" (IPv6: "encap ip6 ... dst
+// POD6"), MPLS "VIP encap mpls LABEL via NODE dev eth0 table T"; a node's
+// swap route "LABEL as to 100 via inet POD dev cni0" (IPv6: "via inet6
+// POD6").
 var (
-	greDstRE   = regexp.MustCompile(`encap ip .*\bdst (\S+)`)
-	mplsEncRE  = regexp.MustCompile(`encap mpls\s+(\d+)\S*\s+via (?:inet )?(\S+)`)
+	greDstRE   = regexp.MustCompile(`encap ip6? .*\bdst (\S+)`)
+	mplsEncRE  = regexp.MustCompile(`encap mpls\s+(\d+)\S*\s+via (?:inet6? )?(\S+)`)
 	tableRE    = regexp.MustCompile(`\btable (\d+)\b`)
-	mplsSwapRE = regexp.MustCompile(`^(\d+) as to \S+ via inet (\S+)`)
+	mplsSwapRE = regexp.MustCompile(`^(\d+) as to \S+ via inet6? (\S+)`)
 )
+
+// familyArgs is the ip option selecting a's family: none for IPv4, "-6"
+// for IPv6.
+func familyArgs(a netip.Addr) []string {
+	if a.Is4() {
+		return nil
+	}
+	return []string{"-6"}
+}
+
+// hostRoute is a's host prefix as ip prints it: "192.0.2.1/32",
+// "2001:db8::1/128".
+func hostRoute(a netip.Addr) string { return netip.PrefixFrom(a, a.BitLen()).String() }
+
+// PodAddr is the pod's address of vip's family: an IPv6 tunnel IP is
+// carried to the pods' IPv6 addresses.
+func PodAddr(p *Pod, vip netip.Addr) netip.Addr {
+	if vip.Is4() {
+		return p.Addr
+	}
+	return p.Addr6
+}
+
+// ClientAddrFor is the client's address of vip's family.
+func ClientAddrFor(vip netip.Addr) netip.Addr {
+	if vip.Is4() {
+		return ClientAddr
+	}
+	return ClientAddr6
+}
 
 // BucketTable reads the router's kernel state for vip and returns, for each
 // bucket of the tunnel IP's current generation (the one its HMARK rule
@@ -146,14 +177,14 @@ func slotOf(table, tableBase, buckets int) (slot, bool) {
 // bucketRoutes returns the router's route lines for vip by generation and
 // bucket, in every generation.
 func (l *Lab) bucketRoutes(ctx context.Context, r *Node, vip netip.Addr) (map[slot]string, error) {
-	out, err := IP(ctx, "-n", r.Name, "route", "show", "table", "all", "proto", "245")
+	out, err := IP(ctx, append(append([]string{"-n", r.Name}, familyArgs(vip)...), "route", "show", "table", "all", "proto", "245")...)
 	if err != nil {
 		return nil, err
 	}
 	routes := map[slot]string{}
 	for _, line := range strings.Split(out, "\n") {
 		f := strings.Fields(line)
-		if len(f) == 0 || (f[0] != vip.String() && f[0] != vip.String()+"/32") {
+		if len(f) == 0 || (f[0] != vip.String() && f[0] != hostRoute(vip)) {
 			continue
 		}
 		tm := tableRE.FindStringSubmatch(line)
@@ -172,7 +203,7 @@ func (l *Lab) bucketRoutes(ctx context.Context, r *Node, vip netip.Addr) (map[sl
 func (l *Lab) mplsSwaps(ctx context.Context, nodeAddr netip.Addr) (map[string]netip.Addr, error) {
 	var node *Node
 	for _, w := range l.Workers {
-		if w.Addr == nodeAddr {
+		if w.Addr == nodeAddr || w.Addr6 == nodeAddr {
 			node = w
 		}
 	}
@@ -194,20 +225,25 @@ func (l *Lab) mplsSwaps(ctx context.Context, nodeAddr netip.Addr) (map[string]ne
 	return swaps, nil
 }
 
-// PodHasAddr reports whether the pod's namespace holds addr.
+// PodHasAddr reports whether the pod's namespace holds addr (a host
+// address: /32 or /128).
 func PodHasAddr(ctx context.Context, p *Pod, addr netip.Addr) (bool, error) {
 	out, err := IP(ctx, "-n", p.Name, "-o", "addr", "show")
 	if err != nil {
 		return false, err
 	}
-	return strings.Contains(out, " "+addr.String()+"/32 "), nil
+	return strings.Contains(out, " "+hostRoute(addr)+" "), nil
 }
 
 // WaitTunnel waits (up to a minute, or ctx) until every router sends every
-// bucket of vip to one of pods, together using exactly those pods, both
-// routers agree, and each of pods holds vip. It returns the bucket table.
+// bucket of vip to one of pods (their addresses of vip's family), together
+// using exactly those pods, both routers agree, and each of pods holds vip.
+// It returns the bucket table.
 func (l *Lab) WaitTunnel(ctx context.Context, vip netip.Addr, pods ...*Pod) ([]netip.Addr, error) {
-	want := addrs(pods)
+	want := make([]netip.Addr, len(pods))
+	for i, p := range pods {
+		want[i] = PodAddr(p, vip)
+	}
 	slices.SortFunc(want, func(a, b netip.Addr) int { return a.Compare(b) })
 	var table []netip.Addr
 	err := l.poll(ctx, time.Minute, func() (bool, string, error) {
@@ -281,8 +317,12 @@ func (l *Lab) marks(ctx context.Context, r *Node, vip netip.Addr) (bool, error) 
 // (iptables-save -t mangle, the sets through netlink); ok is false when
 // vip is in no such set, or not in the set of all tunnel IPs.
 func (l *Lab) hmarkOffset(ctx context.Context, r *Node, vip netip.Addr) (offset uint32, ok bool, err error) {
+	save := "iptables-save"
+	if vip.Is6() {
+		save = "ip6tables-save"
+	}
 	rules, err := ipsetstate.ListRules(func() (string, error) {
-		return InNS(ctx, r.Name, "iptables-save", "-t", "mangle")
+		return InNS(ctx, r.Name, save, "-t", "mangle")
 	})
 	if err != nil {
 		return 0, false, err
