@@ -44,7 +44,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	o.IPTablesBackend = iptbackend.Auto
 	fs.Func("mode", `encapsulation the routers use: "gre" or "mpls" (default "gre")`, func(s string) error { o.Mode = encap.Mode(s); return nil })
 	fs.StringVar(&o.NodeName, "node-name", "", "name of this node: only its endpoints are handled (env NODE_NAME)")
-	fs.StringVar(&o.Device, "device", o.Device, "name of the GRE decapsulation device created in each pod (gre mode)")
+	fs.StringVar(&o.Device, "device", o.Device, "name of the GRE decapsulation device created in each pod (gre mode), at most 14 characters: the pod's ip6gre device for IPv6 tunnel IPs is this name followed by 6")
 	fs.Func("route-protocol", "rtm_protocol number marking the agent's MPLS routes (default 245)", func(s string) error {
 		v, err := strconv.ParseUint(s, 0, 8)
 		o.RouteProtocol = uint8(v)

@@ -12,7 +12,7 @@ import (
 // ranges on fs. Both daemons take them, with the same KST_* fallbacks, so
 // that they admit the same tunnel IPs.
 func AddPolicyFlags(fs *flag.FlagSet, p *tunnelclaim.Policy) {
-	fs.Func("pools", `address pools tunnel IPs are served from: CIDRs separated by ";", each optionally limited to namespaces with "=ns,ns", e.g. "192.0.2.0/24;203.0.113.0/28=team-a,team-b" (default: none, so nothing is served)`, func(s string) error {
+	fs.Func("pools", `address pools tunnel IPs are served from: IPv4 or IPv6 CIDRs separated by ";", each optionally limited to namespaces with "=ns,ns", e.g. "192.0.2.0/24;203.0.113.0/28=team-a,team-b;2001:db8:2::/64" (default: none, so nothing is served)`, func(s string) error {
 		pools, err := tunnelclaim.ParsePools(s)
 		p.Pools = pools
 		return err
