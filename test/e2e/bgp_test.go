@@ -22,12 +22,23 @@ const bgpTimeout = 30 * time.Second
 // SIGTERM withdraws before it goes, while 200 light flows keep working
 // through the other router; a router cut off the fabric is dropped when the
 // hold time expires, and comes back when its link does. Every duration is
-// logged as "bgp: ... took N ms".
+// logged as "bgp: ... took N ms". With IPv6 the tunnel IP travels over the
+// same IPv4 sessions (an ipv6 channel), with the routers' IPv6 addresses as
+// next hops, and BGP replaces the gateway's static route for TunnelNet6
+// while the one for TunnelNet stays.
 func bgpRouting(t *testing.T, e *env) {
 	ctx := context.Background()
-	vip := topology.TunnelIP(10)
+	vip := e.tunnelIP(10)
 	e.deploy(t, "bgp", vip, e.Pods...)
 	ra, rb := e.Routers[0], e.Routers[1]
+	// The routers' next hops for vip, and the static routes EnableBGP
+	// deletes (vip's family) and leaves (the other).
+	both := []netip.Addr{topology.NodeAddrFor(ra, vip), topology.NodeAddrFor(rb, vip)}
+	slices.SortFunc(both, netip.Addr.Compare)
+	replaced, kept := topology.TunnelNet, topology.TunnelNet6
+	if vip.Is6() {
+		replaced, kept = kept, replaced
+	}
 
 	t.Cleanup(func() {
 		if t.Failed() {
@@ -56,27 +67,32 @@ func bgpRouting(t *testing.T, e *env) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !slices.Equal(hops, []netip.Addr{ra.Addr, rb.Addr}) {
-		t.Fatalf("the gateway routes %s via %v, want %s and %s", vip, hops, ra.Addr, rb.Addr)
+	if !slices.Equal(hops, both) {
+		t.Fatalf("the gateway routes %s via %v, want %s and %s", vip, hops, both[0], both[1])
 	}
-	route, err := topology.IP(ctx, "-n", topology.GatewayNS, "route", "show", vip.String())
-	if err != nil {
-		t.Fatal(err)
+	// gatewayRoutes is `ip route show` (-6 for IPv6) on the gateway for
+	// exactly p.
+	gatewayRoutes := func(p netip.Prefix) string {
+		t.Helper()
+		out, err := topology.IP(ctx, append(append([]string{"-n", topology.GatewayNS}, familyArgs(p.Addr())...), "route", "show", "exact", p.String())...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return out
 	}
-	t.Logf("gateway: ip route show %s:\n%s", vip, route)
-	static, err := topology.IP(ctx, "-n", topology.GatewayNS, "route", "show", "exact", topology.TunnelNet.String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if static != "" {
+	t.Logf("gateway: ip route show %s:\n%s", vip, gatewayRoutes(netip.PrefixFrom(vip, vip.BitLen())))
+	if static := gatewayRoutes(replaced); static != "" {
 		t.Errorf("the gateway's static route is still there: %s", static)
+	}
+	if gatewayRoutes(kept) == "" {
+		t.Errorf("the gateway's static route for %v, of the other family, is gone", kept)
 	}
 	id := e.who(t, "tcp", vip, 0)
 	t.Logf("over the BGP route, %s answered and saw the client as %v", id.Pod, id.Peer)
 
 	// b. The last endpoint leaves: both routers withdraw.
 	removedAt := time.Now()
-	if err := e.ApplyEndpoints(ctx, "bgp", nil); err != nil {
+	if err := e.applyEndpoints(ctx, "bgp", nil); err != nil {
 		t.Fatal(err)
 	}
 	took, err := e.WaitGatewayNextHops(ctx, vip, removedAt, bgpTimeout)
@@ -88,7 +104,7 @@ func bgpRouting(t *testing.T, e *env) {
 
 	// c. The endpoints come back: both routers announce again.
 	backAt := time.Now()
-	if err := e.ApplyEndpoints(ctx, "bgp", topology.Ready(e.Pods...)); err != nil {
+	if err := e.applyEndpoints(ctx, "bgp", topology.Ready(e.Pods...)); err != nil {
 		t.Fatal(err)
 	}
 	if took, err = e.WaitGatewayNextHops(ctx, vip, backAt, bgpTimeout, ra, rb); err != nil {
@@ -167,12 +183,18 @@ func bgpRouting(t *testing.T, e *env) {
 }
 
 // flowsVia reports, for each client TCP flow from ports to vip, whether the
-// gateway's route sends it via router r, as `ip route get` computes the
-// ECMP hash. It fails the test if r's conntrack table holds a flow the hash
-// sends elsewhere. (A flow r carries may show up in its table a few seconds
-// late, so the converse is not checked.)
+// gateway's route sends it via router r. For an IPv4 tunnel IP it asks `ip
+// route get`, which computes the ECMP hash as for the flow's packets, and
+// fails the test if r's conntrack table holds a flow the hash sends
+// elsewhere. (A flow r carries may show up in its table a few seconds
+// late, so the converse is not checked.) For an IPv6 one `ip route get`
+// does not hash as for the packets (see topology.Lab.GatewayPaths), so the
+// routers' conntrack tables tell: see flowsHeldBy.
 func (e *env) flowsVia(t *testing.T, vip netip.Addr, ports []uint16, r *topology.Node) []bool {
 	t.Helper()
+	if vip.Is6() {
+		return e.flowsHeldBy(t, vip, ports, r)
+	}
 	ctx := context.Background()
 	paths, err := e.GatewayPaths(ctx, vip, ports, tcpPort)
 	if err != nil {
@@ -198,6 +220,45 @@ func (e *env) flowsVia(t *testing.T, vip netip.Addr, ports []uint16, r *topology
 		t.Errorf("%s's conntrack holds %d flows the gateway's ECMP hash (ip route get) sends elsewhere: %v", r.Name, len(wrong), wrong)
 	}
 	t.Logf("the gateway hashes %d of %d flows to %s; its conntrack holds %d of them already", count(via), len(ports), r.Name, tracked)
+	return via
+}
+
+// flowsHeldBy reports, for each client TCP flow from ports to vip, whether
+// router r's conntrack table holds it: the flows the gateway's ECMP route
+// sends via r. It waits (5 s at most) until every flow is in exactly one
+// router's table, as each flow's packets cross one router, and fails the
+// test if some never are.
+func (e *env) flowsHeldBy(t *testing.T, vip netip.Addr, ports []uint16, r *topology.Node) []bool {
+	t.Helper()
+	ctx := context.Background()
+	var holders map[uint16][]string
+	start := time.Now()
+	if err := e.poll(5*time.Second, func() (bool, string) {
+		holders = map[uint16][]string{}
+		for _, router := range e.Routers {
+			seen, err := e.RouterFlows(ctx, router, vip)
+			if err != nil {
+				return false, err.Error()
+			}
+			for p := range seen {
+				holders[p] = append(holders[p], router.Name)
+			}
+		}
+		var odd []string
+		for _, p := range ports {
+			if len(holders[p]) != 1 {
+				odd = append(odd, fmt.Sprintf("%d in %v", p, holders[p]))
+			}
+		}
+		return len(odd) == 0, fmt.Sprintf("%d flows are not in exactly one router's conntrack table: %v", len(odd), odd)
+	}); err != nil {
+		t.Error(err)
+	}
+	via := make([]bool, len(ports))
+	for i, p := range ports {
+		via[i] = slices.Contains(holders[p], r.Name)
+	}
+	t.Logf("the routers' conntrack tables hold each flow once (after %v); %d of %d flows go via %s", time.Since(start).Round(time.Millisecond), count(via), len(ports), r.Name)
 	return via
 }
 

@@ -5,7 +5,9 @@ package topology
 // the tunnel routers announce the tunnel IPs they serve to it with their
 // embedded GoBGP speaker (--bgp-config). BIRD merges the routers' equal
 // routes into one multipath route in the gateway's kernel, which replaces
-// the static route RouteTunnelsVia sets.
+// the static route RouteTunnelsVia sets. One IPv4 session per router carries
+// both families: IPv6 tunnel IPs go over it as multiprotocol IPv6 unicast,
+// with the router's IPv6 address (its Node's IPv6 InternalIP) as next hop.
 
 import (
 	"context"
@@ -52,16 +54,21 @@ const bgpConfigFlag = "--bgp-config"
 
 // EnableBGP makes BGP route the tunnel IPs to the routers: it starts BIRD in
 // the gateway's namespace (one passive session per router, as the routers
-// only connect out), restarts every router with a --bgp-config naming the
-// gateway as its peer, waits until every session is established and the
-// gateway's kernel routes each of vips through every router, and only then
-// deletes the gateway's static route for TunnelNet. A served tunnel IP keeps
-// working throughout. The gateway's BIRD takes IPv4 routes only, so the
-// static route for TunnelNet6 stays. DisableBGP undoes it; Down stops BIRD
-// too.
+// only connect out, carrying IPv4 and IPv6 routes), restarts every router
+// with a --bgp-config naming the gateway as its peer, waits until every
+// session is established and the gateway's kernel routes each of vips
+// through every router (at its address of the tunnel IP's family), and only
+// then deletes the gateway's static routes of the families of vips
+// (TunnelNet, TunnelNet6 or both). A served tunnel IP keeps working
+// throughout, and the static route of a family not in vips stays (BGP's
+// host routes win over it where they exist). DisableBGP undoes it; Down
+// stops BIRD too.
 func (l *Lab) EnableBGP(ctx context.Context, vips ...netip.Addr) error {
 	if l.Bird != nil {
 		return errors.New("topology: BGP is already enabled")
+	}
+	if len(vips) == 0 {
+		return errors.New("topology: EnableBGP needs a tunnel IP, to know which static routes BGP replaces")
 	}
 	birdPath, err := exec.LookPath("bird")
 	if err != nil {
@@ -130,14 +137,20 @@ func (l *Lab) EnableBGP(ctx context.Context, vips ...netip.Addr) error {
 			return err
 		}
 	}
-	if _, err := IP(ctx, "-n", GatewayNS, "route", "del", TunnelNet.String()); err != nil {
-		return fmt.Errorf("deleting the gateway's static route: %w", err)
+	for _, network := range []netip.Prefix{TunnelNet, TunnelNet6} {
+		if !slices.ContainsFunc(vips, func(vip netip.Addr) bool { return network.Contains(vip) }) {
+			continue
+		}
+		if _, err := IP(ctx, "-n", GatewayNS, "route", "del", network.String()); err != nil {
+			return fmt.Errorf("deleting the gateway's static route for %v: %w", network, err)
+		}
+		l.logf("deleted the gateway's static route for %v: BGP routes its tunnel IPs", network)
 	}
-	l.logf("deleted the gateway's static route for %v: BGP routes the tunnel IPs", TunnelNet)
 	return nil
 }
 
-// DisableBGP puts the static route for TunnelNet back on the gateway,
+// DisableBGP puts the static routes for TunnelNet and TunnelNet6 back on
+// the gateway (RouteTunnelsVia: both, whichever EnableBGP deleted),
 // restarts the routers without --bgp-config and stops BIRD (which removes
 // its routes from the gateway's kernel). It does nothing when BGP is off.
 func (l *Lab) DisableBGP(ctx context.Context) error {
@@ -158,17 +171,22 @@ func (l *Lab) DisableBGP(ctx context.Context) error {
 // BIRD ("router_a"): BIRD symbols hold no dash.
 func birdProtocol(n *Node) string { return strings.ReplaceAll(n.Name, "-", "_") }
 
-// birdConfig renders the gateway's BIRD configuration. The gateway accepts
-// only /32s of TunnelNet from the routers, announces nothing, and installs
-// the BGP routes in its kernel, merging equal ones into one multipath route.
-// BGP errors (a hold timer that expired) keep a session idle for 1 to 5 s
-// rather than BIRD's default minute or more.
+// birdConfig renders the gateway's BIRD configuration. Each router's
+// session is an IPv4 one that carries IPv6 routes too (an ipv6 channel
+// beside the ipv4 one), so one session, one hold timer and one state
+// (BGPSession) stand for both families. The gateway accepts only /32s of
+// TunnelNet from the routers, and every IPv6 route they announce (birdconf
+// filters IPv4 alone; the routers announce nothing but tunnel IPs),
+// announces nothing, and installs the BGP routes in its kernel, merging
+// equal ones into one multipath route per family. BGP errors (a hold timer
+// that expired) keep a session idle for 1 to 5 s rather than BIRD's
+// default minute or more.
 func (l *Lab) birdConfig() (string, error) {
 	cfg := birdconf.Config{RouterID: GatewayAddr, ASN: GatewayASN, ImportHostRoutesIn: TunnelNet}
 	for _, r := range l.Routers {
 		cfg.Neighbors = append(cfg.Neighbors, birdconf.Neighbor{
 			Name: birdProtocol(r), Address: r.Addr, LocalAddress: GatewayAddr, ASN: RouterASN,
-			HoldTime: BGPHoldTime, KeepaliveTime: BGPKeepalive, Passive: true,
+			HoldTime: BGPHoldTime, KeepaliveTime: BGPKeepalive, Passive: true, CarryIPv6: true,
 		})
 	}
 	conf, err := birdconf.Render(cfg)
@@ -179,7 +197,9 @@ func (l *Lab) birdConfig() (string, error) {
 }
 
 // routerBGPConfig is the routers' --bgp-config: the gateway as their one
-// peer. Router ID and next hop are each router's Node address.
+// peer, an IPv4 one, to which a router offers IPv6 unicast too. Router ID
+// and IPv4 next hop are each router's Node IPv4 address, the IPv6 next hop
+// its Node's IPv6 address (Addr6): the defaults, so the file names neither.
 func (l *Lab) routerBGPConfig() ([]byte, error) {
 	cfg := bgp.Config{
 		ASN:           RouterASN,
@@ -224,9 +244,9 @@ func (l *Lab) BGPSession(ctx context.Context, r *Node) (bool, string, error) {
 }
 
 // GatewayNextHops returns, sorted, the next hops of the gateway's kernel
-// route for exactly vip/32 (or /128) in its main table (one per path of a multipath
-// route); none when there is no such route. The static route for TunnelNet
-// is not one.
+// route for exactly vip/32 (or /128) in its main table (one per path of a
+// multipath route); none when there is no such route. The static routes for
+// TunnelNet and TunnelNet6 are not one.
 func (l *Lab) GatewayNextHops(vip netip.Addr) ([]netip.Addr, error) {
 	ns, err := l.Gateway.NS()
 	if err != nil {
@@ -246,17 +266,14 @@ func (l *Lab) GatewayNextHops(vip netip.Addr) ([]netip.Addr, error) {
 }
 
 // WaitGatewayNextHops waits until the gateway's kernel route for vip goes
-// through exactly the given routers (none: no route), looking every
+// through exactly the given routers, at their addresses of vip's family
+// (none: no route), looking every
 // BGPPollInterval, and returns the time from since to the moment it saw
 // it: how long a change made at since took to reach the gateway's kernel.
 func (l *Lab) WaitGatewayNextHops(ctx context.Context, vip netip.Addr, since time.Time, timeout time.Duration, routers ...*Node) (time.Duration, error) {
 	want := make([]netip.Addr, 0, len(routers))
 	for _, r := range routers {
-		if vip.Is4() {
-			want = append(want, r.Addr)
-		} else {
-			want = append(want, r.Addr6)
-		}
+		want = append(want, NodeAddrFor(r, vip))
 	}
 	slices.SortFunc(want, netip.Addr.Compare)
 	deadline := since.Add(timeout)
@@ -313,8 +330,19 @@ func nodeMetrics(ctx context.Context, n *Node, address string, prefixes []string
 // GatewayPaths asks the gateway's kernel (ip route get, one batch) which
 // next hop its route for vip sends each client TCP flow from the given
 // source ports to dstPort: with an ECMP route, the router the flow's
-// 5-tuple hashes to. It fails when the gateway has no route for vip.
+// 5-tuple hashes to. It fails when the gateway has no route for vip, and
+// for an IPv6 vip: there `ip route get` hashes the flow without a packet,
+// which the custom multipath hash (policy 3) of a forwarded IPv6 packet
+// does not match (net/ipv6/route.c: rt6_multipath_custom_hash_skb mixes
+// in the inner-header hash with jhash_2words, rt6_multipath_custom_hash_fl6
+// does not), so its answer is the path of about half the flows only. (For
+// IPv4, `ip route get ... iif` builds a packet, and its answer is the
+// packet's path.) The routers' conntrack tables (RouterFlows) tell an IPv6
+// flow's path instead.
 func (l *Lab) GatewayPaths(ctx context.Context, vip netip.Addr, srcPorts []uint16, dstPort uint16) (map[uint16]netip.Addr, error) {
+	if !vip.Is4() {
+		return nil, fmt.Errorf("topology: ip route get cannot tell the ECMP path of a flow to an IPv6 tunnel IP (%s): read the routers' conntrack tables", vip)
+	}
 	var batch strings.Builder
 	for _, p := range srcPorts {
 		// /etc/protocols is missing in the VM: TCP by number.

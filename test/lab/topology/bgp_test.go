@@ -13,18 +13,21 @@ import (
 
 func testLab() *Lab {
 	return &Lab{Routers: []*Node{
-		{Host: Host{Name: "router-a", Addr: fabricAddr(11)}, Tunnel: true},
-		{Host: Host{Name: "router-b", Addr: fabricAddr(12)}, Tunnel: true},
+		{Host: Host{Name: "router-a", Addr: fabricAddr(11), Addr6: fabricAddr6(11)}, Tunnel: true},
+		{Host: Host{Name: "router-b", Addr: fabricAddr(12), Addr6: fabricAddr6(12)}, Tunnel: true},
 	}}
 }
 
 // BIRD itself parses the gateway's configuration (bird -p), when installed.
+// Its IPv4 sessions carry IPv6 routes too, which a kernel6 protocol
+// installs.
 func TestBirdConfigParses(t *testing.T) {
 	conf, err := testLab().birdConfig()
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"protocol bgp router_a {", "neighbor 172.20.0.12 as 64512;", "merge paths on;", "passive on;", "[ 192.0.2.0/24{32,32} ]"} {
+	for _, want := range []string{"protocol bgp router_a {", "neighbor 172.20.0.12 as 64512;", "merge paths on;", "passive on;", "[ 192.0.2.0/24{32,32} ]",
+		"protocol kernel kernel6 {", "\tipv6 { import all; export none; };"} {
 		if !strings.Contains(conf, want) {
 			t.Errorf("configuration lacks %q:\n%s", want, conf)
 		}
@@ -83,5 +86,14 @@ ipv4     2 tcp      6 299 ESTABLISHED src=198.51.100.10 dst=192.0.2.10 sport=483
 	got := parseConntrackFlows(table, ClientAddr, netip.MustParseAddr("192.0.2.10"))
 	if len(got) != 2 || !got[48301] || !got[48304] {
 		t.Errorf("got %v, want ports 48301 and 48304", got)
+	}
+
+	// The kernel prints IPv6 addresses in full.
+	const table6 = `ipv6     10 tcp      6 299 ESTABLISHED src=2001:0db8:0100:0000:0000:0000:0000:0010 dst=2001:0db8:0002:0000:0000:0000:0000:0010 sport=48001 dport=80 src=2001:0db8:0002:0000:0000:0000:0000:0010 dst=2001:0db8:0100:0000:0000:0000:0000:0010 sport=80 dport=48001 [ASSURED] mark=4127 zone=0 use=2
+ipv6     10 tcp      6 299 ESTABLISHED src=2001:0db8:0100:0000:0000:0000:0000:0010 dst=2001:0db8:0002:0000:0000:0000:0000:0011 sport=48002 dport=80 src=2001:0db8:0002:0000:0000:0000:0000:0011 dst=2001:0db8:0100:0000:0000:0000:0000:0010 sport=80 dport=48002 [ASSURED] mark=4127 zone=0 use=2
+`
+	got = parseConntrackFlows(table6, ClientAddr6, netip.MustParseAddr("2001:db8:2::10"))
+	if len(got) != 1 || !got[48001] {
+		t.Errorf("IPv6: got %v, want port 48001", got)
 	}
 }

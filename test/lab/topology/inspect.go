@@ -55,6 +55,15 @@ func PodAddr(p *Pod, vip netip.Addr) netip.Addr {
 	return p.Addr6
 }
 
+// NodeAddrFor is node n's fabric address of vip's family: a router's next
+// hop for vip, on the gateway's routes and in its BGP announcements.
+func NodeAddrFor(n *Node, vip netip.Addr) netip.Addr {
+	if vip.Is4() {
+		return n.Addr
+	}
+	return n.Addr6
+}
+
 // ClientAddrFor is the client's address of vip's family.
 func ClientAddrFor(vip netip.Addr) netip.Addr {
 	if vip.Is4() {

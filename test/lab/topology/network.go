@@ -231,9 +231,7 @@ func (l *Lab) RouteTunnelsVia(ctx context.Context, routers ...*Node) error {
 	return l.RouteTunnels6Via(ctx, routers...)
 }
 
-// RouteTunnels6Via is RouteTunnelsVia for TunnelNet6 alone. (EnableBGP
-// replaces only the IPv4 route: the gateway's BGP daemon takes IPv4 routes
-// only, so the IPv6 one stays static.)
+// RouteTunnels6Via is RouteTunnelsVia for TunnelNet6 alone.
 func (l *Lab) RouteTunnels6Via(ctx context.Context, routers ...*Node) error {
 	if len(routers) == 0 {
 		return errors.New("topology: RouteTunnels6Via needs a router")
