@@ -74,7 +74,7 @@ func bgpRouting(t *testing.T, e *env) {
 	// exactly p.
 	gatewayRoutes := func(p netip.Prefix) string {
 		t.Helper()
-		out, err := topology.IP(ctx, append(append([]string{"-n", topology.GatewayNS}, familyArgs(p.Addr())...), "route", "show", "exact", p.String())...)
+		out, err := topology.IP(ctx, append(append([]string{"-n", topology.GatewayNS}, topology.FamilyArgs(p.Addr())...), "route", "show", "exact", p.String())...)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -134,7 +134,7 @@ func ipv6WithoutIPv6Endpoints(t *testing.T, e *env) {
 			}
 			n := 0
 			for _, l := range strings.Split(routes, "\n") {
-				if f := strings.Fields(l); len(f) > 1 && f[0] == "blackhole" && (f[1] == vip.String() || f[1] == hostPrefix(vip)) {
+				if f := strings.Fields(l); len(f) > 1 && f[0] == "blackhole" && (f[1] == vip.String() || f[1] == topology.HostPrefix(vip)) {
 					n++
 				}
 			}

@@ -130,11 +130,11 @@ func reachPod(t *testing.T, e *env) {
 	// Count packets from the tunnel IP (the pods' replies) on every node.
 	nodes := e.Nodes()
 	for _, n := range nodes {
-		if _, err := topology.InNS(ctx, n.Name, iptablesFor(vip), "-t", "mangle", "-A", "PREROUTING", "-s", hostPrefix(vip)); err != nil {
+		if _, err := topology.InNS(ctx, n.Name, iptablesFor(vip), "-t", "mangle", "-A", "PREROUTING", "-s", topology.HostPrefix(vip)); err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() {
-			_, _ = topology.InNS(ctx, n.Name, iptablesFor(vip), "-t", "mangle", "-D", "PREROUTING", "-s", hostPrefix(vip))
+			_, _ = topology.InNS(ctx, n.Name, iptablesFor(vip), "-t", "mangle", "-D", "PREROUTING", "-s", topology.HostPrefix(vip))
 		})
 	}
 	answered := map[string]bool{}
@@ -178,14 +178,14 @@ func nextHopObjects(t *testing.T, e *env, vip netip.Addr) {
 		objectsWanted, shape = 0, "encap"
 	}
 	for _, r := range e.Routers {
-		objects, err := topology.IP(ctx, append(append([]string{"-n", r.Name}, familyArgs(vip)...), "nexthop", "show", "proto", "245")...)
+		objects, err := topology.IP(ctx, append(append([]string{"-n", r.Name}, topology.FamilyArgs(vip)...), "nexthop", "show", "proto", "245")...)
 		if err != nil {
 			t.Fatal(err)
 		}
 		if n := strings.Count(objects, "\n"); n != objectsWanted {
 			t.Errorf("%s holds %d nexthop objects, want %d:\n%s", r.Name, n, objectsWanted, objects)
 		}
-		routes, err := topology.IP(ctx, append(append([]string{"-n", r.Name}, familyArgs(vip)...), "route", "show", "table", "all", "proto", "245")...)
+		routes, err := topology.IP(ctx, append(append([]string{"-n", r.Name}, topology.FamilyArgs(vip)...), "route", "show", "table", "all", "proto", "245")...)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -195,7 +195,7 @@ func nextHopObjects(t *testing.T, e *env, vip netip.Addr) {
 			}
 		}
 		if r == e.Routers[0] {
-			bucket0, err := topology.IP(ctx, append(append([]string{"-n", r.Name}, familyArgs(vip)...), "route", "show", "table", strconv.Itoa(datapath.DefaultTableBase), vip.String())...)
+			bucket0, err := topology.IP(ctx, append(append([]string{"-n", r.Name}, topology.FamilyArgs(vip)...), "route", "show", "table", strconv.Itoa(datapath.DefaultTableBase), vip.String())...)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -672,15 +672,4 @@ func iptablesFor(vip netip.Addr) string {
 		return "iptables"
 	}
 	return "ip6tables"
-}
-
-// hostPrefix is vip's host prefix: "192.0.2.1/32", "2001:db8::1/128".
-func hostPrefix(vip netip.Addr) string { return netip.PrefixFrom(vip, vip.BitLen()).String() }
-
-// familyArgs is the ip option of vip's family: none for IPv4, -6 for IPv6.
-func familyArgs(vip netip.Addr) []string {
-	if vip.Is4() {
-		return nil
-	}
-	return []string{"-6"}
 }

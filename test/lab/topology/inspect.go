@@ -33,18 +33,18 @@ var (
 	mplsSwapRE = regexp.MustCompile(`^(\d+) as to \S+ via inet6? (\S+)`)
 )
 
-// familyArgs is the ip option selecting a's family: none for IPv4, "-6"
+// FamilyArgs is the ip option selecting a's family: none for IPv4, "-6"
 // for IPv6.
-func familyArgs(a netip.Addr) []string {
+func FamilyArgs(a netip.Addr) []string {
 	if a.Is4() {
 		return nil
 	}
 	return []string{"-6"}
 }
 
-// hostRoute is a's host prefix as ip prints it: "192.0.2.1/32",
+// HostPrefix is a's host prefix as ip prints it: "192.0.2.1/32",
 // "2001:db8::1/128".
-func hostRoute(a netip.Addr) string { return netip.PrefixFrom(a, a.BitLen()).String() }
+func HostPrefix(a netip.Addr) string { return netip.PrefixFrom(a, a.BitLen()).String() }
 
 // PodAddr is the pod's address of vip's family: an IPv6 tunnel IP is
 // carried to the pods' IPv6 addresses.
@@ -186,14 +186,14 @@ func slotOf(table, tableBase, buckets int) (slot, bool) {
 // bucketRoutes returns the router's route lines for vip by generation and
 // bucket, in every generation.
 func (l *Lab) bucketRoutes(ctx context.Context, r *Node, vip netip.Addr) (map[slot]string, error) {
-	out, err := IP(ctx, append(append([]string{"-n", r.Name}, familyArgs(vip)...), "route", "show", "table", "all", "proto", "245")...)
+	out, err := IP(ctx, append(append([]string{"-n", r.Name}, FamilyArgs(vip)...), "route", "show", "table", "all", "proto", "245")...)
 	if err != nil {
 		return nil, err
 	}
 	routes := map[slot]string{}
 	for _, line := range strings.Split(out, "\n") {
 		f := strings.Fields(line)
-		if len(f) == 0 || (f[0] != vip.String() && f[0] != hostRoute(vip)) {
+		if len(f) == 0 || (f[0] != vip.String() && f[0] != HostPrefix(vip)) {
 			continue
 		}
 		tm := tableRE.FindStringSubmatch(line)
@@ -241,7 +241,7 @@ func PodHasAddr(ctx context.Context, p *Pod, addr netip.Addr) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	return strings.Contains(out, " "+hostRoute(addr)+" "), nil
+	return strings.Contains(out, " "+HostPrefix(addr)+" "), nil
 }
 
 // WaitTunnel waits (up to a minute, or ctx) until every router sends every
