@@ -8,6 +8,7 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
+	mathrand "math/rand/v2"
 	"net"
 	"os"
 	"path/filepath"
@@ -60,15 +61,51 @@ func removeStaleDirs(base string) {
 	}
 }
 
-// freePort asks the kernel for a free TCP port on 127.0.0.1. Another process
-// may take it before it is used; callers retry on "address already in use".
+// freePort returns a TCP port of 127.0.0.1 that is free now, chosen below
+// the kernel's ephemeral range (net.ipv4.ip_local_port_range). Outside that
+// range no outgoing connection can take the port as its source port, which
+// matters when the API server restarts on the same port: while it is down,
+// a client's connect() may otherwise pick that very port (a TCP
+// self-connect) or another connection may hold it, and the restart fails
+// with "address already in use". Another listener may still take the port
+// before it is used; callers retry on that.
 func freePort() (int, error) {
+	low, high := fixedPortRange()
+	for range 64 {
+		port := low + mathrand.IntN(high-low)
+		l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
+		if err != nil {
+			continue
+		}
+		l.Close()
+		return port, nil
+	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return 0, fmt.Errorf("find a free port: %w", err)
 	}
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+// fixedPortRange returns [low, high): the ports from 10240 up to the start
+// of the ephemeral range, or 10240-32768 when the range cannot be read or
+// leaves too little room below it (then the ports may be ephemeral ones).
+func fixedPortRange() (low, high int) {
+	low, high = 10240, 32768
+	data, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err != nil {
+		return low, high
+	}
+	fields := strings.Fields(string(data))
+	if len(fields) != 2 {
+		return low, high
+	}
+	ephemeralLow, err := strconv.Atoi(fields[0])
+	if err != nil || ephemeralLow < low+1024 {
+		return low, high
+	}
+	return low, ephemeralLow
 }
 
 // randomToken returns 32 random hex characters.

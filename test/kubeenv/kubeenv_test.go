@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -362,8 +363,29 @@ func TestRestartAPIServer(t *testing.T) {
 	if _, err := admin.CoreV1().Namespaces().Get(ctx, ns, metav1.GetOptions{}); err == nil {
 		t.Fatal("API server still answers after StopAPIServer")
 	}
+	// Another socket holds the port (as a client's outgoing connection
+	// could) until a restart has failed on it: StartAPIServer tries again.
+	holder, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(e.Port())))
+	if err != nil {
+		t.Fatalf("hold the API server's port: %v", err)
+	}
+	released := make(chan bool, 1)
+	go func() {
+		defer holder.Close()
+		firstLog := filepath.Join(e.Dir(), "kube-apiserver-1.log")
+		for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+			if data, _ := os.ReadFile(firstLog); strings.Contains(string(data), "address already in use") {
+				released <- true
+				return
+			}
+		}
+		released <- false
+	}()
 	if err := e.StartAPIServer(); err != nil {
 		t.Fatal(err)
+	}
+	if !<-released {
+		t.Error("the first restart did not report the held port in kube-apiserver-1.log")
 	}
 	if err := e.StartAPIServer(); err == nil {
 		t.Error("StartAPIServer on a running API server succeeded")
@@ -385,5 +407,26 @@ func TestRestartAPIServer(t *testing.T) {
 	sa := kubernetes.NewForConfigOrDie(saCfg)
 	if _, err := sa.CoreV1().Services(ns).List(ctx, metav1.ListOptions{}); err != nil {
 		t.Errorf("service account token issued before the restart: %v", err)
+	}
+}
+
+// TestFreePortOutsideEphemeralRange: the ports kubeenv chooses lie below
+// net.ipv4.ip_local_port_range, so no outgoing connection can hold one while
+// the API server restarts.
+func TestFreePortOutsideEphemeralRange(t *testing.T) {
+	data, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err != nil {
+		t.Skipf("no ip_local_port_range: %v", err)
+	}
+	var low, high int
+	if _, err := fmt.Sscan(string(data), &low, &high); err != nil {
+		t.Fatalf("parse ip_local_port_range %q: %v", data, err)
+	}
+	if low < 10240+1024 {
+		t.Skipf("ephemeral range starts at %d: too low to choose below it", low)
+	}
+	e := kubeenv.Start(t)
+	if port := e.Port(); port >= low || port < 10240 {
+		t.Errorf("API server port %d: want one in [10240, %d), below the ephemeral range %d-%d", port, low, low, high)
 	}
 }

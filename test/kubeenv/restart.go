@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"time"
 )
 
 // StopAPIServer kills kube-apiserver (SIGKILL, as a crash or a lost control
@@ -27,14 +28,31 @@ func (e *Env) StopAPIServer() error {
 // handed out before still authenticates) and the same serving certificate
 // (kube-apiserver reuses the one it wrote into --cert-dir), and waits until
 // /readyz answers ok. Its log goes to kube-apiserver-N.log, N counting the
-// restarts. It fails when the API server is running, or when another process
-// took the port in the meantime.
+// restarts. It fails when the API server is running, or when another socket
+// holds the port for ten seconds.
 func (e *Env) StartAPIServer() error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.apiserver != nil && !e.apiserver.exited() {
 		return errors.New("kubeenv: start API server: it is running")
 	}
+	var err error
+	for attempt := range restartAttempts {
+		if attempt > 0 {
+			time.Sleep(time.Second)
+		}
+		if err = e.restartAPIServer(); !errors.Is(err, errPortInUse) {
+			return err
+		}
+	}
+	return err
+}
+
+// restartAttempts bounds how often StartAPIServer tries again, a second
+// apart, while the port is held by another socket.
+const restartAttempts = 10
+
+func (e *Env) restartAPIServer() error {
 	e.restarts++
 	name := "kube-apiserver-" + strconv.Itoa(e.restarts)
 	p, err := startProcess(e.launcher, "kube-apiserver", e.apiserverBin, e.logPath(name), e.apiserverCmd)
