@@ -83,6 +83,8 @@ type StatusPublisher interface {
 	Set(routerstatus.Tunnel)
 	Remove(netip.Addr)
 	Replace([]routerstatus.Tunnel)
+	// SetPolicy records the pools and ranges claims are admitted with.
+	SetPolicy(tunnelclaim.Policy)
 }
 
 // GenerationCollector removes routing generations no flow uses any more
@@ -680,6 +682,7 @@ func (c *Controller) resync() error {
 			all[i] = c.tunnelStatus(t)
 		}
 		c.published.Replace(all)
+		c.published.SetPolicy(c.policy)
 	}
 	c.synced1.Store(true)
 	return nil

@@ -429,7 +429,10 @@ func TestControllerQueuesTheServicesOfAnAnnotatedPod(t *testing.T) {
 // statusRecorder keeps what the controller publishes.
 type statusRecorder struct {
 	tunnels map[netip.Addr]routerstatus.Tunnel
+	policy  *tunnelclaim.Policy
 }
+
+func (s *statusRecorder) SetPolicy(p tunnelclaim.Policy) { s.policy = &p }
 
 func (s *statusRecorder) Set(t routerstatus.Tunnel) { s.tunnels[t.VIP] = t }
 func (s *statusRecorder) Remove(vip netip.Addr)     { delete(s.tunnels, vip) }
@@ -455,6 +458,19 @@ func TestControllerPublishesWhatItProgrammed(t *testing.T) {
 	want := routerstatus.TableDigest(TableAddrs(tc.dp.tunnels[vip]))
 	if !ok || got.Table != want || got.Endpoints != 1 || want == "" {
 		t.Fatalf("after resync: published %+v (%t), want table %s with 1 endpoint", got, ok, want)
+	}
+	if p := pub.policy; p == nil || p.Pools.String() != "192.0.2.0/24" || len(p.ServiceCIDRs) != 1 {
+		t.Errorf("after resync: published policy %+v, want the pools 192.0.2.0/24 and the Service range the router admits claims with", p)
+	}
+	next := tc.Policy().Get()
+	next.Pools = append(next.Pools, tunnelclaim.Pool{Prefix: netip.MustParsePrefix("2001:db8:2::/64")})
+	tc.Policy().Set(next)
+	tc.queue.Add(resyncKey) // what PolicyChanged queues
+	if !tc.processNext() {
+		t.Fatal("queue shut down")
+	}
+	if p := pub.policy; p == nil || p.Pools.String() != "192.0.2.0/24;2001:db8:2::/64" {
+		t.Errorf("after a pool change and a resync: published policy %+v, want the new pools", p)
 	}
 	tc.add(t, &discoveryv1.EndpointSlice{
 		ObjectMeta:  metav1.ObjectMeta{Namespace: "web", Name: "a-1", Labels: map[string]string{discoveryv1.LabelServiceName: "a"}},

@@ -14,6 +14,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 )
 
 // MinInterval is the shortest time between two writes of a router's status:
@@ -76,6 +78,19 @@ func (p *Publisher) Announce(vip netip.Addr, on bool) {
 		p.tunnels[vip] = t
 		p.markDirty()
 	}
+}
+
+// SetPolicy records the pools and cluster ranges the router admits claims
+// with, so that kubectl tunnel judges claims as the router does even when
+// a flag overrides the ConfigMap.
+func (p *Publisher) SetPolicy(policy tunnelclaim.Policy) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.header.Policy != nil && p.header.Policy.Equal(policy) {
+		return
+	}
+	p.header.Policy = &policy
+	p.markDirty()
 }
 
 // Remove records that the router removed vip.

@@ -8,7 +8,9 @@
 // is. It is owned by the router's pod, so the garbage collector removes it
 // when the pod goes; the next pod on the node takes it over.
 //
-// Its "router" key holds the router's settings, its "tunnels" key one line
+// Its "router" key holds the router's settings (among them the address pools
+// and cluster ranges it admits claims with, which kubectl tunnel prefers to
+// the ConfigMap's: a flag may override them), its "tunnels" key one line
 // per programmed tunnel IP:
 //
 //	192.0.2.10 generation=1 table=5f1c09a2 endpoints=3 draining=1 announced=yes [affinity=client]
@@ -34,6 +36,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 )
 
 const (
@@ -71,6 +74,10 @@ type Router struct {
 	SeedFingerprint string
 	// BGP is true when the router announces tunnel IPs over BGP.
 	BGP bool
+	// Policy is the address pools and cluster ranges the router admits
+	// claims with now (its flags, else its ConfigMap); nil in the status of
+	// a router that does not publish it (older versions).
+	Policy *tunnelclaim.Policy
 	// Updated is when the router last wrote this status.
 	Updated time.Time
 	// Truncated is the number of tunnel IPs left out (MaxTunnelsBytes).
@@ -132,6 +139,9 @@ func (r Router) ConfigMap(ns string, owner *metav1.OwnerReference) *corev1.Confi
 	header := fmt.Sprintf("node: %s\npod: %s\nversion: %s\nmode: %s\nbuckets: %d\ngenerations: %d\nmarkOffset: %#x\ntableBase: %d\nseedFingerprint: %s\nbgp: %t\nupdated: %s\ntunnelIPs: %d\ntruncated: %d\n",
 		r.Node, r.Pod, r.Version, r.Mode, r.Buckets, r.Generations, r.MarkOffset, r.TableBase, r.SeedFingerprint, r.BGP,
 		r.Updated.UTC().Format(time.RFC3339), len(tunnels), r.Truncated)
+	if p := r.Policy; p != nil {
+		header += fmt.Sprintf("pools: %s\npodCIDRs: %s\nserviceCIDRs: %s\n", p.Pools, joinPrefixes(p.PodCIDRs), joinPrefixes(p.ServiceCIDRs))
+	}
 	cm := &corev1.ConfigMap{
 		ObjectMeta: metav1.ObjectMeta{
 			Namespace: ns, Name: Name(r.Node),
@@ -201,6 +211,12 @@ func Parse(cm *corev1.ConfigMap) (Router, error) {
 			r.Updated, err = time.Parse(time.RFC3339, v)
 		case "truncated":
 			r.Truncated, err = strconv.Atoi(v)
+		case "pools":
+			r.policy().Pools, err = tunnelclaim.ParsePools(v)
+		case "podCIDRs":
+			r.policy().PodCIDRs, err = tunnelclaim.ParseCIDRs(v)
+		case "serviceCIDRs":
+			r.policy().ServiceCIDRs, err = tunnelclaim.ParseCIDRs(v)
 		}
 		if err != nil {
 			return fail(RouterKey, n, err)
@@ -244,6 +260,23 @@ func Parse(cm *corev1.ConfigMap) (Router, error) {
 	}
 	slices.SortFunc(r.Tunnels, func(a, b Tunnel) int { return a.VIP.Compare(b.VIP) })
 	return r, nil
+}
+
+// policy returns r.Policy, allocated on first use.
+func (r *Router) policy() *tunnelclaim.Policy {
+	if r.Policy == nil {
+		r.Policy = &tunnelclaim.Policy{}
+	}
+	return r.Policy
+}
+
+// joinPrefixes renders prefixes as ParseCIDRs reads them.
+func joinPrefixes(ps []netip.Prefix) string {
+	parts := make([]string, len(ps))
+	for i, p := range ps {
+		parts[i] = p.String()
+	}
+	return strings.Join(parts, ",")
 }
 
 // Slot returns the slot of bucket b in generation g: its mark is

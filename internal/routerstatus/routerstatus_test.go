@@ -14,6 +14,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 )
 
 func addrs(ss ...string) []netip.Addr {
@@ -29,6 +30,14 @@ func TestRoundTrip(t *testing.T) {
 		Node: "router-a", Pod: "tunnel-router-x", Version: "v1.2.3", Mode: encap.MPLS, Buckets: 64, Generations: 4,
 		MarkOffset: 0x1000, TableBase: 7600, SeedFingerprint: "abc123", BGP: true,
 		Updated: time.Date(2026, 11, 26, 10, 0, 0, 0, time.UTC),
+		Policy: &tunnelclaim.Policy{
+			Pools: tunnelclaim.Pools{
+				{Prefix: netip.MustParsePrefix("192.0.2.0/24")},
+				{Prefix: netip.MustParsePrefix("2001:db8:2::/64"), Namespaces: []string{"team-a", "team-b"}},
+			},
+			PodCIDRs:     []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16"), netip.MustParsePrefix("fd00:10:244::/56")},
+			ServiceCIDRs: []netip.Prefix{netip.MustParsePrefix("10.96.0.0/12")},
+		},
 		Tunnels: []Tunnel{
 			{VIP: netip.MustParseAddr("192.0.2.20"), Generation: 2, Table: "deadbeef", Endpoints: 3, Draining: 1, Announced: true, ClientAffinity: true},
 			{VIP: netip.MustParseAddr("192.0.2.3"), Generation: 0},
@@ -67,6 +76,14 @@ func TestParseNamesBadLine(t *testing.T) {
 	cm.Data[TunnelsKey] = "192.0.2.1 generation=zero\n"
 	if _, err := Parse(cm); err == nil || !strings.Contains(err.Error(), "generation") {
 		t.Errorf("Parse of a bad generation: %v", err)
+	}
+	cm = Router{Node: "r"}.ConfigMap("ns", nil)
+	if r, err := Parse(cm); err != nil || r.Policy != nil {
+		t.Errorf("Parse of a status without pools: policy %+v, %v; want none (an older router's)", r.Policy, err)
+	}
+	cm.Data[RouterKey] += "pools: 127.0.0.0/8\n"
+	if _, err := Parse(cm); err == nil || !strings.Contains(err.Error(), `"router" line`) {
+		t.Errorf("Parse of a bad pool: %v", err)
 	}
 }
 

@@ -316,6 +316,12 @@ type Policy struct {
 	ServiceCIDRs []netip.Prefix
 }
 
+// Equal reports whether p and q admit the same claims: the same pools (as
+// --pools renders them) and the same ranges.
+func (p Policy) Equal(q Policy) bool {
+	return p.Pools.String() == q.Pools.String() && slices.Equal(p.PodCIDRs, q.PodCIDRs) && slices.Equal(p.ServiceCIDRs, q.ServiceCIDRs)
+}
+
 // Networks returns the ranges a tunnel IP must not take, given the Nodes.
 func (p Policy) Networks(nodes []*corev1.Node) Networks {
 	return KnownNetworks(nodes, p.PodCIDRs, p.ServiceCIDRs)

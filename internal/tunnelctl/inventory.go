@@ -40,12 +40,17 @@ type Inventory struct {
 	Buckets   int
 	// ConfigFrom says where Mode and Buckets come from.
 	ConfigFrom string
-	Policy     tunnelclaim.Policy
-	Decision   tunnelclaim.Decision
-	Routers    []routerstatus.Router
+	// Policy is what claims are judged with: the pools and ranges the
+	// newest router publishes, else the ConfigMap's.
+	Policy   tunnelclaim.Policy
+	Decision tunnelclaim.Decision
+	Routers  []routerstatus.Router
 	// Notes are what the caller could not read or what does not add up,
 	// in words for the operator.
 	Notes []string
+
+	// configRead and routerPolicy say where Policy came from.
+	configRead, routerPolicy bool
 
 	client  kubernetes.Interface
 	nodes   map[string]*corev1.Node
@@ -57,13 +62,14 @@ type Inventory struct {
 func Load(ctx context.Context, client kubernetes.Interface, namespace string) (*Inventory, error) {
 	inv := &Inventory{Namespace: namespace, client: client, Mode: encap.GRE, Buckets: datapath.DefaultBuckets, ConfigFrom: "defaults", nodes: map[string]*corev1.Node{}, drained: map[string]map[string]bool{}}
 	cfg, err := client.CoreV1().ConfigMaps(namespace).Get(ctx, ConfigMapName, metav1.GetOptions{})
+	configMissing := false
 	switch {
 	case err == nil:
 		if err := inv.readConfig(cfg); err != nil {
 			return nil, err
 		}
 	case apierrors.IsNotFound(err):
-		inv.Notes = append(inv.Notes, fmt.Sprintf("no ConfigMap %s/%s: no address pool known, so no claim is admitted here", namespace, ConfigMapName))
+		configMissing = true
 	default:
 		inv.Notes = append(inv.Notes, fmt.Sprintf("cannot read ConfigMap %s/%s (the address pools): %v", namespace, ConfigMapName, err))
 	}
@@ -82,6 +88,9 @@ func Load(ctx context.Context, client kubernetes.Interface, namespace string) (*
 		routerstatus.SortRouters(inv.Routers)
 	}
 	inv.routerConfig()
+	if configMissing && !inv.routerPolicy {
+		inv.Notes = append(inv.Notes, fmt.Sprintf("no ConfigMap %s/%s and no router publishing its pools: no address pool known, so no claim is admitted here", namespace, ConfigMapName))
+	}
 	nodes, err := client.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
 	if err != nil {
 		return nil, fmt.Errorf("listing nodes: %w", err)
@@ -112,7 +121,7 @@ func (inv *Inventory) readConfig(cm *corev1.ConfigMap) error {
 	if err != nil {
 		return fmt.Errorf("ConfigMap %s/%s, %w", cm.Namespace, cm.Name, err)
 	}
-	inv.Policy = policy
+	inv.Policy, inv.configRead = policy, true
 	if v, ok := cm.Data["KST_MODE"]; ok {
 		inv.Mode, inv.ConfigFrom = encap.Mode(v), "ConfigMap "+cm.Name
 	}
@@ -140,9 +149,20 @@ func (inv *Inventory) routerConfig() {
 		}
 	}
 	inv.Mode, inv.Buckets, inv.ConfigFrom = first.Mode, first.Buckets, "router "+first.Node
+	if p := first.Policy; p != nil {
+		// The router's own pools: a flag on its command line wins over
+		// the ConfigMap.
+		if inv.configRead && !inv.Policy.Equal(*p) {
+			inv.Notes = append(inv.Notes, fmt.Sprintf("router %s admits claims with --pools %q (its command line overrides the ConfigMap's %q): claims are judged with the router's", first.Node, p.Pools, inv.Policy.Pools))
+		}
+		inv.Policy, inv.routerPolicy = *p, true
+	}
 	for _, r := range inv.Routers {
 		if r.Node == first.Node {
 			continue
+		}
+		if r.Policy != nil && first.Policy != nil && !r.Policy.Equal(*first.Policy) {
+			inv.Notes = append(inv.Notes, fmt.Sprintf("routers disagree on the address pools: %s admits claims with --pools %q, %s with %q", first.Node, first.Policy.Pools, r.Node, r.Policy.Pools))
 		}
 		if r.Mode != first.Mode || r.Buckets != first.Buckets || r.SeedFingerprint != first.SeedFingerprint || r.Generations != first.Generations {
 			inv.Notes = append(inv.Notes, fmt.Sprintf("routers disagree: %s runs %s, %d buckets, %d generations, seed %s; %s runs %s, %d buckets, %d generations, seed %s",

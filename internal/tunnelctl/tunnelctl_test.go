@@ -461,3 +461,73 @@ func TestExplainNetworkPolicy(t *testing.T) {
 		t.Errorf("forbidden: %+v, want %q with the reason", v, PolicyUnknown)
 	}
 }
+
+// Claims are judged with the pools the newest router publishes, which a
+// flag on its command line may have set instead of the ConfigMap: the
+// override, and routers that disagree, are noted.
+func TestPoolsFromTheRouters(t *testing.T) {
+	ctx := context.Background()
+	outside := "web/outside" // claims 198.51.100.1: in no pool of the ConfigMap
+	for _, tc := range []struct {
+		name      string
+		a, b      string // the routers' published pools ("": none published)
+		noConfig  bool
+		wantWon   bool
+		wantNotes []string
+	}{
+		{name: "older routers publish none", wantWon: false},
+		{name: "the newest router's pools win", a: "192.0.2.0/24;198.51.100.0/24", b: "192.0.2.0/24", wantWon: true,
+			wantNotes: []string{`router router-a admits claims with --pools "192.0.2.0/24;198.51.100.0/24" (its command line overrides the ConfigMap's "192.0.2.0/24")`,
+				`routers disagree on the address pools: router-a admits claims with --pools "192.0.2.0/24;198.51.100.0/24", router-b with "192.0.2.0/24"`}},
+		{name: "no ConfigMap", a: "198.51.100.0/24", noConfig: true, wantWon: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			client, _ := cluster(t, encap.GRE)
+			if tc.noConfig {
+				if err := client.CoreV1().ConfigMaps(ns).Delete(ctx, ConfigMapName, metav1.DeleteOptions{}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for node, pools := range map[string]string{"router-a": tc.a, "router-b": tc.b} {
+				if pools == "" {
+					continue
+				}
+				cm, err := client.CoreV1().ConfigMaps(ns).Get(ctx, routerstatus.Name(node), metav1.GetOptions{})
+				if err != nil {
+					t.Fatal(err)
+				}
+				r, err := routerstatus.Parse(cm)
+				if err != nil {
+					t.Fatal(err)
+				}
+				p, err := tunnelclaim.ParsePools(pools)
+				if err != nil {
+					t.Fatal(err)
+				}
+				r.Policy = &tunnelclaim.Policy{Pools: p}
+				if _, err := client.CoreV1().ConfigMaps(ns).Update(ctx, r.ConfigMap(ns, nil), metav1.UpdateOptions{}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			inv, err := Load(ctx, client, ns)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if won := len(inv.Decision.Won(outside)) == 1; won != tc.wantWon {
+				t.Errorf("%s wins its claim: %t, want %t (pools %s)", outside, won, tc.wantWon, inv.Policy.Pools)
+			}
+			if len(inv.Decision.Won("web/echo")) != 1 && !tc.noConfig {
+				t.Errorf("web/echo lost its claim with pools %s", inv.Policy.Pools)
+			}
+			notes := strings.Join(inv.Notes, "\n")
+			for _, want := range tc.wantNotes {
+				if !strings.Contains(notes, want) {
+					t.Errorf("notes lack %q:\n%s", want, notes)
+				}
+			}
+			if strings.Contains(notes, "no address pool known") {
+				t.Errorf("notes say no pool is known, while a router publishes its pools or the ConfigMap is there:\n%s", notes)
+			}
+		})
+	}
+}
