@@ -116,8 +116,9 @@ func fullConfig() Config {
 			{Name: "direct6", Address: netip.MustParseAddr("2001:db8:100::2"), ASN: 65001,
 				LocalAddress: netip.MustParseAddr("2001:db8:100::1")},
 		},
-		ImportHostRoutesIn: netip.MustParsePrefix("192.0.2.0/24"),
-		BFD:                BFDIntervals{MinTx: 100 * time.Millisecond, MinRx: 100 * time.Millisecond, Multiplier: 3},
+		ImportHostRoutesIn:  netip.MustParsePrefix("192.0.2.0/24"),
+		ImportHostRoutesIn6: netip.MustParsePrefix("2001:db8:2::/64"),
+		BFD:                 BFDIntervals{MinTx: 100 * time.Millisecond, MinRx: 100 * time.Millisecond, Multiplier: 3},
 		Originate: []netip.Prefix{netip.MustParsePrefix("192.0.2.0/24"), netip.MustParsePrefix("192.0.2.10/32"),
 			netip.MustParsePrefix("2001:db8:5::10/128")},
 	}
@@ -125,23 +126,26 @@ func fullConfig() Config {
 
 func TestRenderConfigRejects(t *testing.T) {
 	for name, mutate := range map[string]func(*Config){
-		"no router id":        func(c *Config) { c.RouterID = netip.Addr{} },
-		"no ASN":              func(c *Config) { c.ASN = 0 },
-		"name with dash":      func(c *Config) { c.Neighbors[0].Name = "a-b" },
-		"duplicate name":      func(c *Config) { c.Neighbors[1].Name = c.Neighbors[0].Name },
-		"internal name":       func(c *Config) { c.Neighbors[0].Name = "kernel1" },
-		"link-local neighbor": func(c *Config) { c.Neighbors[0].Address = netip.MustParseAddr("fe80::1") },
-		"IPv4-mapped":         func(c *Config) { c.Neighbors[0].Address = netip.MustParseAddr("::ffff:198.51.100.2") },
-		"IPv4 local for IPv6": func(c *Config) { c.Neighbors[2].LocalAddress = netip.MustParseAddr("198.51.100.1") },
-		"CarryIPv6 on IPv6":   func(c *Config) { c.Neighbors[2].CarryIPv6 = true },
-		"IPv6 host bits":      func(c *Config) { c.Originate[2] = netip.MustParsePrefix("2001:db8:5::10/64") },
-		"quote in password":   func(c *Config) { c.Neighbors[0].Password = `a"b` },
-		"fractional hold":     func(c *Config) { c.Neighbors[0].HoldTime = 1500 * time.Millisecond },
-		"host bits":           func(c *Config) { c.Originate[0] = netip.MustParsePrefix("192.0.2.1/24") },
-		"multihop too large":  func(c *Config) { c.Neighbors[1].Multihop = 256 },
-		"negative multiplier": func(c *Config) { c.BFD.Multiplier = -1 },
-		"import host bits":    func(c *Config) { c.ImportHostRoutesIn = netip.MustParsePrefix("192.0.2.1/24") },
-		"IPv6 local address":  func(c *Config) { c.Neighbors[0].LocalAddress = netip.MustParseAddr("2001:db8::2") },
+		"no router id":          func(c *Config) { c.RouterID = netip.Addr{} },
+		"no ASN":                func(c *Config) { c.ASN = 0 },
+		"name with dash":        func(c *Config) { c.Neighbors[0].Name = "a-b" },
+		"duplicate name":        func(c *Config) { c.Neighbors[1].Name = c.Neighbors[0].Name },
+		"internal name":         func(c *Config) { c.Neighbors[0].Name = "kernel1" },
+		"link-local neighbor":   func(c *Config) { c.Neighbors[0].Address = netip.MustParseAddr("fe80::1") },
+		"IPv4-mapped":           func(c *Config) { c.Neighbors[0].Address = netip.MustParseAddr("::ffff:198.51.100.2") },
+		"IPv4 local for IPv6":   func(c *Config) { c.Neighbors[2].LocalAddress = netip.MustParseAddr("198.51.100.1") },
+		"CarryIPv6 on IPv6":     func(c *Config) { c.Neighbors[2].CarryIPv6 = true },
+		"IPv6 host bits":        func(c *Config) { c.Originate[2] = netip.MustParsePrefix("2001:db8:5::10/64") },
+		"quote in password":     func(c *Config) { c.Neighbors[0].Password = `a"b` },
+		"fractional hold":       func(c *Config) { c.Neighbors[0].HoldTime = 1500 * time.Millisecond },
+		"host bits":             func(c *Config) { c.Originate[0] = netip.MustParsePrefix("192.0.2.1/24") },
+		"multihop too large":    func(c *Config) { c.Neighbors[1].Multihop = 256 },
+		"negative multiplier":   func(c *Config) { c.BFD.Multiplier = -1 },
+		"import host bits":      func(c *Config) { c.ImportHostRoutesIn = netip.MustParsePrefix("192.0.2.1/24") },
+		"IPv6 import for IPv4":  func(c *Config) { c.ImportHostRoutesIn = netip.MustParsePrefix("2001:db8:2::/64") },
+		"IPv4 import for IPv6":  func(c *Config) { c.ImportHostRoutesIn6 = netip.MustParsePrefix("192.0.2.0/24") },
+		"IPv6 import host bits": func(c *Config) { c.ImportHostRoutesIn6 = netip.MustParsePrefix("2001:db8:2::1/64") },
+		"IPv6 local address":    func(c *Config) { c.Neighbors[0].LocalAddress = netip.MustParseAddr("2001:db8::2") },
 	} {
 		cfg := fullConfig()
 		cfg.Neighbors = slices.Clone(cfg.Neighbors)
@@ -165,7 +169,7 @@ func TestRenderConfigParses(t *testing.T) {
 		"hold time 9;", "keepalive time 3;", "route 192.0.2.10/32 blackhole;", "min tx interval 100000 us;", "multiplier 3;",
 		"local 198.51.100.1 as 65000;", "import where net ~ [ 192.0.2.0/24{32,32} ];",
 		"protocol kernel kernel6 {", "route 2001:db8:5::10/128 blackhole;", "neighbor 2001:db8:100::2 as 65001;",
-		"\tipv6 { import all; export where source = RTS_STATIC; };"} {
+		"\tipv6 { import where net ~ [ 2001:db8:2::/64{128,128} ]; export where source = RTS_STATIC; };"} {
 		if !strings.Contains(conf, want) {
 			t.Errorf("config lacks %q:\n%s", want, conf)
 		}

@@ -76,10 +76,12 @@ type Config struct {
 	Neighbors []Neighbor
 	// BFD sets the timers of the sessions of neighbors with BFD set.
 	BFD BFDIntervals
-	// ImportHostRoutesIn, when set, limits what the peer accepts from its
-	// IPv4 neighbors to /32s inside it; unset, it accepts every route. IPv6
-	// neighbors' routes are all accepted.
+	// ImportHostRoutesIn, when set, limits the IPv4 routes the peer accepts
+	// to /32s inside it; unset, it accepts every IPv4 route.
 	ImportHostRoutesIn netip.Prefix
+	// ImportHostRoutesIn6 is ImportHostRoutesIn for IPv6 routes (on IPv6
+	// sessions and on IPv4 ones with CarryIPv6): /128s inside it.
+	ImportHostRoutesIn6 netip.Prefix
 	// Log is the file BIRD logs to; empty logs to stderr.
 	Log string
 	// Originate lists the prefixes the peer announces to every neighbor of
@@ -89,6 +91,23 @@ type Config struct {
 }
 
 var symbolRE = regexp.MustCompile(`^[A-Za-z][A-Za-z0-9_]*$`)
+
+// importFilter is a channel's import clause: every route when p is unset,
+// else only host routes inside p, which must be a prefix of the family
+// (ipv4 or not) without host bits.
+func importFilter(p netip.Prefix, ipv4 bool) (string, error) {
+	if !p.IsValid() {
+		return "all", nil
+	}
+	name, family := "importHostRoutesIn", "IPv4"
+	if !ipv4 {
+		name, family = "importHostRoutesIn6", "IPv6"
+	}
+	if p.Addr().Is4() != ipv4 || p.Addr().Is4In6() || p.Masked() != p {
+		return "", fmt.Errorf("%s %v: must be an %s prefix without host bits", name, p, family)
+	}
+	return fmt.Sprintf("where net ~ [ %s{%d,%d} ]", p, p.Addr().BitLen(), p.Addr().BitLen()), nil
+}
 
 // globalIPv6 reports whether a is an IPv6 address BIRD can peer with
 // without naming an interface: not IPv4-mapped, zoned or link-local.
@@ -152,12 +171,13 @@ func Render(cfg Config) (string, error) {
 		b.WriteString("}\n")
 	}
 
-	imp := "all"
-	if p := cfg.ImportHostRoutesIn; p.IsValid() {
-		if !p.Addr().Is4() || p.Masked() != p {
-			return "", fmt.Errorf("importHostRoutesIn %v: must be an IPv4 prefix without host bits", p)
-		}
-		imp = fmt.Sprintf("where net ~ [ %s{32,32} ]", p)
+	imp, err := importFilter(cfg.ImportHostRoutesIn, true)
+	if err != nil {
+		return "", err
+	}
+	imp6, err := importFilter(cfg.ImportHostRoutesIn6, false)
+	if err != nil {
+		return "", err
 	}
 
 	bfd := false
@@ -222,7 +242,7 @@ func Render(cfg Config) (string, error) {
 			fmt.Fprintf(&b, "\tipv4 { import %s; export %s; };\n", imp, export)
 		}
 		if n.Address.Is6() || n.CarryIPv6 {
-			fmt.Fprintf(&b, "\tipv6 { import all; export %s; };\n", export)
+			fmt.Fprintf(&b, "\tipv6 { import %s; export %s; };\n", imp6, export)
 		}
 		b.WriteString("}\n")
 	}

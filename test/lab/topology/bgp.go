@@ -175,14 +175,12 @@ func birdProtocol(n *Node) string { return strings.ReplaceAll(n.Name, "-", "_") 
 // session is an IPv4 one that carries IPv6 routes too (an ipv6 channel
 // beside the ipv4 one), so one session, one hold timer and one state
 // (BGPSession) stand for both families. The gateway accepts only /32s of
-// TunnelNet from the routers, and every IPv6 route they announce (birdconf
-// filters IPv4 alone; the routers announce nothing but tunnel IPs),
-// announces nothing, and installs the BGP routes in its kernel, merging
-// equal ones into one multipath route per family. BGP errors (a hold timer
-// that expired) keep a session idle for 1 to 5 s rather than BIRD's
-// default minute or more.
+// TunnelNet and /128s of TunnelNet6 from the routers, announces nothing,
+// and installs the BGP routes in its kernel, merging equal ones into one
+// multipath route per family. BGP errors (a hold timer that expired) keep a
+// session idle for 1 to 5 s rather than BIRD's default minute or more.
 func (l *Lab) birdConfig() (string, error) {
-	cfg := birdconf.Config{RouterID: GatewayAddr, ASN: GatewayASN, ImportHostRoutesIn: TunnelNet}
+	cfg := birdconf.Config{RouterID: GatewayAddr, ASN: GatewayASN, ImportHostRoutesIn: TunnelNet, ImportHostRoutesIn6: TunnelNet6}
 	for _, r := range l.Routers {
 		cfg.Neighbors = append(cfg.Neighbors, birdconf.Neighbor{
 			Name: birdProtocol(r), Address: r.Addr, LocalAddress: GatewayAddr, ASN: RouterASN,

@@ -27,7 +27,7 @@ func TestBirdConfigParses(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, want := range []string{"protocol bgp router_a {", "neighbor 172.20.0.12 as 64512;", "merge paths on;", "passive on;", "[ 192.0.2.0/24{32,32} ]",
-		"protocol kernel kernel6 {", "\tipv6 { import all; export none; };"} {
+		"protocol kernel kernel6 {", "\tipv6 { import where net ~ [ 2001:db8:2::/64{128,128} ]; export none; };"} {
 		if !strings.Contains(conf, want) {
 			t.Errorf("configuration lacks %q:\n%s", want, conf)
 		}
