@@ -17,9 +17,9 @@ import (
 // kubectl tunnel explain names; other clients still spread over the pods.
 func clientAffinity(t *testing.T, e *env) {
 	ctx := context.Background()
-	vip := topology.TunnelIP(12)
+	vip := e.tunnelIP(12)
 	e.deploy(t, "affinity", vip, e.Pods...)
-	if err := e.ApplyService(ctx, topology.Service{Name: "affinity", Annotation: vip.String(), Endpoints: topology.Ready(e.Pods...), ClientAffinity: true}); err != nil {
+	if err := e.ApplyService(ctx, e.service(topology.Service{Name: "affinity", Annotation: vip.String(), Endpoints: topology.Ready(e.Pods...), ClientAffinity: true})); err != nil {
 		t.Fatal(err)
 	}
 	var status tunnelctl.StatusReport
@@ -38,7 +38,7 @@ func clientAffinity(t *testing.T, e *env) {
 		t.Fatalf("both routers hashing %s on the client's address: %v", vip, err)
 	}
 
-	others, err := e.AddClientAddrs(ctx, 8)
+	others, err := e.AddClientAddrs(ctx, e.clientAddr(), 8)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -50,7 +50,7 @@ func clientAffinity(t *testing.T, e *env) {
 	t.Cleanup(func() { _ = e.RouteTunnelsVia(ctx, e.Routers...) })
 
 	var ex tunnelctl.Explanation
-	e.kubectlTunnel(t, &ex, "explain", netip.AddrPortFrom(vip, tcpPort).String(), "--from", netip.AddrPortFrom(topology.ClientAddr, 44000).String())
+	e.kubectlTunnel(t, &ex, "explain", netip.AddrPortFrom(vip, tcpPort).String(), "--from", netip.AddrPortFrom(e.clientAddr(), 44000).String())
 	if !ex.ClientAffinity {
 		t.Errorf("explain does not account for the client affinity: %+v", ex)
 	}
@@ -62,10 +62,10 @@ func clientAffinity(t *testing.T, e *env) {
 		}
 		reached := map[string]int{}
 		for _, port := range portRange(44000, 50) {
-			reached[e.whoFrom(t, netip.AddrPortFrom(topology.ClientAddr, port), vip).Pod]++
+			reached[e.whoFrom(t, netip.AddrPortFrom(e.clientAddr(), port), vip).Pod]++
 		}
 		if len(reached) != 1 || reached[named] != 50 {
-			t.Errorf("through %s, 50 flows of %v reached %v; want all on %s, the pod kubectl tunnel explain names", r.Name, topology.ClientAddr, reached, named)
+			t.Errorf("through %s, 50 flows of %v reached %v; want all on %s, the pod kubectl tunnel explain names", r.Name, e.clientAddr(), reached, named)
 		}
 		for _, c := range others {
 			for _, port := range portRange(45000, 5) {
@@ -76,7 +76,7 @@ func clientAffinity(t *testing.T, e *env) {
 				podOfClient[c] = pod
 			}
 		}
-		t.Logf("through %s: 50 flows of %v, from 50 ports, all reached %s", r.Name, topology.ClientAddr, named)
+		t.Logf("through %s: 50 flows of %v, from 50 ports, all reached %s", r.Name, e.clientAddr(), named)
 	}
 	spread := map[string]int{named: 1}
 	for _, pod := range podOfClient {

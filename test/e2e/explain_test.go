@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelctl"
-	"github.com/cmdnu/kube-service-tunnel/test/lab/topology"
 )
 
 // kubectlTunnel runs kubectl tunnel's code, as the plugin binary does, with
@@ -35,7 +34,7 @@ func (e *env) kubectlTunnel(t *testing.T, out any, args ...string) {
 // publish it.
 func explainNamesAnsweringPod(t *testing.T, e *env) {
 	ctx := context.Background()
-	vip := topology.TunnelIP(11)
+	vip := e.tunnelIP(11)
 	e.deploy(t, "explain", vip, e.Pods...)
 
 	// The routers publish their status at most once a second.
@@ -75,9 +74,9 @@ func explainNamesAnsweringPod(t *testing.T, e *env) {
 	pods := map[string]int{}
 	for _, port := range ports {
 		var ex tunnelctl.Explanation
-		e.kubectlTunnel(t, &ex, "explain", netip.AddrPortFrom(vip, tcpPort).String(), "--from", netip.AddrPortFrom(topology.ClientAddr, port).String(), "--proto", "tcp")
+		e.kubectlTunnel(t, &ex, "explain", netip.AddrPortFrom(vip, tcpPort).String(), "--from", netip.AddrPortFrom(e.clientAddr(), port).String(), "--proto", "tcp")
 		pod := ex.Endpoint.Pod
-		if p := e.PodByName(podName(pod)); p == nil || p.Addr.String() != ex.Endpoint.Address {
+		if p := e.PodByName(podName(pod)); p == nil || e.podAddr(p).String() != ex.Endpoint.Address {
 			t.Fatalf("explain of port %d names pod %q at %s, not a lab pod", port, pod, ex.Endpoint.Address)
 		}
 		switch e.Opts.Mode {

@@ -24,15 +24,15 @@ import (
 const policyName = "tunnel-ingress"
 
 // 13. The pods' ingress NetworkPolicy holds for tunneled traffic: a policy
-// admitting only the client's /32 on the TCP port lets the client in, and
+// admitting only the client's address on the TCP port lets the client in, and
 // drops (and counts) a second client address and the client's UDP; a
 // policy change during an open connection does not cut it but refuses new
 // ones; without a policy both addresses connect again.
 func networkPolicy(t *testing.T, e *env) {
 	ctx := context.Background()
-	vip := topology.TunnelIP(13)
+	vip := e.tunnelIP(13)
 	e.deploy(t, "policy", vip, e.Pods...)
-	others, err := e.AddClientAddrs(ctx, 1)
+	others, err := e.AddClientAddrs(ctx, e.clientAddr(), 1)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -49,7 +49,7 @@ func networkPolicy(t *testing.T, e *env) {
 		}
 	})
 	// Both reach the pods before any policy.
-	for _, src := range []netip.Addr{topology.ClientAddr, stranger} {
+	for _, src := range []netip.Addr{e.clientAddr(), stranger} {
 		if !e.connects(src, vip, 41000) {
 			t.Fatalf("%v cannot reach %v before any policy", src, vip)
 		}
@@ -64,7 +64,7 @@ func networkPolicy(t *testing.T, e *env) {
 	t.Cleanup(func() { _, _ = early.Stop(context.Background()) })
 	waitVerified(t, early, 1000, "before any policy")
 
-	onlyClient := policy(ipBlockRule(topology.ClientAddr, corev1.ProtocolTCP, tcpPort))
+	onlyClient := policy(ipBlockRule(e.clientAddr(), corev1.ProtocolTCP, tcpPort))
 	writes := e.policyWrites(t)
 	start := time.Now()
 	if _, err := policies.Create(ctx, onlyClient, metav1.CreateOptions{}); err != nil {
@@ -78,7 +78,7 @@ func networkPolicy(t *testing.T, e *env) {
 	}
 
 	// kubectl tunnel explain judges the flows as the agents do.
-	for src, want := range map[netip.Addr]string{topology.ClientAddr: tunnelctl.PolicyAdmitted, stranger: tunnelctl.PolicyRefused} {
+	for src, want := range map[netip.Addr]string{e.clientAddr(): tunnelctl.PolicyAdmitted, stranger: tunnelctl.PolicyRefused} {
 		var ex tunnelctl.Explanation
 		e.kubectlTunnel(t, &ex, "explain", netip.AddrPortFrom(vip, tcpPort).String(), "--from", netip.AddrPortFrom(src, 41099).String())
 		if ex.Policy == nil || ex.Policy.Verdict != want || len(ex.Policy.Policies) != 1 {
@@ -89,7 +89,7 @@ func networkPolicy(t *testing.T, e *env) {
 	// stranger reaches none; UDP is not in the policy.
 	reached := map[string]int{}
 	for _, port := range portRange(41100, 20) {
-		reached[e.whoFrom(t, netip.AddrPortFrom(topology.ClientAddr, port), vip).Pod]++
+		reached[e.whoFrom(t, netip.AddrPortFrom(e.clientAddr(), port), vip).Pod]++
 	}
 	if len(reached) < 2 {
 		t.Errorf("20 flows of the admitted client reached %v: the test should cover several pods", reached)
@@ -141,7 +141,7 @@ func networkPolicy(t *testing.T, e *env) {
 	}
 	t.Logf("policy changed: the new rules were in the %d pods' kernels %v after the write", len(e.Pods), e.timeToRules(t, writes, start).Round(time.Millisecond))
 	if err := e.poll(30*time.Second, func() (bool, string) {
-		return !e.connects(topology.ClientAddr, vip, 41401), "the client still opens new connections"
+		return !e.connects(e.clientAddr(), vip, 41401), "the client still opens new connections"
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -158,7 +158,7 @@ func networkPolicy(t *testing.T, e *env) {
 	}
 	t.Logf("policy deleted: the rules were gone from the %d pods' kernels %v after the delete", len(e.Pods), e.timeToRules(t, writes, start).Round(time.Millisecond))
 	if err := e.poll(30*time.Second, func() (bool, string) {
-		return e.connects(stranger, vip, 41500) && e.connects(topology.ClientAddr, vip, 41501), "a client is still refused"
+		return e.connects(stranger, vip, 41500) && e.connects(e.clientAddr(), vip, 41501), "a client is still refused"
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -244,11 +244,11 @@ func policy(rules ...networkingv1.NetworkPolicyIngressRule) *networkingv1.Networ
 	}
 }
 
-// ipBlockRule admits src/32 on one port.
+// ipBlockRule admits src alone (/32 or /128) on one port.
 func ipBlockRule(src netip.Addr, proto corev1.Protocol, port int) networkingv1.NetworkPolicyIngressRule {
 	p := intstr.FromInt32(int32(port))
 	return networkingv1.NetworkPolicyIngressRule{
-		From:  []networkingv1.NetworkPolicyPeer{{IPBlock: &networkingv1.IPBlock{CIDR: netip.PrefixFrom(src, 32).String()}}},
+		From:  []networkingv1.NetworkPolicyPeer{{IPBlock: &networkingv1.IPBlock{CIDR: topology.HostPrefix(src)}}},
 		Ports: []networkingv1.NetworkPolicyPort{{Protocol: &proto, Port: &p}},
 	}
 }

@@ -552,7 +552,10 @@ func badAnnotation(t *testing.T, e *env) {
 	ctx := context.Background()
 	vip := e.tunnelIP(7)
 	e.deploy(t, "good", vip, e.Pods...)
-	const bad = "not-an-ip"
+	bad := "not-an-ip"
+	if e.ipv6 {
+		bad = e.tunnelIP(70).String() + ", " + e.tunnelIP(71).String() // two IPv6 addresses
+	}
 	if err := e.ApplyService(ctx, e.service(topology.Service{Name: "bad", Annotation: bad, Endpoints: topology.Ready(e.Pods...)})); err != nil {
 		t.Fatal(err)
 	}

@@ -295,27 +295,40 @@ func addrs(pods []*Pod) []netip.Addr {
 	return out
 }
 
-// AddClientAddrs gives the client n more addresses after ClientAddr
-// (198.51.100.11, ...), each a /32 on its link to the gateway, which
-// reaches them on the client network it is on; remove them with
-// RemoveClientAddrs.
-func (l *Lab) AddClientAddrs(ctx context.Context, n int) ([]netip.Addr, error) {
+// AddClientAddrs gives the client n more addresses after first (ClientAddr,
+// 198.51.100.11, ...; or ClientAddr6, 2001:db8:100::11, ...), each a host
+// prefix on its link to the gateway, which reaches them on the client
+// network it is on. IPv6 ones skip duplicate address detection, so they are
+// usable at once, and are deprecated (preferred_lft 0), so that the kernel
+// never picks one as the source of a connection that does not bind it: as
+// with IPv4, the client's own address stays the default source. Remove
+// them with RemoveClientAddrs.
+func (l *Lab) AddClientAddrs(ctx context.Context, first netip.Addr, n int) ([]netip.Addr, error) {
 	var addrs []netip.Addr
 	var cmds []string
-	a := ClientAddr
+	a := first
 	for range n {
 		a = a.Next()
 		addrs = append(addrs, a)
-		cmds = append(cmds, fmt.Sprintf("-n %s addr add %s/32 dev eth0", ClientNS, a))
+		cmds = append(cmds, fmt.Sprintf("-n %s addr add %s dev eth0%s", ClientNS, HostPrefix(a), extraAddrFlags(a)))
 	}
 	return addrs, script(ctx, cmds...)
+}
+
+// extraAddrFlags are the flags of an added IPv6 client address: no
+// duplicate address detection, and never a default source address.
+func extraAddrFlags(a netip.Addr) string {
+	if a.Is6() {
+		return " nodad preferred_lft 0"
+	}
+	return ""
 }
 
 // RemoveClientAddrs removes addresses AddClientAddrs added.
 func (l *Lab) RemoveClientAddrs(ctx context.Context, addrs []netip.Addr) error {
 	var cmds []string
 	for _, a := range addrs {
-		cmds = append(cmds, fmt.Sprintf("-n %s addr del %s/32 dev eth0", ClientNS, a))
+		cmds = append(cmds, fmt.Sprintf("-n %s addr del %s dev eth0", ClientNS, HostPrefix(a)))
 	}
 	return script(ctx, cmds...)
 }
