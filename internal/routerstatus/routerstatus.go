@@ -140,7 +140,7 @@ func (r Router) ConfigMap(ns string, owner *metav1.OwnerReference) *corev1.Confi
 		r.Node, r.Pod, r.Version, r.Mode, r.Buckets, r.Generations, r.MarkOffset, r.TableBase, r.SeedFingerprint, r.BGP,
 		r.Updated.UTC().Format(time.RFC3339), len(tunnels), r.Truncated)
 	if p := r.Policy; p != nil {
-		header += fmt.Sprintf("pools: %s\npodCIDRs: %s\nserviceCIDRs: %s\n", p.Pools, joinPrefixes(p.PodCIDRs), joinPrefixes(p.ServiceCIDRs))
+		header += fmt.Sprintf("pools: %s\npodCIDRs: %s\nserviceCIDRs: %s\n", p.Pools, tunnelclaim.JoinCIDRs(p.PodCIDRs), tunnelclaim.JoinCIDRs(p.ServiceCIDRs))
 	}
 	cm := &corev1.ConfigMap{
 		ObjectMeta: metav1.ObjectMeta{
@@ -268,15 +268,6 @@ func (r *Router) policy() *tunnelclaim.Policy {
 		r.Policy = &tunnelclaim.Policy{}
 	}
 	return r.Policy
-}
-
-// joinPrefixes renders prefixes as ParseCIDRs reads them.
-func joinPrefixes(ps []netip.Prefix) string {
-	parts := make([]string, len(ps))
-	for i, p := range ps {
-		parts[i] = p.String()
-	}
-	return strings.Join(parts, ",")
 }
 
 // Slot returns the slot of bucket b in generation g: its mark is

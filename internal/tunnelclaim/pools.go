@@ -186,6 +186,15 @@ func ParseCIDRs(value string) ([]netip.Prefix, error) {
 	return out, nil
 }
 
+// JoinCIDRs renders prefixes as ParseCIDRs reads them.
+func JoinCIDRs(ps []netip.Prefix) string {
+	parts := make([]string, len(ps))
+	for i, p := range ps {
+		parts[i] = p.String()
+	}
+	return strings.Join(parts, ",")
+}
+
 // Network is a range the cluster uses, and where it is known from.
 type Network struct {
 	Prefix netip.Prefix

@@ -153,7 +153,7 @@ func (inv *Inventory) routerConfig() {
 		// The router's own pools: a flag on its command line wins over
 		// the ConfigMap.
 		if inv.configRead && !inv.Policy.Equal(*p) {
-			inv.Notes = append(inv.Notes, fmt.Sprintf("router %s admits claims with --pools %q (its command line overrides the ConfigMap's %q): claims are judged with the router's", first.Node, p.Pools, inv.Policy.Pools))
+			inv.Notes = append(inv.Notes, fmt.Sprintf("router %s admits claims with %s, the ConfigMap says %s (a flag on the router's command line wins, or it has not applied the ConfigMap yet): claims are judged with the router's", first.Node, describePolicy(*p), describePolicy(inv.Policy)))
 		}
 		inv.Policy, inv.routerPolicy = *p, true
 	}
@@ -162,13 +162,28 @@ func (inv *Inventory) routerConfig() {
 			continue
 		}
 		if r.Policy != nil && first.Policy != nil && !r.Policy.Equal(*first.Policy) {
-			inv.Notes = append(inv.Notes, fmt.Sprintf("routers disagree on the address pools: %s admits claims with --pools %q, %s with %q", first.Node, first.Policy.Pools, r.Node, r.Policy.Pools))
+			inv.Notes = append(inv.Notes, fmt.Sprintf("routers disagree on the address pools: %s admits claims with %s, %s with %s", first.Node, describePolicy(*first.Policy), r.Node, describePolicy(*r.Policy)))
 		}
 		if r.Mode != first.Mode || r.Buckets != first.Buckets || r.SeedFingerprint != first.SeedFingerprint || r.Generations != first.Generations {
 			inv.Notes = append(inv.Notes, fmt.Sprintf("routers disagree: %s runs %s, %d buckets, %d generations, seed %s; %s runs %s, %d buckets, %d generations, seed %s",
 				first.Node, first.Mode, first.Buckets, first.Generations, first.SeedFingerprint, r.Node, r.Mode, r.Buckets, r.Generations, r.SeedFingerprint))
 		}
 	}
+}
+
+// describePolicy renders p as the daemons' flags: --pools, and the ranges
+// when set.
+func describePolicy(p tunnelclaim.Policy) string {
+	s := fmt.Sprintf("--pools %q", p.Pools)
+	for _, r := range []struct {
+		flag   string
+		ranges []netip.Prefix
+	}{{"--pod-cidr", p.PodCIDRs}, {"--service-cidr", p.ServiceCIDRs}} {
+		if len(r.ranges) > 0 {
+			s += fmt.Sprintf(" %s %q", r.flag, tunnelclaim.JoinCIDRs(r.ranges))
+		}
+	}
+	return s
 }
 
 // Endpoint is one endpoint of a served tunnel IP.

@@ -477,8 +477,8 @@ func TestPoolsFromTheRouters(t *testing.T) {
 	}{
 		{name: "older routers publish none", wantWon: false},
 		{name: "the newest router's pools win", a: "192.0.2.0/24;198.51.100.0/24", b: "192.0.2.0/24", wantWon: true,
-			wantNotes: []string{`router router-a admits claims with --pools "192.0.2.0/24;198.51.100.0/24" (its command line overrides the ConfigMap's "192.0.2.0/24")`,
-				`routers disagree on the address pools: router-a admits claims with --pools "192.0.2.0/24;198.51.100.0/24", router-b with "192.0.2.0/24"`}},
+			wantNotes: []string{`router router-a admits claims with --pools "192.0.2.0/24;198.51.100.0/24", the ConfigMap says --pools "192.0.2.0/24" (a flag on the router's command line wins`,
+				`routers disagree on the address pools: router-a admits claims with --pools "192.0.2.0/24;198.51.100.0/24", router-b with --pools "192.0.2.0/24"`}},
 		{name: "no ConfigMap", a: "198.51.100.0/24", noConfig: true, wantWon: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
