@@ -10,7 +10,6 @@ import (
 	"context"
 	"flag"
 	"fmt"
-	"reflect"
 	"sync"
 
 	"github.com/sirupsen/logrus"
@@ -51,7 +50,7 @@ func (p *Policy) Get() tunnelclaim.Policy {
 func (p *Policy) Set(next tunnelclaim.Policy) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if reflect.DeepEqual(p.policy, next) {
+	if p.policy.Equal(next) {
 		return false
 	}
 	p.policy = next

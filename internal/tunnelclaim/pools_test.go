@@ -182,3 +182,32 @@ func TestKnownNetworksOrderIndependent(t *testing.T) {
 		t.Fatal("a removed Node changed nothing")
 	}
 }
+
+// Policy.Equal compares meaning: the pools as --pools renders them and the
+// ranges; an empty list equals none.
+func TestPolicyEqual(t *testing.T) {
+	pools := func(s string) Pools {
+		p, err := ParsePools(s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	base := Policy{Pools: pools("192.0.2.0/24;2001:db8:2::/64=team-a"), PodCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}}
+	for _, tc := range []struct {
+		name string
+		q    Policy
+		want bool
+	}{
+		{"the same", Policy{Pools: pools("192.0.2.0/24;2001:db8:2::/64=team-a"), PodCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16")}}, true},
+		{"no Service range either way", Policy{Pools: base.Pools, PodCIDRs: base.PodCIDRs, ServiceCIDRs: []netip.Prefix{}}, true},
+		{"another namespace", Policy{Pools: pools("192.0.2.0/24;2001:db8:2::/64=team-b"), PodCIDRs: base.PodCIDRs}, false},
+		{"a pool less", Policy{Pools: pools("192.0.2.0/24"), PodCIDRs: base.PodCIDRs}, false},
+		{"another pod range", Policy{Pools: base.Pools, PodCIDRs: []netip.Prefix{netip.MustParsePrefix("10.245.0.0/16")}}, false},
+		{"a Service range", Policy{Pools: base.Pools, PodCIDRs: base.PodCIDRs, ServiceCIDRs: []netip.Prefix{netip.MustParsePrefix("10.96.0.0/12")}}, false},
+	} {
+		if got := base.Equal(tc.q); got != tc.want {
+			t.Errorf("%s: Equal = %t, want %t", tc.name, got, tc.want)
+		}
+	}
+}
