@@ -34,7 +34,7 @@ import (
 //	GET  /kstate   the node's kernel state (kstate.Snapshot of its root namespace), JSON
 //	GET  /sockets  every pod's TCP sockets (podSockets), JSON
 //	GET  /podlogs  ?namespace=NS&pod=NAME: the pod's containers' logs, text
-//	GET  /debug    routes, MPLS routes and the tails of the pods' logs, text
+//	GET  /debug    routes, MPLS routes, links, addresses and the tails of the pods' logs, text
 //	POST /stop     ends the helper
 func TestNodeHelper(t *testing.T) {
 	if os.Getenv(roleEnv) != "worker" {
@@ -51,7 +51,7 @@ func TestNodeHelper(t *testing.T) {
 		writeJSON(w, pods, err)
 	})
 	mux.HandleFunc("GET /debug", func(w http.ResponseWriter, r *http.Request) {
-		for _, args := range [][]string{{"/sbin/ip", "route"}, {"/sbin/ip", "-f", "mpls", "route"}, {"/sbin/ip", "-d", "link"},
+		for _, args := range [][]string{{"/sbin/ip", "route"}, {"/sbin/ip", "-f", "mpls", "route"}, {"/sbin/ip", "-br", "link"}, {"/sbin/ip", "-br", "addr"},
 			{"sh", "-c", "for f in /var/log/pods/*/*/*.log; do echo \"== $f\"; tail -n 20 \"$f\"; done"}} {
 			out, err := exec.CommandContext(r.Context(), args[0], args[1:]...).CombinedOutput()
 			fmt.Fprintf(w, "$ %s (%v)\n%s\n", strings.Join(args, " "), err, out)

@@ -295,16 +295,21 @@ func RunGuestKernelTests(t *testing.T, pkg, run string, timeout time.Duration, c
 // ReportGuestTests reports each (sub)test a guest test binary printed in
 // out (its console, go test -v) as a subtest of t with the same result, and
 // fails t when the VM run failed (err, or exit code rc) or printed none.
+// The failed tests that have no failed subtest of their own come first:
+// their lines say why, and a long report (a parent's diagnostics) after
+// them cannot push them out of a log's excerpt.
 func ReportGuestTests(t *testing.T, out string, rc int, err error) {
 	t.Helper()
-	results := goTestResultRE.FindAllStringSubmatch(out, -1)
+	results := guestResults(out)
 	for _, r := range results {
-		result, name, took := r[1], r[2], r[3]
+		result, name, took := r.result, r.name, r.took
 		t.Run(name, func(t *testing.T) {
-			switch result {
-			case "FAIL":
+			switch {
+			case result == "FAIL" && r.failedBelow:
+				t.Errorf("failed in the VM after %s, in the subtests reported before this:\n%s", took, guestTestLog(out, name))
+			case result == "FAIL":
 				t.Errorf("failed in the VM after %s:\n%s", took, guestTestLog(out, name))
-			case "SKIP":
+			case result == "SKIP":
 				t.Skipf("skipped in the VM: %s", guestTestLog(out, name))
 			default:
 				t.Logf("passed in the VM in %s:\n%s", took, guestTestLog(out, name))
@@ -314,6 +319,37 @@ func ReportGuestTests(t *testing.T, out string, rc int, err error) {
 	if err != nil || rc != 0 || len(results) == 0 {
 		t.Errorf("guest tests: exit code %d, error %v, %d results; console tail:\n%s", rc, err, len(results), LastLines(out, 80))
 	}
+}
+
+// guestResult is one result line of go test -v.
+type guestResult struct {
+	result, name, took string
+	failedBelow        bool // FAIL, and so is one of its subtests
+}
+
+// guestResults are out's result lines, the failed tests without a failed
+// subtest first, then the others in the order printed.
+func guestResults(out string) []guestResult {
+	var all []guestResult
+	for _, m := range goTestResultRE.FindAllStringSubmatch(out, -1) {
+		all = append(all, guestResult{result: m[1], name: m[2], took: m[3]})
+	}
+	for i := range all {
+		for _, other := range all {
+			if all[i].result == "FAIL" && other.result == "FAIL" && strings.HasPrefix(other.name, all[i].name+"/") {
+				all[i].failedBelow = true
+			}
+		}
+	}
+	var first, rest []guestResult
+	for _, r := range all {
+		if r.result == "FAIL" && !r.failedBelow {
+			first = append(first, r)
+		} else {
+			rest = append(rest, r)
+		}
+	}
+	return append(first, rest...)
 }
 
 // guestTestLog returns the lines go test -v printed for test name: from its

@@ -204,3 +204,36 @@ func TestBootTimeout(t *testing.T) {
 		t.Errorf("Boot returned %v after its deadline", d)
 	}
 }
+
+// TestGuestResultsFailuresFirst: the failed leaf tests are reported before
+// their parents, whose logs carry the long diagnostics.
+func TestGuestResultsFailuresFirst(t *testing.T) {
+	out := `=== RUN   TestInCluster
+=== RUN   TestInCluster/gre
+--- FAIL: TestInCluster (9.00s)
+    --- PASS: TestInCluster/gre (3.00s)
+        --- PASS: TestInCluster/gre/install (1.00s)
+    --- FAIL: TestInCluster/mpls (6.00s)
+        --- PASS: TestInCluster/mpls/install (1.00s)
+        --- FAIL: TestInCluster/mpls/rollout_restart (5.00s)
+--- FAIL: TestOther (0.50s)
+--- SKIP: TestNodeHelper (0.00s)
+`
+	var got []string
+	for _, r := range guestResults(out) {
+		got = append(got, fmt.Sprintf("%s %s %v", r.result, r.name, r.failedBelow))
+	}
+	want := []string{
+		"FAIL TestInCluster/mpls/rollout_restart false",
+		"FAIL TestOther false",
+		"FAIL TestInCluster true",
+		"PASS TestInCluster/gre false",
+		"PASS TestInCluster/gre/install false",
+		"FAIL TestInCluster/mpls true",
+		"PASS TestInCluster/mpls/install false",
+		"SKIP TestNodeHelper false",
+	}
+	if strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Errorf("order:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+}
