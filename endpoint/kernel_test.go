@@ -44,7 +44,8 @@ func requireGREAndMPLS(t *testing.T) {
 func TestKernelGREPod(t *testing.T) {
 	requireGREAndMPLS(t)
 	ip := netip.MustParseAddr("198.18.10.91")
-	pod, _ := podAndNode(t, ip)
+	pod, node := podAndNode(t, ip)
+	forwardLikeAKubernetesPod(pod)
 	pn := NewPodNetwork(testConfig(encap.GRE), netns.None())
 	w := want(vip1, vip2)
 	w.Pod.IP = ip
@@ -63,6 +64,11 @@ func TestKernelGREPod(t *testing.T) {
 	if v := readSysctl(t, pod, "net/ipv4/conf/kst-decap/rp_filter"); v != "2" {
 		t.Errorf("rp_filter = %q", v)
 	}
+	node.Run("ip", "addr", "add", nodeIPv4.String()+"/32", "dev", "lo")
+	node.Run("ip", "link", "add", "gnode", "type", "gre", "local", nodeIPv4.String(), "remote", ip.String())
+	node.Run("ip", "link", "set", "gnode", "up")
+	node.Run("ip", "route", "add", strayIP.String()+"/32", "dev", "gnode")
+	strayIsDropped(t, pod, node)
 	// A restarted agent adopts the real GRE device without a change.
 	if acts, err := NewPodNetwork(testConfig(encap.GRE), netns.None()).Sync(pod.Handle, w); err != nil || len(acts) != 0 {
 		t.Fatalf("re-sync: %v, %v; want no change", render(acts), err)
@@ -80,7 +86,8 @@ func TestKernelGREPod(t *testing.T) {
 func TestKernelMPLSPod(t *testing.T) {
 	requireGREAndMPLS(t)
 	ip := netip.MustParseAddr("198.18.10.92")
-	pod, _ := podAndNode(t, ip)
+	pod, node := podAndNode(t, ip)
+	forwardLikeAKubernetesPod(pod)
 	pod.Run("sysctl", "-qw", "net.ipv4.conf.lo.rp_filter=1")
 	cfg := testConfig(encap.MPLS)
 	pn := NewPodNetwork(cfg, netns.None())
@@ -103,6 +110,9 @@ func TestKernelMPLSPod(t *testing.T) {
 	if acts, err := NewPodNetwork(cfg, netns.None()).Sync(pod.Handle, w); err != nil || len(acts) != 0 {
 		t.Fatalf("re-sync: %v, %v; want no change", render(acts), err)
 	}
+	node.Run("ip", "addr", "add", nodeIPv4.String()+"/32", "dev", "lo")
+	node.Run("ip", "route", "add", strayIP.String()+"/32", "encap", "mpls", strconv.Itoa(PodLabel), "via", "inet", ip.String(), "dev", "podveth")
+	strayIsDropped(t, pod, node)
 	w.TunnelIPs = nil
 	if _, err := pn.Sync(pod.Handle, w); err != nil {
 		t.Fatal(err)
@@ -145,6 +155,80 @@ func TestKernelMPLSNode(t *testing.T) {
 		t.Errorf("swap route still there: %q", out)
 	}
 	t.Run("ipv6", kernelMPLSNodeIPv6)
+}
+
+// nodeIPv4 is the node's own address the IPv4 tests send from; strayIP is
+// an address routed through the pod's decapsulation path that the pod does
+// not hold.
+var nodeIPv4, strayIP = netip.MustParseAddr("198.18.9.1"), netip.MustParseAddr("192.0.2.99")
+
+// forwardLikeAKubernetesPod turns IPv4 forwarding on in the pod's
+// namespace, as a Kubernetes node's pods have it: a new namespace copies
+// its creator's IPv4 settings, and nodes forward.
+func forwardLikeAKubernetesPod(pod *testnetns.NS) {
+	pod.Run("sysctl", "-qw", "net.ipv4.conf.all.forwarding=1")
+	pod.Run("sysctl", "-qw", "net.ipv4.conf.default.forwarding=1")
+}
+
+// strayIsDropped sends datagrams from the node to strayIP, which the node
+// routes into the pod's decapsulation path: the pod receives them and, as
+// the agent turned forwarding off where they arrive (see planPod), drops
+// them instead of forwarding them to its default gateway (where a real
+// node would answer the client with ICMP net unreachable).
+func strayIsDropped(t *testing.T, pod, node *testnetns.NS) {
+	t.Helper()
+	before := ipCounters(t, pod)
+	const sent = 5
+	if err := node.Do(func() error {
+		c, err := net.DialUDP("udp", &net.UDPAddr{IP: nodeIPv4.AsSlice()}, &net.UDPAddr{IP: strayIP.AsSlice(), Port: 9})
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		for range sent {
+			if _, err := c.Write([]byte("stray")); err != nil {
+				return err
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond)
+	after := ipCounters(t, pod)
+	if got := after["InReceives"] - before["InReceives"]; got < sent {
+		t.Errorf("the pod received %d of the %d datagrams to %v: the decapsulation path did not carry them", got, sent, strayIP)
+	}
+	if got := after["ForwDatagrams"] - before["ForwDatagrams"]; got != 0 {
+		t.Errorf("the pod forwarded %d datagrams decapsulated for %v, which it does not hold; want them dropped", got, strayIP)
+	}
+}
+
+// ipCounters reads the Ip: counters of /proc/net/snmp in ns.
+func ipCounters(t *testing.T, ns *testnetns.NS) map[string]int64 {
+	t.Helper()
+	var names, values []string
+	for _, line := range strings.Split(ns.Run("cat", "/proc/net/snmp"), "\n") {
+		if f := strings.Fields(line); len(f) > 1 && f[0] == "Ip:" {
+			if names == nil {
+				names = f[1:]
+			} else {
+				values = f[1:]
+			}
+		}
+	}
+	counters := map[string]int64{}
+	for i := range min(len(names), len(values)) {
+		n, err := strconv.ParseInt(values[i], 10, 64)
+		if err != nil {
+			t.Fatalf("/proc/net/snmp Ip: %s = %q", names[i], values[i])
+		}
+		counters[names[i]] = n
+	}
+	if _, ok := counters["ForwDatagrams"]; !ok {
+		t.Fatalf("no Ip: ForwDatagrams in /proc/net/snmp")
+	}
+	return counters
 }
 
 // routerIPv6 is the node's own address the tests' routers send from.

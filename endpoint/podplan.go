@@ -207,6 +207,7 @@ const (
 )
 
 func rpFilterSysctl(dev string) string    { return "net/ipv4/conf/" + dev + "/rp_filter" }
+func forwardingSysctl(dev string) string  { return "net/ipv4/conf/" + dev + "/forwarding" }
 func mplsInputSysctl(dev string) string   { return "net/mpls/conf/" + dev + "/input" }
 func disableIPv6Sysctl(dev string) string { return "net/ipv6/conf/" + dev + "/disable_ipv6" }
 
@@ -214,7 +215,7 @@ func disableIPv6Sysctl(dev string) string { return "net/ipv6/conf/" + dev + "/di
 // IPv6 address.
 func podSysctls(cfg Config, st podState, ipv6 bool) []string {
 	if cfg.Mode == encap.GRE {
-		names := []string{rpFilterSysctl(cfg.Device)}
+		names := []string{rpFilterSysctl(cfg.Device), forwardingSysctl(cfg.Device)}
 		if ipv6 {
 			// A new device takes the namespace's default.
 			names = append(names, disableIPv6Sysctl(cfg.IPv6Device()), disableIPv6Sysctl("default"))
@@ -225,7 +226,7 @@ func podSysctls(cfg Config, st podState, ipv6 bool) []string {
 	for _, l := range podLinks(st.PodLink, st.PodLink6) {
 		names = append(names, mplsInputSysctl(l))
 	}
-	names = append(names, rpFilterSysctl("lo"))
+	names = append(names, rpFilterSysctl("lo"), forwardingSysctl("lo"))
 	if ipv6 {
 		names = append(names, disableIPv6Sysctl("lo"))
 	}
@@ -255,6 +256,18 @@ func podLinks(links ...string) []string {
 // restored: rp_filter goes from strict (1) to loose (2) and is left alone when
 // already off (0) or loose; disable_ipv6 goes from 1 to 0 on the device or
 // lo that must receive IPv6 tunneled packets, and nowhere else.
+//
+// The one exception is IPv4 forwarding on the interface that receives the
+// decapsulated IPv4 packets (the GRE device, or lo in mpls mode): it is
+// turned off before that interface can receive any, and is not restored.
+// A new network namespace copies the node's IPv4 settings, so on a
+// Kubernetes node a pod forwards. A packet decapsulated for a tunnel IP the
+// pod does not hold (not yet: the router sends to a new pod as soon as it
+// is ready, which can be before the agent added the address; or no longer)
+// would then go out to the pod's default gateway, the node, which has no
+// route for it and answers the client with ICMP net unreachable: a client
+// that is connecting gives up at once. Without forwarding there the pod
+// drops the packet, and the client retransmits its SYN.
 func planPod(cfg Config, want PodTunnels, have podState) ([]PodChange, error) {
 	if have.ForeignDevice {
 		return nil, fmt.Errorf("a device named %q exists that kube-service-tunnel did not create (its alias is not %q); rename it or choose another --device", cfg.Device, DeviceAlias)
@@ -333,6 +346,10 @@ func planPod(cfg Config, want PodTunnels, have podState) ([]PodChange, error) {
 			if dev == nil {
 				acts = append(acts, PodChange{Kind: actCreateDevice, Addr: want.Pod.IP}, PodChange{Kind: actMarkDevice})
 			}
+			// Off before the device is up (see above).
+			if dev == nil || have.Sysctls[forwardingSysctl(cfg.Device)] != "0" {
+				acts = append(acts, PodChange{Kind: actSetSysctl, Sysctl: forwardingSysctl(cfg.Device), Value: "0"})
+			}
 			if dev == nil || !dev.Up {
 				acts = append(acts, PodChange{Kind: actSetDeviceUp})
 			}
@@ -382,6 +399,10 @@ func planPod(cfg Config, want PodTunnels, have podState) ([]PodChange, error) {
 		}
 		if len(v4) > 0 && have.Sysctls[rpFilterSysctl("lo")] == "1" {
 			acts = append(acts, PodChange{Kind: actSetSysctl, Sysctl: rpFilterSysctl("lo"), Value: "2"})
+		}
+		// Off before the pop route (see above).
+		if len(v4) > 0 && have.Sysctls[forwardingSysctl("lo")] != "0" {
+			acts = append(acts, PodChange{Kind: actSetSysctl, Sysctl: forwardingSysctl("lo"), Value: "0"})
 		}
 		// The popped IPv6 packets are received on lo.
 		if len(v6) > 0 && have.Sysctls[disableIPv6Sysctl("lo")] == "1" {

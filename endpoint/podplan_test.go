@@ -55,9 +55,9 @@ func render(acts []PodChange) string {
 
 func TestPlanPod(t *testing.T) {
 	greReady := podState{PodLink: "eth0", Device: &deviceState{Local: podIP, Up: true}, DeviceIPs: []netip.Addr{vip1},
-		Sysctls: map[string]string{"net/ipv4/conf/kst-decap/rp_filter": "2"}}
+		Sysctls: map[string]string{"net/ipv4/conf/kst-decap/rp_filter": "2", "net/ipv4/conf/kst-decap/forwarding": "0"}}
 	mplsReady := podState{PodLink: "eth0", LoopbackIPs: []netip.Addr{vip1}, PopRoute: true,
-		Sysctls: map[string]string{"net/mpls/platform_labels": "101", "net/mpls/conf/eth0/input": "1", "net/ipv4/conf/lo/rp_filter": "2"}}
+		Sysctls: map[string]string{"net/mpls/platform_labels": "101", "net/mpls/conf/eth0/input": "1", "net/ipv4/conf/lo/rp_filter": "2", "net/ipv4/conf/lo/forwarding": "0"}}
 	for _, tc := range []struct {
 		name   string
 		mode   encap.Mode
@@ -67,40 +67,48 @@ func TestPlanPod(t *testing.T) {
 		plan   string
 	}{
 		{name: "gre: fresh pod", mode: encap.GRE, want: want(vip1), have: podState{PodLink: "eth0"},
-			plan: "create device, local 10.1.0.11; set device alias kube-service-tunnel; set device up; sysctl net/ipv4/conf/kst-decap/rp_filter=2; add tunnel IP 192.0.2.10 on device"},
+			plan: "create device, local 10.1.0.11; set device alias kube-service-tunnel; sysctl net/ipv4/conf/kst-decap/forwarding=0; set device up; sysctl net/ipv4/conf/kst-decap/rp_filter=2; add tunnel IP 192.0.2.10 on device"},
 		{name: "gre: already right means no change (adoption)", mode: encap.GRE, want: want(vip1), have: greReady, plan: ""},
 		{name: "gre: second tunnel IP added on its own", mode: encap.GRE, want: want(vip1, vip2), have: greReady,
 			plan: "add tunnel IP 192.0.2.11 on device"},
 		{name: "gre: one of two removed keeps the device", mode: encap.GRE, want: want(vip2),
 			have: podState{PodLink: "eth0", Device: &deviceState{Local: podIP, Up: true}, DeviceIPs: []netip.Addr{vip1, vip2},
-				Sysctls: map[string]string{"net/ipv4/conf/kst-decap/rp_filter": "2"}},
+				Sysctls: map[string]string{"net/ipv4/conf/kst-decap/rp_filter": "2", "net/ipv4/conf/kst-decap/forwarding": "0"}},
 			plan: "remove tunnel IP 192.0.2.10 on device"},
 		{name: "gre: last removed deletes the device after the address", mode: encap.GRE, want: want(), have: greReady,
 			plan: "remove tunnel IP 192.0.2.10 on device; delete device"},
 		{name: "gre: device down and rp_filter drifted are repaired", mode: encap.GRE, want: want(vip1),
 			have: podState{PodLink: "eth0", Device: &deviceState{Local: podIP}, DeviceIPs: []netip.Addr{vip1},
-				Sysctls: map[string]string{"net/ipv4/conf/kst-decap/rp_filter": "1"}},
+				Sysctls: map[string]string{"net/ipv4/conf/kst-decap/rp_filter": "1", "net/ipv4/conf/kst-decap/forwarding": "0"}},
 			plan: "set device up; sysctl net/ipv4/conf/kst-decap/rp_filter=2"},
 		{name: "gre: device with an old local address is recreated", mode: encap.GRE, want: want(vip1),
 			have: podState{PodLink: "eth0", Device: &deviceState{Local: netip.MustParseAddr("10.1.0.99"), Up: true}, DeviceIPs: []netip.Addr{vip1}},
-			plan: "delete device; create device, local 10.1.0.11; set device alias kube-service-tunnel; set device up; sysctl net/ipv4/conf/kst-decap/rp_filter=2; add tunnel IP 192.0.2.10 on device"},
+			plan: "delete device; create device, local 10.1.0.11; set device alias kube-service-tunnel; sysctl net/ipv4/conf/kst-decap/forwarding=0; set device up; sysctl net/ipv4/conf/kst-decap/rp_filter=2; add tunnel IP 192.0.2.10 on device"},
 		{name: "gre: a device left unmarked by a crash between creation and alias is adopted", mode: encap.GRE, want: want(vip1),
 			have: podState{PodLink: "eth0", Device: &deviceState{Local: podIP, Up: true, Unmarked: true}, DeviceIPs: []netip.Addr{vip1},
-				Sysctls: map[string]string{"net/ipv4/conf/kst-decap/rp_filter": "2"}},
+				Sysctls: map[string]string{"net/ipv4/conf/kst-decap/rp_filter": "2", "net/ipv4/conf/kst-decap/forwarding": "0"}},
 			plan: "set device alias kube-service-tunnel"},
+		{name: "gre: a device that forwards (made by an older agent) stops", mode: encap.GRE, want: want(vip1),
+			have: podState{PodLink: "eth0", Device: &deviceState{Local: podIP, Up: true}, DeviceIPs: []netip.Addr{vip1},
+				Sysctls: map[string]string{"net/ipv4/conf/kst-decap/rp_filter": "2", "net/ipv4/conf/kst-decap/forwarding": "1"}},
+			plan: "sysctl net/ipv4/conf/kst-decap/forwarding=0"},
+		{name: "mpls: a pod whose lo forwards (served by an older agent) stops", mode: encap.MPLS, want: want(vip1),
+			have: podState{PodLink: "eth0", PopRoute: true, LoopbackIPs: []netip.Addr{vip1},
+				Sysctls: map[string]string{"net/mpls/platform_labels": "101", "net/mpls/conf/eth0/input": "1", "net/ipv4/conf/lo/rp_filter": "2", "net/ipv4/conf/lo/forwarding": "1"}},
+			plan: "sysctl net/ipv4/conf/lo/forwarding=0"},
 		{name: "nothing wanted, nothing there", mode: encap.GRE, want: want(), have: podState{PodLink: "eth0"}, plan: ""},
 		{name: "mpls: fresh pod, strict rp_filter", mode: encap.MPLS, want: want(vip1),
 			have: podState{PodLink: "net1", Sysctls: map[string]string{"net/mpls/platform_labels": "0", "net/ipv4/conf/lo/rp_filter": "1"}},
-			plan: "sysctl net/mpls/platform_labels=101; sysctl net/mpls/conf/net1/input=1; sysctl net/ipv4/conf/lo/rp_filter=2; add mpls route 100 dev lo; add tunnel IP 192.0.2.10 on lo"},
+			plan: "sysctl net/mpls/platform_labels=101; sysctl net/mpls/conf/net1/input=1; sysctl net/ipv4/conf/lo/rp_filter=2; sysctl net/ipv4/conf/lo/forwarding=0; add mpls route 100 dev lo; add tunnel IP 192.0.2.10 on lo"},
 		{name: "mpls: rp_filter off and large platform_labels are left alone", mode: encap.MPLS, want: want(vip1),
 			have: podState{PodLink: "eth0", PopRoute: true, LoopbackIPs: []netip.Addr{vip1},
-				Sysctls: map[string]string{"net/mpls/platform_labels": "100000", "net/mpls/conf/eth0/input": "1", "net/ipv4/conf/lo/rp_filter": "0"}},
+				Sysctls: map[string]string{"net/mpls/platform_labels": "100000", "net/mpls/conf/eth0/input": "1", "net/ipv4/conf/lo/rp_filter": "0", "net/ipv4/conf/lo/forwarding": "0"}},
 			plan: ""},
 		{name: "mpls: already right", mode: encap.MPLS, want: want(vip1), have: mplsReady, plan: ""},
 		{name: "mpls: last removed drops address then pop route", mode: encap.MPLS, want: want(), have: mplsReady,
 			plan: "remove tunnel IP 192.0.2.10 on lo; remove mpls route 100 dev lo"},
 		{name: "mode changed to gre: mpls leftovers go", mode: encap.GRE, want: want(vip1), have: mplsReady,
-			plan: "remove tunnel IP 192.0.2.10 on lo; remove mpls route 100 dev lo; create device, local 10.1.0.11; set device alias kube-service-tunnel; set device up; sysctl net/ipv4/conf/kst-decap/rp_filter=2; add tunnel IP 192.0.2.10 on device"},
+			plan: "remove tunnel IP 192.0.2.10 on lo; remove mpls route 100 dev lo; create device, local 10.1.0.11; set device alias kube-service-tunnel; sysctl net/ipv4/conf/kst-decap/forwarding=0; set device up; sysctl net/ipv4/conf/kst-decap/rp_filter=2; add tunnel IP 192.0.2.10 on device"},
 		{name: "advmss set when serving", mode: encap.GRE, advmss: 1400, want: want(vip1),
 			have: func() podState { s := greReady; s.DefaultRoute = true; return s }(), plan: "default route advmss 1400"},
 		{name: "advmss someone else set is left alone", mode: encap.GRE, advmss: 1400, want: want(vip1),
@@ -109,7 +117,7 @@ func TestPlanPod(t *testing.T) {
 			have: func() podState { s := greReady; s.DefaultRoute, s.AdvMSS = true, 1400; return s }(),
 			plan: "remove tunnel IP 192.0.2.10 on device; delete device; default route advmss 0"},
 		{name: "gre: an isolated pod gets its policy before its tunnel IP", mode: encap.GRE, want: isolated(want(vip1)), have: podState{PodLink: "eth0", TablesRead: true},
-			plan: "write network policy rules " + isolated(want(vip1)).Policy.Digest + "; create device, local 10.1.0.11; set device alias kube-service-tunnel; set device up; sysctl net/ipv4/conf/kst-decap/rp_filter=2; add tunnel IP 192.0.2.10 on device"},
+			plan: "write network policy rules " + isolated(want(vip1)).Policy.Digest + "; create device, local 10.1.0.11; set device alias kube-service-tunnel; sysctl net/ipv4/conf/kst-decap/forwarding=0; set device up; sysctl net/ipv4/conf/kst-decap/rp_filter=2; add tunnel IP 192.0.2.10 on device"},
 		{name: "gre: isolated and right: nothing", mode: encap.GRE, want: isolated(want(vip1)),
 			have: func() podState {
 				s := greReady
@@ -228,7 +236,7 @@ func TestPlanNode(t *testing.T) {
 
 // The plans of the IPv4 half, written once for the dual-stack cases.
 const (
-	greCreate4 = "create device, local 10.1.0.11; set device alias kube-service-tunnel; set device up; sysctl net/ipv4/conf/kst-decap/rp_filter=2"
+	greCreate4 = "create device, local 10.1.0.11; set device alias kube-service-tunnel; sysctl net/ipv4/conf/kst-decap/forwarding=0; set device up; sysctl net/ipv4/conf/kst-decap/rp_filter=2"
 	greCreate6 = "create IPv6 device, local fd00:10:1::11; set IPv6 device alias kube-service-tunnel; set IPv6 device up"
 )
 
@@ -237,12 +245,12 @@ func TestPlanPodDualStack(t *testing.T) {
 		return podState{PodLink: "eth0", PodLink6: "eth0",
 			Device: &deviceState{Local: podIP, Up: true}, DeviceIPs: []netip.Addr{vip1},
 			Device6: &deviceState{Local: podIP6, Up: true}, Device6IPs: []netip.Addr{v6vip1},
-			Sysctls: map[string]string{"net/ipv4/conf/kst-decap/rp_filter": "2", "net/ipv6/conf/kst-decap6/disable_ipv6": "0", "net/ipv6/conf/default/disable_ipv6": "0"}}
+			Sysctls: map[string]string{"net/ipv4/conf/kst-decap/rp_filter": "2", "net/ipv4/conf/kst-decap/forwarding": "0", "net/ipv6/conf/kst-decap6/disable_ipv6": "0", "net/ipv6/conf/default/disable_ipv6": "0"}}
 	}
 	mplsDual := func() podState {
 		return podState{PodLink: "eth0", PodLink6: "eth0", LoopbackIPs: []netip.Addr{vip1}, LoopbackIPs6: []netip.Addr{v6vip1},
 			OtherLoopbackIPs6: []netip.Addr{netip.IPv6Loopback()}, PopRoute: true,
-			Sysctls: map[string]string{"net/mpls/platform_labels": "101", "net/mpls/conf/eth0/input": "1", "net/ipv4/conf/lo/rp_filter": "2", "net/ipv6/conf/lo/disable_ipv6": "0"}}
+			Sysctls: map[string]string{"net/mpls/platform_labels": "101", "net/mpls/conf/eth0/input": "1", "net/ipv4/conf/lo/rp_filter": "2", "net/ipv4/conf/lo/forwarding": "0", "net/ipv6/conf/lo/disable_ipv6": "0"}}
 	}
 	with := func(s podState, f func(*podState)) podState { f(&s); return s }
 	routes := func(mss, mss6 int) func(*podState) {
@@ -299,7 +307,7 @@ func TestPlanPodDualStack(t *testing.T) {
 			have: with(greDual(), func(s *podState) { s.Device6, s.Device6IPs, s.ForeignDevice6 = nil, nil, true }), plan: ""},
 		{name: "mpls: fresh dual-stack pod, IPv6 on its own interface, lo without IPv6", mode: encap.MPLS, want: want6(vip1, v6vip1),
 			have: podState{PodLink: "eth0", PodLink6: "net6", Sysctls: map[string]string{"net/mpls/platform_labels": "0", "net/ipv4/conf/lo/rp_filter": "1", "net/ipv6/conf/lo/disable_ipv6": "1"}},
-			plan: "sysctl net/mpls/platform_labels=101; sysctl net/mpls/conf/eth0/input=1; sysctl net/mpls/conf/net6/input=1; sysctl net/ipv4/conf/lo/rp_filter=2; sysctl net/ipv6/conf/lo/disable_ipv6=0; add mpls route 100 dev lo; add tunnel IP 192.0.2.10 on lo; add tunnel IP 2001:db8::10 on lo"},
+			plan: "sysctl net/mpls/platform_labels=101; sysctl net/mpls/conf/eth0/input=1; sysctl net/mpls/conf/net6/input=1; sysctl net/ipv4/conf/lo/rp_filter=2; sysctl net/ipv4/conf/lo/forwarding=0; sysctl net/ipv6/conf/lo/disable_ipv6=0; add mpls route 100 dev lo; add tunnel IP 192.0.2.10 on lo; add tunnel IP 2001:db8::10 on lo"},
 		{name: "mpls: already right (adoption)", mode: encap.MPLS, want: want6(vip1, v6vip1), have: mplsDual(), plan: ""},
 		{name: "mpls: the IPv6 tunnel IP leaves, the pop route stays for IPv4", mode: encap.MPLS, want: want6(vip1), have: mplsDual(),
 			plan: "remove tunnel IP 2001:db8::10 on lo"},
@@ -312,7 +320,7 @@ func TestPlanPodDualStack(t *testing.T) {
 			plan: "remove tunnel IP 192.0.2.10 on lo; remove tunnel IP 2001:db8::10 on lo; remove mpls route 100 dev lo; " + greCreate4 + "; " + greCreate6 + "; add tunnel IP 192.0.2.10 on device; add tunnel IP 2001:db8::10 on IPv6 device"},
 		{name: "mode changed to mpls: the IPv6 device goes", mode: encap.MPLS, want: want6(vip1, v6vip1),
 			have: with(greDual(), func(s *podState) {
-				s.Sysctls = map[string]string{"net/mpls/platform_labels": "101", "net/mpls/conf/eth0/input": "1", "net/ipv4/conf/lo/rp_filter": "0", "net/ipv6/conf/lo/disable_ipv6": "0"}
+				s.Sysctls = map[string]string{"net/mpls/platform_labels": "101", "net/mpls/conf/eth0/input": "1", "net/ipv4/conf/lo/rp_filter": "0", "net/ipv4/conf/lo/forwarding": "0", "net/ipv6/conf/lo/disable_ipv6": "0"}
 			}),
 			plan: "remove tunnel IP 192.0.2.10 on device; remove tunnel IP 2001:db8::10 on IPv6 device; delete device; delete IPv6 device; add mpls route 100 dev lo; add tunnel IP 192.0.2.10 on lo; add tunnel IP 2001:db8::10 on lo"},
 		{name: "gre: advmss on both default routes, 40 bytes less for IPv6", mode: encap.GRE, advmss: 1400, want: want6(vip1, v6vip1),

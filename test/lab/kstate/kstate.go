@@ -8,7 +8,8 @@
 // compare equal: no counters, timestamps, lifetimes, link statistics or
 // carrier flags, no interface indexes, and lines sorted within each section
 // (so the order of iptables rules within a chain is not compared). Sysctls
-// are not part of a snapshot: the project only ever raises them.
+// are not part of a snapshot: the project sets them to what its datapath
+// needs and leaves them so (docs/operating.md).
 //
 // It reads through the command-line tools an operator would use (iproute2's
 // ip, iptables-save), run with exec.CommandContext.
