@@ -670,6 +670,9 @@ func (w *podWatch) update(pods []corev1.Pod) {
 // within the first old pods' grace, and must all complete; meanwhile new
 // flows are opened continuously, and none may reach a terminating pod that
 // the router already showed as drained (0 buckets) before the flow began.
+// No ICMP error may reach the client meanwhile: a new pod that gets a flow
+// before the agent gave it the tunnel IP drops it (the client retransmits),
+// it does not send it back to its node, which would answer net unreachable.
 func (c *cluster) rolloutRestart(t *testing.T) {
 	ctx := context.Background()
 	streams := c.openStreams(t, flows)
@@ -706,7 +709,14 @@ func (c *cluster) rolloutRestart(t *testing.T) {
 	// controller's slices, for the record when a flow breaks.
 	var sliceLog []string
 	lastConds := map[string]string{}
+	icmp, err := watchICMPErrors(c.client)
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer func() {
+		if seen := icmp.stop(); len(seen) > 0 {
+			t.Errorf("the client got %d ICMP errors about its packets to the tunnel IP during the rollout:\n%s", len(seen), strings.Join(seen, "\n"))
+		}
 		if t.Failed() {
 			t.Logf("the EndpointSlices' conditions during the rollout:\n%s", strings.Join(sliceLog, "\n"))
 		}
