@@ -207,23 +207,9 @@ func strayIsDropped(t *testing.T, pod, node *testnetns.NS) {
 // ipCounters reads the Ip: counters of /proc/net/snmp in ns.
 func ipCounters(t *testing.T, ns *testnetns.NS) map[string]int64 {
 	t.Helper()
-	var names, values []string
-	for _, line := range strings.Split(ns.Run("cat", "/proc/net/snmp"), "\n") {
-		if f := strings.Fields(line); len(f) > 1 && f[0] == "Ip:" {
-			if names == nil {
-				names = f[1:]
-			} else {
-				values = f[1:]
-			}
-		}
-	}
-	counters := map[string]int64{}
-	for i := range min(len(names), len(values)) {
-		n, err := strconv.ParseInt(values[i], 10, 64)
-		if err != nil {
-			t.Fatalf("/proc/net/snmp Ip: %s = %q", names[i], values[i])
-		}
-		counters[names[i]] = n
+	counters, err := testnetns.SNMPTable(ns.Run("cat", "/proc/net/snmp"), "Ip")
+	if err != nil {
+		t.Fatal(err)
 	}
 	if _, ok := counters["ForwDatagrams"]; !ok {
 		t.Fatalf("no Ip: ForwDatagrams in /proc/net/snmp")

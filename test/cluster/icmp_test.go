@@ -3,19 +3,21 @@ package cluster
 import (
 	"fmt"
 	"net/netip"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/nsexec"
 )
 
 // icmpErrors records the ICMP errors (destination unreachable but for
-// fragmentation needed, time exceeded) that reach the client's namespace about its packets to the
-// tunnel IP. No part of the path may answer a client so: a pod drops what
-// it cannot take yet, a router blackholes what it cannot route.
+// fragmentation needed, time exceeded) that reach the client's namespace
+// about its packets to the tunnel IP. No part of the path may answer a
+// client so: a pod drops what it cannot take yet, a router blackholes what
+// it cannot route.
 type icmpErrors struct {
 	fd      int
 	stopped atomic.Bool
@@ -26,20 +28,11 @@ type icmpErrors struct {
 
 // watchICMPErrors opens a raw ICMP socket in ns and records until stop.
 func watchICMPErrors(ns netns.NsHandle) (*icmpErrors, error) {
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	orig, err := netns.Get()
-	if err != nil {
-		return nil, err
-	}
-	defer orig.Close()
-	if err := netns.Set(ns); err != nil {
-		return nil, err
-	}
-	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.IPPROTO_ICMP)
-	if serr := netns.Set(orig); serr != nil {
-		panic(fmt.Sprintf("back to the test's namespace: %v", serr)) // the thread must not stay in ns
-	}
+	fd := -1
+	err := nsexec.Do(ns, func() (err error) {
+		fd, err = unix.Socket(unix.AF_INET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.IPPROTO_ICMP)
+		return err
+	})
 	if err != nil {
 		return nil, fmt.Errorf("raw ICMP socket in the client's namespace: %w", err)
 	}

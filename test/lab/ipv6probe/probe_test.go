@@ -21,6 +21,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/test/lab"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/topology"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
+	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
 // The router's state for the one tunnel IP, as the project's defaults
@@ -333,23 +334,12 @@ func (p *probe) snmp(ns, table, name string) int {
 		}
 		p.t.Fatalf("%s: no %s in /proc/net/snmp6", ns, name)
 	}
-	out := p.read("ip", "netns", "exec", ns, "cat", "/proc/net/snmp")
-	var header []string
-	for _, line := range strings.Split(out, "\n") {
-		f := strings.Fields(line)
-		if len(f) < 2 || f[0] != table+":" {
-			continue
-		}
-		if header == nil {
-			header = f
-			continue
-		}
-		for i := range f {
-			if i < len(header) && header[i] == name {
-				n, _ := strconv.Atoi(f[i])
-				return n
-			}
-		}
+	counters, err := testnetns.SNMPTable(p.read("ip", "netns", "exec", ns, "cat", "/proc/net/snmp"), table)
+	if err != nil {
+		p.t.Fatalf("%s: %v", ns, err)
+	}
+	if n, ok := counters[name]; ok {
+		return int(n)
 	}
 	p.t.Fatalf("%s: no %s %s in /proc/net/snmp", ns, table, name)
 	return 0
