@@ -47,22 +47,36 @@ assets: ## build and cache a real etcd, kube-apiserver, kubelet, kube-controller
 # timing-sensitive steps in them (TCP handshakes, BFD, probes) failed when the
 # integration tests' churn ran beside them.
 SERIAL_PKGS := ./test/lab/ipv6probe ./test/e2e ./test/cluster
-test: deps assets lint build image manifest ## everything: the images and manifest, unit, privileged (root) and integration tests, the end-to-end lab, the two-node cluster, the demo and a smoke run of the benchmark
-	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 40m $$($(GO) list $(PKGS) | grep -v -e '/test/lab/ipv6probe$$' -e '/test/e2e$$' -e '/test/cluster$$')
-	KST_REQUIRE_INTEGRATION=1 $(GO) test -p 1 -count=1 -timeout 60m $(SERIAL_PKGS)
-	$(GO) run ./test/demo > /tmp/kst-demo.log 2>&1 || { cat /tmp/kst-demo.log; exit 1; }
-	@echo "demo: ok"
-	$(GO) run ./test/bench $(BENCH_SMOKE) > /tmp/kst-bench.log 2>&1 || { cat /tmp/kst-bench.log; exit 1; }
-	@echo "bench (smoke run, 100 tunnel IPs): ok"
+# Each phase of make test is timed (test/tools/phase.sh): the log starts with
+# what the machine is and ends with every phase's duration, and the lab runs
+# leave their slowest scenarios in it. The go test bounds are about twice
+# the slowest machine's durations (docs/testing.md, "Time budget").
+PHASE := ./test/tools/phase.sh
+test: ## everything: the images and manifest, unit, privileged (root) and integration tests, the end-to-end lab, the two-node cluster, the demo and a smoke run of the benchmark
+	@$(PHASE) --start
+	@rm -f /tmp/kst-e2e-console.durations.txt /tmp/kst-cluster-lab-router.durations.txt
+	@$(GO) run ./test/tools/machine -vm=false
+	@$(PHASE) deps $(MAKE) --no-print-directory deps
+	@$(PHASE) assets $(MAKE) --no-print-directory assets
+	@$(GO) run ./test/tools/machine -host=false
+	@$(PHASE) lint+build+image+manifest $(MAKE) --no-print-directory lint build image manifest
+	@KST_REQUIRE_INTEGRATION=1 $(PHASE) unit+integration $(GO) test -count=1 -timeout 30m $$($(GO) list $(PKGS) | grep -v -e '/test/lab/ipv6probe$$' -e '/test/e2e$$' -e '/test/cluster$$')
+	@KST_REQUIRE_INTEGRATION=1 $(PHASE) ipv6probe $(GO) test -count=1 -timeout 10m ./test/lab/ipv6probe
+	@KST_REQUIRE_INTEGRATION=1 KST_PHASE_SHOW=/tmp/kst-e2e-console.durations.txt $(PHASE) e2e $(GO) test -count=1 -timeout 45m ./test/e2e
+	@KST_REQUIRE_INTEGRATION=1 KST_PHASE_SHOW=/tmp/kst-cluster-lab-router.durations.txt $(PHASE) cluster $(GO) test -count=1 -timeout 30m ./test/cluster
+	@$(PHASE) demo bash -c '$(GO) run ./test/demo > /tmp/kst-demo.log 2>&1 || { cat /tmp/kst-demo.log; exit 1; }'
+	@$(PHASE) bench-smoke bash -c '$(GO) run ./test/bench $(BENCH_SMOKE) > /tmp/kst-bench.log 2>&1 || { cat /tmp/kst-bench.log; exit 1; }'
+	@echo "demo: ok; bench (smoke run, 100 tunnel IPs): ok"
+	@$(PHASE) --summary
 
 unit: ## unit tests only (no root, no API server)
 	KST_SKIP_PRIVILEGED=1 $(GO) test -count=1 -short $(PKGS)
 
-e2e: deps assets ## the end-to-end lab: 13 scenarios x gre, mpls in the VM (KST_E2E_RUN=gre/4_ for one)
-	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 40m -run TestE2E -v ./test/e2e
+e2e: deps assets ## the end-to-end lab: 15 dual-stack scenarios x gre, mpls in the VM (KST_E2E_RUN=gre/4_ for one)
+	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 45m -run TestE2E -v ./test/e2e
 
 cluster: deps assets ## the two-node lab cluster run by real kubelets: install, example, client traffic, network policy, rollout restart, router pod deletion, uninstall, in gre and mpls
-	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 40m -run TestCluster -v ./test/cluster
+	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 30m -run TestCluster -v ./test/cluster
 
 # A smoke run of every part of the benchmark, counts scaled down (about 40 s).
 BENCH_SMOKE = -tunnels 100 -forward-tunnels 1,100 -forward-duration 500ms -forward-warmup 200ms -forward-rounds 1 \

@@ -21,6 +21,7 @@ package cluster
 import (
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
@@ -194,6 +195,12 @@ func TestCluster(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		var output io.Writer = console
+		if n.role == "router" {
+			watch := lab.WatchBound(t, console, guestTimeout)
+			defer watch.Stop()
+			output = watch
+		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -203,7 +210,7 @@ func TestCluster(t *testing.T) {
 				bootCtx = workerCtx
 			}
 			out, rc, err := lab.Boot(bootCtx, ir, lab.BootOptions{Kernel: assets.Kernel, MemoryMB: 3072, CPUs: 2,
-				ForwardHostPorts: []int{apiPort}, Output: console, ExtraArgs: linkArgs(n, local, remote)})
+				ForwardHostPorts: []int{apiPort}, Output: output, ExtraArgs: linkArgs(n, local, remote)})
 			results[i] = result{out, rc, err}
 			if n.role == "router" {
 				time.AfterFunc(30*time.Second, stopWorker)
@@ -212,8 +219,10 @@ func TestCluster(t *testing.T) {
 	}
 	start := time.Now()
 	wg.Wait()
-	t.Logf("the VMs ran for %v; consoles: %s", time.Since(start).Round(time.Second), filepath.Join(os.TempDir(), "kst-cluster-*.log"))
+	took := time.Since(start)
+	t.Logf("the VMs ran for %v; consoles: %s", took.Round(time.Second), filepath.Join(os.TempDir(), "kst-cluster-*.log"))
 	lab.ReportGuestTests(t, results[0].out, results[0].rc, results[0].err)
+	lab.RecordDurations(t, lab.DurationsFile(filepath.Join(os.TempDir(), "kst-cluster-lab-router.log")), "./test/cluster", results[0].out, took)
 	if t.Failed() {
 		t.Logf("lab-worker's console tail:\n%s", lab.LastLines(results[1].out, 60))
 		t.Logf("controller-manager and scheduler logs: %v", env.ControllerLogs())

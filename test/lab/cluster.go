@@ -251,12 +251,23 @@ func RunGuestTests(t *testing.T, pkg, run string, timeout time.Duration, console
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	start = time.Now()
+	watch := WatchBound(t, logFile, timeout)
+	defer watch.Stop()
 	out, rc, err := RunCluster(ctx, ClusterOptions{
-		Assets: assets, Env: env, Program: bin, Output: logFile,
+		Assets: assets, Env: env, Program: bin, Output: watch,
 		Args: []string{"-test.run", run, "-test.v", "-test.count=1", "-test.timeout", timeout.String()},
 	})
-	t.Logf("VM ran %s in %v; console: %s", pkg, time.Since(start).Round(time.Millisecond), consoleLog)
+	took := time.Since(start)
+	t.Logf("VM ran %s in %v; console: %s", pkg, took.Round(time.Millisecond), consoleLog)
 	ReportGuestTests(t, out, rc, err)
+	RecordDurations(t, DurationsFile(consoleLog), pkg, out, took)
+}
+
+// DurationsFile is where a lab run whose console goes to consoleLog
+// writes its DurationReport: /tmp/kst-e2e-console.log gives
+// /tmp/kst-e2e-console.durations.txt.
+func DurationsFile(consoleLog string) string {
+	return strings.TrimSuffix(consoleLog, filepath.Ext(consoleLog)) + ".durations.txt"
 }
 
 // RunGuestKernelTests is RunGuestTests without a cluster, for tests that
@@ -287,7 +298,9 @@ func RunGuestKernelTests(t *testing.T, pkg, run string, timeout time.Duration, c
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	start = time.Now()
-	out, rc, err := Boot(ctx, ir, BootOptions{Kernel: assets.Kernel, MemoryMB: 2048, CPUs: 2, Output: logFile})
+	watch := WatchBound(t, logFile, timeout)
+	defer watch.Stop()
+	out, rc, err := Boot(ctx, ir, BootOptions{Kernel: assets.Kernel, MemoryMB: 2048, CPUs: 2, Output: watch})
 	t.Logf("VM ran %s in %v; console: %s", pkg, time.Since(start).Round(time.Millisecond), consoleLog)
 	ReportGuestTests(t, out, rc, err)
 }

@@ -237,3 +237,48 @@ func TestGuestResultsFailuresFirst(t *testing.T) {
 		t.Errorf("order:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
 	}
 }
+
+// TestDurationReport: the modes' totals, then the slowest scenarios first,
+// from go test -v's result lines.
+func TestDurationReport(t *testing.T) {
+	out := `--- PASS: TestInVM (30.00s)
+    --- PASS: TestInVM/gre (12.00s)
+        --- PASS: TestInVM/gre/1_reach (2.50s)
+        --- PASS: TestInVM/gre/9_draining (9.50s)
+            --- PASS: TestInVM/gre/9_draining/terminating (8.00s)
+    --- FAIL: TestInVM/mpls (18.00s)
+        --- FAIL: TestInVM/mpls/1_reach (17.25s)
+        --- SKIP: TestInVM/mpls/9_draining (0.00s)
+`
+	got := DurationReport("e2e", out, 31*time.Second, 2)
+	want := `== e2e: 31s in all
+  TestInVM/gre                                                    12.0 s  PASS
+  TestInVM/mpls                                                   18.0 s  FAIL
+== e2e: the slowest 2 of 4
+  TestInVM/mpls/1_reach                                           17.2 s  FAIL
+  TestInVM/gre/9_draining                                          9.5 s  PASS
+`
+	if got != want {
+		t.Errorf("report:\n%s\nwant:\n%s", got, want)
+	}
+}
+
+// TestBoundWatchFollowsTheRunningTest: the watch names the last test go
+// test -v started, across writes that split lines, and warns at 3/4 of
+// its bound.
+func TestBoundWatchFollowsTheRunningTest(t *testing.T) {
+	var out strings.Builder
+	w := WatchBound(t, &out, time.Hour)
+	defer w.Stop()
+	for _, chunk := range []string{"=== RUN   TestInVM\n=== RUN   TestIn", "VM/gre/9_draining\n    some log\n", "=== RUN   TestInVM/gre/9_dr"} {
+		if _, err := w.Write([]byte(chunk)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if w.running != "TestInVM/gre/9_draining" {
+		t.Errorf("running %q, want TestInVM/gre/9_draining", w.running)
+	}
+	if !strings.HasSuffix(out.String(), "=== RUN   TestInVM/gre/9_dr") {
+		t.Errorf("the console was not forwarded as written: %q", out.String())
+	}
+}
