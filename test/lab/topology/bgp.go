@@ -19,6 +19,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/vishvananda/netlink"
@@ -115,10 +116,8 @@ func (l *Lab) EnableBGP(ctx context.Context, vips ...netip.Addr) error {
 	if err := os.WriteFile(routerConfPath, routerConf, 0o644); err != nil {
 		return err
 	}
-	for _, r := range l.Routers {
-		if err := r.Router.restartWithFlag(bgpConfigFlag, routerConfPath); err != nil {
-			return err
-		}
+	if err := l.restartRoutersWithFlag(bgpConfigFlag, routerConfPath); err != nil {
+		return err
 	}
 	l.logf("restarted the routers with %s %s", bgpConfigFlag, routerConfPath)
 	if err := l.poll(ctx, time.Minute, func() (bool, string, error) {
@@ -159,11 +158,26 @@ func (l *Lab) DisableBGP(ctx context.Context) error {
 	}
 	var errs []error
 	errs = append(errs, l.RouteTunnelsVia(ctx, l.Routers...))
-	for _, r := range l.Routers {
-		errs = append(errs, r.Router.restartWithFlag(bgpConfigFlag, ""))
-	}
+	errs = append(errs, l.restartRoutersWithFlag(bgpConfigFlag, ""))
 	errs = append(errs, l.Bird.Stop())
 	l.Bird = nil
+	return errors.Join(errs...)
+}
+
+// restartRoutersWithFlag restarts every router at once with its flag name
+// set to value ("" removes it). Their datapaths stay in the kernel while
+// they restart, so traffic goes on.
+func (l *Lab) restartRoutersWithFlag(name, value string) error {
+	errs := make([]error, len(l.Routers))
+	var wg sync.WaitGroup
+	for i, r := range l.Routers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = r.Router.restartWithFlag(name, value)
+		}()
+	}
+	wg.Wait()
 	return errors.Join(errs...)
 }
 

@@ -10,6 +10,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/test/support/ipsetstate"
@@ -235,13 +238,35 @@ func (l *Lab) mplsSwaps(ctx context.Context, nodeAddr netip.Addr) (map[string]ne
 }
 
 // PodHasAddr reports whether the pod's namespace holds addr (a host
-// address: /32 or /128).
+// address: /32 or /128). It asks netlink in the pod's namespace, not ip:
+// the lab's waits call it for every pod several times a second, and each
+// ip process costs the emulated VM far more than a netlink dump.
 func PodHasAddr(ctx context.Context, p *Pod, addr netip.Addr) (bool, error) {
-	out, err := IP(ctx, "-n", p.Name, "-o", "addr", "show")
+	ns, err := p.NS()
 	if err != nil {
 		return false, err
 	}
-	return strings.Contains(out, " "+HostPrefix(addr)+" "), nil
+	defer ns.Close()
+	h, err := netlink.NewHandleAt(ns, unix.NETLINK_ROUTE) // the VM's kernel has no XFRM
+	if err != nil {
+		return false, fmt.Errorf("netlink in %s: %w", p.Name, err)
+	}
+	defer h.Close()
+	family := netlink.FAMILY_V4
+	if addr.Is6() {
+		family = netlink.FAMILY_V6
+	}
+	addrs, err := h.AddrList(nil, family)
+	if err != nil {
+		return false, fmt.Errorf("addresses of %s: %w", p.Name, err)
+	}
+	for _, a := range addrs {
+		ones, bits := a.Mask.Size()
+		if got, ok := netip.AddrFromSlice(a.IP); ok && got.Unmap() == addr && ones == bits && bits == addr.BitLen() {
+			return true, nil
+		}
+	}
+	return false, nil
 }
 
 // WaitTunnel waits (up to a minute, or ctx) until every router sends every
@@ -256,6 +281,14 @@ func (l *Lab) WaitTunnel(ctx context.Context, vip netip.Addr, pods ...*Pod) ([]n
 	slices.SortFunc(want, func(a, b netip.Addr) int { return a.Compare(b) })
 	var table []netip.Addr
 	err := l.poll(ctx, time.Minute, func() (bool, string, error) {
+		// The pods first: a netlink dump each, where a router's check
+		// runs ip and iptables-save, which the emulated VM runs slowly.
+		for _, p := range pods {
+			ok, err := PodHasAddr(ctx, p, vip)
+			if err != nil || !ok {
+				return false, fmt.Sprintf("%s does not hold %s yet", p.Name, vip), err
+			}
+		}
 		var first []netip.Addr
 		for _, r := range l.Routers {
 			t, err := l.BucketTable(ctx, r, vip)
@@ -278,12 +311,6 @@ func (l *Lab) WaitTunnel(ctx context.Context, vip netip.Addr, pods ...*Pod) ([]n
 				return false, fmt.Sprintf("%s does not mark %s yet", r.Name, vip), err
 			}
 		}
-		for _, p := range pods {
-			ok, err := PodHasAddr(ctx, p, vip)
-			if err != nil || !ok {
-				return false, fmt.Sprintf("%s does not hold %s yet", p.Name, vip), err
-			}
-		}
 		table = first
 		return true, "", nil
 	})
@@ -294,6 +321,11 @@ func (l *Lab) WaitTunnel(ctx context.Context, vip netip.Addr, pods ...*Pod) ([]n
 // no pod holds it.
 func (l *Lab) WaitNoTunnel(ctx context.Context, vip netip.Addr) error {
 	return l.poll(ctx, time.Minute, func() (bool, string, error) {
+		for _, p := range l.Pods {
+			if ok, err := PodHasAddr(ctx, p, vip); err != nil || ok {
+				return false, fmt.Sprintf("%s still holds %s", p.Name, vip), err
+			}
+		}
 		for _, r := range l.Routers {
 			routes, err := l.bucketRoutes(ctx, r, vip)
 			if err != nil {
@@ -304,11 +336,6 @@ func (l *Lab) WaitNoTunnel(ctx context.Context, vip netip.Addr) error {
 			}
 			if marked, err := l.marks(ctx, r, vip); err != nil || marked {
 				return false, fmt.Sprintf("%s still marks %s", r.Name, vip), err
-			}
-		}
-		for _, p := range l.Pods {
-			if ok, err := PodHasAddr(ctx, p, vip); err != nil || ok {
-				return false, fmt.Sprintf("%s still holds %s", p.Name, vip), err
 			}
 		}
 		return true, "", nil
