@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -15,30 +16,22 @@ import (
 // bgpTimeout bounds each wait for the gateway's route to change.
 const bgpTimeout = 30 * time.Second
 
-// 10. BGP routes the tunnel IP: the gateway runs BIRD and the routers
-// announce the tunnel IP with their embedded speaker. The gateway learns it
-// from both routers (one route, two next hops); the last endpoint leaving
-// withdraws it and its return announces it again; a router stopped with
-// SIGTERM withdraws before it goes, while 200 light flows keep working
-// through the other router; a router cut off the fabric is dropped when the
-// hold time expires, and comes back when its link does. Every duration is
-// logged as "bgp: ... took N ms". With IPv6 the tunnel IP travels over the
-// same IPv4 sessions (an ipv6 channel), with the routers' IPv6 addresses as
-// next hops, and BGP replaces the gateway's static route for TunnelNet6
-// while the one for TunnelNet stays.
+// 10. BGP routes the tunnel IPs: the gateway runs BIRD and the routers
+// announce the tunnel IPs with their embedded speaker. The gateway learns
+// each from both routers (one route, two next hops); the last endpoint
+// leaving withdraws them and its return announces them again; a router
+// stopped with SIGTERM withdraws before it goes, while 200 light flows per
+// family keep working through the other router; a router cut off the
+// fabric is dropped when the hold time expires, and comes back when its
+// link does. Every duration is logged as "bgp: ... took N ms". The IPv6
+// tunnel IP travels over the same IPv4 sessions (an ipv6 channel), with
+// the routers' IPv6 addresses as next hops; BGP replaces the gateway's
+// static routes of both families.
 func bgpRouting(t *testing.T, e *env) {
 	ctx := context.Background()
-	vip := e.tunnelIP(10)
-	e.deploy(t, "bgp", vip, e.Pods...)
+	vips := tunnelIPs(10)
+	e.deploy(t, "bgp", vips, e.Pods...)
 	ra, rb := e.Routers[0], e.Routers[1]
-	// The routers' next hops for vip, and the static routes EnableBGP
-	// deletes (vip's family) and leaves (the other).
-	both := []netip.Addr{topology.NodeAddrFor(ra, vip), topology.NodeAddrFor(rb, vip)}
-	slices.SortFunc(both, netip.Addr.Compare)
-	replaced, kept := topology.TunnelNet, topology.TunnelNet6
-	if vip.Is6() {
-		replaced, kept = kept, replaced
-	}
 
 	t.Cleanup(func() {
 		if t.Failed() {
@@ -57,22 +50,14 @@ func bgpRouting(t *testing.T, e *env) {
 		}
 	})
 	start := time.Now()
-	if err := e.EnableBGP(ctx, vip); err != nil {
+	if err := e.EnableBGP(ctx, vips...); err != nil {
 		t.Fatalf("enabling BGP: %v", err)
 	}
-	t.Logf("bgp: enabling BGP (bird on the gateway, both routers restarted with --bgp-config) until the gateway routed %s via both took %d ms", vip, time.Since(start).Milliseconds())
+	t.Logf("bgp: enabling BGP (bird on the gateway, both routers restarted with --bgp-config) until the gateway routed %s via both took %d ms", annotation(vips), time.Since(start).Milliseconds())
 
-	// a. The gateway learnt the tunnel IP from both routers.
-	hops, err := e.GatewayNextHops(vip)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !slices.Equal(hops, both) {
-		t.Fatalf("the gateway routes %s via %v, want %s and %s", vip, hops, both[0], both[1])
-	}
 	// gatewayRoutes is `ip route show` (-6 for IPv6) on the gateway for
 	// exactly p.
-	gatewayRoutes := func(p netip.Prefix) string {
+	gatewayRoutes := func(t testing.TB, p netip.Prefix) string {
 		t.Helper()
 		out, err := topology.IP(ctx, append(append([]string{"-n", topology.GatewayNS}, topology.FamilyArgs(p.Addr())...), "route", "show", "exact", p.String())...)
 		if err != nil {
@@ -80,26 +65,41 @@ func bgpRouting(t *testing.T, e *env) {
 		}
 		return out
 	}
-	t.Logf("gateway: ip route show %s:\n%s", vip, gatewayRoutes(netip.PrefixFrom(vip, vip.BitLen())))
-	if static := gatewayRoutes(replaced); static != "" {
-		t.Errorf("the gateway's static route is still there: %s", static)
-	}
-	if gatewayRoutes(kept) == "" {
-		t.Errorf("the gateway's static route for %v, of the other family, is gone", kept)
-	}
-	id := e.who(t, "tcp", vip, 0)
-	t.Logf("over the BGP route, %s answered and saw the client as %v", id.Pod, id.Peer)
+	// a. The gateway learnt each tunnel IP from both routers.
+	inFamilies(t, vips, func(t testing.TB, _ int, vip netip.Addr) {
+		both := []netip.Addr{topology.NodeAddrFor(ra, vip), topology.NodeAddrFor(rb, vip)}
+		slices.SortFunc(both, netip.Addr.Compare)
+		hops, err := e.GatewayNextHops(vip)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Equal(hops, both) {
+			t.Fatalf("the gateway routes %s via %v, want %s and %s", vip, hops, both[0], both[1])
+		}
+		t.Logf("gateway: ip route show %s:\n%s", vip, gatewayRoutes(t, netip.PrefixFrom(vip, vip.BitLen())))
+		static := topology.TunnelNet
+		if vip.Is6() {
+			static = topology.TunnelNet6
+		}
+		if routes := gatewayRoutes(t, static); routes != "" {
+			t.Errorf("the gateway's static route is still there: %s", routes)
+		}
+		id := e.who(t, "tcp", vip, 0)
+		t.Logf("over the BGP route, %s answered and saw the client as %v", id.Pod, id.Peer)
+	})
 
 	// b. The last endpoint leaves: both routers withdraw.
 	removedAt := time.Now()
 	if err := e.applyEndpoints(ctx, "bgp", nil); err != nil {
 		t.Fatal(err)
 	}
-	took, err := e.WaitGatewayNextHops(ctx, vip, removedAt, bgpTimeout)
-	if err != nil {
-		t.Fatalf("after the last endpoint left: %v", err)
-	}
-	t.Logf("bgp: last endpoint removed -> route withdrawn from the gateway took %d ms", took.Milliseconds())
+	inFamilies(t, vips, func(t testing.TB, _ int, vip netip.Addr) {
+		took, err := e.WaitGatewayNextHops(ctx, vip, removedAt, bgpTimeout)
+		if err != nil {
+			t.Fatalf("after the last endpoint left: %v", err)
+		}
+		t.Logf("bgp: last endpoint removed -> route to %s withdrawn from the gateway took %d ms", vip, took.Milliseconds())
+	})
 	e.checkSessions(t, ra, rb)
 
 	// c. The endpoints come back: both routers announce again.
@@ -107,79 +107,142 @@ func bgpRouting(t *testing.T, e *env) {
 	if err := e.applyEndpoints(ctx, "bgp", topology.Ready(e.Pods...)); err != nil {
 		t.Fatal(err)
 	}
-	if took, err = e.WaitGatewayNextHops(ctx, vip, backAt, bgpTimeout, ra, rb); err != nil {
-		t.Fatalf("after the endpoints came back: %v", err)
-	}
-	t.Logf("bgp: endpoints back -> route via both routers took %d ms", took.Milliseconds())
-	if _, err := e.WaitTunnel(ctx, vip, e.Pods...); err != nil {
-		t.Fatal(err)
-	}
+	e.waitNextHops(t, vips, backAt, "endpoints back", ra, rb)
+	e.waitTunnels(t, vips, e.Pods...)
 
-	// d. router-a stops (SIGTERM) while 200 light flows run over both
-	// routers: it withdraws first, and its datapath stays until it is gone.
-	ports := portRange(48001, 200)
-	flows := startLightFlows(t, e, vip, ports[0], len(ports))
-	viaA := e.flowsVia(t, vip, ports, ra)
-	stoppedAt, echoed := time.Now(), progress(flows)
-	recovered := watchRecovery(flows, stoppedAt)
+	// d. router-a stops (SIGTERM) while 200 light flows per family run over
+	// both routers: it withdraws first, and its datapath stays until it is
+	// gone.
+	fs := make([]bgpFlows, len(vips))
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		fs[i].start(t, e, vip, portRange(48001, 200), ra)
+	})
+	stoppedAt := time.Now()
+	for i := range fs {
+		fs[i].mark(stoppedAt)
+	}
 	stopped := make(chan error, 1)
 	go func() { stopped <- ra.Router.Stop() }()
-	if took, err = e.WaitGatewayNextHops(ctx, vip, stoppedAt, bgpTimeout, rb); err != nil {
-		t.Fatalf("after SIGTERM to %s: %v", ra.Name, err)
-	}
-	t.Logf("bgp: SIGTERM to %s -> gateway route via %s only took %d ms", ra.Name, rb.Name, took.Milliseconds())
+	e.waitNextHops(t, vips, stoppedAt, "SIGTERM to "+ra.Name, rb)
 	if err := <-stopped; err != nil {
 		t.Fatal(err)
 	}
 	t.Logf("bgp: SIGTERM to %s -> process exited took %d ms (withdraw delay %v)", ra.Name, time.Since(stoppedAt).Milliseconds(), topology.BGPWithdrawDelay)
-	rec := <-recovered
-	disrupted, _ := disruptedFlows(t, flows, echoed, stoppedAt)
-	t.Logf("bgp: SIGTERM to %s: %d of %d light flows disrupted (%.1f%%); %d of them went via %s", ra.Name, disrupted, len(flows), percent(disrupted, len(flows)), count(viaA), ra.Name)
-	t.Logf("bgp: SIGTERM to %s: first chunk sent after it echoed: flows via %s %s; flows via %s %s", ra.Name, ra.Name, rec.of(viaA, true), rb.Name, rec.of(viaA, false))
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		fs[i].report(t, "SIGTERM to "+ra.Name, ra, rb)
+	})
 
 	restartedAt := time.Now()
 	if err := ra.Router.Start(); err != nil {
 		t.Fatal(err)
 	}
-	if took, err = e.WaitGatewayNextHops(ctx, vip, restartedAt, bgpTimeout, ra, rb); err != nil {
-		t.Fatalf("after %s restarted: %v", ra.Name, err)
-	}
-	t.Logf("bgp: %s restarted -> route via both routers took %d ms", ra.Name, took.Milliseconds())
+	e.waitNextHops(t, vips, restartedAt, ra.Name+" restarted", ra, rb)
 
 	// e. router-a's link to the fabric is cut: its flows are lost until
 	// BIRD drops its route when the hold time expires; the link comes back,
 	// and so does the route.
-	ports = portRange(48301, 200)
-	flows = startLightFlows(t, e, vip, ports[0], len(ports))
-	viaA = e.flowsVia(t, vip, ports, ra)
-	cutAt, echoed := time.Now(), progress(flows)
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		fs[i].start(t, e, vip, portRange(48301, 200), ra)
+	})
+	cutAt := time.Now()
+	for i := range fs {
+		fs[i].lightFlows.mark()
+	}
 	if err := e.SetNodeLink(ctx, ra, false); err != nil {
 		t.Fatal(err)
 	}
-	recovered = watchRecovery(flows, cutAt) // once the link is down
-	if took, err = e.WaitGatewayNextHops(ctx, vip, cutAt, bgpTimeout, rb); err != nil {
-		t.Fatalf("after %s's link was cut: %v", ra.Name, err)
+	for i := range fs {
+		fs[i].recovered = watchRecovery(fs[i].flows, cutAt) // once the link is down
 	}
-	t.Logf("bgp: %s's link cut -> gateway route via %s only took %d ms (hold time %v)", ra.Name, rb.Name, took.Milliseconds(), topology.BGPHoldTime)
+	took := e.waitNextHops(t, vips, cutAt, ra.Name+"'s link cut", rb)
 	if took > topology.BGPHoldTime+2*time.Second {
-		t.Errorf("the route outlived the hold time (%v) by %v", topology.BGPHoldTime, took-topology.BGPHoldTime)
+		t.Errorf("a route outlived the hold time (%v) by %v", topology.BGPHoldTime, took-topology.BGPHoldTime)
 	}
-	rec = <-recovered
-	disrupted, _ = disruptedFlows(t, flows, echoed, cutAt)
-	t.Logf("bgp: %s's link cut: %d of %d light flows disrupted (%.1f%%); %d of them went via %s", ra.Name, disrupted, len(flows), percent(disrupted, len(flows)), count(viaA), ra.Name)
-	t.Logf("bgp: %s's link cut: first chunk sent after it echoed: flows via %s %s; flows via %s %s", ra.Name, ra.Name, rec.of(viaA, true), rb.Name, rec.of(viaA, false))
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		fs[i].since = cutAt
+		fs[i].report(t, ra.Name+"'s link cut", ra, rb)
+	})
 
 	restoredAt := time.Now()
 	if err := e.SetNodeLink(ctx, ra, true); err != nil {
 		t.Fatal(err)
 	}
-	if took, err = e.WaitGatewayNextHops(ctx, vip, restoredAt, bgpTimeout, ra, rb); err != nil {
-		t.Fatalf("after %s's link came back: %v", ra.Name, err)
-	}
-	t.Logf("bgp: %s's link restored -> route via both routers took %d ms", ra.Name, took.Milliseconds())
+	e.waitNextHops(t, vips, restoredAt, ra.Name+"'s link restored", ra, rb)
 	e.checkSessions(t, ra, rb)
-	id = e.who(t, "tcp", vip, 0)
-	t.Logf("over the restored BGP route, %s answered", id.Pod)
+	// The gateway's neighbour entry for router-a's IPv6 address failed
+	// while the link was down; until it is resolved again, a packet the
+	// ECMP route hashes to router-a gets "no route to host" back. A
+	// connection is tried until one is answered (ten seconds at most).
+	inFamilies(t, vips, func(t testing.TB, _ int, vip netip.Addr) {
+		var id workload.Identity
+		var tries []string
+		if err := e.poll(10*time.Second, func() (bool, string) {
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+			defer cancel()
+			var err error
+			id, err = workload.Who(ctx, e.client, "tcp", netip.AddrPortFrom(vip, tcpPort), 0)
+			if err != nil {
+				tries = append(tries, err.Error())
+			}
+			return err == nil, strings.Join(tries, "; ")
+		}); err != nil {
+			t.Fatalf("no answer over the restored BGP route: %v", err)
+		}
+		t.Logf("over the restored BGP route, %s answered on %s after %d failed tries %v", id.Pod, vip, len(tries), tries)
+	})
+}
+
+// waitNextHops waits until the gateway routes each of vips via exactly
+// routers (none: withdrawn), logs how long each took after since, and
+// returns the longest.
+func (e *env) waitNextHops(t *testing.T, vips []netip.Addr, since time.Time, after string, routers ...*topology.Node) time.Duration {
+	t.Helper()
+	var names []string
+	for _, r := range routers {
+		names = append(names, r.Name)
+	}
+	took := make([]time.Duration, len(vips))
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		d, err := e.WaitGatewayNextHops(context.Background(), vip, since, bgpTimeout, routers...)
+		if err != nil {
+			t.Fatalf("after %s: %v", after, err)
+		}
+		took[i] = d
+		t.Logf("bgp: %s -> gateway route to %s via %s took %d ms", after, vip, strings.Join(names, " and "), d.Milliseconds())
+	})
+	return slices.Max(took)
+}
+
+// bgpFlows are one family's light flows through a BGP event, which of
+// them cross router r, and how each recovered.
+type bgpFlows struct {
+	lightFlows
+	viaA      []bool
+	since     time.Time
+	recovered <-chan recovery
+}
+
+// start opens the light flows from ports and finds those via r.
+func (f *bgpFlows) start(t testing.TB, e *env, vip netip.Addr, ports []uint16, r *topology.Node) {
+	f.flows = startLightFlows(t, e, vip, ports[0], len(ports))
+	f.viaA = e.flowsVia(t, vip, ports, r)
+}
+
+// mark records the flows' progress at the event and starts watching how
+// they recover.
+func (f *bgpFlows) mark(at time.Time) {
+	f.lightFlows.mark()
+	f.since = at
+	f.recovered = watchRecovery(f.flows, at)
+}
+
+// report counts the disrupted flows (stopping them) and logs how the flows
+// via a and via b recovered.
+func (f *bgpFlows) report(t testing.TB, event string, a, b *topology.Node) {
+	rec := <-f.recovered
+	disrupted, _ := disruptedFlows(t, f.flows, f.echoed, f.since)
+	t.Logf("bgp: %s: %d of %d light flows disrupted (%.1f%%); %d of them went via %s", event, disrupted, len(f.flows), percent(disrupted, len(f.flows)), count(f.viaA), a.Name)
+	t.Logf("bgp: %s: first chunk sent after it echoed: flows via %s %s; flows via %s %s", event, a.Name, rec.of(f.viaA, true), b.Name, rec.of(f.viaA, false))
 }
 
 // flowsVia reports, for each client TCP flow from ports to vip, whether the
@@ -190,7 +253,7 @@ func bgpRouting(t *testing.T, e *env) {
 // late, so the converse is not checked.) For an IPv6 one `ip route get`
 // does not hash as for the packets (see topology.Lab.GatewayPaths), so the
 // routers' conntrack tables tell: see flowsHeldBy.
-func (e *env) flowsVia(t *testing.T, vip netip.Addr, ports []uint16, r *topology.Node) []bool {
+func (e *env) flowsVia(t testing.TB, vip netip.Addr, ports []uint16, r *topology.Node) []bool {
 	t.Helper()
 	if vip.Is6() {
 		return e.flowsHeldBy(t, vip, ports, r)
@@ -228,7 +291,7 @@ func (e *env) flowsVia(t *testing.T, vip netip.Addr, ports []uint16, r *topology
 // sends via r. It waits (5 s at most) until every flow is in exactly one
 // router's table, as each flow's packets cross one router, and fails the
 // test if some never are.
-func (e *env) flowsHeldBy(t *testing.T, vip netip.Addr, ports []uint16, r *topology.Node) []bool {
+func (e *env) flowsHeldBy(t testing.TB, vip netip.Addr, ports []uint16, r *topology.Node) []bool {
 	t.Helper()
 	ctx := context.Background()
 	var holders map[uint16][]string

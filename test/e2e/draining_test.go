@@ -28,92 +28,118 @@ const drainAnnotation = "cmd.nu/tunnel-drain"
 // started in, also across a router restart; an old generation is deleted
 // once no flow uses it. A router failover while an endpoint drains breaks
 // the flows to it that crossed the dead router (the known limit): that
-// share is measured, not asserted.
+// share is measured, not asserted. The pod drains in both families' slices
+// at once, and each family's flows are checked.
 func drainingEndpoint(t *testing.T, e *env) {
-	vip := e.tunnelIP(9)
-	full := e.deploy(t, "draining", vip, e.Pods...)
-	if want := bucket.Assign(e.Opts.Buckets, e.podAddrs(e.Pods)); !slices.Equal(full, want) {
-		t.Fatalf("the routers' table for %s is not the assignment of the %d pods:\n got %v\nwant %v", vip, len(e.Pods), full, want)
+	vips := tunnelIPs(9)
+	full := e.deploy(t, "draining", vips, e.Pods...)
+	for i, vip := range vips {
+		if want := bucket.Assign(e.Opts.Buckets, podAddrs(e.Pods, vip)); !slices.Equal(full[i], want) {
+			t.Fatalf("the routers' table for %s is not the assignment of the %d pods:\n got %v\nwant %v", vip, len(e.Pods), full[i], want)
+		}
 	}
 	x, y := e.Pods[0], e.Pods[len(e.Pods)-1]
-	if !t.Run("terminating", func(t *testing.T) { drainTerminating(t, e, vip, full, x) }) {
+	if !t.Run("terminating", func(t *testing.T) { drainTerminating(t, e, vips, full, x) }) {
 		return
 	}
-	if !t.Run("annotated", func(t *testing.T) { drainAnnotated(t, e, vip, y) }) {
+	if !t.Run("annotated", func(t *testing.T) { drainAnnotated(t, e, vips, y) }) {
 		return
 	}
-	t.Run("router_failover", func(t *testing.T) { drainFailover(t, e, vip, x) })
+	t.Run("router_failover", func(t *testing.T) { drainFailover(t, e, vips, x) })
 }
 
-// drainTerminating: x turns terminating while a busy stream and 200 light
-// flows run (steps a-e), then leaves the slice and its old generation is
-// collected (step g).
-func drainTerminating(t *testing.T, e *env, vip netip.Addr, full []netip.Addr, x *topology.Pod) {
+// drainingFlows are one family's flows through a drain: lightFlows, the
+// busy stream's source port, the light flows' ports, which of them reach
+// the draining pod, and the table without it.
+type drainingFlows struct {
+	lightFlows
+	streamPort uint16
+	ports      []uint16
+	onX        []bool
+	drained    []netip.Addr
+}
+
+// drainTerminating: x turns terminating while, in each family, a busy
+// stream and 200 light flows run (steps a-e), then leaves the slices and
+// its old generation is collected (step g).
+func drainTerminating(t *testing.T, e *env, vips []netip.Addr, full [][]netip.Addr, x *topology.Pod) {
 	ctx := context.Background()
+	fs := make([]drainingFlows, len(vips))
 	// a. A busy stream to x, and 200 light flows over the 4 pods.
-	streamPort := e.portTo(t, full, vip, 46500, x)
-	stream := startStream(t, e, vip, streamPort)
-	ports := portRange(46001, 200)
-	flows := startLightFlows(t, e, vip, ports[0], len(ports))
-	waitVerified(t, stream, 64<<10, "before the drain")
-	if got := e.reachedPods(t, []uint16{streamPort})[streamPort]; got != x {
-		t.Fatalf("the busy stream from port %d reached %s, the bucket table says %s", streamPort, got.Name, x.Name)
-	}
-	onX := e.flowsOn(t, full, vip, ports, x)
-	t.Logf("a busy stream from port %d and %d of %d light flows reach %s", streamPort, count(onX), len(flows), x.Name)
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		f := &fs[i]
+		f.streamPort = e.portTo(t, full[i], vip, 46500, x)
+		f.stream = startStream(t, e, vip, f.streamPort)
+		f.ports = portRange(46001, 200)
+		f.flows = startLightFlows(t, e, vip, f.ports[0], len(f.ports))
+		waitVerified(t, f.stream, 64<<10, "before the drain")
+		if got := e.reachedPods(t, vip, []uint16{f.streamPort})[f.streamPort]; got != x {
+			t.Fatalf("the busy stream from port %d reached %s, the bucket table says %s", f.streamPort, got.Name, x.Name)
+		}
+		f.onX = e.flowsOn(t, full[i], vip, f.ports, x)
+		t.Logf("a busy stream from port %d and %d of %d light flows to %s reach %s", f.streamPort, count(f.onX), len(f.flows), vip, x.Name)
+	})
 
 	// b. x terminates: serving but not ready.
 	rest := others(e.Pods, x)
-	drainedAt, echoed, streamAt := time.Now(), progress(flows), stream.Stats().Verified
+	drainedAt := time.Now()
+	for i := range fs {
+		fs[i].mark()
+	}
 	if err := e.applyEndpoints(ctx, "draining", append(topology.Ready(rest...), topology.Endpoint{Pod: x, Terminating: true})); err != nil {
 		t.Fatal(err)
 	}
-	drained, err := e.WaitTunnel(ctx, vip, rest...)
-	if err != nil {
-		t.Fatalf("after %s turned terminating: %v", x.Name, err)
-	}
-	t.Logf("%s terminating: both routers' current tables left it out %v later", x.Name, time.Since(drainedAt).Round(time.Millisecond))
-	if want := bucket.Assign(e.Opts.Buckets, e.podAddrs(rest)); !slices.Equal(drained, want) {
-		t.Errorf("the current table is not the assignment without %s:\n got %v\nwant %v", x.Name, drained, want)
-	}
-	if ok, err := topology.PodHasAddr(ctx, x, vip); err != nil || !ok {
-		t.Errorf("the draining %s no longer holds %s (err %v)", x.Name, vip, err)
-	}
-	e.checkOldGeneration(t, vip, full)
-
-	// c. New flows avoid x and go where the new table says.
-	newPorts := portRange(47000, 200)
-	toX := e.newFlows(t, drained, vip, newPorts, x)
-
-	// d. The established flows, those to x included, keep echoing.
-	broken := brokenFlows(flows, echoed, drainedAt)
-	brokenOnX := 0
-	errs := firstErrors(t)
-	for _, i := range broken {
-		if onX[i] {
-			brokenOnX++
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		f := &fs[i]
+		drained, err := e.WaitTunnel(ctx, vip, rest...)
+		if err != nil {
+			t.Fatalf("after %s turned terminating: %v", x.Name, err)
 		}
-		errs.Errorf("established flow from port %d (on %s) disrupted by the drain: %v", ports[i], e.PodByAddr(e.predicted(full, vip, ports[i])).Name, flows[i].Stats().Err)
-	}
-	errs.Done("flows disrupted")
-	waitVerified(t, stream, streamAt+128<<10, "after the drain")
-	t.Logf("draining: %d of %d established flows disrupted (%d of the %d on the draining %s); %d of %d new flows reached it; the busy stream to it went on",
-		len(broken), len(flows), brokenOnX, count(onX), x.Name, toX, len(newPorts))
+		f.drained = drained
+		t.Logf("%s terminating: both routers' current tables for %s left it out %v later", x.Name, vip, time.Since(drainedAt).Round(time.Millisecond))
+		if want := bucket.Assign(e.Opts.Buckets, podAddrs(rest, vip)); !slices.Equal(drained, want) {
+			t.Errorf("the current table is not the assignment without %s:\n got %v\nwant %v", x.Name, drained, want)
+		}
+		if ok, err := topology.PodHasAddr(ctx, x, vip); err != nil || !ok {
+			t.Errorf("the draining %s no longer holds %s (err %v)", x.Name, vip, err)
+		}
+		e.checkOldGeneration(t, vip, full[i])
 
-	// e. router-a restarts while the old generation is in use: it adopts
-	// both generations as they are.
+		// c. New flows avoid x and go where the new table says.
+		newPorts := portRange(47000, 200)
+		toX := e.newFlows(t, drained, vip, newPorts, x)
+
+		// d. The established flows, those to x included, keep echoing.
+		broken := brokenFlows(f.flows, f.echoed, drainedAt)
+		brokenOnX := 0
+		errs := firstErrors(t)
+		for _, j := range broken {
+			if f.onX[j] {
+				brokenOnX++
+			}
+			errs.Errorf("established flow from port %d (on %s) disrupted by the drain: %v", f.ports[j], e.PodByAddr(e.predicted(full[i], vip, f.ports[j])).Name, f.flows[j].Stats().Err)
+		}
+		errs.Done("flows disrupted")
+		waitVerified(t, f.stream, f.streamAt+128<<10, "after the drain")
+		t.Logf("draining: %d of %d established flows to %s disrupted (%d of the %d on the draining %s); %d of %d new flows reached it; the busy stream to it went on",
+			len(broken), len(f.flows), vip, brokenOnX, count(f.onX), x.Name, toX, len(newPorts))
+	})
+
+	// e. router-a restarts while the old generations are in use: it adopts
+	// them as they are.
 	ra := e.Routers[0]
 	before, err := kstate.Snapshot(ctx, ra.Name)
 	if err != nil {
 		t.Fatal(err)
 	}
-	restartedAt, echoed, streamAt := time.Now(), progress(flows), stream.Stats().Verified
+	restartedAt := time.Now()
+	for i := range fs {
+		fs[i].mark()
+	}
 	if err := ra.Router.Restart(); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := e.WaitTunnel(ctx, vip, rest...); err != nil {
-		t.Fatalf("after %s restarted: %v", ra.Name, err)
-	}
+	e.waitTunnels(t, vips, rest...)
 	time.Sleep(3 * time.Second) // time to sync, and to do harm if it would
 	after, err := kstate.Snapshot(ctx, ra.Name)
 	if err != nil {
@@ -122,17 +148,20 @@ func drainTerminating(t *testing.T, e *env, vip netip.Addr, full []netip.Addr, x
 	if diff := kstate.Diff(before, after); diff != "" {
 		t.Errorf("restarting %s while %s drains changed its kernel state:\n%s", ra.Name, x.Name, diff)
 	}
-	broken = brokenFlows(flows, echoed, restartedAt)
-	errs = firstErrors(t)
-	for _, i := range broken {
-		errs.Errorf("flow from port %d (on %s) disrupted by %s's restart: %v", ports[i], e.PodByAddr(e.predicted(full, vip, ports[i])).Name, ra.Name, flows[i].Stats().Err)
-	}
-	errs.Done("flows disrupted")
-	if err := stream.Stats().Err; err != nil {
-		t.Errorf("the busy stream to the draining %s broke when %s restarted: %v", x.Name, ra.Name, err)
-	}
-	t.Logf("%s restarted while the old generation served %d flows: kernel state unchanged, %d of %d light flows disrupted",
-		ra.Name, len(flows)+1, len(broken), len(flows))
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		f := &fs[i]
+		broken := brokenFlows(f.flows, f.echoed, restartedAt)
+		errs := firstErrors(t)
+		for _, j := range broken {
+			errs.Errorf("flow from port %d (on %s) disrupted by %s's restart: %v", f.ports[j], e.PodByAddr(e.predicted(full[i], vip, f.ports[j])).Name, ra.Name, f.flows[j].Stats().Err)
+		}
+		errs.Done("flows disrupted")
+		if err := f.stream.Stats().Err; err != nil {
+			t.Errorf("the busy stream to the draining %s broke when %s restarted: %v", x.Name, ra.Name, err)
+		}
+		t.Logf("%s restarted while the old generation of %s served %d flows: kernel state unchanged, %d of %d light flows disrupted",
+			ra.Name, vip, len(f.flows)+1, len(broken), len(f.flows))
+	})
 	if os.Getenv("KST_E2E_DRAIN_FULL") == "" {
 		// The old generation outlives its last flow by up to the TCP
 		// conntrack timeouts (minutes); make demo shows it collected.
@@ -140,164 +169,175 @@ func drainTerminating(t *testing.T, e *env, vip netip.Addr, full []netip.Addr, x
 		return
 	}
 
-	// g. x leaves the slice. Its flows end first (each with a RST, which
-	// removes the routers' conntrack entry at once); the others keep the old
-	// generation in use a little longer, to see its buckets of x re-pointed
-	// to their current owners.
-	var xFlows, restFlows []*workload.Stream
-	var restEchoed []int64
-	for i, f := range flows {
-		if onX[i] {
-			xFlows = append(xFlows, f)
-		} else {
-			restFlows = append(restFlows, f)
-			restEchoed = append(restEchoed, f.Stats().Verified)
+	// g. x leaves the slices. Its flows end first (each with a RST, which
+	// removes the routers' conntrack entry at once); the others keep the
+	// old generation in use a little longer, to see its buckets of x
+	// re-pointed to their current owners.
+	rests := make([]lightFlows, len(vips))
+	inFamilies(t, vips, func(t testing.TB, i int, _ netip.Addr) {
+		errs := firstErrors(t)
+		for j, f := range fs[i].flows {
+			if !fs[i].onX[j] {
+				rests[i].flows = append(rests[i].flows, f)
+				continue
+			}
+			stopCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			if st, err := f.Stop(stopCtx); err != nil {
+				errs.Errorf("a flow to the draining %s: %v (sent %d, echoed %d)", x.Name, err, st.Sent, st.Verified)
+			}
+			cancel()
 		}
-	}
-	errs = firstErrors(t)
-	for _, f := range xFlows {
-		stopCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		if st, err := f.Stop(stopCtx); err != nil {
-			errs.Errorf("a flow to the draining %s: %v (sent %d, echoed %d)", x.Name, err, st.Sent, st.Verified)
-		}
-		cancel()
-	}
-	errs.Done("flows failed")
+		errs.Done("flows failed")
+		rests[i].mark()
+	})
 	removedAt := time.Now()
 	if err := e.applyEndpoints(ctx, "draining", topology.Ready(rest...)); err != nil {
 		t.Fatal(err)
 	}
-	if err := e.poll(30*time.Second, func() (bool, string) {
-		for _, r := range e.Routers {
-			for _, gen := range e.oldGenerations(t, r, vip) {
-				table, err := e.GenerationTable(ctx, r, vip, gen)
-				if err != nil {
-					return false, err.Error()
-				}
-				if !slices.Equal(table, drained) {
-					return false, fmt.Sprintf("%s's generation %d still sends %d buckets to %s", r.Name, gen, countAddr(table, e.podAddr(x)), x.Name)
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		if err := e.poll(30*time.Second, func() (bool, string) {
+			for _, r := range e.Routers {
+				for _, gen := range e.oldGenerations(t, r, vip) {
+					table, err := e.GenerationTable(ctx, r, vip, gen)
+					if err != nil {
+						return false, err.Error()
+					}
+					if !slices.Equal(table, fs[i].drained) {
+						return false, fmt.Sprintf("%s's generation %d still sends %d buckets to %s", r.Name, gen, countAddr(table, topology.PodAddr(x, vip)), x.Name)
+					}
 				}
 			}
+			ok, err := topology.PodHasAddr(ctx, x, vip)
+			return err == nil && !ok, fmt.Sprintf("%s still holds %s (err %v)", x.Name, vip, err)
+		}); err != nil {
+			t.Errorf("after %s left the slice: %v", x.Name, err)
+		} else {
+			t.Logf("%s left the slice: in the old generation of %s its buckets went to their current owners, and it gave up %s, %v later", x.Name, vip, vip, time.Since(removedAt).Round(time.Millisecond))
 		}
-		ok, err := topology.PodHasAddr(ctx, x, vip)
-		return err == nil && !ok, fmt.Sprintf("%s still holds %s (err %v)", x.Name, vip, err)
-	}); err != nil {
-		t.Errorf("after %s left the slice: %v", x.Name, err)
-	} else {
-		t.Logf("%s left the slice: in the old generation its buckets went to their current owners, and it gave up %s, %v later", x.Name, vip, time.Since(removedAt).Round(time.Millisecond))
-	}
-	disrupted, _ := disruptedFlows(t, restFlows, restEchoed, removedAt)
-	t.Logf("%d of the %d flows on the other pods disrupted when %s left the slice", disrupted, len(restFlows), x.Name)
+		disrupted, _ := disruptedFlows(t, rests[i].flows, rests[i].echoed, removedAt)
+		t.Logf("%d of the %d flows to %s on the other pods disrupted when %s left the slice", disrupted, len(rests[i].flows), vip, x.Name)
 
-	// The routers count a TCP entry as a flow while its remaining lifetime
-	// is above the closing states' 120 s; an entry no RST removed (one that
-	// broke, say) lasts 300 s after its last packet: up to 3 minutes then.
-	lastFlowAt := time.Now()
-	err = e.poll(4*time.Minute, func() (bool, string) {
-		for _, r := range e.Routers {
-			if old := e.oldGenerations(t, r, vip); len(old) > 0 {
-				return false, fmt.Sprintf("%s still holds generations %v of %s", r.Name, old, vip)
+		// The routers count a TCP entry as a flow while its remaining
+		// lifetime is above the closing states' 120 s; an entry no RST
+		// removed (one that broke, say) lasts 300 s after its last packet:
+		// up to 3 minutes then.
+		lastFlowAt := time.Now()
+		err := e.poll(4*time.Minute, func() (bool, string) {
+			for _, r := range e.Routers {
+				if old := e.oldGenerations(t, r, vip); len(old) > 0 {
+					return false, fmt.Sprintf("%s still holds generations %v of %s", r.Name, old, vip)
+				}
 			}
+			return true, ""
+		})
+		if err != nil {
+			for _, r := range e.Routers {
+				t.Logf("%s's conntrack entries for %s:\n%s", r.Name, vip, conntrackOf(r, vip))
+			}
+			t.Errorf("the old generation outlived its last flow: %v", err)
+			return
 		}
-		return true, ""
+		t.Logf("the last flow of the old generation ended; %v later both routers held routes for one generation of %s only", time.Since(lastFlowAt).Round(time.Millisecond), vip)
 	})
-	if err != nil {
-		for _, r := range e.Routers {
-			t.Logf("%s's conntrack entries for %s:\n%s", r.Name, vip, conntrackOf(r, vip))
-		}
-		t.Errorf("the old generation outlived its last flow: %v", err)
-		return
-	}
-	t.Logf("the last flow of the old generation ended; %v later both routers held routes for one generation of %s only", time.Since(lastFlowAt).Round(time.Millisecond), vip)
 }
 
 // drainAnnotated: the annotation cmd.nu/tunnel-drain=true drains y like a
-// terminating endpoint, and removing it gives y its buckets back (step h).
-func drainAnnotated(t *testing.T, e *env, vip netip.Addr, y *topology.Pod) {
+// terminating endpoint in both families, and removing it gives y its
+// buckets back (step h).
+func drainAnnotated(t *testing.T, e *env, vips []netip.Addr, y *topology.Pod) {
 	ctx := context.Background()
 	if err := e.applyEndpoints(ctx, "draining", topology.Ready(e.Pods...)); err != nil {
 		t.Fatal(err)
 	}
-	full, err := e.WaitTunnel(ctx, vip, e.Pods...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if want := bucket.Assign(e.Opts.Buckets, e.podAddrs(e.Pods)); !slices.Equal(full, want) {
-		t.Fatalf("with every pod ready again, the table is not their assignment:\n got %v\nwant %v", full, want)
-	}
-	port := e.portTo(t, full, vip, 48500, y)
-	stream := startStream(t, e, vip, port)
-	waitVerified(t, stream, 64<<10, "before the annotation")
-	if got := e.reachedPods(t, []uint16{port})[port]; got != y {
-		t.Fatalf("the stream from port %d reached %s, the bucket table says %s", port, got.Name, y.Name)
-	}
+	full := e.waitTunnels(t, vips, e.Pods...)
+	streams := make([]*workload.Stream, len(vips))
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		if want := bucket.Assign(e.Opts.Buckets, podAddrs(e.Pods, vip)); !slices.Equal(full[i], want) {
+			t.Fatalf("with every pod ready again, the table is not their assignment:\n got %v\nwant %v", full[i], want)
+		}
+		port := e.portTo(t, full[i], vip, 48500, y)
+		streams[i] = startStream(t, e, vip, port)
+		waitVerified(t, streams[i], 64<<10, "before the annotation")
+		if got := e.reachedPods(t, vip, []uint16{port})[port]; got != y {
+			t.Fatalf("the stream from port %d reached %s, the bucket table says %s", port, got.Name, y.Name)
+		}
+	})
 
 	t.Cleanup(func() { _ = e.AnnotatePod(context.Background(), y, drainAnnotation, "") })
-	annotatedAt, streamAt := time.Now(), stream.Stats().Verified
+	annotatedAt := time.Now()
+	streamAt := make([]int64, len(vips))
+	for i, s := range streams {
+		streamAt[i] = s.Stats().Verified
+	}
 	if err := e.AnnotatePod(ctx, y, drainAnnotation, "true"); err != nil {
 		t.Fatal(err)
 	}
 	rest := others(e.Pods, y)
-	drained, err := e.WaitTunnel(ctx, vip, rest...)
-	if err != nil {
-		t.Fatalf("after annotating %s %s=true: %v", y.Name, drainAnnotation, err)
-	}
-	t.Logf("%s annotated %s=true: both routers' current tables left it out %v later", y.Name, drainAnnotation, time.Since(annotatedAt).Round(time.Millisecond))
-	if want := bucket.Assign(e.Opts.Buckets, e.podAddrs(rest)); !slices.Equal(drained, want) {
-		t.Errorf("the current table is not the assignment without %s:\n got %v\nwant %v", y.Name, drained, want)
-	}
-	if ok, err := topology.PodHasAddr(ctx, y, vip); err != nil || !ok {
-		t.Errorf("the draining %s no longer holds %s (err %v)", y.Name, vip, err)
-	}
-	toY := e.newFlows(t, drained, vip, portRange(47200, 200), y)
-	waitVerified(t, stream, streamAt+128<<10, "while "+y.Name+" drains")
-	t.Logf("annotation drain: %d of 200 new flows reached %s; the stream to it went on", toY, y.Name)
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		drained, err := e.WaitTunnel(ctx, vip, rest...)
+		if err != nil {
+			t.Fatalf("after annotating %s %s=true: %v", y.Name, drainAnnotation, err)
+		}
+		t.Logf("%s annotated %s=true: both routers' current tables for %s left it out %v later", y.Name, drainAnnotation, vip, time.Since(annotatedAt).Round(time.Millisecond))
+		if want := bucket.Assign(e.Opts.Buckets, podAddrs(rest, vip)); !slices.Equal(drained, want) {
+			t.Errorf("the current table is not the assignment without %s:\n got %v\nwant %v", y.Name, drained, want)
+		}
+		if ok, err := topology.PodHasAddr(ctx, y, vip); err != nil || !ok {
+			t.Errorf("the draining %s no longer holds %s (err %v)", y.Name, vip, err)
+		}
+		toY := e.newFlows(t, drained, vip, portRange(47200, 200), y)
+		waitVerified(t, streams[i], streamAt[i]+128<<10, "while "+y.Name+" drains")
+		t.Logf("annotation drain: %d of 200 new flows to %s reached %s; the stream to it went on", toY, vip, y.Name)
+	})
 
 	if err := e.AnnotatePod(ctx, y, drainAnnotation, ""); err != nil {
 		t.Fatal(err)
 	}
-	again, err := e.WaitTunnel(ctx, vip, e.Pods...)
-	if err != nil {
-		t.Fatalf("after removing the annotation from %s: %v", y.Name, err)
-	}
-	if !slices.Equal(again, full) {
-		t.Errorf("with the annotation removed, the table is not the assignment of every pod:\n got %v\nwant %v", again, full)
-	}
-	newPorts := portRange(47400, 50)
-	e.newFlows(t, again, vip, newPorts, nil)
-	backOnY := 0
-	for _, p := range newPorts {
-		if e.predicted(again, vip, p) == e.podAddr(y) {
-			backOnY++ // newFlows checked that each went where the table says
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		again, err := e.WaitTunnel(ctx, vip, e.Pods...)
+		if err != nil {
+			t.Fatalf("after removing the annotation from %s: %v", y.Name, err)
 		}
-	}
-	if backOnY == 0 || countAddr(again, e.podAddr(y)) == 0 {
-		t.Errorf("with the annotation removed, %s owns %d buckets and got %d of %d new flows", y.Name, countAddr(again, e.podAddr(y)), backOnY, len(newPorts))
-	}
-	stats := stopStream(t, stream)
-	t.Logf("annotation removed: %s owns %d of %d buckets again and got %d of %d new flows; the stream to it echoed %d bytes intact throughout",
-		y.Name, countAddr(again, e.podAddr(y)), len(again), backOnY, len(newPorts), stats.Sent)
+		if !slices.Equal(again, full[i]) {
+			t.Errorf("with the annotation removed, the table is not the assignment of every pod:\n got %v\nwant %v", again, full[i])
+		}
+		newPorts := portRange(47400, 50)
+		e.newFlows(t, again, vip, newPorts, nil)
+		yAddr := topology.PodAddr(y, vip)
+		backOnY := 0
+		for _, p := range newPorts {
+			if e.predicted(again, vip, p) == yAddr {
+				backOnY++ // newFlows checked that each went where the table says
+			}
+		}
+		if backOnY == 0 || countAddr(again, yAddr) == 0 {
+			t.Errorf("with the annotation removed, %s owns %d buckets and got %d of %d new flows", y.Name, countAddr(again, yAddr), backOnY, len(newPorts))
+		}
+		stats := stopStream(t, streams[i])
+		t.Logf("annotation removed: %s owns %d of %d buckets of %s again and got %d of %d new flows; the stream to it echoed %d bytes intact throughout",
+			y.Name, countAddr(again, yAddr), len(again), vip, backOnY, len(newPorts), stats.Sent)
+	})
 }
 
 // drainFailover: router-a dies while x drains (step f). router-b has no
 // conntrack entry for the flows that crossed router-a, so it sends them by
 // its current table: those to x break (the known limit), the others stay.
-func drainFailover(t *testing.T, e *env, vip netip.Addr, x *topology.Pod) {
+func drainFailover(t *testing.T, e *env, vips []netip.Addr, x *topology.Pod) {
 	ctx := context.Background()
-	full, err := e.WaitTunnel(ctx, vip, e.Pods...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ports := portRange(49001, 200)
-	flows := startLightFlows(t, e, vip, ports[0], len(ports))
-	onX := e.flowsOn(t, full, vip, ports, x)
+	full := e.waitTunnels(t, vips, e.Pods...)
+	fs := make([]drainingFlows, len(vips))
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		f := &fs[i]
+		f.ports = portRange(49001, 200)
+		f.flows = startLightFlows(t, e, vip, f.ports[0], len(f.ports))
+		f.onX = e.flowsOn(t, full[i], vip, f.ports, x)
+	})
 	rest := others(e.Pods, x)
 	if err := e.applyEndpoints(ctx, "draining", append(topology.Ready(rest...), topology.Endpoint{Pod: x, Terminating: true})); err != nil {
 		t.Fatal(err)
 	}
-	drained, err := e.WaitTunnel(ctx, vip, rest...)
-	if err != nil {
-		t.Fatal(err)
+	for i, table := range e.waitTunnels(t, vips, rest...) {
+		fs[i].drained = table
 	}
 
 	dead, survivor := e.Routers[0], e.Routers[1]
@@ -310,37 +350,43 @@ func drainFailover(t *testing.T, e *env, vip netip.Addr, x *topology.Pod) {
 		}
 		_ = e.RouteTunnelsVia(ctx, e.Routers...)
 	})
-	before := progress(flows)
+	for i := range fs {
+		fs[i].mark()
+	}
 	e.failRouter(t, dead, survivor)
 	failedAt := time.Now()
-	broken := brokenFlows(flows, before, failedAt)
-	brokenOnX, brokenMoved, brokenKept, moved := 0, 0, 0, 0
-	errs := firstErrors(t)
-	isBroken := make([]bool, len(flows))
-	for _, i := range broken {
-		isBroken[i] = true
-	}
-	for i, port := range ports {
-		b := e.HMARK().Bucket(hmark.Flow{Src: topology.ClientAddrFor(vip), Dst: vip, SrcPort: port, DstPort: tcpPort, Proto: 6})
-		bucketMoved := full[b] != drained[b]
-		if bucketMoved && !onX[i] {
-			moved++
+	isBroken := make([][]bool, len(vips))
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		f := &fs[i]
+		broken := brokenFlows(f.flows, f.echoed, failedAt)
+		brokenOnX, brokenMoved, brokenKept, moved := 0, 0, 0, 0
+		errs := firstErrors(t)
+		isBroken[i] = make([]bool, len(f.flows))
+		for _, j := range broken {
+			isBroken[i][j] = true
 		}
-		switch {
-		case !isBroken[i]:
-		case onX[i]:
-			brokenOnX++
-		case bucketMoved:
-			brokenMoved++
-		default:
-			brokenKept++
-			errs.Errorf("flow from port %d to %s, whose bucket %d did not move, broke in the failover: %v", port, e.PodByAddr(full[b]).Name, b, flows[i].Stats().Err)
+		for j, port := range f.ports {
+			b := e.HMARK().Bucket(hmark.Flow{Src: topology.ClientAddrFor(vip), Dst: vip, SrcPort: port, DstPort: tcpPort, Proto: 6})
+			bucketMoved := full[i][b] != f.drained[b]
+			if bucketMoved && !f.onX[j] {
+				moved++
+			}
+			switch {
+			case !isBroken[i][j]:
+			case f.onX[j]:
+				brokenOnX++
+			case bucketMoved:
+				brokenMoved++
+			default:
+				brokenKept++
+				errs.Errorf("flow from port %d to %s, whose bucket %d did not move, broke in the failover: %v", port, e.PodByAddr(full[i][b]).Name, b, f.flows[j].Stats().Err)
+			}
 		}
-	}
-	errs.Done("flows broke")
-	nX := count(onX)
-	t.Logf("router failover while %s drains (the known limit): %d of the %d flows to %s broke (%.0f%%; those that crossed %s); of the %d other flows, %d broke (%d of the %d whose bucket moved)",
-		x.Name, brokenOnX, nX, x.Name, percent(brokenOnX, nX), dead.Name, len(flows)-nX, brokenKept+brokenMoved, brokenMoved, moved)
+		errs.Done("flows broke")
+		nX := count(f.onX)
+		t.Logf("router failover while %s drains (the known limit): %d of the %d flows to %s on %s broke (%.0f%%; those that crossed %s); of the %d other flows, %d broke (%d of the %d whose bucket moved)",
+			x.Name, brokenOnX, nX, vip, x.Name, percent(brokenOnX, nX), dead.Name, len(f.flows)-nX, brokenKept+brokenMoved, brokenMoved, moved)
+	})
 
 	// router-a comes back (restarted, its link up, the gateway's route over
 	// both routers again), so that later scenarios have both routers. The
@@ -352,37 +398,41 @@ func drainFailover(t *testing.T, e *env, vip netip.Addr, x *topology.Pod) {
 	if err := dead.Router.Start(); err != nil {
 		t.Fatal(err)
 	}
-	backAt, echoed := time.Now(), progress(flows)
+	backAt := time.Now()
+	for i := range fs {
+		fs[i].mark()
+	}
 	if err := e.RouteTunnelsVia(ctx, e.Routers...); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := e.WaitTunnel(ctx, vip, rest...); err != nil {
-		t.Fatalf("after %s came back: %v", dead.Name, err)
-	}
-	backOnX, backOthers := 0, 0
-	for _, i := range brokenFlows(flows, echoed, backAt) {
-		switch {
-		case isBroken[i]:
-		case onX[i]:
-			backOnX++
-		default:
-			backOthers++
+	e.waitTunnels(t, vips, rest...)
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		f := &fs[i]
+		backOnX, backOthers := 0, 0
+		for _, j := range brokenFlows(f.flows, f.echoed, backAt) {
+			switch {
+			case isBroken[i][j]:
+			case f.onX[j]:
+				backOnX++
+			default:
+				backOthers++
+			}
 		}
-	}
-	t.Logf("when %s came back, %d more flows broke: %d to %s, %d others", dead.Name, backOnX+backOthers, backOnX, x.Name, backOthers)
-	for _, f := range flows {
-		stopCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		_, _ = f.Stop(stopCtx) // broken ones fail, which is measured above
-		cancel()
-	}
+		t.Logf("when %s came back, %d more flows to %s broke: %d to %s, %d others", dead.Name, backOnX+backOthers, vip, backOnX, x.Name, backOthers)
+		for _, fl := range f.flows {
+			stopCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			_, _ = fl.Stop(stopCtx) // broken ones fail, which is measured above
+			cancel()
+		}
+	})
 }
 
 // portTo returns the first client source port from `from` whose TCP flow
 // the table sends to pod.
-func (e *env) portTo(t *testing.T, table []netip.Addr, vip netip.Addr, from uint16, pod *topology.Pod) uint16 {
+func (e *env) portTo(t testing.TB, table []netip.Addr, vip netip.Addr, from uint16, pod *topology.Pod) uint16 {
 	t.Helper()
 	for port := from; port < from+1000; port++ {
-		if e.predicted(table, vip, port) == e.podAddr(pod) {
+		if e.predicted(table, vip, port) == topology.PodAddr(pod, vip) {
 			return port
 		}
 	}
@@ -390,14 +440,14 @@ func (e *env) portTo(t *testing.T, table []netip.Addr, vip netip.Addr, from uint
 	return 0
 }
 
-// reachedPods names, for each of the client's open TCP connections from
-// ports, the pod whose server holds it.
-func (e *env) reachedPods(t *testing.T, ports []uint16) map[uint16]*topology.Pod {
+// reachedPods names, for each of the client's open TCP connections to
+// vip from ports, the pod whose server holds it.
+func (e *env) reachedPods(t testing.TB, vip netip.Addr, ports []uint16) map[uint16]*topology.Pod {
 	t.Helper()
 	out := map[uint16]*topology.Pod{}
 	for _, p := range e.Pods {
 		for _, peer := range e.servers[p.Name].Peers() {
-			if peer.Addr() != e.clientAddr() || !slices.Contains(ports, peer.Port()) {
+			if peer.Addr() != topology.ClientAddrFor(vip) || !slices.Contains(ports, peer.Port()) {
 				continue
 			}
 			if other := out[peer.Port()]; other != nil {
@@ -416,13 +466,13 @@ func (e *env) reachedPods(t *testing.T, ports []uint16) map[uint16]*topology.Pod
 
 // flowsOn checks that each open flow from ports reached the pod the table
 // names, and reports which reached pod.
-func (e *env) flowsOn(t *testing.T, table []netip.Addr, vip netip.Addr, ports []uint16, pod *topology.Pod) []bool {
+func (e *env) flowsOn(t testing.TB, table []netip.Addr, vip netip.Addr, ports []uint16, pod *topology.Pod) []bool {
 	t.Helper()
-	reached := e.reachedPods(t, ports)
+	reached := e.reachedPods(t, vip, ports)
 	on := make([]bool, len(ports))
 	errs := firstErrors(t)
 	for i, port := range ports {
-		if want := e.predicted(table, vip, port); e.podAddr(reached[port]) != want {
+		if want := e.predicted(table, vip, port); topology.PodAddr(reached[port], vip) != want {
 			errs.Errorf("flow from port %d reached %s, the bucket table says %v", port, reached[port].Name, want)
 		}
 		on[i] = reached[port] == pod
@@ -434,7 +484,7 @@ func (e *env) flowsOn(t *testing.T, table []netip.Addr, vip netip.Addr, ports []
 // newFlows opens one TCP connection from each port: each must reach the
 // pod the table names, and none the draining pod (nil: none drains). It
 // returns how many reached it.
-func (e *env) newFlows(t *testing.T, table []netip.Addr, vip netip.Addr, ports []uint16, draining *topology.Pod) int {
+func (e *env) newFlows(t testing.TB, table []netip.Addr, vip netip.Addr, ports []uint16, draining *topology.Pod) int {
 	t.Helper()
 	got := e.flows(t, vip, ports)
 	toDraining := 0
@@ -443,7 +493,7 @@ func (e *env) newFlows(t *testing.T, table []netip.Addr, vip netip.Addr, ports [
 		if want := e.predicted(table, vip, port); got[port] != want {
 			errs.Errorf("new flow from port %d reached %v, the current table says %v", port, got[port], want)
 		}
-		if draining != nil && got[port] == e.podAddr(draining) {
+		if draining != nil && got[port] == topology.PodAddr(draining, vip) {
 			toDraining++
 		}
 	}
@@ -457,7 +507,7 @@ func (e *env) newFlows(t *testing.T, table []netip.Addr, vip netip.Addr, ports [
 // checkOldGeneration checks that each router still holds, besides its
 // current generation, one with the table the established flows started
 // with.
-func (e *env) checkOldGeneration(t *testing.T, vip netip.Addr, started []netip.Addr) {
+func (e *env) checkOldGeneration(t testing.TB, vip netip.Addr, started []netip.Addr) {
 	t.Helper()
 	ctx := context.Background()
 	for _, r := range e.Routers {
@@ -487,7 +537,7 @@ func (e *env) checkOldGeneration(t *testing.T, vip netip.Addr, started []netip.A
 
 // oldGenerations returns the router's generations for vip other than the
 // current one.
-func (e *env) oldGenerations(t *testing.T, r *topology.Node, vip netip.Addr) []int {
+func (e *env) oldGenerations(t testing.TB, r *topology.Node, vip netip.Addr) []int {
 	t.Helper()
 	ctx := context.Background()
 	cur, err := e.CurrentGeneration(ctx, r, vip)
@@ -569,13 +619,13 @@ func conntrackOf(r *topology.Node, vip netip.Addr) string {
 // errorLimit reports the first few of many similar failures, then their
 // number, so that one broken mechanism does not print 200 lines.
 type errorLimit struct {
-	t *testing.T
+	t testing.TB
 	n int
 }
 
 const shownErrors = 5
 
-func firstErrors(t *testing.T) *errorLimit { return &errorLimit{t: t} }
+func firstErrors(t testing.TB) *errorLimit { return &errorLimit{t: t} }
 
 func (l *errorLimit) Errorf(format string, args ...any) {
 	l.t.Helper()

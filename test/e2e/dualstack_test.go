@@ -15,29 +15,6 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
 )
 
-// ipv6Scenarios run, after the IPv4 ones, on the same lab with IPv6 tunnel
-// IPs (2001:db8:2::N) of dual-stack Services, carried to the pods' IPv6
-// addresses: every scenario of the IPv4 list with env.ipv6 set, a
-// dual-stack Service served on both its addresses, and an IPv6 tunnel IP of
-// a Service without IPv6 endpoints.
-var ipv6Scenarios = []scenario{
-	{"1_reach_pod_with_client_address", reachPod},
-	{"2_routers_agree_on_every_flow", routersAgree},
-	{"3_router_failover_keeps_connection", routerFailover},
-	{"4_endpoint_change_moves_only_its_flows", endpointChurn},
-	{"5_service_removal_restores_kernel_state", removalRestoresState},
-	{"6_daemon_restarts_keep_connection", restartsKeepConnection},
-	{"7_bad_annotation_warns_others_work", badAnnotation},
-	{"8_megabyte_upload_and_download", bulkTransfer},
-	{"9_draining_endpoint_keeps_its_flows", drainingEndpoint},
-	{"10_bgp_routes_tunnel_ip_to_routers", bgpRouting},
-	{"11_kubectl_tunnel_explain_names_answering_pod", explainNamesAnsweringPod},
-	{"12_client_affinity_keeps_a_client_on_one_pod", clientAffinity},
-	{"13_network_policy_holds_for_tunneled_traffic", networkPolicy},
-	{"14_dual_stack_service_answers_on_both_addresses", dualStack},
-	{"15_ipv6_tunnel_ip_without_ipv6_endpoints_is_dropped", ipv6WithoutIPv6Endpoints},
-}
-
 // 14. A dual-stack Service annotated with one tunnel IP of each family is
 // served on both: each is carried to the pods' addresses of its family, and
 // the pods see the client's address of that family. Dropping the IPv6

@@ -13,7 +13,10 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -43,7 +46,9 @@ func TestE2E(t *testing.T) {
 }
 
 // TestInVM runs every scenario in gre and then mpls mode, each mode on a
-// fresh topology.
+// fresh topology. Each scenario serves one dual-stack Service on a tunnel
+// IP of each family and checks both families' flows at once; scenario 15
+// alone is single-family (an IPv6 tunnel IP of an IPv4-only Service).
 func TestInVM(t *testing.T) {
 	if !lab.IsGuest() {
 		t.Skip("runs inside the lab VM; TestE2E boots it")
@@ -52,21 +57,16 @@ func TestInVM(t *testing.T) {
 		t.Run(mode, func(t *testing.T) {
 			e := up(t, mode)
 			for _, sc := range scenarios {
-				if !t.Run(sc.name, func(t *testing.T) { sc.run(t, e) }) {
+				start, ran := time.Now(), false
+				if !t.Run(sc.name, func(t *testing.T) { ran = true; sc.run(t, e) }) {
 					t.Logf("daemon logs after %s:\n%s", sc.name, e.Logs(40))
 				}
-			}
-			// The same lab again, for IPv6 tunnel IPs carried to the pods'
-			// IPv6 addresses.
-			t.Run("ipv6", func(t *testing.T) {
-				e6 := *e
-				e6.ipv6 = true
-				for _, sc := range ipv6Scenarios {
-					if !t.Run(sc.name, func(t *testing.T) { sc.run(t, &e6) }) {
-						t.Logf("daemon logs after ipv6/%s:\n%s", sc.name, e.Logs(40))
-					}
+				// go test -v prints a subtest's result line only when its
+				// parent ends: this one shows in the console at once.
+				if ran {
+					t.Logf("%s took %v", sc.name, time.Since(start).Round(100*time.Millisecond))
 				}
-			})
+			}
 		})
 	}
 }
@@ -83,62 +83,121 @@ type env struct {
 	client netns.NsHandle
 	// servers are the pods' servers by pod name.
 	servers map[string]*workload.Server
-	// ipv6 makes the family-generic scenarios use IPv6 tunnel IPs, carried
-	// to the pods' IPv6 addresses of dual-stack Services, and the client's
-	// IPv6 address (see tunnelIP, podAddr, service).
-	ipv6 bool
 }
 
-// tunnelIP is the scenario's tunnel IP number i of the env's family.
-func (e *env) tunnelIP(i int) netip.Addr {
-	if e.ipv6 {
-		return topology.TunnelIP6(i)
+// tunnelIPs are the scenario's tunnel IPs number i: one of each family,
+// IPv4 first (192.0.2.i, 2001:db8:2::i).
+func tunnelIPs(i int) []netip.Addr {
+	return []netip.Addr{topology.TunnelIP(i), topology.TunnelIP6(i)}
+}
+
+// annotation is the cmd.nu/tunnel value serving vips.
+func annotation(vips []netip.Addr) string {
+	parts := make([]string, len(vips))
+	for i, v := range vips {
+		parts[i] = v.String()
 	}
-	return topology.TunnelIP(i)
+	return strings.Join(parts, ", ")
 }
 
-// clientAddr is the client's address of the env's family.
-func (e *env) clientAddr() netip.Addr {
-	if e.ipv6 {
-		return topology.ClientAddr6
+// familyName names vip's family in logs and failures.
+func familyName(vip netip.Addr) string {
+	if vip.Is4() {
+		return "ipv4"
 	}
-	return topology.ClientAddr
+	return "ipv6"
 }
 
-// podAddr is p's address of the env's family: where its tunnel IPs are
-// carried.
-func (e *env) podAddr(p *topology.Pod) netip.Addr {
-	if e.ipv6 {
-		return p.Addr6
-	}
-	return p.Addr
-}
-
-// podAddrs are the pods' addresses of the env's family.
-func (e *env) podAddrs(pods []*topology.Pod) []netip.Addr {
+// podAddrs are the pods' addresses of vip's family.
+func podAddrs(pods []*topology.Pod, vip netip.Addr) []netip.Addr {
 	out := make([]netip.Addr, len(pods))
 	for i, p := range pods {
-		out[i] = e.podAddr(p)
+		out[i] = topology.PodAddr(p, vip)
 	}
 	return out
 }
 
-// service is s as the env's family needs it: for IPv6, a dual-stack
-// Service, whose IPv6 EndpointSlice carries the pods' IPv6 addresses.
+// service is s as a dual-stack Service, with an EndpointSlice per family.
 func (e *env) service(s topology.Service) topology.Service {
-	if e.ipv6 {
-		s.Families = topology.DualStack
-	}
+	s.Families = topology.DualStack
 	return s
 }
 
-// applyEndpoints replaces the endpoints of Service name, created by
-// e.service, with eps.
+// applyEndpoints replaces the endpoints of the dual-stack Service name in
+// both families' EndpointSlices with eps.
 func (e *env) applyEndpoints(ctx context.Context, name string, eps []topology.Endpoint) error {
-	if e.ipv6 {
-		return e.ApplyEndpointSlices(ctx, name, topology.DualStack, eps)
+	return e.ApplyEndpointSlices(ctx, name, topology.DualStack, eps)
+}
+
+// inFamilies runs step for each of vips (one tunnel IP per family) at
+// once, in goroutines, and returns when every step has. A step reports
+// through its own t: its errors and logs are the scenario's, prefixed
+// with its family; its cleanups are the scenario's; Fatal ends the step,
+// and the scenario once every step has returned.
+func inFamilies(t *testing.T, vips []netip.Addr, step func(t testing.TB, i int, vip netip.Addr)) {
+	t.Helper()
+	var wg sync.WaitGroup
+	var fatal atomic.Bool
+	for i, vip := range vips {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			step(&familyT{TB: t, prefix: familyName(vip) + ": ", fatal: &fatal}, i, vip)
+		}()
 	}
-	return e.ApplyEndpoints(ctx, name, eps)
+	wg.Wait()
+	if fatal.Load() {
+		t.FailNow()
+	}
+}
+
+// familyT is the testing.TB of one family's step in inFamilies. Its
+// Fatal and FailNow end the step's goroutine (runtime.Goexit) after
+// failing the scenario, which inFamilies then stops.
+type familyT struct {
+	testing.TB
+	prefix string
+	fatal  *atomic.Bool
+}
+
+// Each method marks itself a helper, so that a line names its caller.
+
+func (f *familyT) Errorf(format string, args ...any) {
+	f.TB.Helper()
+	f.TB.Errorf(f.prefix+format, args...)
+}
+
+func (f *familyT) Error(args ...any) {
+	f.TB.Helper()
+	f.TB.Error(append([]any{f.prefix}, args...)...)
+}
+
+func (f *familyT) Logf(format string, args ...any) {
+	f.TB.Helper()
+	f.TB.Logf(f.prefix+format, args...)
+}
+
+func (f *familyT) Log(args ...any) {
+	f.TB.Helper()
+	f.TB.Log(append([]any{f.prefix}, args...)...)
+}
+
+func (f *familyT) Fatalf(format string, args ...any) {
+	f.TB.Helper()
+	f.TB.Errorf(f.prefix+format, args...)
+	f.FailNow()
+}
+
+func (f *familyT) Fatal(args ...any) {
+	f.TB.Helper()
+	f.TB.Error(append([]any{f.prefix}, args...)...)
+	f.FailNow()
+}
+
+func (f *familyT) FailNow() {
+	f.TB.Fail()
+	f.fatal.Store(true)
+	runtime.Goexit()
 }
 
 func up(t *testing.T, mode string) *env {

@@ -6,6 +6,8 @@ import (
 	"net/netip"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -23,111 +25,124 @@ import (
 // policyName is the lab's NetworkPolicy.
 const policyName = "tunnel-ingress"
 
-// 13. The pods' ingress NetworkPolicy holds for tunneled traffic: a policy
-// admitting only the client's address on the TCP port lets the client in, and
-// drops (and counts) a second client address and the client's UDP; a
-// policy change during an open connection does not cut it but refuses new
-// ones; without a policy both addresses connect again.
+// 13. The pods' ingress NetworkPolicy holds for tunneled traffic, in both
+// families at once: a policy admitting only the client's addresses on the
+// TCP port lets the client in, and drops (and counts) a second client
+// address of each family and the client's UDP; a policy change during an
+// open connection does not cut it but refuses new ones; without a policy
+// every address connects again.
 func networkPolicy(t *testing.T, e *env) {
 	ctx := context.Background()
-	vip := e.tunnelIP(13)
-	e.deploy(t, "policy", vip, e.Pods...)
-	others, err := e.AddClientAddrs(ctx, e.clientAddr(), 1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := e.RemoveClientAddrs(ctx, others); err != nil {
-			t.Error(err)
+	vips := tunnelIPs(13)
+	e.deploy(t, "policy", vips, e.Pods...)
+	strangers := make([]netip.Addr, len(vips))
+	for i, vip := range vips {
+		others, err := e.AddClientAddrs(ctx, topology.ClientAddrFor(vip), 1)
+		if err != nil {
+			t.Fatal(err)
 		}
-	})
-	stranger := others[0]
+		t.Cleanup(func() {
+			if err := e.RemoveClientAddrs(ctx, others); err != nil {
+				t.Error(err)
+			}
+		})
+		strangers[i] = others[0]
+	}
 	policies := e.Kube.NetworkingV1().NetworkPolicies(e.Opts.Namespace)
 	t.Cleanup(func() {
 		if err := policies.Delete(ctx, policyName, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
 			t.Errorf("deleting the policy: %v", err)
 		}
 	})
-	// Both reach the pods before any policy.
-	for _, src := range []netip.Addr{e.clientAddr(), stranger} {
-		if !e.connects(src, vip, 41000) {
-			t.Fatalf("%v cannot reach %v before any policy", src, vip)
+	// Both reach the pods before any policy. A connection of the second
+	// address, opened before any policy: the policy will refuse that
+	// address, but not this connection.
+	early := make([]*workload.Stream, len(vips))
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		for _, src := range []netip.Addr{topology.ClientAddrFor(vip), strangers[i]} {
+			if !e.connects(src, vip, 41000) {
+				t.Fatalf("%v cannot reach %v before any policy", src, vip)
+			}
 		}
-	}
+		s, err := workload.StartStreamFrom(e.client, netip.AddrPortFrom(vip, tcpPort), netip.AddrPortFrom(strangers[i], 41050), workload.StreamOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _, _ = s.Stop(context.Background()) })
+		early[i] = s
+		waitVerified(t, s, 1000, "before any policy")
+	})
 
-	// A connection of the second address, opened before any policy: the
-	// policy will refuse that address, but not this connection.
-	early, err := workload.StartStreamFrom(e.client, netip.AddrPortFrom(vip, tcpPort), netip.AddrPortFrom(stranger, 41050), workload.StreamOptions{})
-	if err != nil {
-		t.Fatal(err)
+	var rules []networkingv1.NetworkPolicyIngressRule
+	for _, vip := range vips {
+		rules = append(rules, ipBlockRule(topology.ClientAddrFor(vip), corev1.ProtocolTCP, tcpPort))
 	}
-	t.Cleanup(func() { _, _ = early.Stop(context.Background()) })
-	waitVerified(t, early, 1000, "before any policy")
-
-	onlyClient := policy(ipBlockRule(e.clientAddr(), corev1.ProtocolTCP, tcpPort))
+	onlyClient := policy(rules...)
 	writes := e.policyWrites(t)
 	start := time.Now()
 	if _, err := policies.Create(ctx, onlyClient, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	t.Logf("policy created: the rules were in the %d pods' kernels %v after the write to the API server", len(e.Pods), e.timeToRules(t, writes, start).Round(time.Millisecond))
-	if err := e.poll(30*time.Second, func() (bool, string) {
-		return !e.connects(stranger, vip, 41001), "the second client address still connects"
-	}); err != nil {
-		t.Fatal(err)
-	}
-
-	// kubectl tunnel explain judges the flows as the agents do.
-	for src, want := range map[netip.Addr]string{e.clientAddr(): tunnelctl.PolicyAdmitted, stranger: tunnelctl.PolicyRefused} {
-		var ex tunnelctl.Explanation
-		e.kubectlTunnel(t, &ex, "explain", netip.AddrPortFrom(vip, tcpPort).String(), "--from", netip.AddrPortFrom(src, 41099).String())
-		if ex.Policy == nil || ex.Policy.Verdict != want || len(ex.Policy.Policies) != 1 {
-			t.Errorf("kubectl tunnel explain from %v: policy %+v, want %q by the lab's policy", src, ex.Policy, want)
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		client, stranger := topology.ClientAddrFor(vip), strangers[i]
+		if err := e.poll(30*time.Second, func() (bool, string) {
+			return !e.connects(stranger, vip, 41001), "the second client address still connects"
+		}); err != nil {
+			t.Fatal(err)
 		}
-	}
-	// The client reaches every pod (the buckets spread its flows); the
-	// stranger reaches none; UDP is not in the policy.
-	reached := map[string]int{}
-	for _, port := range portRange(41100, 20) {
-		reached[e.whoFrom(t, netip.AddrPortFrom(e.clientAddr(), port), vip).Pod]++
-	}
-	if len(reached) < 2 {
-		t.Errorf("20 flows of the admitted client reached %v: the test should cover several pods", reached)
-	}
-	refused := 0
-	for _, port := range portRange(41200, 10) {
-		if !e.connects(stranger, vip, port) {
-			refused++
+
+		// kubectl tunnel explain judges the flows as the agents do.
+		for src, want := range map[netip.Addr]string{client: tunnelctl.PolicyAdmitted, stranger: tunnelctl.PolicyRefused} {
+			var ex tunnelctl.Explanation
+			e.kubectlTunnel(t, &ex, "explain", netip.AddrPortFrom(vip, tcpPort).String(), "--from", netip.AddrPortFrom(src, 41099).String())
+			if ex.Policy == nil || ex.Policy.Verdict != want || len(ex.Policy.Policies) != 1 {
+				t.Errorf("kubectl tunnel explain from %v: policy %+v, want %q by the lab's policy", src, ex.Policy, want)
+			}
 		}
-	}
-	if refused != 10 {
-		t.Errorf("%d of 10 connections from %v refused, want 10", refused, stranger)
-	}
-	udpCtx, cancel := context.WithTimeout(ctx, 2*time.Second)
-	_, udpErr := workload.Who(udpCtx, e.client, "udp", netip.AddrPortFrom(vip, udpPort), 41300)
-	cancel()
-	if udpErr == nil {
-		t.Error("UDP from the admitted client was answered, but the policy admits TCP only")
-	}
-	waitVerified(t, early, early.Stats().Verified+1000, "after the policy refusing its address")
-	earlyStats := stopStream(t, early)
-	t.Logf("a connection from %v opened before the policy kept echoing after it: %d bytes verified", stranger, earlyStats.Verified)
-	t.Logf("admitted client: 20 of 20 TCP flows answered by %d pods %v; %v: 0 of 10 answered; UDP from the client: refused", len(reached), reached, stranger)
+		// The client reaches every pod (the buckets spread its flows); the
+		// stranger reaches none; UDP is not in the policy.
+		reached := map[string]int{}
+		for _, port := range portRange(41100, 20) {
+			reached[e.whoFrom(t, netip.AddrPortFrom(client, port), vip).Pod]++
+		}
+		if len(reached) < 2 {
+			t.Errorf("20 flows of the admitted client reached %v: the test should cover several pods", reached)
+		}
+		// Each refused connection waits out connects' timeout: all at once.
+		refused := e.refusedOf(stranger, vip, portRange(41200, 10))
+		if refused != 10 {
+			t.Errorf("%d of 10 connections from %v refused, want 10", refused, stranger)
+		}
+		udpCtx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		_, udpErr := workload.Who(udpCtx, e.client, "udp", netip.AddrPortFrom(vip, udpPort), 41300)
+		cancel()
+		if udpErr == nil {
+			t.Error("UDP from the admitted client was answered, but the policy admits TCP only")
+		}
+		waitVerified(t, early[i], early[i].Stats().Verified+1000, "after the policy refusing its address")
+		earlyStats := stopStream(t, early[i])
+		t.Logf("a connection from %v opened before the policy kept echoing after it: %d bytes verified", stranger, earlyStats.Verified)
+		t.Logf("admitted client: 20 of 20 TCP flows answered by %d pods %v; %v: 0 of 10 answered; UDP from the client: refused", len(reached), reached, stranger)
 
-	// What the agents counted as dropped, per pod.
-	var drops int
-	var lines []string
-	if err := e.poll(20*time.Second, func() (bool, string) {
-		drops, lines = e.policyDrops(t, vip)
-		return drops >= 10, fmt.Sprintf("%d dropped packets counted: %v", drops, lines)
-	}); err != nil {
-		t.Error(err)
-	}
-	t.Logf("agents count %d dropped packets for %v: %s", drops, vip, strings.Join(lines, "; "))
+		// What the agents counted as dropped, per pod.
+		var drops int
+		var lines []string
+		if err := e.poll(20*time.Second, func() (bool, string) {
+			drops, lines = e.policyDrops(t, vip)
+			return drops >= 10, fmt.Sprintf("%d dropped packets counted: %v", drops, lines)
+		}); err != nil {
+			t.Error(err)
+		}
+		t.Logf("agents count %d dropped packets for %v: %s", drops, vip, strings.Join(lines, "; "))
+	})
 
-	// A change to deny-all keeps the open connection and refuses new ones.
-	stream := startStream(t, e, vip, 41400)
-	waitVerified(t, stream, 1000, "before the policy change")
+	// A change to deny-all keeps the open connections and refuses new ones.
+	streams := make([]*workload.Stream, len(vips))
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		streams[i] = startStream(t, e, vip, 41400)
+		waitVerified(t, streams[i], 1000, "before the policy change")
+	})
 	denyAll := policy()
 	current, err := policies.Get(ctx, policyName, metav1.GetOptions{})
 	if err != nil {
@@ -140,28 +155,50 @@ func networkPolicy(t *testing.T, e *env) {
 		t.Fatal(err)
 	}
 	t.Logf("policy changed: the new rules were in the %d pods' kernels %v after the write", len(e.Pods), e.timeToRules(t, writes, start).Round(time.Millisecond))
-	if err := e.poll(30*time.Second, func() (bool, string) {
-		return !e.connects(e.clientAddr(), vip, 41401), "the client still opens new connections"
-	}); err != nil {
-		t.Fatal(err)
-	}
-	before := stream.Stats().Verified
-	waitVerified(t, stream, before+1000, "after the change to deny all")
-	stats := stopStream(t, stream)
-	t.Logf("the connection open across the change kept echoing: %d bytes verified", stats.Verified)
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		if err := e.poll(30*time.Second, func() (bool, string) {
+			return !e.connects(topology.ClientAddrFor(vip), vip, 41401), "the client still opens new connections"
+		}); err != nil {
+			t.Fatal(err)
+		}
+		before := streams[i].Stats().Verified
+		waitVerified(t, streams[i], before+1000, "after the change to deny all")
+		stats := stopStream(t, streams[i])
+		t.Logf("the connection to %s open across the change kept echoing: %d bytes verified", vip, stats.Verified)
+	})
 
-	// No policy: both connect again.
+	// No policy: every address connects again.
 	writes = e.policyWrites(t)
 	start = time.Now()
 	if err := policies.Delete(ctx, policyName, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	t.Logf("policy deleted: the rules were gone from the %d pods' kernels %v after the delete", len(e.Pods), e.timeToRules(t, writes, start).Round(time.Millisecond))
-	if err := e.poll(30*time.Second, func() (bool, string) {
-		return e.connects(stranger, vip, 41500) && e.connects(e.clientAddr(), vip, 41501), "a client is still refused"
-	}); err != nil {
-		t.Fatal(err)
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		if err := e.poll(30*time.Second, func() (bool, string) {
+			return e.connects(strangers[i], vip, 41500) && e.connects(topology.ClientAddrFor(vip), vip, 41501), "a client is still refused"
+		}); err != nil {
+			t.Fatal(err)
+		}
+	})
+}
+
+// refusedOf tries a TCP connection from src to vip from each port, all at
+// once, and returns how many were not answered (connects).
+func (e *env) refusedOf(src, vip netip.Addr, ports []uint16) int {
+	var refused atomic.Int32
+	var wg sync.WaitGroup
+	for _, port := range ports {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if !e.connects(src, vip, port) {
+				refused.Add(1)
+			}
+		}()
 	}
+	wg.Wait()
+	return int(refused.Load())
 }
 
 // connects reports whether a TCP connection from src:port to vip is
@@ -174,13 +211,13 @@ func (e *env) connects(src, vip netip.Addr, port uint16) bool {
 }
 
 // policyDrops sums the agents' policy drop counters of vip over the pods.
-func (e *env) policyDrops(t *testing.T, vip netip.Addr) (int, []string) {
+func (e *env) policyDrops(t testing.TB, vip netip.Addr) (int, []string) {
 	t.Helper()
 	return e.agentSum(t, "kube_service_tunnel_endpoint_policy_dropped_packets_total{", `vip="`+vip.String()+`"`)
 }
 
 // policyWrites counts the pods' filter table writes the agents made.
-func (e *env) policyWrites(t *testing.T) int {
+func (e *env) policyWrites(t testing.TB) int {
 	t.Helper()
 	n, _ := e.agentSum(t, "kube_service_tunnel_endpoint_kernel_operations_total{", `object="policy_rules"`)
 	return n
@@ -188,7 +225,7 @@ func (e *env) policyWrites(t *testing.T) int {
 
 // agentSum sums, over the agents of the pods' nodes, the metric lines
 // starting with prefix that contain label.
-func (e *env) agentSum(t *testing.T, prefix, label string) (int, []string) {
+func (e *env) agentSum(t testing.TB, prefix, label string) (int, []string) {
 	t.Helper()
 	seen := map[*topology.Node]bool{}
 	total := 0

@@ -2,11 +2,13 @@ package e2e
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -21,8 +23,9 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
 )
 
-// The scenarios of issues 4 and 7, in order; each uses its own tunnel IP
-// (192.0.2.N) and Service, and removes them when it ends.
+// The scenarios, in order; each serves a dual-stack Service on its own
+// tunnel IPs (192.0.2.N and 2001:db8:2::N), checks both families' flows at
+// once, and removes the Service when it ends.
 var scenarios = []scenario{
 	{"1_reach_pod_with_client_address", reachPod},
 	{"2_routers_agree_on_every_flow", routersAgree},
@@ -37,6 +40,8 @@ var scenarios = []scenario{
 	{"11_kubectl_tunnel_explain_names_answering_pod", explainNamesAnsweringPod},
 	{"12_client_affinity_keeps_a_client_on_one_pod", clientAffinity},
 	{"13_network_policy_holds_for_tunneled_traffic", networkPolicy},
+	{"14_dual_stack_service_answers_on_both_addresses", dualStack},
+	{"15_ipv6_tunnel_ip_without_ipv6_endpoints_is_dropped", ipv6WithoutIPv6Endpoints},
 }
 
 const (
@@ -44,13 +49,15 @@ const (
 	udpPort = topology.UDPPort
 )
 
-// deploy creates Service name on vip backed by pods, waits until every
-// router and pod is programmed, and deletes it (waiting for the routers and
-// pods to forget vip) when the test ends. It returns the bucket table.
-func (e *env) deploy(t *testing.T, name string, vip netip.Addr, pods ...*topology.Pod) []netip.Addr {
+// deploy creates the dual-stack Service name on vips (a tunnel IP of each
+// family) backed by pods, waits until every router and pod is programmed
+// for each, and deletes it (waiting for the routers and pods to forget
+// vips) when the test ends. It returns each tunnel IP's bucket table, in
+// the order of vips.
+func (e *env) deploy(t *testing.T, name string, vips []netip.Addr, pods ...*topology.Pod) [][]netip.Addr {
 	t.Helper()
 	ctx := context.Background()
-	if err := e.ApplyService(ctx, e.service(topology.Service{Name: name, Annotation: vip.String(), Endpoints: topology.Ready(pods...)})); err != nil {
+	if err := e.ApplyService(ctx, e.service(topology.Service{Name: name, Annotation: annotation(vips), Endpoints: topology.Ready(pods...)})); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
@@ -58,23 +65,45 @@ func (e *env) deploy(t *testing.T, name string, vip netip.Addr, pods ...*topolog
 			t.Errorf("cleanup: %v", err)
 		}
 		start := time.Now()
-		if err := e.WaitNoTunnel(ctx, vip); err != nil {
-			t.Errorf("cleanup of %s: %v", vip, err)
+		for _, vip := range vips {
+			if err := e.WaitNoTunnel(ctx, vip); err != nil {
+				t.Errorf("cleanup of %s: %v", vip, err)
+			}
 		}
-		t.Logf("Service %s deleted: %s gone from routers and pods in %v", name, vip, time.Since(start).Round(time.Millisecond))
+		t.Logf("Service %s deleted: %s gone from routers and pods in %v", name, annotation(vips), time.Since(start).Round(time.Millisecond))
 	})
 	start := time.Now()
-	table, err := e.WaitTunnel(ctx, vip, pods...)
-	if err != nil {
-		t.Fatalf("tunnel %s: %v", vip, err)
+	tables := make([][]netip.Addr, len(vips))
+	for i, vip := range vips {
+		table, err := e.WaitTunnel(ctx, vip, pods...)
+		if err != nil {
+			t.Fatalf("tunnel %s: %v", vip, err)
+		}
+		tables[i] = table
 	}
-	t.Logf("Service %s on %s programmed on both routers and %d pods in %v", name, vip, len(pods), time.Since(start).Round(time.Millisecond))
-	return table
+	t.Logf("Service %s on %s programmed on both routers and %d pods in %v", name, annotation(vips), len(pods), time.Since(start).Round(time.Millisecond))
+	return tables
+}
+
+// waitTunnels waits until every router and each of pods is programmed for
+// every one of vips (Lab.WaitTunnel), and returns their bucket tables in
+// the order of vips.
+func (e *env) waitTunnels(t testing.TB, vips []netip.Addr, pods ...*topology.Pod) [][]netip.Addr {
+	t.Helper()
+	tables := make([][]netip.Addr, len(vips))
+	for i, vip := range vips {
+		table, err := e.WaitTunnel(context.Background(), vip, pods...)
+		if err != nil {
+			t.Fatalf("tunnel %s: %v", vip, err)
+		}
+		tables[i] = table
+	}
+	return tables
 }
 
 // who asks the tunnel IP who answers, from the client, over network with
 // the given source port (0: any).
-func (e *env) who(t *testing.T, network string, vip netip.Addr, srcPort uint16) workload.Identity {
+func (e *env) who(t testing.TB, network string, vip netip.Addr, srcPort uint16) workload.Identity {
 	t.Helper()
 	port := uint16(tcpPort)
 	if network == "udp" {
@@ -90,8 +119,8 @@ func (e *env) who(t *testing.T, network string, vip netip.Addr, srcPort uint16) 
 }
 
 // flows opens one TCP connection from each source port and returns the pod
-// (address) that answered each.
-func (e *env) flows(t *testing.T, vip netip.Addr, ports []uint16) map[uint16]netip.Addr {
+// (its address of vip's family) that answered each.
+func (e *env) flows(t testing.TB, vip netip.Addr, ports []uint16) map[uint16]netip.Addr {
 	t.Helper()
 	out := make(map[uint16]netip.Addr, len(ports))
 	for _, port := range ports {
@@ -100,7 +129,7 @@ func (e *env) flows(t *testing.T, vip netip.Addr, ports []uint16) map[uint16]net
 		if pod == nil {
 			t.Fatalf("answer from unknown pod %q", id.Pod)
 		}
-		out[port] = e.podAddr(pod)
+		out[port] = topology.PodAddr(pod, vip)
 	}
 	return out
 }
@@ -124,46 +153,50 @@ func portRange(first uint16, n int) []uint16 {
 // address; the reply comes from the tunnel IP and never crosses a router.
 func reachPod(t *testing.T, e *env) {
 	ctx := context.Background()
-	vip := e.tunnelIP(1)
-	e.deploy(t, "reach", vip, e.Pods...)
+	vips := tunnelIPs(1)
+	e.deploy(t, "reach", vips, e.Pods...)
 
-	// Count packets from the tunnel IP (the pods' replies) on every node.
+	// Count packets from the tunnel IPs (the pods' replies) on every node.
 	nodes := e.Nodes()
-	for _, n := range nodes {
-		if _, err := topology.InNS(ctx, n.Name, iptablesFor(vip), "-t", "mangle", "-A", "PREROUTING", "-s", topology.HostPrefix(vip)); err != nil {
-			t.Fatal(err)
+	for _, vip := range vips {
+		for _, n := range nodes {
+			if _, err := topology.InNS(ctx, n.Name, iptablesFor(vip), "-t", "mangle", "-A", "PREROUTING", "-s", topology.HostPrefix(vip)); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() {
+				_, _ = topology.InNS(ctx, n.Name, iptablesFor(vip), "-t", "mangle", "-D", "PREROUTING", "-s", topology.HostPrefix(vip))
+			})
 		}
-		t.Cleanup(func() {
-			_, _ = topology.InNS(ctx, n.Name, iptablesFor(vip), "-t", "mangle", "-D", "PREROUTING", "-s", topology.HostPrefix(vip))
-		})
 	}
-	answered := map[string]bool{}
-	for _, network := range []string{"tcp", "udp"} {
-		id := e.who(t, network, vip, 0)
-		wantPort := uint16(tcpPort)
-		if network == "udp" {
-			wantPort = udpPort
+	inFamilies(t, vips, func(t testing.TB, _ int, vip netip.Addr) {
+		answered := map[string]bool{}
+		for _, network := range []string{"tcp", "udp"} {
+			id := e.who(t, network, vip, 0)
+			wantPort := uint16(tcpPort)
+			if network == "udp" {
+				wantPort = udpPort
+			}
+			if id.Peer.Addr() != topology.ClientAddrFor(vip) {
+				t.Errorf("%s: the pod saw the client as %v, want its real address %v", network, id.Peer, topology.ClientAddrFor(vip))
+			}
+			if id.Local != netip.AddrPortFrom(vip, wantPort) {
+				t.Errorf("%s: the request arrived on %v, want the tunnel IP %v:%d", network, id.Local, vip, wantPort)
+			}
+			t.Logf("%s %s:%d answered by %s, which saw the client as %v", network, vip, wantPort, id.Pod, id.Peer)
+			answered[e.PodByName(id.Pod).Node.Name] = true
 		}
-		if id.Peer.Addr() != topology.ClientAddrFor(vip) {
-			t.Errorf("%s: the pod saw the client as %v, want its real address %v", network, id.Peer, topology.ClientAddrFor(vip))
+		for _, n := range nodes {
+			packets := countPackets(t, n.Name, vip)
+			switch {
+			case n.Tunnel && packets != 0:
+				t.Errorf("%d reply packets from %s crossed router %s", packets, vip, n.Name)
+			case answered[n.Name] && packets == 0:
+				t.Errorf("no reply packet from %s counted on %s, whose pod answered (the counter is broken)", vip, n.Name)
+			}
+			t.Logf("packets from %s seen by %s: %d", vip, n.Name, packets)
 		}
-		if id.Local != netip.AddrPortFrom(vip, wantPort) {
-			t.Errorf("%s: the request arrived on %v, want the tunnel IP %v:%d", network, id.Local, vip, wantPort)
-		}
-		t.Logf("%s %s:%d answered by %s, which saw the client as %v", network, vip, wantPort, id.Pod, id.Peer)
-		answered[e.PodByName(id.Pod).Node.Name] = true
-	}
-	for _, n := range nodes {
-		packets := countPackets(t, n.Name, vip)
-		switch {
-		case n.Tunnel && packets != 0:
-			t.Errorf("%d reply packets from %s crossed router %s", packets, vip, n.Name)
-		case answered[n.Name] && packets == 0:
-			t.Errorf("no reply packet from %s counted on %s, whose pod answered (the counter is broken)", vip, n.Name)
-		}
-		t.Logf("packets from %s seen by %s: %d", vip, n.Name, packets)
-	}
-	nextHopObjects(t, e, vip)
+		nextHopObjects(t, e, vip)
+	})
 }
 
 // nextHopObjects checks the shape of every router's bucket routes for vip,
@@ -171,14 +204,19 @@ func reachPod(t *testing.T, e *env) {
 // router holds one object per pod; in mpls mode each carries its next hop
 // inline and the router holds no object. It logs router-a's objects and
 // bucket 0's route, as ip shows them.
-func nextHopObjects(t *testing.T, e *env, vip netip.Addr) {
+func nextHopObjects(t testing.TB, e *env, vip netip.Addr) {
 	ctx := context.Background()
 	objectsWanted, shape := len(e.Pods), "nhid"
 	if encap.Mode(e.Opts.Mode) == encap.MPLS {
 		objectsWanted, shape = 0, "encap"
 	}
+	// ip nexthop shows every family's objects unless told one.
+	family := "-4"
+	if vip.Is6() {
+		family = "-6"
+	}
 	for _, r := range e.Routers {
-		objects, err := topology.IP(ctx, append(append([]string{"-n", r.Name}, topology.FamilyArgs(vip)...), "nexthop", "show", "proto", "245")...)
+		objects, err := topology.IP(ctx, "-n", r.Name, family, "nexthop", "show", "proto", "245")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -206,7 +244,7 @@ func nextHopObjects(t *testing.T, e *env, vip netip.Addr) {
 
 // countPackets reads the counter of the "-s VIP" rule reachPod appended to
 // the node's mangle PREROUTING.
-func countPackets(t *testing.T, ns string, vip netip.Addr) int {
+func countPackets(t testing.TB, ns string, vip netip.Addr) int {
 	t.Helper()
 	out, err := topology.InNS(context.Background(), ns, iptablesFor(vip), "-t", "mangle", "-L", "PREROUTING", "-v", "-x", "-n")
 	if err != nil {
@@ -228,39 +266,61 @@ func countPackets(t *testing.T, ns string, vip netip.Addr) int {
 // bucket table names.
 func routersAgree(t *testing.T, e *env) {
 	ctx := context.Background()
-	vip := e.tunnelIP(2)
-	table := e.deploy(t, "agree", vip, e.Pods...)
+	vips := tunnelIPs(2)
+	tables := e.deploy(t, "agree", vips, e.Pods...)
 	ports := portRange(41000, 50)
 	t.Cleanup(func() { _ = e.RouteTunnelsVia(ctx, e.Routers...) })
-	var got []map[uint16]netip.Addr
+	// got[family][router]: the pod each flow reached.
+	got := make([][]map[uint16]netip.Addr, len(vips))
 	for _, r := range e.Routers {
 		if err := e.RouteTunnelsVia(ctx, r); err != nil {
 			t.Fatal(err)
 		}
-		got = append(got, e.flows(t, vip, ports))
+		inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+			got[i] = append(got[i], e.flows(t, vip, ports))
+		})
 	}
-	pods := map[netip.Addr]int{}
-	for _, port := range ports {
-		want := e.predicted(table, vip, port)
-		for i, r := range e.Routers {
-			if got[i][port] != want {
-				t.Errorf("flow from port %d through %s reached %v, the bucket table says %v", port, r.Name, got[i][port], want)
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		pods := map[netip.Addr]int{}
+		for _, port := range ports {
+			want := e.predicted(tables[i], vip, port)
+			for j, r := range e.Routers {
+				if got[i][j][port] != want {
+					t.Errorf("flow from port %d through %s reached %v, the bucket table says %v", port, r.Name, got[i][j][port], want)
+				}
 			}
+			pods[got[i][0][port]]++
 		}
-		pods[got[0][port]]++
+		if len(pods) < 2 {
+			t.Errorf("50 flows all reached one pod: %v", pods)
+		}
+		t.Logf("%d flows to %s, each sent to the same pod by %s and %s, as the bucket table predicts; pods used: %v", len(ports), vip, e.Routers[0].Name, e.Routers[1].Name, pods)
+	})
+}
+
+// lightFlows are one family's echo flows through an event: a busy stream
+// and light ones, and what each had echoed when the event happened.
+type lightFlows struct {
+	stream   *workload.Stream
+	flows    []*workload.Stream
+	streamAt int64
+	echoed   []int64
+}
+
+// mark records how far the flows had echoed, at an event.
+func (f *lightFlows) mark() {
+	if f.stream != nil {
+		f.streamAt = f.stream.Stats().Verified
 	}
-	if len(pods) < 2 {
-		t.Errorf("50 flows all reached one pod: %v", pods)
-	}
-	t.Logf("%d flows, each sent to the same pod by %s and %s, as the bucket table predicts; pods used: %v", len(ports), e.Routers[0].Name, e.Routers[1].Name, pods)
+	f.echoed = progress(f.flows)
 }
 
 // 3. A long-lived connection through router-a survives router-a's death
 // once the gateway's route moves to router-b.
 func routerFailover(t *testing.T, e *env) {
 	ctx := context.Background()
-	vip := e.tunnelIP(3)
-	e.deploy(t, "failover", vip, e.Pods...)
+	vips := tunnelIPs(3)
+	e.deploy(t, "failover", vips, e.Pods...)
 	dead, survivor := e.Routers[0], e.Routers[1]
 	if err := e.RouteTunnelsVia(ctx, dead); err != nil {
 		t.Fatal(err)
@@ -274,33 +334,46 @@ func routerFailover(t *testing.T, e *env) {
 		}
 		_ = e.RouteTunnelsVia(ctx, e.Routers...)
 	})
-	// One busy connection, and 200 light ones to measure the share of
-	// disrupted flows (each spread over the pods by its own bucket).
-	stream := startStream(t, e, vip, 42000)
-	flows := startLightFlows(t, e, vip, 42001, 200)
-	waitVerified(t, stream, 64<<10, "before the failure")
+	// Per family, one busy connection, and 200 light ones to measure the
+	// share of disrupted flows (each spread over the pods by its own
+	// bucket).
+	fs := make([]lightFlows, len(vips))
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		fs[i].stream = startStream(t, e, vip, 42000)
+		fs[i].flows = startLightFlows(t, e, vip, 42001, 200)
+		waitVerified(t, fs[i].stream, 64<<10, "before the failure")
+	})
 
 	// router-a dies: its process and its link are gone, and the route moves.
 	e.failRouter(t, dead, survivor)
 	failedAt := time.Now()
-	atFailure := stream.Stats().Verified
-	before := progress(flows)
-	waitVerified(t, stream, atFailure+128<<10, "after the route moved to "+survivor.Name)
-	t.Logf("the busy connection went on through %s %v after %s died", survivor.Name, stream.Stats().LastVerified.Sub(failedAt).Round(time.Millisecond), dead.Name)
-	stopStream(t, stream)
-
-	disrupted, slowest := disruptedFlows(t, flows, before, failedAt)
-	t.Logf("%d of %d light flows disrupted (%.1f%%) when %s died; the last one resumed %v after the failure", disrupted, len(flows), 100*float64(disrupted)/float64(len(flows)), dead.Name, slowest.Round(10*time.Millisecond))
+	for i := range fs {
+		fs[i].mark()
+	}
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		f := &fs[i]
+		waitVerified(t, f.stream, f.streamAt+128<<10, "after the route moved to "+survivor.Name)
+		t.Logf("the busy connection to %s went on through %s %v after %s died", vip, survivor.Name, f.stream.Stats().LastVerified.Sub(failedAt).Round(time.Millisecond), dead.Name)
+		stopStream(t, f.stream)
+		disrupted, slowest := disruptedFlows(t, f.flows, f.echoed, failedAt)
+		t.Logf("%d of %d light flows to %s disrupted (%.1f%%) when %s died; the last one resumed %v after the failure", disrupted, len(f.flows), vip, percent(disrupted, len(f.flows)), dead.Name, slowest.Round(10*time.Millisecond))
+	})
 }
 
-// lightChunk is what each light flow sends every 100 ms.
-const lightChunk = 64
+// A light flow sends lightChunk bytes every lightInterval. With 200 light
+// flows per family, they are most of the lab's packets: a longer interval
+// would blur how soon a flow resumes, a shorter one costs the emulated VM
+// more than the scenarios themselves.
+const (
+	lightChunk    = 64
+	lightInterval = 250 * time.Millisecond
+)
 
 // startLightFlows opens n light echo flows from consecutive source ports
 // (spread over the pods by their buckets) and waits until each has echoed.
-func startLightFlows(t *testing.T, e *env, vip netip.Addr, firstPort uint16, n int) []*workload.Stream {
+func startLightFlows(t testing.TB, e *env, vip netip.Addr, firstPort uint16, n int) []*workload.Stream {
 	t.Helper()
-	light := workload.StreamOptions{ChunkSize: lightChunk, Interval: 100 * time.Millisecond}
+	light := workload.StreamOptions{ChunkSize: lightChunk, Interval: lightInterval}
 	flows := make([]*workload.Stream, n)
 	for i := range flows {
 		s, err := workload.StartStream(e.client, netip.AddrPortFrom(vip, tcpPort), firstPort+uint16(i), light)
@@ -328,7 +401,7 @@ func progress(flows []*workload.Stream) []int64 {
 // disruptedFlows stops the flows and counts those the event at `since`
 // disrupted: broken, a byte lost, or not 3 more chunks echoed within 30 s.
 // It also returns how long the slowest flow took to echo again.
-func disruptedFlows(t *testing.T, flows []*workload.Stream, before []int64, since time.Time) (int, time.Duration) {
+func disruptedFlows(t testing.TB, flows []*workload.Stream, before []int64, since time.Time) (int, time.Duration) {
 	t.Helper()
 	resumed := make([]time.Duration, len(flows))
 	for pending := len(flows); pending > 0 && time.Since(since) < 30*time.Second; {
@@ -361,69 +434,74 @@ func disruptedFlows(t *testing.T, flows []*workload.Stream, before []int64, sinc
 // 4. Removing one endpoint of N moves only the flows of its buckets; adding
 // one moves about 1/(N+1) of the flows, all to the newcomer.
 func endpointChurn(t *testing.T, e *env) {
-	vip := e.tunnelIP(4)
-	table := e.deploy(t, "churn", vip, e.Pods...)
+	ctx := context.Background()
+	vips := tunnelIPs(4)
+	tables := e.deploy(t, "churn", vips, e.Pods...)
 	ports := portRange(43000, 200)
-	before := e.flows(t, vip, ports)
-	for _, port := range ports {
-		if want := e.predicted(table, vip, port); before[port] != want {
-			t.Fatalf("flow from port %d reached %v, the bucket table says %v", port, before[port], want)
+	before := make([]map[uint16]netip.Addr, len(vips))
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		before[i] = e.flows(t, vip, ports)
+		for _, port := range ports {
+			if want := e.predicted(tables[i], vip, port); before[i][port] != want {
+				t.Fatalf("flow from port %d reached %v, the bucket table says %v", port, before[i][port], want)
+			}
 		}
-	}
+	})
 
 	gone, rest := e.Pods[0], e.Pods[1:]
-	if err := e.ApplyService(context.Background(), e.service(topology.Service{Name: "churn", Annotation: vip.String(), Endpoints: topology.Ready(rest...)})); err != nil {
+	if err := e.applyEndpoints(ctx, "churn", topology.Ready(rest...)); err != nil {
 		t.Fatal(err)
 	}
-	smaller, err := e.WaitTunnel(context.Background(), vip, rest...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	after := e.flows(t, vip, ports)
-	owned, moved := 0, 0
-	for _, port := range ports {
-		if want := e.predicted(smaller, vip, port); after[port] != want {
-			t.Errorf("after the removal, flow from port %d reached %v, the bucket table says %v", port, after[port], want)
-		}
-		if before[port] == e.podAddr(gone) {
-			owned++
-			if after[port] == e.podAddr(gone) {
-				t.Errorf("flow from port %d still reaches the removed pod", port)
+	smaller := e.waitTunnels(t, vips, rest...)
+	after := make([]map[uint16]netip.Addr, len(vips))
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		after[i] = e.flows(t, vip, ports)
+		goneAddr := topology.PodAddr(gone, vip)
+		owned, moved := 0, 0
+		for _, port := range ports {
+			if want := e.predicted(smaller[i], vip, port); after[i][port] != want {
+				t.Errorf("after the removal, flow from port %d reached %v, the bucket table says %v", port, after[i][port], want)
 			}
-			continue
+			if before[i][port] == goneAddr {
+				owned++
+				if after[i][port] == goneAddr {
+					t.Errorf("flow from port %d still reaches the removed pod", port)
+				}
+				continue
+			}
+			if after[i][port] != before[i][port] {
+				moved++
+				t.Errorf("flow from port %d moved from %v to %v although its pod stayed", port, before[i][port], after[i][port])
+			}
 		}
-		if after[port] != before[port] {
-			moved++
-			t.Errorf("flow from port %d moved from %v to %v although its pod stayed", port, before[port], after[port])
-		}
-	}
-	t.Logf("removing %s (1 of %d endpoints) moved %d of %d flows: the %d it served; %d other flows moved", gone.Name, len(e.Pods), owned, len(ports), owned, moved)
+		t.Logf("removing %s (1 of %d endpoints) moved %d of %d flows to %s: the %d it served; %d other flows moved", gone.Name, len(e.Pods), owned, len(ports), vip, owned, moved)
+	})
 
-	if err := e.ApplyService(context.Background(), e.service(topology.Service{Name: "churn", Annotation: vip.String(), Endpoints: topology.Ready(e.Pods...)})); err != nil {
+	if err := e.applyEndpoints(ctx, "churn", topology.Ready(e.Pods...)); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := e.WaitTunnel(context.Background(), vip, e.Pods...); err != nil {
-		t.Fatal(err)
-	}
-	again := e.flows(t, vip, ports)
-	movedToNew := 0
-	for _, port := range ports {
-		if again[port] == after[port] {
-			continue
+	e.waitTunnels(t, vips, e.Pods...)
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		again := e.flows(t, vip, ports)
+		movedToNew := 0
+		for _, port := range ports {
+			if again[port] == after[i][port] {
+				continue
+			}
+			if again[port] != topology.PodAddr(gone, vip) {
+				t.Errorf("adding %s moved flow from port %d from %v to %v", gone.Name, port, after[i][port], again[port])
+			}
+			movedToNew++
 		}
-		if again[port] != e.podAddr(gone) {
-			t.Errorf("adding %s moved flow from port %d from %v to %v", gone.Name, port, after[port], again[port])
+		share := float64(movedToNew) / float64(len(ports))
+		n := len(rest)
+		// "About 1/(N+1)": the newcomer's share of 64 buckets is binomial;
+		// half again as much would be a broken assignment.
+		if limit := 1.5 / float64(n+1); share > limit {
+			t.Errorf("adding one endpoint to %d moved %.0f%% of the flows, more than %.0f%%", n, 100*share, 100*limit)
 		}
-		movedToNew++
-	}
-	share := float64(movedToNew) / float64(len(ports))
-	n := len(rest)
-	// "About 1/(N+1)": the newcomer's share of 64 buckets is binomial; half
-	// again as much would be a broken assignment.
-	if limit := 1.5 / float64(n+1); share > limit {
-		t.Errorf("adding one endpoint to %d moved %.0f%% of the flows, more than %.0f%%", n, 100*share, 100*limit)
-	}
-	t.Logf("adding %s back (N=%d -> %d) moved %d of %d flows (%.1f%%, 1/(N+1) = %.1f%%), all to it", gone.Name, n, n+1, movedToNew, len(ports), 100*share, 100/float64(n+1))
+		t.Logf("adding %s back (N=%d -> %d) moved %d of %d flows to %s (%.1f%%, 1/(N+1) = %.1f%%), all to it", gone.Name, n, n+1, movedToNew, len(ports), vip, 100*share, 100/float64(n+1))
+	})
 }
 
 // 5. Deleting the Service, or removing its annotation, leaves every router,
@@ -432,17 +510,17 @@ func removalRestoresState(t *testing.T, e *env) {
 	for i, how := range []string{"delete the Service", "remove the annotation"} {
 		t.Run(strings.ReplaceAll(how, " ", "_"), func(t *testing.T) {
 			ctx := context.Background()
-			vip := e.tunnelIP(5 + 100*i)
+			vips := tunnelIPs(5 + 100*i)
 			before := snapshotAll(t, e)
 			name := fmt.Sprintf("removal-%d", i)
-			if err := e.ApplyService(ctx, e.service(topology.Service{Name: name, Annotation: vip.String(), Endpoints: topology.Ready(e.Pods...)})); err != nil {
+			if err := e.ApplyService(ctx, e.service(topology.Service{Name: name, Annotation: annotation(vips), Endpoints: topology.Ready(e.Pods...)})); err != nil {
 				t.Fatal(err)
 			}
 			t.Cleanup(func() { _ = e.DeleteService(ctx, name) })
-			if _, err := e.WaitTunnel(ctx, vip, e.Pods...); err != nil {
-				t.Fatal(err)
+			e.waitTunnels(t, vips, e.Pods...)
+			for _, vip := range vips {
+				e.who(t, "tcp", vip, 0)
 			}
-			e.who(t, "tcp", vip, 0)
 			during := snapshotAll(t, e)
 			if diffAll(before, during) == "" {
 				t.Fatal("the tunnel changed no kernel state (the snapshot is blind)")
@@ -456,8 +534,10 @@ func removalRestoresState(t *testing.T, e *env) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if err := e.WaitNoTunnel(ctx, vip); err != nil {
-				t.Fatal(err)
+			for _, vip := range vips {
+				if err := e.WaitNoTunnel(ctx, vip); err != nil {
+					t.Fatal(err)
+				}
 			}
 			// The last pieces (e.g. a pod's advmss) may follow the address.
 			var diff string
@@ -468,7 +548,7 @@ func removalRestoresState(t *testing.T, e *env) {
 					break
 				}
 				if first {
-					t.Logf("right after the tunnel IP went, still left:\n%s", diff)
+					t.Logf("right after the tunnel IPs went, still left:\n%s", diff)
 				}
 				time.Sleep(300 * time.Millisecond)
 			}
@@ -480,23 +560,29 @@ func removalRestoresState(t *testing.T, e *env) {
 	}
 }
 
-// snapshotAll reads the kernel state of every router, node and pod.
-func snapshotAll(t *testing.T, e *env) map[string]kstate.State {
+// snapshotAll reads the kernel state of every router, node and pod, a few
+// namespaces at a time: each snapshot runs a dozen ip and iptables-save
+// processes, which the emulated VM runs slowly, and it has two CPUs.
+func snapshotAll(t testing.TB, e *env) map[string]kstate.State {
 	t.Helper()
-	out := map[string]kstate.State{}
-	names := []string{}
+	var names []string
 	for _, n := range e.Nodes() {
 		names = append(names, n.Name)
 	}
 	for _, p := range e.Pods {
 		names = append(names, p.Name)
 	}
-	for _, name := range names {
-		s, err := kstate.Snapshot(context.Background(), name)
-		if err != nil {
-			t.Fatal(err)
-		}
-		out[name] = s
+	states := make([]kstate.State, len(names))
+	errs := make([]error, len(names))
+	inParallel(3, len(names), func(i int) {
+		states[i], errs[i] = kstate.Snapshot(context.Background(), names[i])
+	})
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]kstate.State{}
+	for i, name := range names {
+		out[name] = states[i]
 	}
 	return out
 }
@@ -511,105 +597,144 @@ func diffAll(a, b map[string]kstate.State) string {
 	return out.String()
 }
 
-// 6. Restarting the endpoint agents and the routers while a connection is
-// open loses no byte, keeps the connection and changes no kernel state.
+// 6. Restarting the endpoint agents and the routers, all at once, while
+// connections are open loses no byte, keeps every connection and changes
+// no kernel state.
 func restartsKeepConnection(t *testing.T, e *env) {
-	vip := e.tunnelIP(6)
-	e.deploy(t, "restarts", vip, e.Pods...)
-	stream := startStream(t, e, vip, 44000)
-	flows := startLightFlows(t, e, vip, 44001, 200)
-	waitVerified(t, stream, 64<<10, "before the restarts")
+	vips := tunnelIPs(6)
+	e.deploy(t, "restarts", vips, e.Pods...)
+	fs := make([]lightFlows, len(vips))
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		fs[i].stream = startStream(t, e, vip, 44000)
+		fs[i].flows = startLightFlows(t, e, vip, 44001, 200)
+		waitVerified(t, fs[i].stream, 64<<10, "before the restarts")
+	})
 	before := snapshotAll(t, e)
-	restartedAt, echoed := time.Now(), progress(flows)
+	restartedAt := time.Now()
+	for i := range fs {
+		fs[i].mark()
+	}
+	// All four at once: for a moment no daemon runs anywhere.
+	var daemons []*topology.Daemon
 	for _, n := range e.Nodes() {
 		for _, d := range []*topology.Daemon{n.Agent, n.Router} {
-			if d == nil {
-				continue
+			if d != nil {
+				daemons = append(daemons, d)
 			}
-			if err := d.Restart(); err != nil {
-				t.Fatal(err)
-			}
-			t.Logf("restarted %s", d.Name)
 		}
 	}
-	// Give the restarted daemons time to sync (and to do harm, if they would).
-	if _, err := e.WaitTunnel(context.Background(), vip, e.Pods...); err != nil {
+	restartErrs := make([]error, len(daemons))
+	var wg sync.WaitGroup
+	for i, d := range daemons {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			start := time.Now()
+			if restartErrs[i] = d.Stop(); restartErrs[i] != nil {
+				return
+			}
+			stopped := time.Now()
+			restartErrs[i] = d.Start()
+			t.Logf("restarted %s: stopped in %v, started in %v", d.Name, stopped.Sub(start).Round(time.Millisecond), time.Since(stopped).Round(time.Millisecond))
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(restartErrs...); err != nil {
 		t.Fatal(err)
 	}
+	// Give the restarted daemons time to sync (and to do harm, if they would).
+	e.waitTunnels(t, vips, e.Pods...)
 	time.Sleep(3 * time.Second)
 	if diff := diffAll(before, snapshotAll(t, e)); diff != "" {
 		t.Errorf("restarting the daemons changed the kernel state:\n%s", diff)
 	}
-	waitVerified(t, stream, stream.Stats().Verified+64<<10, "after the restarts")
-	stats := stopStream(t, stream)
-	t.Logf("the busy connection stayed up across %d daemon restarts: %d bytes sent, %d echoed back intact", len(e.Nodes()), stats.Sent, stats.Verified)
-	disrupted, _ := disruptedFlows(t, flows, echoed, restartedAt)
-	t.Logf("%d of %d light flows disrupted (%.1f%%) by the restarts", disrupted, len(flows), 100*float64(disrupted)/float64(len(flows)))
+	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+		f := &fs[i]
+		waitVerified(t, f.stream, f.stream.Stats().Verified+64<<10, "after the restarts")
+		stats := stopStream(t, f.stream)
+		t.Logf("the busy connection to %s stayed up across %d daemon restarts: %d bytes sent, %d echoed back intact", vip, len(e.Nodes()), stats.Sent, stats.Verified)
+		disrupted, _ := disruptedFlows(t, f.flows, f.echoed, restartedAt)
+		t.Logf("%d of %d light flows to %s disrupted (%.1f%%) by the restarts", disrupted, len(f.flows), vip, percent(disrupted, len(f.flows)))
+	})
 }
 
-// 7. A bad annotation gets a Warning event; the other tunnel IPs keep working.
+// 7. A bad annotation gets a Warning event; the other tunnel IPs keep
+// working. Two bad Services at once: one whose annotation is no address,
+// one with two IPv6 addresses (at most one per family is allowed).
 func badAnnotation(t *testing.T, e *env) {
 	ctx := context.Background()
-	vip := e.tunnelIP(7)
-	e.deploy(t, "good", vip, e.Pods...)
-	bad := "not-an-ip"
-	if e.ipv6 {
-		bad = e.tunnelIP(70).String() + ", " + e.tunnelIP(71).String() // two IPv6 addresses
+	vips := tunnelIPs(7)
+	e.deploy(t, "good", vips, e.Pods...)
+	bad := map[string]string{
+		"bad":  "not-an-ip",
+		"bad6": topology.TunnelIP6(70).String() + ", " + topology.TunnelIP6(71).String(),
 	}
-	if err := e.ApplyService(ctx, e.service(topology.Service{Name: "bad", Annotation: bad, Endpoints: topology.Ready(e.Pods...)})); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = e.DeleteService(ctx, "bad") })
-	var warning *corev1.Event
-	deadline := time.Now().Add(30 * time.Second)
-	for warning == nil && time.Now().Before(deadline) {
-		evs, err := e.Events(ctx, "bad")
-		if err != nil {
+	for name, annotation := range bad {
+		if err := e.ApplyService(ctx, e.service(topology.Service{Name: name, Annotation: annotation, Endpoints: topology.Ready(e.Pods...)})); err != nil {
 			t.Fatal(err)
 		}
-		for i, ev := range evs {
-			if ev.Type == corev1.EventTypeWarning && ev.Reason == router.ReasonInvalidTunnelIP && strings.Contains(ev.Message, bad) {
-				warning = &evs[i]
+		t.Cleanup(func() { _ = e.DeleteService(ctx, name) })
+	}
+	warnings := map[string]*corev1.Event{}
+	deadline := time.Now().Add(30 * time.Second)
+	for len(warnings) < len(bad) && time.Now().Before(deadline) {
+		for name, annotation := range bad {
+			evs, err := e.Events(ctx, name)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for i, ev := range evs {
+				if ev.Type == corev1.EventTypeWarning && ev.Reason == router.ReasonInvalidTunnelIP && strings.Contains(ev.Message, annotation) {
+					warnings[name] = &evs[i]
+				}
 			}
 		}
 		time.Sleep(300 * time.Millisecond)
 	}
-	if warning == nil {
-		t.Fatalf("no %s Warning event naming %q on Service bad", router.ReasonInvalidTunnelIP, bad)
+	for name, annotation := range bad {
+		w := warnings[name]
+		if w == nil {
+			t.Errorf("no %s Warning event naming %q on Service %s", router.ReasonInvalidTunnelIP, annotation, name)
+			continue
+		}
+		t.Logf("Service %s: %s %s from %s: %s", name, w.Type, w.Reason, w.Source.Component, w.Message)
 	}
-	t.Logf("Service bad: %s %s from %s: %s", warning.Type, warning.Reason, warning.Source.Component, warning.Message)
-	for _, network := range []string{"tcp", "udp"} {
-		id := e.who(t, network, vip, 0)
-		t.Logf("%s to the good tunnel IP %s still answered by %s", network, vip, id.Pod)
-	}
-	if _, err := e.WaitTunnel(ctx, vip, e.Pods...); err != nil {
-		t.Errorf("the good tunnel IP lost its programming: %v", err)
-	}
+	inFamilies(t, vips, func(t testing.TB, _ int, vip netip.Addr) {
+		for _, network := range []string{"tcp", "udp"} {
+			id := e.who(t, network, vip, 0)
+			t.Logf("%s to the good tunnel IP %s still answered by %s", network, vip, id.Pod)
+		}
+		if _, err := e.WaitTunnel(ctx, vip, e.Pods...); err != nil {
+			t.Errorf("the good tunnel IP lost its programming: %v", err)
+		}
+	})
 }
 
 // 8. A 1 MB upload and a 1 MB download through the tunnel complete intact.
 func bulkTransfer(t *testing.T, e *env) {
-	vip := e.tunnelIP(8)
-	e.deploy(t, "bulk", vip, e.Pods...)
+	vips := tunnelIPs(8)
+	e.deploy(t, "bulk", vips, e.Pods...)
 	const size = 1 << 20
-	dst := netip.AddrPortFrom(vip, tcpPort)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	start := time.Now()
-	id, err := workload.Upload(ctx, e.client, dst, size)
-	if err != nil {
-		t.Fatalf("1 MiB upload: %v", err)
-	}
-	t.Logf("1 MiB upload to %s took %v", id.Pod, time.Since(start).Round(time.Millisecond))
-	start = time.Now()
-	if err := workload.Download(ctx, e.client, dst, size); err != nil {
-		t.Fatalf("1 MiB download: %v", err)
-	}
-	t.Logf("1 MiB download took %v", time.Since(start).Round(time.Millisecond))
+	inFamilies(t, vips, func(t testing.TB, _ int, vip netip.Addr) {
+		dst := netip.AddrPortFrom(vip, tcpPort)
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		start := time.Now()
+		id, err := workload.Upload(ctx, e.client, dst, size)
+		if err != nil {
+			t.Fatalf("1 MiB upload: %v", err)
+		}
+		t.Logf("1 MiB upload to %s on %s took %v", id.Pod, vip, time.Since(start).Round(time.Millisecond))
+		start = time.Now()
+		if err := workload.Download(ctx, e.client, dst, size); err != nil {
+			t.Fatalf("1 MiB download: %v", err)
+		}
+		t.Logf("1 MiB download from %s took %v", vip, time.Since(start).Round(time.Millisecond))
+	})
 }
 
 // startStream opens a long-lived echo connection from the client.
-func startStream(t *testing.T, e *env, vip netip.Addr, srcPort uint16) *workload.Stream {
+func startStream(t testing.TB, e *env, vip netip.Addr, srcPort uint16) *workload.Stream {
 	t.Helper()
 	s, err := workload.StartStream(e.client, netip.AddrPortFrom(vip, tcpPort), srcPort, workload.StreamOptions{})
 	if err != nil {
@@ -620,7 +745,7 @@ func startStream(t *testing.T, e *env, vip netip.Addr, srcPort uint16) *workload
 }
 
 // waitVerified waits until the stream has verified at least n echoed bytes.
-func waitVerified(t *testing.T, s *workload.Stream, n int64, when string) {
+func waitVerified(t testing.TB, s *workload.Stream, n int64, when string) {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
 	for {
@@ -639,7 +764,7 @@ func waitVerified(t *testing.T, s *workload.Stream, n int64, when string) {
 }
 
 // stopStream ends the stream; every byte sent must have come back intact.
-func stopStream(t *testing.T, s *workload.Stream) workload.StreamStats {
+func stopStream(t testing.TB, s *workload.Stream) workload.StreamStats {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -655,7 +780,7 @@ func stopStream(t *testing.T, s *workload.Stream) workload.StreamStats {
 
 // failRouter makes dead fail as a node does: its process is killed, its link
 // cut, and the gateway routes the tunnel IPs via survivor only.
-func (e *env) failRouter(t *testing.T, dead, survivor *topology.Node) {
+func (e *env) failRouter(t testing.TB, dead, survivor *topology.Node) {
 	t.Helper()
 	ctx := context.Background()
 	if err := dead.Router.Kill(); err != nil {
