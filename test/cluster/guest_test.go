@@ -177,7 +177,7 @@ func connect(t *testing.T) *cluster {
 	return &cluster{cfg: cfg, kube: kube, client: client, helper: fmt.Sprintf("http://%s:%d", workerNode.linkAddr, helperPort)}
 }
 
-// waitFor polls cond every second until it holds; an error from cond is
+// waitFor polls cond every 300 ms until it holds; an error from cond is
 // remembered and shown if the limit passes.
 func (c *cluster) waitFor(t *testing.T, what string, limit time.Duration, cond func() (bool, error)) time.Duration {
 	t.Helper()
@@ -203,7 +203,7 @@ func (c *cluster) waitForOr(t *testing.T, what string, limit time.Duration, repo
 			}
 			t.Fatalf("no %s after %v (last error: %v)", what, limit, last)
 		}
-		time.Sleep(time.Second)
+		time.Sleep(300 * time.Millisecond)
 	}
 }
 
@@ -976,6 +976,13 @@ func (c *cluster) uninstall(t *testing.T, before map[string]kstate.State) {
 	example := vmFile(t, exampleFile)
 	if err := kubeenv.Delete(ctx, c.cfg, example); err != nil {
 		t.Fatal(err)
+	}
+	// The example's busybox ignores SIGTERM, so each pod would live out its
+	// 30 s grace period: the test's own clean-up, not the user's path,
+	// ends them at once.
+	zero := int64(0)
+	if err := c.kube.CoreV1().Pods(exampleNamespace).DeleteCollection(ctx, metav1.DeleteOptions{GracePeriodSeconds: &zero}, metav1.ListOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		t.Errorf("deleting the example's pods at once: %v", err)
 	}
 	for _, ns := range []string{daemonNamespace, exampleNamespace} {
 		c.waitFor(t, "namespace "+ns+" gone", 3*time.Minute, func() (bool, error) {
