@@ -471,19 +471,46 @@ func (c *cluster) examplePods(t *testing.T) []corev1.Pod {
 	return pods.Items
 }
 
-// openStreams opens n greeted echo streams from the client.
+// openStreams opens n greeted echo streams from the client, each from its
+// own port (clientPort), a few at a time: each waits for its greeting.
 func (c *cluster) openStreams(t *testing.T, n int) []*workload.Stream {
 	t.Helper()
-	var streams []*workload.Stream
-	for range n {
-		s, err := workload.StartStream(c.client, service, c.clientPort(), streamOpt)
+	ports := make([]uint16, n)
+	for i := range ports {
+		ports[i] = c.clientPort()
+	}
+	streams := make([]*workload.Stream, n)
+	errs := make([]error, n)
+	inParallel(streamsAtOnce, n, func(i int) {
+		streams[i], errs[i] = workload.StartStream(c.client, service, ports[i], streamOpt)
+	})
+	for i, err := range errs {
 		if err != nil {
-			stopAll(streams)
-			t.Fatalf("flow %d of %d: %v", len(streams)+1, n, err)
+			stopAll(slices.DeleteFunc(slices.Clone(streams), func(s *workload.Stream) bool { return s == nil }))
+			t.Fatalf("flow %d of %d (client port %d): %v", i+1, n, ports[i], err)
 		}
-		streams = append(streams, s)
 	}
 	return streams
+}
+
+// streamsAtOnce is how many streams openStreams opens at once.
+const streamsAtOnce = 8
+
+// inParallel calls f(0) ... f(n-1), at most `at` at a time, and returns
+// when every call has.
+func inParallel(at, n int, f func(i int)) {
+	slots := make(chan struct{}, at)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		slots <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-slots }()
+			f(i)
+		}()
+	}
+	wg.Wait()
 }
 
 // stopAll stops every stream and returns how many failed, with the first
@@ -990,12 +1017,28 @@ func (c *cluster) uninstall(t *testing.T, before map[string]kstate.State) {
 			return apierrors.IsNotFound(err), nil
 		})
 	}
-	after := c.snapshots(t)
-	for node, st := range before {
-		if d := kstate.Diff(withoutCNIBridge(st), withoutCNIBridge(after[node])); d != "" {
-			t.Errorf("%s's kernel state after the uninstall differs from before the install:\n%s", node, d)
+	// The pods' objects go at once, and the kubelet tears their sandboxes
+	// (veths) down after: the nodes' state is compared until it is as
+	// before, for a minute at most.
+	var diffs []string
+	start := time.Now()
+	for {
+		diffs = nil
+		after := c.snapshots(t)
+		for node, st := range before {
+			if d := kstate.Diff(withoutCNIBridge(st), withoutCNIBridge(after[node])); d != "" {
+				diffs = append(diffs, fmt.Sprintf("%s's kernel state after the uninstall differs from before the install:\n%s", node, d))
+			}
 		}
+		if len(diffs) == 0 || time.Since(start) > time.Minute {
+			break
+		}
+		time.Sleep(time.Second)
 	}
+	for _, d := range diffs {
+		t.Error(d)
+	}
+	t.Logf("both nodes' kernel state as before the install %v after the namespaces were gone", time.Since(start).Round(100*time.Millisecond))
 }
 
 // withoutCNIBridge drops the lines naming cni0, which the bridge plugin

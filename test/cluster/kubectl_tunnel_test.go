@@ -32,10 +32,23 @@ func kubectlTunnel(t *testing.T, args ...string) string {
 // seed is the one the router created in its Secret at install.
 func (c *cluster) explainStreams(t *testing.T, streams []*workload.Stream, n int) {
 	t.Helper()
+	streams = streams[:min(n, len(streams))]
+	// Each explain is a new kubectl tunnel run with its own connections to
+	// the API server: four at a time.
+	outs := make([]string, len(streams))
+	errs := make([]error, len(streams))
+	inParallel(4, len(streams), func(i int) {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		outs[i], errs[i] = tunnelctl.Output(ctx, "--kubeconfig", adminKubeconfig, "explain", service.String(), "--from", fmt.Sprintf("%s:%d", clientIP, streams[i].LocalPort()), "-o", "json")
+	})
 	right := 0
-	for _, s := range streams[:min(n, len(streams))] {
+	for i, s := range streams {
+		if errs[i] != nil {
+			t.Fatal(errs[i])
+		}
 		var ex tunnelctl.Explanation
-		out := kubectlTunnel(t, "explain", service.String(), "--from", fmt.Sprintf("%s:%d", clientIP, s.LocalPort()), "-o", "json")
+		out := outs[i]
 		if err := json.Unmarshal([]byte(out), &ex); err != nil {
 			t.Fatalf("explain: %v\n%s", err, out)
 		}
