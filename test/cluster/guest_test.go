@@ -471,30 +471,25 @@ func (c *cluster) examplePods(t *testing.T) []corev1.Pod {
 	return pods.Items
 }
 
-// openStreams opens n greeted echo streams from the client, each from its
-// own port (clientPort), a few at a time: each waits for its greeting.
+// openStreams opens n greeted echo streams from the client, one after the
+// other. (Eight at once made a flow opened right after a rollout wait in
+// vain for its greeting in the first run: a first-connection failure that
+// issue 35 tracks; until it is understood, the flows open one by one, as
+// in every earlier run.)
 func (c *cluster) openStreams(t *testing.T, n int) []*workload.Stream {
 	t.Helper()
-	ports := make([]uint16, n)
-	for i := range ports {
-		ports[i] = c.clientPort()
-	}
-	streams := make([]*workload.Stream, n)
-	errs := make([]error, n)
-	inParallel(streamsAtOnce, n, func(i int) {
-		streams[i], errs[i] = workload.StartStream(c.client, service, ports[i], streamOpt)
-	})
-	for i, err := range errs {
+	var streams []*workload.Stream
+	for range n {
+		port := c.clientPort()
+		s, err := workload.StartStream(c.client, service, port, streamOpt)
 		if err != nil {
-			stopAll(slices.DeleteFunc(slices.Clone(streams), func(s *workload.Stream) bool { return s == nil }))
-			t.Fatalf("flow %d of %d (client port %d): %v", i+1, n, ports[i], err)
+			stopAll(streams)
+			t.Fatalf("flow %d of %d (client port %d): %v", len(streams)+1, n, port, err)
 		}
+		streams = append(streams, s)
 	}
 	return streams
 }
-
-// streamsAtOnce is how many streams openStreams opens at once.
-const streamsAtOnce = 8
 
 // inParallel calls f(0) ... f(n-1), at most `at` at a time, and returns
 // when every call has.
