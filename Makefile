@@ -63,7 +63,7 @@ test: ## everything: the images and manifest, unit, privileged (root) and integr
 	@KST_REQUIRE_INTEGRATION=1 $(PHASE) unit+integration $(GO) test -count=1 -timeout 30m $$($(GO) list $(PKGS) | grep -v -e '/test/lab/ipv6probe$$' -e '/test/e2e$$' -e '/test/cluster$$')
 	@KST_REQUIRE_INTEGRATION=1 $(PHASE) ipv6probe $(GO) test -count=1 -timeout 10m ./test/lab/ipv6probe
 	@KST_REQUIRE_INTEGRATION=1 KST_PHASE_SHOW=/tmp/kst-e2e-console.durations.txt $(PHASE) e2e $(GO) test -count=1 -timeout 50m ./test/e2e
-	@KST_REQUIRE_INTEGRATION=1 KST_PHASE_SHOW=/tmp/kst-cluster-lab-router.durations.txt $(PHASE) cluster $(GO) test -count=1 -timeout 40m ./test/cluster
+	@KST_REQUIRE_INTEGRATION=1 KST_PHASE_SHOW=/tmp/kst-cluster-lab-router.durations.txt $(PHASE) cluster $(GO) test -count=1 -timeout 45m ./test/cluster
 	@$(PHASE) demo bash -c '$(GO) run ./test/demo > /tmp/kst-demo.log 2>&1 || { cat /tmp/kst-demo.log; exit 1; }'
 	@$(PHASE) bench-smoke bash -c '$(GO) run ./test/bench $(BENCH_SMOKE) > /tmp/kst-bench.log 2>&1 || { cat /tmp/kst-bench.log; exit 1; }'
 	@echo "demo: ok; bench (smoke run, 100 tunnel IPs): ok"
@@ -76,7 +76,7 @@ e2e: deps assets ## the end-to-end lab: 15 dual-stack scenarios x gre, mpls in t
 	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 50m -run TestE2E -v ./test/e2e
 
 cluster: deps assets ## the two-node lab cluster run by real kubelets: install, example, client traffic, network policy, rollout restart, router pod deletion, uninstall, in gre and mpls
-	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 40m -run TestCluster -v ./test/cluster
+	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 45m -run TestCluster -v ./test/cluster
 
 # A smoke run of every part of the benchmark, counts scaled down (about 40 s).
 BENCH_SMOKE = -tunnels 100 -forward-tunnels 1,100 -forward-duration 500ms -forward-warmup 200ms -forward-rounds 1 \

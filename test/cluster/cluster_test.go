@@ -98,7 +98,7 @@ var knpModules = []string{"nft_ct", "nft_queue", "nfnetlink_queue"}
 
 // guestTimeout bounds the VM run: about twice what it takes on the
 // slowest machine of CI's kind known (docs/testing.md, "Time budget").
-const guestTimeout = 35 * time.Minute
+const guestTimeout = 40 * time.Minute
 
 func TestCluster(t *testing.T) {
 	if lab.IsGuest() {
