@@ -491,23 +491,6 @@ func (c *cluster) openStreams(t *testing.T, n int) []*workload.Stream {
 	return streams
 }
 
-// inParallel calls f(0) ... f(n-1), at most `at` at a time, and returns
-// when every call has.
-func inParallel(at, n int, f func(i int)) {
-	slots := make(chan struct{}, at)
-	var wg sync.WaitGroup
-	for i := range n {
-		wg.Add(1)
-		slots <- struct{}{}
-		go func() {
-			defer wg.Done()
-			defer func() { <-slots }()
-			f(i)
-		}()
-	}
-	wg.Wait()
-}
-
 // stopAll stops every stream and returns how many failed, with the first
 // few errors.
 func stopAll(streams []*workload.Stream) (failed int, errs []error) {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/internal/routerstatus"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelctl"
+	"github.com/cmdnu/kube-service-tunnel/test/lab"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
 )
 
@@ -37,7 +38,7 @@ func (c *cluster) explainStreams(t *testing.T, streams []*workload.Stream, n int
 	// the API server: four at a time.
 	outs := make([]string, len(streams))
 	errs := make([]error, len(streams))
-	inParallel(4, len(streams), func(i int) {
+	lab.InParallel(4, len(streams), func(i int) {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
 		outs[i], errs[i] = tunnelctl.Output(ctx, "--kubeconfig", adminKubeconfig, "explain", service.String(), "--from", fmt.Sprintf("%s:%d", clientIP, streams[i].LocalPort()), "-o", "json")

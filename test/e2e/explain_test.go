@@ -7,11 +7,11 @@ import (
 	"net/netip"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelctl"
+	"github.com/cmdnu/kube-service-tunnel/test/lab"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/topology"
 )
 
@@ -75,7 +75,7 @@ func explainNamesAnsweringPod(t *testing.T, e *env) {
 		// Each explain is a new kubectl tunnel run with its own connections
 		// to the API server: a few at a time.
 		explanations := make([]tunnelctl.Explanation, len(ports))
-		inParallel(explainsAtOnce, len(ports), func(j int) {
+		lab.InParallel(explainsAtOnce, len(ports), func(j int) {
 			e.kubectlTunnel(t, &explanations[j], "explain", netip.AddrPortFrom(vip, tcpPort).String(), "--from", netip.AddrPortFrom(topology.ClientAddrFor(vip), ports[j]).String(), "--proto", "tcp")
 		})
 		named[i] = map[uint16]string{}
@@ -134,23 +134,6 @@ func explainNamesAnsweringPod(t *testing.T, e *env) {
 // explainsAtOnce is how many kubectl tunnel explain runs a family has at
 // once.
 const explainsAtOnce = 4
-
-// inParallel calls f(0) ... f(n-1), at most `at` at a time, and returns
-// when every call has.
-func inParallel(at, n int, f func(i int)) {
-	slots := make(chan struct{}, at)
-	var wg sync.WaitGroup
-	for i := range n {
-		wg.Add(1)
-		slots <- struct{}{}
-		go func() {
-			defer wg.Done()
-			defer func() { <-slots }()
-			f(i)
-		}()
-	}
-	wg.Wait()
-}
 
 // podName is the name part of "namespace/name".
 func podName(key string) string {

@@ -6,7 +6,6 @@ import (
 	"net/netip"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -18,6 +17,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelctl"
+	"github.com/cmdnu/kube-service-tunnel/test/lab"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/topology"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
 )
@@ -187,17 +187,11 @@ func networkPolicy(t *testing.T, e *env) {
 // once, and returns how many were not answered (connects).
 func (e *env) refusedOf(src, vip netip.Addr, ports []uint16) int {
 	var refused atomic.Int32
-	var wg sync.WaitGroup
-	for _, port := range ports {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if !e.connects(src, vip, port) {
-				refused.Add(1)
-			}
-		}()
-	}
-	wg.Wait()
+	lab.InParallel(len(ports), len(ports), func(i int) {
+		if !e.connects(src, vip, ports[i]) {
+			refused.Add(1)
+		}
+	})
 	return int(refused.Load())
 }
 

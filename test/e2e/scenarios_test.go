@@ -18,6 +18,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/router"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
+	"github.com/cmdnu/kube-service-tunnel/test/lab"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/kstate"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/topology"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
@@ -583,7 +584,7 @@ func snapshotAll(t testing.TB, e *env) map[string]kstate.State {
 	}
 	states := make([]kstate.State, len(names))
 	errs := make([]error, len(names))
-	inParallel(3, len(names), func(i int) {
+	lab.InParallel(3, len(names), func(i int) {
 		states[i], errs[i] = kstate.Snapshot(context.Background(), names[i])
 	})
 	if err := errors.Join(errs...); err != nil {

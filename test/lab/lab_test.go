@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -280,5 +281,32 @@ func TestBoundWatchFollowsTheRunningTest(t *testing.T) {
 	}
 	if !strings.HasSuffix(out.String(), "=== RUN   TestInVM/gre/9_dr") {
 		t.Errorf("the console was not forwarded as written: %q", out.String())
+	}
+}
+
+// TestInParallel: every index is called once, never more than `at` at a
+// time, and at times `at` at once.
+func TestInParallel(t *testing.T) {
+	var mu sync.Mutex
+	running, most := 0, 0
+	called := make([]int, 20)
+	InParallel(3, len(called), func(i int) {
+		mu.Lock()
+		running++
+		most = max(most, running)
+		called[i]++
+		mu.Unlock()
+		time.Sleep(5 * time.Millisecond)
+		mu.Lock()
+		running--
+		mu.Unlock()
+	})
+	for i, n := range called {
+		if n != 1 {
+			t.Errorf("f(%d) called %d times", i, n)
+		}
+	}
+	if most != 3 {
+		t.Errorf("at most %d calls ran at once, want 3", most)
 	}
 }
