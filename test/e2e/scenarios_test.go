@@ -74,14 +74,7 @@ func (e *env) deploy(t *testing.T, name string, vips []netip.Addr, pods ...*topo
 		t.Logf("Service %s deleted: %s gone from routers and pods in %v", name, annotation(vips), time.Since(start).Round(time.Millisecond))
 	})
 	start := time.Now()
-	tables := make([][]netip.Addr, len(vips))
-	for i, vip := range vips {
-		table, err := e.WaitTunnel(ctx, vip, pods...)
-		if err != nil {
-			t.Fatalf("tunnel %s: %v", vip, err)
-		}
-		tables[i] = table
-	}
+	tables := e.waitTunnels(t, vips, pods...)
 	t.Logf("Service %s on %s programmed on both routers and %d pods in %v", name, annotation(vips), len(pods), time.Since(start).Round(time.Millisecond))
 	return tables
 }
