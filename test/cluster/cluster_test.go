@@ -4,8 +4,9 @@
 // real kube-apiserver, kube-controller-manager and kube-scheduler on the
 // host. make image's images are imported into each node's containerd and
 // make manifest's tunnel-router.yaml is applied unchanged; then
-// examples/echo.yaml, a client outside the cluster, a rolling restart, a
-// router pod's deletion and the uninstall DaemonSet, in gre and mpls mode.
+// examples/echo.yaml, a client outside the cluster, a router pod's
+// deletion, a rolling restart and the uninstall DaemonSet, in gre and mpls
+// mode.
 //
 //	client 198.51.100.10 ── lab-router 172.20.0.11 ═══ lab-worker 172.20.0.21 ── cni0 10.244.2.1 ── echo pods
 //	                        node=tunnel, cordoned          (eth1: the nodes' link)

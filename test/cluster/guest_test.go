@@ -85,9 +85,9 @@ func (c *cluster) clientPort() uint16 {
 
 // TestInCluster runs in lab-router. Both nodes' kubelets register; the
 // nodes' kernel state is recorded; then, in gre and then in mpls mode, the
-// user's path: install, the example, traffic from the client, a rolling
-// restart, a router pod's deletion, and the uninstall, which must leave both
-// nodes as recorded.
+// user's path: install, the example, traffic from the client, a router
+// pod's deletion, a rolling restart, and the uninstall, which must leave
+// both nodes as recorded.
 func TestInCluster(t *testing.T) {
 	if os.Getenv(roleEnv) != "router" {
 		t.Skip("runs in the lab cluster's router VM; TestCluster boots it")
@@ -134,8 +134,11 @@ func TestInCluster(t *testing.T) {
 				{"example", c.deployExample},
 				{"traffic", c.traffic},
 				{"network_policy", func(t *testing.T) { c.networkPolicy(t, mode) }},
-				{"rollout_restart", c.rolloutRestart},
 				{"router_pod_deleted", c.deleteRouterPod},
+				// The rollout ends once the router has drained every old
+				// pod; the old pods live out their grace period during the
+				// uninstall, where no table is compared.
+				{"rollout_restart", c.rolloutRestart},
 				{"uninstall", func(t *testing.T) { c.uninstall(t, before) }},
 			}
 			if demo() {
@@ -648,30 +651,62 @@ func routerBuckets() (map[netip.Addr]int, error) {
 	return buckets, sc.Err()
 }
 
-// podWatch follows the example's pods: each one's address and when the API
-// server marked it terminating (as this test first saw it).
+// podWatch follows a set of pods: each one's address, when the API server
+// marked it terminating (as this test first saw it), and a timeline of
+// each pod's states (pending, running, ready, terminating, gone) since
+// start, for the record.
 type podWatch struct {
+	start       time.Time
 	addr        map[string]netip.Addr
 	terminating map[string]time.Time
+	state       map[string]string
+	timeline    []string
+}
+
+func newPodWatch() *podWatch {
+	return &podWatch{start: time.Now(), addr: map[string]netip.Addr{}, terminating: map[string]time.Time{}, state: map[string]string{}}
 }
 
 func (w *podWatch) update(pods []corev1.Pod) {
+	seen := map[string]bool{}
 	for _, p := range pods {
+		seen[p.Name] = true
 		if ip, err := netip.ParseAddr(p.Status.PodIP); err == nil {
 			w.addr[p.Name] = ip
 		}
-		if p.DeletionTimestamp != nil {
+		state := "pending"
+		switch {
+		case p.DeletionTimestamp != nil:
+			state = "terminating"
 			if _, ok := w.terminating[p.Name]; !ok {
 				w.terminating[p.Name] = time.Now()
 			}
+		case podReady(p):
+			state = "ready"
+		case p.Status.Phase == corev1.PodRunning:
+			state = "running"
 		}
+		w.note(p.Name, state)
+	}
+	for name, state := range w.state {
+		if !seen[name] && state != "gone" {
+			w.note(name, "gone")
+		}
+	}
+}
+
+func (w *podWatch) note(name, state string) {
+	if w.state[name] != state {
+		w.state[name] = state
+		w.timeline = append(w.timeline, fmt.Sprintf("%7.2fs %s %s", time.Since(w.start).Seconds(), name, state))
 	}
 }
 
 // rolloutRestart is kubectl rollout restart deployment/echo with flows
 // open. The real controllers replace the pods one by one; the old ones are
 // marked terminating (their busybox ignores SIGTERM, so each lives its 30 s
-// grace period). The established flows, opened before, run on for 20 s,
+// grace period, which the step does not wait for once the router has
+// drained it). The established flows, opened before, run on for 20 s,
 // within the first old pods' grace, and must all complete; meanwhile new
 // flows are opened continuously, and none may reach a terminating pod that
 // the router already showed as drained (0 buckets) before the flow began.
@@ -691,10 +726,14 @@ func (c *cluster) rolloutRestart(t *testing.T) {
 	for _, s := range streams {
 		oldPods[greetedPod(s)] = true
 	}
-	w := &podWatch{addr: map[string]netip.Addr{}, terminating: map[string]time.Time{}}
-	w.update(c.examplePods(t))
+	w := newPodWatch()
+	var initial []string
+	for _, p := range c.examplePods(t) {
+		initial = append(initial, p.Name)
+	}
 	patch := fmt.Sprintf(`{"spec":{"template":{"metadata":{"annotations":{"kubectl.kubernetes.io/restartedAt":%q}}}}}`, time.Now().Format(time.RFC3339))
 	restarted := time.Now()
+	w.start = restarted
 	if _, err := c.kube.AppsV1().Deployments(exampleNamespace).Patch(ctx, exampleName, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
 		stopAll(streams)
 		t.Fatal(err)
@@ -768,8 +807,12 @@ func (c *cluster) rolloutRestart(t *testing.T) {
 			establishedFailed, establishedErrs = stopAll(established)
 			established = nil
 		}
+		// The rollout is over for this test once the Deployment is done
+		// and the router has drained every old pod: an old pod then has
+		// nothing left to prove, and lives out the rest of its grace
+		// period while the next step runs.
 		d, err := c.kube.AppsV1().Deployments(exampleNamespace).Get(ctx, exampleName, metav1.GetOptions{})
-		if established == nil && err == nil && deploymentDone(d) && len(c.examplePods(t)) == exampleReplicas {
+		if established == nil && err == nil && deploymentDone(d) && allDrainedOrGone(initial, drainedAt, w) {
 			break
 		}
 		if time.Since(restarted) > 5*time.Minute {
@@ -778,7 +821,7 @@ func (c *cluster) rolloutRestart(t *testing.T) {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	t.Logf("rollout restart done in %v", time.Since(restarted).Round(100*time.Millisecond))
+	t.Logf("rollout restart done in %v; the pods' states since the restart:\n%s", time.Since(restarted).Round(100*time.Millisecond), strings.Join(w.timeline, "\n"))
 	t.Logf("%d established flows (to %d old pods) ran 20 s into the rollout: %d broke; %d of their pods were terminating meanwhile",
 		flows, len(oldPods), establishedFailed, len(servedWhileTerminating))
 	if establishedFailed > 0 {
@@ -804,6 +847,17 @@ func (c *cluster) rolloutRestart(t *testing.T) {
 	if len(drainedAt) < len(oldPods) {
 		t.Errorf("the router drained %d of the %d old pods (%v)", len(drainedAt), len(oldPods), drainedAt)
 	}
+}
+
+// allDrainedOrGone says whether every pod named was seen with 0 buckets
+// in the router since it began terminating, or is gone.
+func allDrainedOrGone(names []string, drainedAt map[string]time.Duration, w *podWatch) bool {
+	for _, name := range names {
+		if _, ok := drainedAt[name]; !ok && w.state[name] != "gone" {
+			return false
+		}
+	}
+	return true
 }
 
 // conntrackOf counts the streams whose conntrack entry on the router node
@@ -899,17 +953,25 @@ func (c *cluster) deleteRouterPod(t *testing.T) {
 		stopAll(streams)
 		t.Fatal(err)
 	}
+	w := newPodWatch()
 	c.waitFor(t, "a new Ready router pod", 3*time.Minute, func() (bool, error) {
 		pods := c.daemonPods(t, "tunnel-router")
+		w.update(pods)
 		return len(pods) == 1 && pods[0].UID != old[0].UID && podReady(pods[0]), nil
 	})
-	t.Logf("router pod deleted to its replacement Ready: %v", time.Since(deleted).Round(100*time.Millisecond))
-	time.Sleep(5 * time.Second) // the new router's first full resync is over
-	// The new pod took the status ConfigMap over (the garbage collector
-	// does not remove it with the old pod).
-	if owner, now := c.routerStatusOwner(t), c.daemonPods(t, "tunnel-router"); len(now) != 1 || owner != string(now[0].UID) {
-		t.Errorf("after the router pod's replacement its status ConfigMap is owned by %s, want the new pod", owner)
-	}
+	t.Logf("router pod deleted to its replacement Ready: %v; the router pods' states since the deletion:\n%s",
+		time.Since(deleted).Round(100*time.Millisecond), strings.Join(w.timeline, "\n"))
+	// The new pod takes the status ConfigMap over (the garbage collector
+	// does not remove it with the old pod) once its first full resync is
+	// over.
+	var owner string
+	c.waitForOr(t, "the router's status ConfigMap owned by the new router pod", time.Minute,
+		func() string { return "its owner: " + owner },
+		func() (bool, error) {
+			owner = c.routerStatusOwner(t)
+			now := c.daemonPods(t, "tunnel-router")
+			return len(now) == 1 && owner == string(now[0].UID), nil
+		})
 	newFlows := c.openStreams(t, 20)
 	failed, errs := stopAll(append(streams, newFlows...))
 	if failed > 0 {
@@ -923,6 +985,44 @@ func (c *cluster) deleteRouterPod(t *testing.T) {
 		t.Errorf("the router node's kernel state changed across the router pod's replacement:\n%s", d)
 	}
 	t.Logf("%d established flows across the router pod's replacement: %d broke; kernel state unchanged: %v", flows, failed, !t.Failed())
+}
+
+// deleteExample deletes the objects of examples/echo.yaml. The echo pods
+// ignore SIGTERM (nc is their PID 1) and would hold their namespace for
+// their whole 30 s grace period; how the example ends is not under test, so
+// they are first orphaned (the Deployment and its ReplicaSets deleted, the
+// pods left running) and then deleted with a grace period of 1 s. (A
+// shorter grace period given to a pod already terminating did not shorten
+// it on the lab's kubelet; a forced deletion, 0 s, removes the object
+// before the kubelet has torn the sandbox down, and the veths then stayed
+// 31 s longer.)
+func (c *cluster) deleteExample(t *testing.T) {
+	t.Helper()
+	ctx := context.Background()
+	orphan := metav1.DeletePropagationOrphan
+	orphaning := metav1.DeleteOptions{PropagationPolicy: &orphan}
+	if err := c.kube.AppsV1().Deployments(exampleNamespace).Delete(ctx, exampleName, orphaning); err != nil && !apierrors.IsNotFound(err) {
+		t.Fatal(err)
+	}
+	selector := metav1.ListOptions{LabelSelector: "app=" + exampleName}
+	c.waitFor(t, "the echo Deployment gone", time.Minute, func() (bool, error) {
+		_, err := c.kube.AppsV1().Deployments(exampleNamespace).Get(ctx, exampleName, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), nil
+	})
+	if err := c.kube.AppsV1().ReplicaSets(exampleNamespace).DeleteCollection(ctx, orphaning, selector); err != nil {
+		t.Fatal(err)
+	}
+	c.waitFor(t, "the echo ReplicaSets gone", time.Minute, func() (bool, error) {
+		l, err := c.kube.AppsV1().ReplicaSets(exampleNamespace).List(ctx, selector)
+		return err == nil && len(l.Items) == 0, err
+	})
+	one := int64(1)
+	if err := c.kube.CoreV1().Pods(exampleNamespace).DeleteCollection(ctx, metav1.DeleteOptions{GracePeriodSeconds: &one}, selector); err != nil {
+		t.Fatal(err)
+	}
+	if err := kubeenv.Delete(ctx, c.cfg, vmFile(t, exampleFile)); err != nil {
+		t.Fatal(err)
+	}
 }
 
 func podReady(p corev1.Pod) bool {
@@ -947,9 +1047,10 @@ func (c *cluster) uninstall(t *testing.T, before map[string]kstate.State) {
 			t.Fatal(err)
 		}
 	}
-	c.waitFor(t, "the daemons' pods gone", 3*time.Minute, func() (bool, error) {
+	gone := c.waitFor(t, "the daemons' pods gone", 3*time.Minute, func() (bool, error) {
 		return len(c.daemonPods(t, "tunnel-router"))+len(c.daemonPods(t, "tunnel-endpoint")) == 0, nil
 	})
+	t.Logf("the daemons' DaemonSets deleted to their pods gone: %v", gone.Round(100*time.Millisecond))
 	uninstall := vmFile(t, uninstallFile)
 	applied := time.Now()
 	if err := kubeenv.Apply(ctx, c.cfg, uninstall, false); err != nil {
@@ -978,15 +1079,23 @@ func (c *cluster) uninstall(t *testing.T, before map[string]kstate.State) {
 			t.Errorf("pod namespace %s still has %s after the uninstall", p.NetNS, tunnelIP)
 		}
 	}
-	example := vmFile(t, exampleFile)
-	if err := kubeenv.Delete(ctx, c.cfg, example); err != nil {
-		t.Fatal(err)
-	}
+	c.deleteExample(t)
+	deleted := time.Now()
+	w := newPodWatch()
+	defer func() { t.Logf("the pods' states since the deletion:\n%s", strings.Join(w.timeline, "\n")) }()
 	for _, ns := range []string{daemonNamespace, exampleNamespace} {
 		c.waitFor(t, "namespace "+ns+" gone", 3*time.Minute, func() (bool, error) {
+			var pods []corev1.Pod
+			for _, ns := range []string{daemonNamespace, exampleNamespace} {
+				if l, err := c.kube.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{}); err == nil {
+					pods = append(pods, l.Items...)
+				}
+			}
+			w.update(pods)
 			_, err := c.kube.CoreV1().Namespaces().Get(ctx, ns, metav1.GetOptions{})
 			return apierrors.IsNotFound(err), nil
 		})
+		t.Logf("the manifests and the example deleted to namespace %s gone: %v", ns, time.Since(deleted).Round(100*time.Millisecond))
 	}
 	// The kubelet may tear a pod's sandbox (its veth) down after the pod's
 	// object is gone: the nodes' state is compared until it is as before,

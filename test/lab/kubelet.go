@@ -30,8 +30,9 @@ var KubeletHostBinaries = []string{
 	"/usr/lib/cni/bridge", "/usr/lib/cni/host-local", "/usr/lib/cni/loopback", "/usr/bin/mount",
 }
 
-// KubeletModules are DefaultModules plus NAT, for KubernetesServiceDNAT.
-var KubeletModules = append(slices.Clone(DefaultModules), "nf_nat", "nft_chain_nat", "xt_nat", "iptable_nat")
+// KubeletModules are DefaultModules plus NAT, for KubernetesServiceDNAT,
+// and overlay, for containerd's overlayfs snapshotter.
+var KubeletModules = append(slices.Clone(DefaultModules), "nf_nat", "nft_chain_nat", "xt_nat", "iptable_nat", "overlay")
 
 // SandboxImage is the image containerd uses as every pod's sandbox (no
 // registry can give the pause image): a static busybox whose entrypoint
@@ -52,9 +53,11 @@ type KubeletOptions struct {
 	Images []string
 }
 
-// containerdConfig is containerd 1.6's: the native snapshotter and runc
+// containerdConfig is containerd 1.6's: the overlayfs snapshotter (on a
+// tmpfs: overlayfs cannot use the initramfs as its upper layer) and runc
 // without pivot_root (the VM's root is the initramfs, which pivot_root
-// cannot leave).
+// cannot leave). The native snapshotter it replaced copies an image's whole
+// tree for every container, which under TCG took seconds per pod.
 const containerdConfig = `version = 2
 root = "/var/lib/containerd"
 state = "/run/containerd"
@@ -66,7 +69,7 @@ state = "/run/containerd"
   disable_apparmor = true
   restrict_oom_score_adj = true
   [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "native"
+    snapshotter = "overlayfs"
     default_runtime_name = "runc"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
@@ -113,13 +116,14 @@ const KubeletScript = `up() { cut -d' ' -f1 /proc/uptime; }
 mount -t cgroup2 none /sys/fs/cgroup
 echo "+cpuset +cpu +io +memory +pids" > /sys/fs/cgroup/cgroup.subtree_control
 mkdir -p /var/lib/containerd /etc/cni/net.d /var/lib/kubelet /var/log/pods
+mount -t tmpfs tmpfs /var/lib/containerd || echo "FAIL mount tmpfs /var/lib/containerd"
 cp /lab/kubelet/10-lab.conflist /etc/cni/net.d/
 hostname "$(cat /lab/kubelet/node-name)"
 echo 0123456789abcdef0123456789abcdef > /etc/machine-id
 containerd --config /lab/kubelet/containerd.toml > /tmp/containerd.log 2>&1 &
 until ctr version >/dev/null 2>&1; do sleep 0.2; done
 echo "T containerd-up $(up)"
-for a in /lab/kubelet/images/*.tar; do ctr -n k8s.io images import --snapshotter native "$a" >/dev/null || echo "FAIL import $a"; done
+for a in /lab/kubelet/images/*.tar; do ctr -n k8s.io images import --snapshotter overlayfs "$a" >/dev/null || echo "FAIL import $a"; done
 echo "T images-imported $(up)"
 /usr/local/bin/kubelet --config /lab/kubelet/kubelet.yaml --kubeconfig /lab/kubelet/kubeconfig \
 	--hostname-override "$(cat /lab/kubelet/node-name)" --node-ip "$(cat /lab/kubelet/node-ip)" --v=1 > /tmp/kubelet.log 2>&1 &
