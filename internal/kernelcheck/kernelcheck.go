@@ -165,6 +165,10 @@ type Kernel interface {
 	// IPTablesRule appends rule to a temporary chain of table and deletes
 	// the chain (iptables; ip6tables in the IPv6 view).
 	IPTablesRule(table string, rule ...string) error
+	// IPTablesRules does what IPTablesRule does for each rule, all at once
+	// (one iptables-restore writes them, another removes them); it fails
+	// if any rule fails, without saying which.
+	IPTablesRules(rules []TableRule) error
 	// IPSet creates and destroys a hash:ip set of the family (inet;
 	// inet6).
 	IPSet() error
@@ -175,6 +179,13 @@ type Kernel interface {
 	LoadModule(name string) error
 }
 
+// TableRule is an iptables rule for a temporary chain of Table; a rule
+// without arguments only creates the chain.
+type TableRule struct {
+	Table string
+	Rule  []string
+}
+
 // Check is one feature and how to probe it.
 type Check struct {
 	Feature Feature
@@ -182,6 +193,11 @@ type Check struct {
 	// (a table for its rules): when one is missing, this check is skipped.
 	Requires []Feature
 	Probe    func(Kernel) error
+	// Rule, when set, is the iptables rule Probe tries (IPTablesRule of
+	// it), in the IPv6 view when IPv6 is set: Run tries the rules of each
+	// family all at once first (IPTablesRules).
+	Rule *TableRule
+	IPv6 bool
 }
 
 // MissingError is a feature the kernel lacks, with what its probe got.
@@ -202,11 +218,28 @@ func (e *MissingError) Unwrap() error { return e.Err }
 // Run probes every check in order and returns all missing features at once
 // (errors.Join of *MissingError), or nil. A failed probe whose feature has a
 // module is retried once after loading that module with modprobe.
+//
+// The iptables rules of each family are first tried all at once: when that
+// works, so would each of them, and their checks pass without a probe of
+// their own (each one costs several iptables processes, which under load
+// took the router's start-up seconds). When it fails, each is probed alone,
+// so that the error names the missing features.
 func Run(k Kernel, checks []Check) error {
 	var errs []error
 	missing := map[Feature]bool{}
-	for _, c := range checks {
+	tried := map[bool]bool{} // by IPv6: the family's rules were tried at once
+	passed := map[int]bool{}
+	for i, c := range checks {
 		if slices.ContainsFunc(c.Requires, func(f Feature) bool { return missing[f] }) {
+			continue
+		}
+		if c.Rule != nil && !tried[c.IPv6] {
+			tried[c.IPv6] = true
+			for _, j := range passedTogether(k, checks, c.IPv6) {
+				passed[j] = true
+			}
+		}
+		if passed[i] {
 			continue
 		}
 		err := c.Probe(k)
@@ -221,6 +254,31 @@ func Run(k Kernel, checks []Check) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// passedTogether tries the rules of the family's checks (IPv6 or IPv4)
+// with one IPTablesRules and returns the indexes of the checks it passed:
+// all of them, or none.
+func passedTogether(k Kernel, checks []Check, ipv6 bool) []int {
+	var indexes []int
+	var rules []TableRule
+	for i, c := range checks {
+		if c.Rule != nil && c.IPv6 == ipv6 {
+			indexes = append(indexes, i)
+			rules = append(rules, *c.Rule)
+		}
+	}
+	if len(rules) < 2 {
+		return nil
+	}
+	view := k
+	if ipv6 {
+		view = k.IPv6()
+	}
+	if view.IPTablesRules(rules) != nil {
+		return nil
+	}
+	return indexes
 }
 
 // Missing returns the missing features in an error of Run's.
@@ -329,12 +387,16 @@ func (f family) check(feature Feature, requires []Feature, probe func(Kernel) er
 
 // chainCheck probes table with a chain of its own.
 func (f family) chainCheck(table Feature, tableName string) Check {
-	return f.check(table, []Feature{f.iptablesCommand}, func(k Kernel) error { return k.IPTablesChain(tableName) })
+	c := f.check(table, []Feature{f.iptablesCommand}, func(k Kernel) error { return k.IPTablesChain(tableName) })
+	c.Rule, c.IPv6 = &TableRule{Table: tableName}, f.ipv6
+	return c
 }
 
 // ruleCheck probes an extension with rule in a chain of table.
 func (f family) ruleCheck(feature Feature, table Feature, tableName string, rule []string) Check {
-	return f.check(feature, []Feature{f.iptablesCommand, table}, func(k Kernel) error { return k.IPTablesRule(tableName, rule...) })
+	c := f.check(feature, []Feature{f.iptablesCommand, table}, func(k Kernel) error { return k.IPTablesRule(tableName, rule...) })
+	c.Rule, c.IPv6 = &TableRule{Table: tableName, Rule: rule}, f.ipv6
+	return c
 }
 
 // stack is the check of the family itself, none for IPv4.

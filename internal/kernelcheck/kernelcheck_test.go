@@ -59,6 +59,27 @@ func (f *fakeKernel) IPTablesRule(table string, rule ...string) error {
 	return f.probe("rule:" + table + ":" + target(rule))
 }
 
+// IPTablesRules, recorded as "together", fails with the first failing
+// probe among iptables and each rule's.
+func (f *fakeKernel) IPTablesRules(rules []TableRule) error {
+	t := f.top()
+	t.calls = append(t.calls, f.prefix+"together")
+	names := []string{"iptables"}
+	for _, r := range rules {
+		if len(r.Rule) == 0 {
+			names = append(names, "chain:"+r.Table)
+		} else {
+			names = append(names, "rule:"+r.Table+":"+target(r.Rule))
+		}
+	}
+	for _, name := range names {
+		if err := t.fail[f.prefix+name]; err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 func (f *fakeKernel) LoadModule(name string) error {
 	f = f.top()
 	f.calls = append(f.calls, "modprobe:"+name)
@@ -316,7 +337,7 @@ func TestRunSkipsIPv6ChecksWithoutIPv6(t *testing.T) {
 			t.Errorf("%s probed without IPv6", c)
 		}
 	}
-	if !slices.Contains(k.calls, "modprobe:ipv6") || !slices.Contains(k.calls, "rule:raw:CT") {
+	if !slices.Contains(k.calls, "modprobe:ipv6") || !slices.Contains(k.calls, "together") || !slices.Contains(k.calls, "ipset") {
 		t.Errorf("calls %v: want modprobe ipv6 and every IPv4 probe", k.calls)
 	}
 }
@@ -337,7 +358,8 @@ func TestRunReportsIPv6FeaturesByTheirOwnNames(t *testing.T) {
 	if got := strings.Split(err.Error(), "\n"); !slices.Equal(got, want) {
 		t.Errorf("error:\n%s\nwant:\n%s", err, strings.Join(want, "\n"))
 	}
-	for _, c := range []string{"modprobe:ip6_gre", "6:rule:mangle:comment", "flow-gre", "rule:mangle:HMARK"} {
+	// The IPv4 rules passed together; the IPv6 ones were probed alone.
+	for _, c := range []string{"modprobe:ip6_gre", "6:rule:mangle:comment", "flow-gre", "together", "6:together"} {
 		if !slices.Contains(k.calls, c) {
 			t.Errorf("%s not in calls %v", c, k.calls)
 		}
@@ -430,6 +452,33 @@ func TestNoNextHopObjects(t *testing.T) {
 	k = &fakeKernel{}
 	if err := Run(k, Router(RouterParams{Mode: encap.MPLS, Generations: 1})); err != nil || slices.Contains(k.calls, "nexthop-ip") {
 		t.Errorf("mpls: %v after calls %v, want no nexthop probe", err, k.calls)
+	}
+}
+
+// TestRunTriesEachFamilysRulesAtOnce: when a family's iptables rules all
+// work together, none is probed alone; when one fails, each is, and only
+// the failing one is reported.
+func TestRunTriesEachFamilysRulesAtOnce(t *testing.T) {
+	k := &fakeKernel{}
+	if err := Run(k, Router(RouterParams{Mode: encap.GRE, Generations: 4, IPv6: true})); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range k.calls {
+		if strings.Contains(c, "chain:") || (strings.Contains(c, "rule:") && !strings.HasSuffix(c, ":set")) {
+			t.Errorf("%s probed alone although the family's rules passed together; calls %v", c, k.calls)
+		}
+	}
+	if n := strings.Count(strings.Join(k.calls, " "), "together"); n != 2 {
+		t.Errorf("%d tries of rules at once, want one per family: %v", n, k.calls)
+	}
+
+	k = &fakeKernel{fail: map[string]error{"6:rule:mangle:connmark": errors.New("ip6tables: No chain/target/match by that name.")}}
+	m := Missing(Run(k, Router(RouterParams{Mode: encap.GRE, Generations: 4, IPv6: true})))
+	if len(m) != 1 || m[0].Feature != Connmark6 {
+		t.Fatalf("missing %v, want only the ip6tables connmark", m)
+	}
+	if slices.Contains(k.calls, "rule:mangle:HMARK") || !slices.Contains(k.calls, "6:rule:mangle:HMARK") || !slices.Contains(k.calls, "6:rule:raw:CT") {
+		t.Errorf("calls %v: want the IPv6 rules probed one by one after failing together, the IPv4 ones not", k.calls)
 	}
 }
 

@@ -590,6 +590,72 @@ func (p *Probes) IPTablesRule(table string, rule ...string) error {
 	})
 }
 
+// IPTablesRules implements Kernel: one iptables-restore (of the family's
+// iptables binary) creates a temporary chain in each table and appends the
+// rules, and a second one removes the chains, in both cases as a whole.
+func (p *Probes) IPTablesRules(rules []TableRule) error {
+	if p.ipt == nil {
+		return p.IPTables()
+	}
+	chain := p.chainName()
+	var tables []string
+	byTable := map[string][]string{}
+	for _, r := range rules {
+		if _, ok := byTable[r.Table]; !ok {
+			tables = append(tables, r.Table)
+			byTable[r.Table] = nil
+		}
+		if len(r.Rule) > 0 {
+			byTable[r.Table] = append(byTable[r.Table], restoreLine(chain, r.Rule))
+		}
+	}
+	var add, remove strings.Builder
+	for _, table := range tables {
+		fmt.Fprintf(&add, "*%s\n:%s - [0:0]\n", table, chain)
+		for _, line := range byTable[table] {
+			add.WriteString(line + "\n")
+		}
+		add.WriteString("COMMIT\n")
+		// Declaring the chain flushes it; then it is deleted.
+		fmt.Fprintf(&remove, "*%s\n:%s - [0:0]\n-X %s\nCOMMIT\n", table, chain, chain)
+	}
+	restore := p.iptablesBinary() + "-restore"
+	return p.in(func() error {
+		err := runRestore(restore, add.String())
+		if err != nil {
+			err = fmt.Errorf("%d rules in chains %s of tables %s at once: %w", len(rules), chain, strings.Join(tables, ", "), err)
+		}
+		// Removing what may not exist (when the first failed) fails
+		// harmlessly; it is reported only after a success.
+		if rerr := runRestore(restore, remove.String()); err == nil {
+			p.leftover("chains "+chain+" of "+restore+" tables "+strings.Join(tables, ", "), rerr)
+		}
+		return err
+	})
+}
+
+// restoreLine is an iptables-restore line appending rule to chain, with
+// the arguments that hold spaces quoted.
+func restoreLine(chain string, rule []string) string {
+	args := []string{"-A", chain}
+	for _, a := range rule {
+		if strings.ContainsAny(a, " \t") {
+			a = strconv.Quote(a)
+		}
+		args = append(args, a)
+	}
+	return strings.Join(args, " ")
+}
+
+func runRestore(restore, input string) error {
+	cmd := exec.Command(restore, "--noflush", "-w")
+	cmd.Stdin = strings.NewReader(input)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("%s: %w: %s", restore, err, strings.TrimSpace(string(out)))
+	}
+	return nil
+}
+
 // setName is the probe ipset's name: both families' sets share one
 // namespace of names.
 func (p *Probes) setName() string {

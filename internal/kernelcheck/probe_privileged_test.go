@@ -515,3 +515,48 @@ func TestIP6TablesBinary(t *testing.T) {
 		}
 	}
 }
+
+// TestRulesAtOnce: the rules of every check of a family, tried together in
+// a namespace, pass on this kernel and leave nothing behind; one rule with
+// a target no kernel has makes the whole try fail, and still leaves
+// nothing behind.
+func TestRulesAtOnce(t *testing.T) {
+	requirePrivileged(t)
+	ns := testnetns.New(t)
+	p, err := OpenIn(ns.Handle)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	for _, ipv6 := range []bool{false, true} {
+		var rules []TableRule
+		for _, c := range everyCheck() {
+			if c.Rule != nil && c.IPv6 == ipv6 {
+				rules = append(rules, *c.Rule)
+			}
+		}
+		view := Kernel(p)
+		if ipv6 {
+			view = p.IPv6()
+		}
+		if len(rules) < 5 {
+			t.Fatalf("ipv6=%v: only %d rules: %v", ipv6, len(rules), rules)
+		}
+		// A first try makes the tables appear (and loads modules); from
+		// then on a try must leave the namespace exactly as it was.
+		if err := view.IPTablesRules(rules); err != nil {
+			t.Errorf("ipv6=%v: %d rules together: %v", ipv6, len(rules), err)
+		}
+		before := snapshot(t, ns)
+		if err := view.IPTablesRules(rules); err != nil {
+			t.Errorf("ipv6=%v: %d rules together, again: %v", ipv6, len(rules), err)
+		}
+		bogus := append(slices.Clone(rules), TableRule{Table: "mangle", Rule: []string{"-j", "KSTNOSUCHTARGET"}})
+		if err := view.IPTablesRules(bogus); err == nil || !strings.Contains(err.Error(), "at once") {
+			t.Errorf("ipv6=%v: with a target no kernel has: %v, want an error", ipv6, err)
+		}
+		if after := snapshot(t, ns); after != before {
+			t.Errorf("ipv6=%v: the rules tried together changed the namespace:\nbefore:\n%s\nafter:\n%s", ipv6, before, after)
+		}
+	}
+}

@@ -3,6 +3,7 @@ package cluster
 import (
 	"net/netip"
 	"testing"
+	"time"
 )
 
 func TestParseProcNetTCP(t *testing.T) {
@@ -35,5 +36,17 @@ func TestParseProcNetTCP(t *testing.T) {
 	}
 	if _, err := parseProcNetTCP("header\n 0: 0A00:0007 00000000:0000 0A\n"); err == nil {
 		t.Error("a 2-byte address parsed")
+	}
+}
+
+func TestGenerationSwitches(t *testing.T) {
+	log := `2026-11-28T07:12:18.58596526Z stderr F time="2026-11-28T07:12:18Z" level=info msg="starting tunnel router" generations=4
+2026-11-28T07:12:29.36487148Z stderr F time="2026-11-28T07:12:29Z" level=info msg="new flows go to a new generation; established flows keep theirs" from_generation=2 to_generation=3
+2026-11-28T07:12:44.97396444Z stderr F time="2026-11-28T07:12:44Z" level=info msg="older generation unused by any flow; removed" generation=3
+2026-11-28T07:12:53.64795346Z stderr F time="2026-11-28T07:12:53Z" level=info msg="new flows go to a new generation; established flows keep theirs" from_generation=2 to_generation=3`
+	got := generationSwitches(log)
+	want := []time.Time{time.Date(2026, 11, 28, 7, 12, 29, 364871480, time.UTC), time.Date(2026, 11, 28, 7, 12, 53, 647953460, time.UTC)}
+	if len(got) != len(want) || !got[0].Equal(want[0]) || !got[1].Equal(want[1]) {
+		t.Errorf("generationSwitches = %v, want %v", got, want)
 	}
 }
