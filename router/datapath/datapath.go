@@ -353,7 +353,25 @@ func (d *Datapath) RemoveTunnel(vip netip.Addr) error {
 	if err != nil {
 		return err
 	}
-	return d.collectNextHops()
+	if err := d.collectNextHops(); err != nil {
+		return err
+	}
+	return d.removeDeviceIfUnused()
+}
+
+// removeDeviceIfUnused removes the tunnel device (one the router created)
+// once no tunnel IP of the family is wanted or left in the kernel: the
+// router creates it for the first tunnel IP and keeps it only while one
+// needs it.
+func (d *Datapath) removeDeviceIfUnused() error {
+	if len(d.desired) > 0 || len(d.observed) > 0 {
+		return nil
+	}
+	if err := d.device.Remove(); err != nil {
+		return fmt.Errorf("tunnel device: %w", err)
+	}
+	d.greLink = 0
+	return nil
 }
 
 // Resync makes the kernel match the desired tunnels exactly: it ensures the
@@ -453,6 +471,8 @@ func (d *Datapath) Resync(tunnels []Tunnel) error {
 		errs = append(errs, err)
 	}
 	if err := d.collectNextHops(); err != nil {
+		errs = append(errs, err)
+	} else if err := d.removeDeviceIfUnused(); err != nil {
 		errs = append(errs, err)
 	}
 	return errors.Join(errs...)

@@ -158,3 +158,36 @@ func TestResyncNeedsTheDeviceOnlyForTunnels(t *testing.T) {
 		t.Fatalf("resync of a tunnel IP: %v, created %v; want the device created once", err, links.added)
 	}
 }
+
+// TestDeviceGoesWithTheLastTunnelIP: the router's own GRE device is
+// removed with the family's last tunnel IP (by RemoveTunnel, or by a
+// resync that wants none, as at start-up after the last one went while
+// the router was down), and made again for the next one.
+func TestDeviceGoesWithTheLastTunnelIP(t *testing.T) {
+	cfg := testConfig().ForFamily(IPv6)
+	k := seamtest.NewKernel()
+	links := &fakeLinks{links: map[string]netlink.Link{}}
+	dev := &GREDevice{Name: "kst-gre6", Family: IPv6, Links: links}
+	dp := NewDatapath(cfg, k, k, k.Chain(), dev, func(netip.Addr) (int, error) { return 7, nil }, seamtest.QuietLog())
+	one, two := tunnel6(cfg, "2001:db8:2::1", "fd00:10:244:1::5"), tunnel6(cfg, "2001:db8:2::2", "fd00:10:244:1::6")
+	if err := dp.Resync([]Tunnel{one, two}); err != nil {
+		t.Fatal(err)
+	}
+	if err := dp.RemoveTunnel(one.VIP); err != nil || len(links.deleted) != 0 {
+		t.Fatalf("removing one of two tunnel IPs: %v, deleted %v; want the device kept", err, links.deleted)
+	}
+	if err := dp.RemoveTunnel(two.VIP); err != nil || len(links.deleted) != 1 || links.links["kst-gre6"] != nil {
+		t.Fatalf("removing the last tunnel IP: %v, deleted %v; want the device deleted", err, links.deleted)
+	}
+	if err := dp.SetTunnel(one); err != nil || len(links.added) != 2 {
+		t.Fatalf("the next tunnel IP: %v, created %v; want the device created again", err, links.added)
+	}
+	// A new router finds the device and no tunnel IP wanted.
+	dp = NewDatapath(cfg, k, k, k.Chain(), dev, func(netip.Addr) (int, error) { return 7, nil }, seamtest.QuietLog())
+	if err := dp.Resync([]Tunnel{one}); err != nil {
+		t.Fatal(err)
+	}
+	if err := dp.Resync(nil); err != nil || links.links["kst-gre6"] != nil {
+		t.Fatalf("a resync wanting no tunnel IP: %v, links %v; want the device deleted", err, links.links)
+	}
+}

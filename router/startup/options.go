@@ -88,7 +88,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 		return err
 	})
 	fs.StringVar(&o.GREDevice, "gre-device", o.GREDevice, "name of the flow-based GRE device (gre mode)")
-	fs.BoolVar(&o.CreateDevice, "gre-device-create", true, "create the flow-based GRE device; false uses an existing device of that name, which the router never changes or deletes")
+	fs.BoolVar(&o.CreateDevice, "gre-device-create", true, "create the flow-based GRE device (with its family's first tunnel IP; deleted with the last); false uses an existing device of that name, which the router never changes or deletes")
 	fs.StringVar(&o.Chain, "chain", o.Chain, "iptables chain in the mangle table holding the HMARK rules; also the name of its ipsets")
 	fs.BoolVar(&o.IPv6, "ipv6", true, "serve IPv6 tunnel IPs as well: ip6tables chain --chain6, IPv6 rules and routes and, in gre mode, the flow-based ip6gre device --gre6-device; false serves IPv4 tunnel IPs only (for nodes without IPv6)")
 	fs.StringVar(&o.Chain6, "chain6", o.Chain6, "ip6tables chain in the mangle table holding the IPv6 HMARK rules; also the name of its ipsets, so it must differ from --chain")
