@@ -1152,8 +1152,7 @@ func (c *cluster) uninstall(t *testing.T, before map[string]kstate.State) {
 	}
 	// The kubelet may tear a pod's sandbox (its veth) down after the pod's
 	// object is gone: the nodes' state is compared until it is as before,
-	// for a minute at most. (Deleting the example's pods with no grace
-	// period left the namespace 30 s sooner, and the veths 31 s longer.)
+	// for a minute at most.
 	var diffs []string
 	start := time.Now()
 	for {
