@@ -260,14 +260,7 @@ func Run(k Kernel, checks []Check) error {
 // with one IPTablesRules and returns the indexes of the checks it passed:
 // all of them, or none.
 func passedTogether(k Kernel, checks []Check, ipv6 bool) []int {
-	var indexes []int
-	var rules []TableRule
-	for i, c := range checks {
-		if c.Rule != nil && c.IPv6 == ipv6 {
-			indexes = append(indexes, i)
-			rules = append(rules, *c.Rule)
-		}
-	}
+	indexes, rules := familyRules(checks, ipv6)
 	if len(rules) < 2 {
 		return nil
 	}
@@ -279,6 +272,18 @@ func passedTogether(k Kernel, checks []Check, ipv6 bool) []int {
 		return nil
 	}
 	return indexes
+}
+
+// familyRules returns the checks of the family (IPv6 or IPv4) that have an
+// iptables rule: their indexes and their rules.
+func familyRules(checks []Check, ipv6 bool) (indexes []int, rules []TableRule) {
+	for i, c := range checks {
+		if c.Rule != nil && c.IPv6 == ipv6 {
+			indexes = append(indexes, i)
+			rules = append(rules, *c.Rule)
+		}
+	}
+	return indexes, rules
 }
 
 // Missing returns the missing features in an error of Run's.

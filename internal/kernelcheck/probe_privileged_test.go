@@ -410,17 +410,25 @@ func TestHelperProbesWithoutSysAdmin(t *testing.T) {
 	}
 }
 
-// TestNextHopProbeInPlace runs gre mode's nexthop probe (everyCheck keeps
-// mpls mode's) in place: this host has nexthop objects and encap ip, and
-// the probe leaves the namespace as it found it.
-func TestNextHopProbeInPlace(t *testing.T) {
+// probesInPlace opens probes in place in a namespace of the test's own,
+// closed when the test ends.
+func probesInPlace(t *testing.T) (*Probes, *testnetns.NS) {
+	t.Helper()
 	requirePrivileged(t)
 	ns := testnetns.New(t)
 	p, err := OpenIn(ns.Handle)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer p.Close()
+	t.Cleanup(func() { p.Close() })
+	return p, ns
+}
+
+// TestNextHopProbeInPlace runs gre mode's nexthop probe (everyCheck keeps
+// mpls mode's) in place: this host has nexthop objects and encap ip, and
+// the probe leaves the namespace as it found it.
+func TestNextHopProbeInPlace(t *testing.T) {
+	p, ns := probesInPlace(t)
 	before := snapshot(t, ns)
 	if err := p.EncapIPNextHop(); err != nil {
 		t.Errorf("EncapIPNextHop: %v (the kernel has had nexthop objects since 5.3)", err)
@@ -436,13 +444,7 @@ func TestNextHopProbeInPlace(t *testing.T) {
 // TestNextHopProbeInPlaceIPv6 is TestNextHopProbeInPlace for an IPv6 nexthop
 // object with encap ip6 and an IPv6 route through it.
 func TestNextHopProbeInPlaceIPv6(t *testing.T) {
-	requirePrivileged(t)
-	ns := testnetns.New(t)
-	p, err := OpenIn(ns.Handle)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
+	p, ns := probesInPlace(t)
 	before := snapshot(t, ns)
 	if err := p.IPv6().EncapIPNextHop(); err != nil {
 		t.Errorf("IPv6 EncapIPNextHop: %v (the kernel has had IPv6 nexthop objects since 5.3)", err)
@@ -521,20 +523,9 @@ func TestIP6TablesBinary(t *testing.T) {
 // a target no kernel has makes the whole try fail, and still leaves
 // nothing behind.
 func TestRulesAtOnce(t *testing.T) {
-	requirePrivileged(t)
-	ns := testnetns.New(t)
-	p, err := OpenIn(ns.Handle)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
+	p, ns := probesInPlace(t)
 	for _, ipv6 := range []bool{false, true} {
-		var rules []TableRule
-		for _, c := range everyCheck() {
-			if c.Rule != nil && c.IPv6 == ipv6 {
-				rules = append(rules, *c.Rule)
-			}
-		}
+		_, rules := familyRules(everyCheck(), ipv6)
 		view := Kernel(p)
 		if ipv6 {
 			view = p.IPv6()

@@ -1139,8 +1139,8 @@ func (c *cluster) uninstall(t *testing.T, before map[string]kstate.State) {
 	for _, ns := range []string{daemonNamespace, exampleNamespace} {
 		c.waitFor(t, "namespace "+ns+" gone", 3*time.Minute, func() (bool, error) {
 			var pods []corev1.Pod
-			for _, ns := range []string{daemonNamespace, exampleNamespace} {
-				if l, err := c.kube.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{}); err == nil {
+			for _, podNS := range []string{daemonNamespace, exampleNamespace} {
+				if l, err := c.kube.CoreV1().Pods(podNS).List(ctx, metav1.ListOptions{}); err == nil {
 					pods = append(pods, l.Items...)
 				}
 			}
