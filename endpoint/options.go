@@ -21,7 +21,8 @@ type Options struct {
 	RuntimeEndpoint string
 	// Cleanup removes everything the agent created on this node and exits.
 	Cleanup bool
-	// WaitAfterCleanup makes a successful Cleanup wait for SIGTERM.
+	// WaitAfterCleanup makes a successful Cleanup answer /readyz and wait
+	// for SIGTERM.
 	WaitAfterCleanup bool
 	// IPTablesBackend writes the network policy rules (auto, nft, legacy
 	// or system).
@@ -75,7 +76,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	daemon.AddProcSysFlag(fs, &o.ProcSys)
 	fs.StringVar(&o.MetricsAddress, "metrics-address", DefaultMetricsAddress, "address serving /metrics, /healthz and /readyz; empty disables")
 	fs.BoolVar(&o.Cleanup, "cleanup", false, "remove everything the agent created in this node's pods and namespace, then exit")
-	fs.BoolVar(&o.WaitAfterCleanup, "wait-after-cleanup", false, "with --cleanup: once done, wait for SIGTERM instead of exiting (the uninstall DaemonSet's pods stay Ready once their node is clean)")
+	fs.BoolVar(&o.WaitAfterCleanup, "wait-after-cleanup", false, daemon.WaitAfterCleanupHelp)
 }
 
 // Parse parses args, applies the KST_* environment fallbacks and validates.

@@ -41,9 +41,7 @@ func Main(args []string) error {
 		if err := Cleanup(o.Config, tables, nodeNS, entry); err != nil || !o.WaitAfterCleanup {
 			return err
 		}
-		entry.Info("node clean: waiting for SIGTERM (--wait-after-cleanup)")
-		<-ctx.Done()
-		return nil
+		return daemon.WaitAfterCleanup(ctx, o.MetricsAddress, entry)
 	}
 	// Before any kernel state is touched; cleanup must work on any kernel.
 	if err := kernelcheck.Verify(kernelcheck.Endpoint(o.Mode, o.NetworkPolicy), entry, kernelcheck.WithProcSys(o.ProcSys), kernelcheck.WithIPTables(tables.Binary)); err != nil {

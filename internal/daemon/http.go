@@ -68,3 +68,22 @@ func Serve(ctx context.Context, addr string, reg *prometheus.Registry, stream Te
 	log.WithField("address", ln.Addr().String()).Info("serving /metrics, /healthz and /readyz")
 	return ln.Addr(), nil
 }
+
+// WaitAfterCleanup is --wait-after-cleanup once --cleanup succeeded: the
+// process stays until ctx ends (SIGTERM), answering /readyz and /healthz
+// with 200 on addr (nowhere when empty), so that the uninstall DaemonSet's
+// readiness probe sees the node clean. A port already in use is an error:
+// a daemon still running there must not answer for the cleanup.
+func WaitAfterCleanup(ctx context.Context, addr string, log logrus.FieldLogger) error {
+	if addr != "" {
+		if _, err := Serve(ctx, addr, NewRegistry(), nil, func() bool { return true }, func() error { return nil }, log); err != nil {
+			return err
+		}
+	}
+	log.Info("node clean: waiting for SIGTERM (--wait-after-cleanup)")
+	<-ctx.Done()
+	return nil
+}
+
+// WaitAfterCleanupHelp is both daemons' --wait-after-cleanup usage.
+const WaitAfterCleanupHelp = "with --cleanup: once done, answer /readyz with 200 on --metrics-address and wait for SIGTERM instead of exiting (the uninstall DaemonSet's pods turn Ready once their node is clean)"

@@ -24,6 +24,9 @@ type Options struct {
 	NodeName string
 	// Cleanup removes everything the router owns and exits.
 	Cleanup bool
+	// WaitAfterCleanup makes a successful Cleanup answer /readyz and wait
+	// for SIGTERM.
+	WaitAfterCleanup bool
 	// CreateDevice makes the router create (and own) its GRE device; when
 	// false it uses an existing device of that name.
 	CreateDevice bool
@@ -108,6 +111,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 		return err
 	})
 	fs.BoolVar(&o.Cleanup, "cleanup", false, "remove every rule, route, chain and device the router owns, then exit")
+	fs.BoolVar(&o.WaitAfterCleanup, "wait-after-cleanup", false, daemon.WaitAfterCleanupHelp)
 }
 
 // Parse parses args, applies the KST_* environment fallbacks and validates.

@@ -98,6 +98,9 @@ func Main(args []string) error {
 			return fmt.Errorf("cleanup: %w", err)
 		}
 		entry.Info("removed everything the router owned")
+		if o.WaitAfterCleanup {
+			return daemon.WaitAfterCleanup(ctx, o.MetricsAddress, entry)
+		}
 		return nil
 	}
 	first, last := o.NextHopIDs()
