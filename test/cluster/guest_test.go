@@ -46,10 +46,14 @@ const (
 )
 
 var (
-	tunnelIP  = netip.MustParseAddr("192.0.2.10")
-	service   = netip.AddrPortFrom(tunnelIP, 7)
-	clientIP  = netip.MustParseAddr(clientAddr)
-	streamOpt = workload.StreamOptions{Greeted: true, ChunkSize: 64, Interval: 250 * time.Millisecond, DialTimeout: 10 * time.Second}
+	tunnelIP = netip.MustParseAddr("192.0.2.10")
+	service  = netip.AddrPortFrom(tunnelIP, 7)
+	clientIP = netip.MustParseAddr(clientAddr)
+	// A chunk a second per flow: a moved or reset flow still fails at its
+	// next chunk, and the lab's two emulated machines do not spend their
+	// CPU on 120 flows' packets (at 4 chunks a second, the test program
+	// was the lab-router's largest user of CPU).
+	streamOpt = workload.StreamOptions{Greeted: true, ChunkSize: 64, Interval: time.Second, DialTimeout: 10 * time.Second}
 )
 
 // cluster is TestInCluster's view: the API server as admin, the client's
@@ -94,6 +98,14 @@ func TestInCluster(t *testing.T) {
 	}
 	c := connect(t)
 	defer c.stopHelper()
+	// Where the two emulated machines' CPU went (the labs are CPU-bound).
+	defer func() {
+		worker, err := c.helperGet("/cpu")
+		if err != nil {
+			worker = []byte(err.Error())
+		}
+		t.Logf("CPU time in lab-router:\n%s\nCPU time in lab-worker:\n%s", cpuByProcess(15), worker)
+	}()
 	start := time.Now()
 	c.waitFor(t, "both Nodes Ready", 5*time.Minute, func() (bool, error) {
 		nodes, err := c.kube.CoreV1().Nodes().List(context.Background(), metav1.ListOptions{})
@@ -356,9 +368,13 @@ func grepLine(s, sub string) string {
 
 // waitDaemonSet waits until DaemonSet name has want pods, all updated and
 // Ready.
-func (c *cluster) waitDaemonSet(t *testing.T, name string, want int32) {
+// waitDaemonSet waits until want pods of DaemonSet name are Ready and up
+// to date; it returns its pods' states meanwhile.
+func (c *cluster) waitDaemonSet(t *testing.T, name string, want int32) *podWatch {
 	t.Helper()
+	w := newPodWatch()
 	c.waitFor(t, name+" Ready", 5*time.Minute, func() (bool, error) {
+		w.update(c.daemonPods(t, name))
 		ds, err := c.kube.AppsV1().DaemonSets(daemonNamespace).Get(context.Background(), name, metav1.GetOptions{})
 		if err != nil {
 			return false, err
@@ -367,6 +383,7 @@ func (c *cluster) waitDaemonSet(t *testing.T, name string, want int32) {
 		return s.ObservedGeneration == ds.Generation && s.DesiredNumberScheduled == want &&
 			s.UpdatedNumberScheduled == want && s.NumberReady == want && s.NumberUnavailable == 0, nil
 	})
+	return w
 }
 
 func (c *cluster) daemonPods(t *testing.T, name string) []corev1.Pod {
@@ -392,6 +409,13 @@ func podNodes(pods []corev1.Pod) []string {
 func (c *cluster) deployExample(t *testing.T) {
 	ctx := context.Background()
 	example := vmFile(t, exampleFile)
+	// The previous mode's uninstall deleted the namespace; its pods are
+	// gone, the namespace controller may not be done yet.
+	if waited := c.waitFor(t, "namespace "+exampleNamespace+" gone", 3*time.Minute, func() (bool, error) {
+		return c.namespaceGone(t, exampleNamespace), nil
+	}); waited > time.Second {
+		t.Logf("namespace %s gone after %v more", exampleNamespace, waited.Round(100*time.Millisecond))
+	}
 	applied := time.Now()
 	if err := kubeenv.Apply(ctx, c.cfg, example, false); err != nil {
 		t.Fatal(err)
@@ -685,6 +709,15 @@ func (w *podWatch) update(pods []corev1.Pod) {
 			state = "ready"
 		case p.Status.Phase == corev1.PodRunning:
 			state = "running"
+			if n := len(p.Status.ContainerStatuses); n > 1 {
+				ready := 0
+				for _, cs := range p.Status.ContainerStatuses {
+					if cs.Ready {
+						ready++
+					}
+				}
+				state += fmt.Sprintf(", %d of %d containers ready", ready, n)
+			}
 		}
 		w.note(p.Name, state)
 	}
@@ -1109,9 +1142,10 @@ func (c *cluster) uninstall(t *testing.T, before map[string]kstate.State) {
 	if err := kubeenv.Apply(ctx, c.cfg, uninstall, false); err != nil {
 		t.Fatal(err)
 	}
-	c.waitDaemonSet(t, "tunnel-uninstall", 2)
+	uninstalling := c.waitDaemonSet(t, "tunnel-uninstall", 2)
 	c.patchNode(t, `{"metadata":{"labels":{"node":null}}}`)
-	t.Logf("kubectl apply -f tunnel-uninstall.yaml to Ready on both nodes: %v", time.Since(applied).Round(100*time.Millisecond))
+	t.Logf("kubectl apply -f tunnel-uninstall.yaml to Ready on both nodes: %v; its pods' states:\n%s",
+		time.Since(applied).Round(100*time.Millisecond), strings.Join(uninstalling.timeline, "\n"))
 	manifest := vmFile(t, manifestFile)
 	for _, m := range [][]byte{uninstall, manifest} {
 		if err := kubeenv.Delete(ctx, c.cfg, m); err != nil {
@@ -1136,8 +1170,21 @@ func (c *cluster) uninstall(t *testing.T, before map[string]kstate.State) {
 	deleted := time.Now()
 	w := newPodWatch()
 	defer func() { t.Logf("the pods' states since the deletion:\n%s", strings.Join(w.timeline, "\n")) }()
-	for _, ns := range []string{daemonNamespace, exampleNamespace} {
-		c.waitFor(t, "namespace "+ns+" gone", 3*time.Minute, func() (bool, error) {
+	// The daemons' namespace must be gone before the next install; the
+	// example's is awaited by the next deployExample (the namespace
+	// controller may take seconds more after its last pod), and here only
+	// its pods, whose sandboxes are kernel state.
+	for _, wait := range []struct {
+		what string
+		done func() bool
+	}{
+		{"namespace " + daemonNamespace + " gone", func() bool { return c.namespaceGone(t, daemonNamespace) }},
+		{"every pod of namespace " + exampleNamespace + " gone", func() bool {
+			l, err := c.kube.CoreV1().Pods(exampleNamespace).List(ctx, metav1.ListOptions{})
+			return err == nil && len(l.Items) == 0
+		}},
+	} {
+		c.waitFor(t, wait.what, 3*time.Minute, func() (bool, error) {
 			var pods []corev1.Pod
 			for _, podNS := range []string{daemonNamespace, exampleNamespace} {
 				if l, err := c.kube.CoreV1().Pods(podNS).List(ctx, metav1.ListOptions{}); err == nil {
@@ -1145,10 +1192,9 @@ func (c *cluster) uninstall(t *testing.T, before map[string]kstate.State) {
 				}
 			}
 			w.update(pods)
-			_, err := c.kube.CoreV1().Namespaces().Get(ctx, ns, metav1.GetOptions{})
-			return apierrors.IsNotFound(err), nil
+			return wait.done(), nil
 		})
-		t.Logf("the manifests and the example deleted to namespace %s gone: %v", ns, time.Since(deleted).Round(100*time.Millisecond))
+		t.Logf("the manifests and the example deleted to %s: %v", wait.what, time.Since(deleted).Round(100*time.Millisecond))
 	}
 	// The kubelet may tear a pod's sandbox (its veth) down after the pod's
 	// object is gone: the nodes' state is compared until it is as before,
@@ -1172,6 +1218,15 @@ func (c *cluster) uninstall(t *testing.T, before map[string]kstate.State) {
 		t.Error(d)
 	}
 	t.Logf("both nodes' kernel state as before the install %v after the namespaces were gone", time.Since(start).Round(100*time.Millisecond))
+}
+
+// namespaceGone reports whether namespace ns no longer exists.
+func (c *cluster) namespaceGone(t *testing.T, ns string) bool {
+	_, err := c.kube.CoreV1().Namespaces().Get(context.Background(), ns, metav1.GetOptions{})
+	if err != nil && !apierrors.IsNotFound(err) {
+		t.Logf("namespace %s: %v", ns, err)
+	}
+	return apierrors.IsNotFound(err)
 }
 
 // withoutCNIBridge drops the lines naming cni0, which the bridge plugin

@@ -35,6 +35,7 @@ import (
 //	GET  /sockets  every pod's TCP sockets (podSockets), JSON
 //	GET  /podlogs  ?namespace=NS&pod=NAME: the pod's containers' logs, text
 //	GET  /debug    routes, MPLS routes, links, addresses and the tails of the pods' logs, text
+//	GET  /cpu      the VM's CPU time, in all and by process name, text
 //	POST /stop     ends the helper
 func TestNodeHelper(t *testing.T) {
 	if os.Getenv(roleEnv) != "worker" {
@@ -76,6 +77,9 @@ func TestNodeHelper(t *testing.T) {
 		fmt.Fprintf(w, "== %s\n%s", knpLog, out)
 		out, _ = exec.CommandContext(r.Context(), "sh", "-c", "ps | grep -v grep | grep kube-network; ls -la /var/run/secrets/kubernetes.io/serviceaccount/; cat /proc/net/netfilter/nfnetlink_queue").CombinedOutput()
 		fmt.Fprintf(w, "== processes, token, queues\n%s", out)
+	})
+	mux.HandleFunc("GET /cpu", func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.WriteString(w, cpuByProcess(15))
 	})
 	mux.HandleFunc("POST /stop", func(w http.ResponseWriter, r *http.Request) {
 		close(stop)

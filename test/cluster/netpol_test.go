@@ -170,10 +170,14 @@ func (c *cluster) engineDrops(t *testing.T) int {
 	return total
 }
 
-// startStreamOrFail opens one greeted echo stream from the client.
+// startStreamOrFail opens one greeted echo stream from the client, which
+// sends four times as often as the many flows of the other steps, so that
+// its progress shows within a second or two.
 func startStreamOrFail(t *testing.T, c *cluster) *workload.Stream {
 	t.Helper()
-	s, err := workload.StartStream(c.client, service, c.clientPort(), streamOpt)
+	opts := streamOpt
+	opts.Interval = 250 * time.Millisecond
+	s, err := workload.StartStream(c.client, service, c.clientPort(), opts)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -5,7 +5,7 @@
 // The flow is: Require (or PrepareAssets) finds the kernel and its modules
 // prepared by test/tools/lab-assets.sh; BuildInitramfs packs busybox,
 // iproute2, iptables, the modules and the caller's files (static Go binaries,
-// a /lab/run.sh script) into a gzip cpio; Boot runs qemu on it, returns what
+// a /lab/run.sh script) into an uncompressed cpio; Boot runs qemu on it, returns what
 // the VM printed on its serial console and the exit code of /lab/run.sh.
 //
 // Nothing leaves the VM except, when asked for, TCP connections from the guest

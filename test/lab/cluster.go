@@ -109,7 +109,7 @@ func RunCluster(ctx context.Context, opts ClusterOptions) (output string, exitCo
 		return "", -1, fmt.Errorf("lab: API server port: %w", err)
 	}
 	script := guestScript(EnvAPIAddr+"="+apiAddr, opts.Args)
-	ir, err := BuildInitramfs(InitramfsOptions{Assets: opts.Assets, Output: filepath.Join(dir, "initrd.gz"), Script: script, Files: files, HostBinaries: ClusterHostBinaries})
+	ir, err := BuildInitramfs(InitramfsOptions{Assets: opts.Assets, Output: filepath.Join(dir, "initrd.cpio"), Script: script, Files: files, HostBinaries: ClusterHostBinaries})
 	if err != nil {
 		return "", -1, err
 	}
@@ -290,7 +290,7 @@ func RunGuestKernelTests(t *testing.T, pkg, run string, timeout time.Duration, c
 	}
 	defer logFile.Close()
 	script := guestScript("", []string{"-test.run", run, "-test.v", "-test.count=1", "-test.timeout", timeout.String()})
-	ir, err := BuildInitramfs(InitramfsOptions{Assets: assets, Output: filepath.Join(dir, "initrd.gz"), Script: script,
+	ir, err := BuildInitramfs(InitramfsOptions{Assets: assets, Output: filepath.Join(dir, "initrd.cpio"), Script: script,
 		Files: map[string]string{GuestProgram: bin}})
 	if err != nil {
 		t.Fatal(err)

@@ -27,7 +27,7 @@ cd /tmp
 /lab/endpoint.test -test.run '^(` + strings.Join(kernelTests, "|") + `)$' -test.v -test.count=1
 echo "endpoint tests rc=$?"
 `
-	ir, err := BuildInitramfs(InitramfsOptions{Assets: assets, Output: filepath.Join(dir, "initrd.gz"), Script: script,
+	ir, err := BuildInitramfs(InitramfsOptions{Assets: assets, Output: filepath.Join(dir, "initrd.cpio"), Script: script,
 		Files: map[string]string{"/lab/endpoint.test": bin}})
 	if err != nil {
 		t.Fatal(err)

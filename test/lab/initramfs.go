@@ -3,7 +3,6 @@ package lab
 import (
 	"bufio"
 	"bytes"
-	"compress/gzip"
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
@@ -60,7 +59,7 @@ type InitramfsOptions struct {
 	// Assets give the kernel version and modules (from Require or
 	// PrepareAssets).
 	Assets Assets
-	// Output is the path of the gzip cpio archive to write.
+	// Output is the path of the cpio archive to write.
 	Output string
 	// Modules are the kernel modules /init loads, with their dependencies;
 	// nil means DefaultModules.
@@ -80,7 +79,7 @@ type InitramfsOptions struct {
 
 // Initramfs is an archive written by BuildInitramfs.
 type Initramfs struct {
-	// Path is the gzip cpio archive, given to qemu as -initrd.
+	// Path is the cpio archive, given to qemu as -initrd.
 	Path string
 	// Size is its size in bytes.
 	Size int64
@@ -103,7 +102,7 @@ type Module struct {
 	Requested bool
 }
 
-// BuildInitramfs writes a gzip cpio archive holding a static busybox (its
+// BuildInitramfs writes an uncompressed cpio archive holding a static busybox (its
 // applets in /bin, /sbin, /usr/bin, /usr/sbin), iproute2's /sbin/ip, the
 // iptables binaries (nft and legacy) with their extensions, the shared
 // libraries those need, the kernel modules, the caller's files and an /init.
@@ -174,7 +173,7 @@ func BuildInitramfs(opts InitramfsOptions) (Initramfs, error) {
 	}
 	tree.addData("init", 0o755, init.Bytes())
 
-	size, err := writeGzipCPIO(tree, opts.Output)
+	size, err := writeCPIO(tree, opts.Output)
 	if err != nil {
 		return Initramfs{}, err
 	}
@@ -182,22 +181,18 @@ func BuildInitramfs(opts InitramfsOptions) (Initramfs, error) {
 	return ir, nil
 }
 
-// writeGzipCPIO writes the tree to path and returns the archive's size.
-func writeGzipCPIO(tree fsTree, path string) (int64, error) {
+// writeCPIO writes the tree to path, uncompressed, and returns the
+// archive's size. Not gzip: under TCG the guest's kernel inflated a lab
+// cluster node's 160 MB archive for seconds of every boot, and copying the
+// larger plain archive costs the host and qemu next to nothing.
+func writeCPIO(tree fsTree, path string) (int64, error) {
 	f, err := os.Create(path)
 	if err != nil {
 		return 0, fmt.Errorf("lab: creating initramfs: %w", err)
 	}
 	defer f.Close()
 	bw := bufio.NewWriterSize(f, 1<<20)
-	zw, err := gzip.NewWriterLevel(bw, gzip.BestSpeed)
-	if err != nil {
-		return 0, fmt.Errorf("lab: gzip: %w", err)
-	}
-	if err := tree.writeCPIO(zw); err != nil {
-		return 0, fmt.Errorf("lab: writing %s: %w", path, err)
-	}
-	if err := zw.Close(); err != nil {
+	if err := tree.writeCPIO(bw); err != nil {
 		return 0, fmt.Errorf("lab: writing %s: %w", path, err)
 	}
 	if err := bw.Flush(); err != nil {

@@ -107,7 +107,7 @@ containerRuntimeEndpoint: unix:///run/containerd/containerd.sock
 
 // KubeletScript starts containerd, imports the sandbox image, starts the
 // kubelet in the background (it registers the node meanwhile) and imports
-// the other images; it prints "T NAME SECONDS" lines (seconds since the
+// the other images, all at once; it prints "T NAME SECONDS" lines (seconds since the
 // VM's boot) for the figures. Source it from /lab/run.sh: what follows it
 // runs once every image is there.
 //
@@ -125,12 +125,21 @@ echo 0123456789abcdef0123456789abcdef > /etc/machine-id
 containerd --config /lab/kubelet/containerd.toml > /tmp/containerd.log 2>&1 &
 until ctr version >/dev/null 2>&1; do sleep 0.2; done
 echo "T containerd-up $(up)"
-import_image() { ctr -n k8s.io images import --snapshotter overlayfs "$1" >/dev/null || echo "FAIL import $1"; }
+import_image() {
+	ctr -n k8s.io images import --snapshotter overlayfs "$1" >/dev/null || echo "FAIL import $1"
+	echo "T imported-$(basename "$1" .tar) $(up)"
+}
 import_image /lab/kubelet/images/sandbox.tar
 /usr/local/bin/kubelet --config /lab/kubelet/kubelet.yaml --kubeconfig /lab/kubelet/kubeconfig \
 	--hostname-override "$(cat /lab/kubelet/node-name)" --node-ip "$(cat /lab/kubelet/node-ip)" --v=1 > /tmp/kubelet.log 2>&1 &
 echo "T kubelet-started $(up)"
-for a in /lab/kubelet/images/*.tar; do [ "$a" = /lab/kubelet/images/sandbox.tar ] || import_image "$a"; done
+imports=""
+for a in /lab/kubelet/images/*.tar; do
+	[ "$a" = /lab/kubelet/images/sandbox.tar ] && continue
+	import_image "$a" &
+	imports="$imports $!"
+done
+wait $imports
 echo "T images-imported $(up)"
 `
 

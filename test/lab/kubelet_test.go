@@ -46,7 +46,7 @@ echo ==== kubelet errors; grep '^E' /tmp/kubelet.log | tail -n 20
 `
 	forward := env.Port()
 	ir, err := BuildInitramfs(InitramfsOptions{
-		Assets: assets, Output: filepath.Join(dir, "initrd.gz"), Script: script, Files: files,
+		Assets: assets, Output: filepath.Join(dir, "initrd.cpio"), Script: script, Files: files,
 		HostBinaries: KubeletHostBinaries, Modules: KubeletModules,
 	})
 	if err != nil {

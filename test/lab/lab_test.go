@@ -109,7 +109,7 @@ func TestLabSmoke(t *testing.T) {
 	start = time.Now()
 	ir, err := BuildInitramfs(InitramfsOptions{
 		Assets: assets,
-		Output: filepath.Join(dir, "initrd.gz"),
+		Output: filepath.Join(dir, "initrd.cpio"),
 		Script: smokeScript,
 		Files:  map[string]string{"/lab/hello": hello, "/lab/port": portFile},
 	})
@@ -187,7 +187,7 @@ func TestBootTimeout(t *testing.T) {
 	assets := Require(t)
 	ir, err := BuildInitramfs(InitramfsOptions{
 		Assets:  assets,
-		Output:  filepath.Join(t.TempDir(), "initrd.gz"),
+		Output:  filepath.Join(t.TempDir(), "initrd.cpio"),
 		Modules: []string{},
 		Script:  "sleep 600\n",
 	})

@@ -111,7 +111,7 @@ func bootTime() (time.Duration, error) {
 		return 0, err
 	}
 	defer os.RemoveAll(dir)
-	ir, err := lab.BuildInitramfs(lab.InitramfsOptions{Assets: assets, Output: filepath.Join(dir, "initrd.gz"), Script: "#!/bin/sh\nexit 0\n"})
+	ir, err := lab.BuildInitramfs(lab.InitramfsOptions{Assets: assets, Output: filepath.Join(dir, "initrd.cpio"), Script: "#!/bin/sh\nexit 0\n"})
 	if err != nil {
 		return 0, err
 	}
