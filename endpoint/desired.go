@@ -141,7 +141,9 @@ func family(ipv6 bool) string {
 // ready/serving/terminating conditions: the routers decide who gets new
 // flows, and a pod that is not ready or is draining must still accept the
 // flows it already has. Of several Services claiming one tunnel IP, only
-// the winner (tunnelclaim.Decide) counts, as on the routers; a Service
+// the winner (tunnelclaim.Decide) counts, as on the routers; only pods of
+// the Service's own namespace are served (a slice naming another
+// namespace's pod, by targetRef or by address, is a problem); a Service
 // whose tunnel IP the address pools refuse (Pools.Admit, given the
 // cluster's known networks) claims nothing and is listed in refused.
 // Entries that cannot be used are skipped and described in problems, one
@@ -217,6 +219,13 @@ func desiredOf(node string, winnerOf map[netip.Addr]*corev1.Service, endpointSli
 				if ep.NodeName != "" {
 					problems = append(problems, fmt.Sprintf("%s: endpoints[%d] (%v) names node %s but no running pod of this node matches its targetRef or address", name, i, addr, node))
 				}
+				continue
+			}
+			if pod.Namespace != es.Namespace {
+				// The CVE-2021-25740 class: a selector-less Service and a
+				// hand-written slice must not put a tunnel IP into a pod
+				// its author could not otherwise reach.
+				problems = append(problems, fmt.Sprintf("%s: endpoints[%d] (%v) is pod %s/%s of another namespace: a tunnel IP is carried only to pods of its Service's namespace %s; skipped", name, i, addr, pod.Namespace, pod.Name, es.Namespace))
 				continue
 			}
 			podIP := runtimePod(pod).Addr(ipv6)

@@ -147,6 +147,24 @@ func TestDesired(t *testing.T) {
 			problem:  "EndpointSlice a/web-x: endpoints[0].addresses[0] 10.1.0.99 is not the IPv4 address 10.1.0.11 of pod a/web-1 in status.podIPs",
 		},
 		{
+			name:     "another namespace's pod named by targetRef is refused (CVE-2021-25740 class)",
+			services: []*corev1.Service{tunnelService("a", "web", "192.0.2.10", 0)},
+			slices: []*discoveryv1.EndpointSlice{func() *discoveryv1.EndpointSlice {
+				es := slice("a", "web", ep{"10.1.0.21", node, "db-1", true}, ep{"10.1.0.11", node, "web-1", true})
+				es.Endpoints[0].TargetRef.Namespace = "b"
+				return es
+			}()},
+			want:    "a/web-1=192.0.2.10",
+			problem: "EndpointSlice a/web-x: endpoints[0] (10.1.0.21) is pod b/db-1 of another namespace: a tunnel IP is carried only to pods of its Service's namespace a; skipped",
+		},
+		{
+			name:     "another namespace's pod named by its address alone is refused",
+			services: []*corev1.Service{tunnelService("a", "web", "192.0.2.10", 0)},
+			slices:   []*discoveryv1.EndpointSlice{slice("a", "web", ep{"10.1.0.21", node, "", true})},
+			want:     "",
+			problem:  "endpoints[0] (10.1.0.21) is pod b/db-1 of another namespace",
+		},
+		{
 			name:     "host-network pod is never entered",
 			services: []*corev1.Service{tunnelService("a", "web", "192.0.2.10", 0)},
 			slices:   []*discoveryv1.EndpointSlice{slice("a", "web", ep{"192.0.2.99", node, "hostnet", true})},

@@ -6,6 +6,7 @@ import (
 	"hash/maphash"
 	"net/netip"
 	"slices"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -44,6 +45,7 @@ const (
 	ReasonNoReadyEndpoints = "NoReadyEndpoints"
 	ReasonIdleEndpoints    = "MoreEndpointsThanBuckets"
 	ReasonProgramFailed    = "TunnelProgramFailed"
+	ReasonForeignEndpoint  = "ForeignEndpoint"
 )
 
 // Queue items that are not one Service.
@@ -901,8 +903,17 @@ func (c *Controller) tunnelFor(vip netip.Addr) (t datapath.Tunnel, winner *corev
 	if c.cfg.Mode == encap.MPLS {
 		eps, problems = c.withNodeIPs(eps, problems)
 	}
+	var foreign []string
 	for _, p := range problems {
 		c.log.WithFields(logrus.Fields{"service": key, "vip": vip}).Warn(p)
+		if msg, ok := strings.CutPrefix(p, ForeignEndpointPrefix); ok {
+			foreign = append(foreign, msg)
+		}
+	}
+	if len(foreign) > 0 {
+		// One event per Service and tunnel IP holds its state (report):
+		// the endpoints left out join the Service's last notice.
+		defer func() { notices = withForeignEndpoints(notices, svc, foreign) }()
 	}
 	if len(eps) == 0 {
 		msg := fmt.Sprintf("tunnel IP %v has no ready endpoint; its traffic is dropped", vip)
@@ -935,6 +946,23 @@ func (c *Controller) tunnelFor(vip netip.Addr) (t datapath.Tunnel, winner *corev
 	}
 	notices = append(notices, notice{svc, vip, corev1.EventTypeNormal, ReasonProgrammed, msg})
 	return t, svc, notices
+}
+
+// withForeignEndpoints adds the endpoints left out for naming another
+// namespace's pod to svc's last notice, which turns a Warning of reason
+// ReasonForeignEndpoint if it was Normal.
+func withForeignEndpoints(notices []notice, svc *corev1.Service, foreign []string) []notice {
+	for i := len(notices) - 1; i >= 0; i-- {
+		if notices[i].svc != svc {
+			continue
+		}
+		if notices[i].eventType == corev1.EventTypeNormal {
+			notices[i].eventType, notices[i].reason = corev1.EventTypeWarning, ReasonForeignEndpoint
+		}
+		notices[i].message += "; " + strings.Join(foreign, "; ")
+		break
+	}
+	return notices
 }
 
 // NewTunnel is the desired state of tunnel IP vip with endpoints eps (ready

@@ -25,7 +25,8 @@ const DrainAnnotation = "cmd.nu/tunnel-drain"
 // consumers should treat unset as ready). It is draining when it is serving
 // but not ready (terminating), or when drained(pod) says its Pod is marked
 // with DrainAnnotation; drained may be nil. Endpoints neither ready nor
-// serving are left out.
+// serving are left out, and so are those whose targetRef names a Pod of
+// another namespace (ForeignEndpointProblem).
 func ServiceEndpoints(endpointSlices []*kubeobj.EndpointSlice, family discoveryv1.AddressType, needNode bool, drained func(namespace, name string) bool) (eps []datapath.Endpoint, problems []string) {
 	byAddr := map[netip.Addr]datapath.Endpoint{}
 	for _, es := range endpointSlices {
@@ -43,6 +44,10 @@ func ServiceEndpoints(endpointSlices []*kubeobj.EndpointSlice, family discoveryv
 			}
 			if !draining && drained != nil && !ep.Pod.IsZero() {
 				draining = drained(ep.Pod.Namespace, ep.Pod.Name)
+			}
+			if !ep.Pod.IsZero() && ep.Pod.Namespace != es.Namespace {
+				problems = append(problems, ForeignEndpointProblem(name, i, ep.Pod.Key(), es.Namespace))
+				continue
 			}
 			if ep.Address == "" {
 				problems = append(problems, fmt.Sprintf("EndpointSlice %s: endpoints[%d].addresses is empty", name, i))
@@ -73,6 +78,18 @@ func ServiceEndpoints(endpointSlices []*kubeobj.EndpointSlice, family discoveryv
 	}
 	slices.SortFunc(eps, func(a, b datapath.Endpoint) int { return a.Addr.Compare(b.Addr) })
 	return eps, problems
+}
+
+// ForeignEndpointPrefix starts the problem of a slice's endpoint whose
+// targetRef names a Pod of another namespace than the slice's.
+const ForeignEndpointPrefix = "foreign pod: "
+
+// ForeignEndpointProblem describes endpoints[i] of slice (namespace/name),
+// which names pod (namespace/name) outside namespace: left out, as the
+// endpoint agent leaves it out (the CVE-2021-25740 class: a selector-less
+// Service with a hand-written slice must not reach into another namespace).
+func ForeignEndpointProblem(slice string, i int, pod, namespace string) string {
+	return fmt.Sprintf("%sEndpointSlice %s: endpoints[%d] names pod %s of another namespace: a tunnel IP is carried only to pods of its Service's namespace %s; skipped", ForeignEndpointPrefix, slice, i, pod, namespace)
 }
 
 // AddressType is the EndpointSlice addressType of an address's family.

@@ -70,6 +70,16 @@ func TestServiceEndpoints(t *testing.T) {
 		assertDraining(t, eps, "10.244.1.7")
 		assertProblems(t, problems, "endpoints[8] (10.244.2.9) has no nodeName")
 	})
+	t.Run("a pod of another namespace is left out", func(t *testing.T) {
+		eps, problems := ServiceEndpoints([]*kubeobj.EndpointSlice{
+			slice("x", discoveryv1.AddressTypeIPv4,
+				discoveryv1.Endpoint{Addresses: []string{"10.0.0.1"}, TargetRef: &corev1.ObjectReference{Kind: "Pod", Namespace: "kube-system", Name: "coredns-1"}},
+				discoveryv1.Endpoint{Addresses: []string{"10.0.0.2"}, TargetRef: &corev1.ObjectReference{Kind: "Pod", Name: "web-1"}}, // the slice's namespace
+				discoveryv1.Endpoint{Addresses: []string{"10.0.0.3"}, TargetRef: &corev1.ObjectReference{Kind: "Pod", Namespace: "ns", Name: "web-2"}}),
+		}, discoveryv1.AddressTypeIPv4, false, nil)
+		assertAddrs(t, eps, []string{"10.0.0.2", "10.0.0.3"})
+		assertProblems(t, problems, ForeignEndpointPrefix+"EndpointSlice ns/x: endpoints[0] names pod kube-system/coredns-1 of another namespace: a tunnel IP is carried only to pods of its Service's namespace ns; skipped")
+	})
 	t.Run("ready in one slice wins over draining in another", func(t *testing.T) {
 		eps, _ := ServiceEndpoints([]*kubeobj.EndpointSlice{
 			slice("x", discoveryv1.AddressTypeIPv4, discoveryv1.Endpoint{Addresses: []string{"10.0.0.1"}, Conditions: discoveryv1.EndpointConditions{Ready: ptr(false), Serving: ptr(true)}}),

@@ -503,3 +503,45 @@ func TestEndpointAgentNetworkPolicy(t *testing.T) {
 		return nil
 	})
 }
+
+// TestEndpointAgentServesOnlyTheServicesNamespace: a Service's hand-written
+// EndpointSlice names a pod of another namespace on this node, by targetRef
+// and, in a second slice, by its address alone (the CVE-2021-25740 class:
+// a selector-less Service reaching into kube-system). The agent, as its
+// ServiceAccount against the real API server, never adds the tunnel IP to
+// that pod's real namespace and logs the slice; the Service's own pod is
+// served.
+func TestEndpointAgentServesOnlyTheServicesNamespace(t *testing.T) {
+	testnetns.RequireRoot(t)
+	cs := adminClient(t)
+	ns, victimNS := freshNamespace(t, cs), freshNamespace(t, cs)
+	node := testnetns.New(t)
+	nodeName := "node-" + ns
+	ownIP, victimIP := netip.MustParseAddr("198.18.32.11"), netip.MustParseAddr("198.18.32.12")
+	ownNS := newPodNetns(t, node, ownIP, "veth-own")
+	victimNetns := newPodNetns(t, node, victimIP, "veth-victim")
+	own := createPod(t, cs, ns, "own", nodeName, ownIP)
+	victim := createPod(t, cs, victimNS, "coredns", nodeName, victimIP)
+	a := startAgent(t, nodeName, node)
+	createService(t, cs, ns, "grab", "192.0.2.47")
+	applySlice(t, cs, ns, "grab", "grab-1", ep{addr: ownIP.String(), node: nodeName, pod: own}, ep{addr: victimIP.String(), node: nodeName, pod: victim})
+	applySlice(t, cs, ns, "grab", "grab-2", ep{addr: victimIP.String(), node: nodeName})
+	waitTunnelIPs(t, ownNS, "192.0.2.47", "the Service's own pod is served")
+	// Both pods are in the same slice: by now a pod the agent wanted
+	// would be configured too.
+	time.Sleep(time.Second)
+	if got := victimNetns.run(t, "ip", "-o", "addr"); victimNetns.tunnelIPs(t) != "" || strings.Contains(got, "192.0.2.47") {
+		t.Fatalf("the other namespace's pod holds the tunnel IP:\n%s", got)
+	}
+	for _, slice := range []string{"grab-1: endpoints[1]", "grab-2: endpoints[0]"} {
+		eventually(t, 10*time.Second, "a log line naming "+slice, func() error {
+			if log := a.log.String(); !strings.Contains(log, "EndpointSlice "+ns+"/"+slice+" ("+victimIP.String()+") is pod "+victimNS+"/coredns of another namespace") {
+				return fmt.Errorf("not logged yet:\n%s", log)
+			}
+			return nil
+		})
+	}
+	if syncs, changes := a.pods.counts(victimNS + "/coredns"); changes != 0 {
+		t.Fatalf("the agent changed the other namespace's pod %d times (%d syncs)", changes, syncs)
+	}
+}

@@ -493,3 +493,23 @@ func TestRouterDrainsTerminatingAndAnnotatedEndpoints(t *testing.T) {
 	waitTable(t, rec, "192.0.2.77", 64, addrs("10.244.1.6", "10.244.2.7"))
 	waitEvent(t, cs, svc, corev1.EventTypeWarning, router.ReasonNoReadyEndpoints, "draining endpoints")
 }
+
+// TestRouterLeavesOutAnotherNamespacesPod: a hand-written EndpointSlice
+// whose endpoint names a Pod of another namespace (the CVE-2021-25740
+// class: a selector-less Service reaching into kube-system) gets no bucket
+// and a Warning event naming the slice, while the Service's own pod is
+// served.
+func TestRouterLeavesOutAnotherNamespacesPod(t *testing.T) {
+	cs := adminClient(t)
+	rec := startRouter(t, routerCfg(encap.GRE, 8))
+	ns, victimNS := freshNamespace(t, cs), freshNamespace(t, cs)
+	svc := createService(t, cs, ns, "grab", "192.0.2.45")
+	own := createPod(t, cs, ns, "own-1", "node-1", netip.MustParseAddr("10.244.6.1"))
+	victim := createPod(t, cs, victimNS, "coredns-1", "node-1", netip.MustParseAddr("10.244.6.2"))
+	applySlice(t, cs, ns, "grab", "grab-a",
+		ep{addr: "10.244.6.1", node: "node-1", pod: own},
+		ep{addr: "10.244.6.2", node: "node-1", pod: victim})
+	waitTable(t, rec, "192.0.2.45", 8, addrs("10.244.6.1"))
+	waitEvent(t, cs, svc, corev1.EventTypeWarning, router.ReasonForeignEndpoint,
+		"EndpointSlice "+ns+"/grab-a: endpoints[1] names pod "+victimNS+"/coredns-1 of another namespace")
+}
