@@ -206,9 +206,10 @@ func checkDaemon(t *testing.T, m manifest, name string, metricsAddress string, e
 		t.Errorf("%s: /lib/modules is not mounted from the host", name)
 	}
 	// Sysctls (the router's conntrack ones, the agent's per-device ones)
-	// need a writable /proc/sys: a runtime mounts its own read-only and
+	// need a writable /proc/sys/net: a runtime mounts its own read-only and
 	// (runc) refuses a mount inside /proc, so the node's is mounted
-	// elsewhere and named by --proc-sys.
+	// elsewhere and named by --proc-sys. Only net/: a writable
+	// kernel.core_pattern (all of /proc/sys) is root on the node.
 	procSys := ""
 	for _, a := range c.Args {
 		if v, ok := strings.CutPrefix(a, "--proc-sys="); ok {
@@ -218,18 +219,27 @@ func checkDaemon(t *testing.T, m manifest, name string, metricsAddress string, e
 	mountedAt := ""
 	for _, m := range c.VolumeMounts {
 		for _, v := range spec.Volumes {
-			if v.Name == m.Name && v.HostPath != nil && v.HostPath.Path == "/proc/sys" && !m.ReadOnly {
+			if v.Name != m.Name || v.HostPath == nil {
+				continue
+			}
+			switch p := path.Clean(v.HostPath.Path); {
+			case p == "/proc/sys/net" && !m.ReadOnly:
 				mountedAt = m.MountPath
+			case p == "/proc" || p == "/proc/sys" || strings.HasPrefix(p, "/proc/sys/") && p != "/proc/sys/net":
+				t.Errorf("%s: the node's %s is mounted at %s: only /proc/sys/net is needed", name, p, m.MountPath)
 			}
 		}
 	}
 	switch {
 	case mountedAt == "":
-		t.Errorf("%s: the node's /proc/sys is not mounted (writable) for the sysctls", name)
+		t.Errorf("%s: the node's /proc/sys/net is not mounted (writable) for the sysctls", name)
 	case strings.HasPrefix(mountedAt+"/", "/proc/"):
-		t.Errorf("%s: the node's /proc/sys is mounted at %s, inside /proc: runc refuses that", name, mountedAt)
-	case procSys != mountedAt:
-		t.Errorf("%s: --proc-sys=%q, but the node's /proc/sys is mounted at %s", name, procSys, mountedAt)
+		t.Errorf("%s: the node's /proc/sys/net is mounted at %s, inside /proc: runc refuses that", name, mountedAt)
+	case procSys+"/net" != mountedAt:
+		t.Errorf("%s: --proc-sys=%q, but the node's /proc/sys/net is mounted at %s", name, procSys, mountedAt)
+	}
+	if sc := spec.SecurityContext; sc == nil || sc.SeccompProfile == nil || sc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault {
+		t.Errorf("%s: the pod's seccompProfile is not RuntimeDefault", name)
 	}
 	return ds, c
 }
