@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"maps"
 	"net"
 	"path"
 	"slices"
@@ -358,5 +359,46 @@ func TestManifestServerSideDryRun(t *testing.T) {
 	}
 	if err := env.ApplyYAML(ctx, env.AdminConfig(), broken, true); err == nil {
 		t.Fatal("the API server accepted a containerPort of 96420")
+	}
+}
+
+// TestUninstallHasTheDaemonsCapabilities: each cleanup container of the
+// uninstall DaemonSet runs its daemon's --cleanup, which changes what the
+// daemon changed: it needs the daemon's capabilities but SYS_MODULE (a
+// cleanup checks no kernel feature). The agent's cleanup once lacked
+// NET_RAW, which iptables-legacy needs, so that the uninstall worked on
+// nft nodes only.
+func TestUninstallHasTheDaemonsCapabilities(t *testing.T) {
+	daemons := decodeManifest(t, repoFile(t, "tunnel-router.yaml"))
+	uninstall := decodeManifest(t, image.Uninstall)
+	ds := uninstall.daemonSets["tunnel-uninstall"]
+	if ds == nil {
+		t.Fatal("no DaemonSet tunnel-uninstall in the uninstall manifest")
+	}
+	for daemon, cleanup := range map[string]string{"tunnel-router": "router-cleanup", "tunnel-endpoint": "endpoint-cleanup"} {
+		_, c := daemons.daemonSet(t, daemon)
+		want := map[corev1.Capability]bool{}
+		for _, cp := range c.SecurityContext.Capabilities.Add {
+			if cp != "SYS_MODULE" {
+				want[cp] = true
+			}
+		}
+		var found *corev1.Container
+		for i := range ds.Spec.Template.Spec.Containers {
+			if ds.Spec.Template.Spec.Containers[i].Name == cleanup {
+				found = &ds.Spec.Template.Spec.Containers[i]
+			}
+		}
+		if found == nil {
+			t.Errorf("the uninstall has no container %s", cleanup)
+			continue
+		}
+		got := map[corev1.Capability]bool{}
+		for _, cp := range found.SecurityContext.Capabilities.Add {
+			got[cp] = true
+		}
+		if !maps.Equal(got, want) {
+			t.Errorf("uninstall container %s adds capabilities %v; %s's --cleanup needs its daemon's but SYS_MODULE: %v", cleanup, found.SecurityContext.Capabilities.Add, daemon, slices.Sorted(maps.Keys(want)))
+		}
 	}
 }
