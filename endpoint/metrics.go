@@ -12,6 +12,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 )
 
 // Sync kinds: what one pass of the controller converged (the kind label of
@@ -227,10 +228,33 @@ type decapCollector struct {
 	dropPackets, dropBytes *prometheus.Desc
 	errors                 prometheus.Counter
 
-	// mu is held during a whole scrape, so that a namespace is never closed
-	// while it is read.
+	// mu guards pods only: a scrape reads through duplicates of the
+	// namespaces' handles taken under it, so that the agent's sync path
+	// (keep, retain) never waits for a scrape's iptables-save in every
+	// isolated pod.
 	mu   sync.Mutex
 	pods map[string]decapPod
+
+	// gathering is held by the one scrape that reads the kernel: however
+	// many scrape at once, one reading runs, and the scrapes that waited
+	// for it take the next one's result together (a reading that began
+	// after they were asked for).
+	gathering sync.Mutex
+	started   time.Time // when the last reading began
+	last      []prometheus.Metric
+	// dup duplicates a namespace handle for one reading.
+	dup func(netns.NsHandle) (netns.NsHandle, error)
+}
+
+// dupNamespace duplicates ns for a reading that must not depend on the
+// handle staying open; a handle that is not open is returned as it is (the
+// reading then fails on it and counts an error).
+func dupNamespace(ns netns.NsHandle) (netns.NsHandle, error) {
+	if !ns.IsOpen() {
+		return ns, nil
+	}
+	fd, err := unix.Dup(int(ns))
+	return netns.NsHandle(fd), err
 }
 
 // decapPod is a served pod's namespace and, for each family it serves,
@@ -270,6 +294,7 @@ func newDecapCollector(reader DecapCounterReader, drops PolicyCounterReader) *de
 			Help: "Failures to read a pod's decapsulation device counters or network policy drop counters during a scrape; the pod's series is left out of that scrape.",
 		}),
 		pods: map[string]decapPod{},
+		dup:  dupNamespace,
 	}
 }
 
@@ -321,19 +346,60 @@ func (d *decapCollector) Describe(ch chan<- *prometheus.Desc) {
 // Collect implements prometheus.Collector: a pod whose counters cannot be
 // read is counted in the errors counter and left out; the scrape goes on.
 func (d *decapCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, m := range d.gather() {
+		ch <- m
+	}
+}
+
+// gather reads every served pod's counters, or returns what a reading that
+// began after this scrape was asked for found.
+func (d *decapCollector) gather() []prometheus.Metric {
+	requested := time.Now()
+	d.gathering.Lock()
+	defer d.gathering.Unlock()
+	if d.last != nil && !d.started.Before(requested) {
+		return d.last
+	}
+	d.started = time.Now()
+	type podNS struct {
+		name     string
+		ns       netns.NsHandle
+		families []decapFamily
+	}
 	d.mu.Lock()
-	defer d.mu.Unlock()
-	pods := make([]string, 0, len(d.pods))
-	for pod := range d.pods {
-		pods = append(pods, pod)
-	}
-	slices.Sort(pods)
-	for _, pod := range pods {
-		p := d.pods[pod]
-		for _, f := range p.families {
-			d.collectFamily(ch, pod, p.ns, f)
+	var pods []podNS
+	for name, p := range d.pods {
+		ns, err := d.dup(p.ns)
+		if err != nil {
+			d.errors.Inc()
+			continue
 		}
+		pods = append(pods, podNS{name, ns, p.families})
 	}
+	d.mu.Unlock()
+	slices.SortFunc(pods, func(a, b podNS) int { return strings.Compare(a.name, b.name) })
+	ch := make(chan prometheus.Metric, 64)
+	var out []prometheus.Metric
+	done := make(chan struct{})
+	go func() {
+		for m := range ch {
+			out = append(out, m)
+		}
+		close(done)
+	}()
+	for _, p := range pods {
+		for _, f := range p.families {
+			d.collectFamily(ch, p.name, p.ns, f)
+		}
+		p.ns.Close()
+	}
+	close(ch)
+	<-done
+	if out == nil {
+		out = []prometheus.Metric{}
+	}
+	d.last = out
+	return out
 }
 
 // collectFamily exports one family's counters of a pod.
