@@ -378,52 +378,40 @@ func (d *decapCollector) gather() []prometheus.Metric {
 	}
 	d.mu.Unlock()
 	slices.SortFunc(pods, func(a, b podNS) int { return strings.Compare(a.name, b.name) })
-	ch := make(chan prometheus.Metric, 64)
-	var out []prometheus.Metric
-	done := make(chan struct{})
-	go func() {
-		for m := range ch {
-			out = append(out, m)
-		}
-		close(done)
-	}()
+	out := []prometheus.Metric{}
 	for _, p := range pods {
 		for _, f := range p.families {
-			d.collectFamily(ch, p.name, p.ns, f)
+			out = d.appendFamily(out, p.name, p.ns, f)
 		}
 		p.ns.Close()
-	}
-	close(ch)
-	<-done
-	if out == nil {
-		out = []prometheus.Metric{}
 	}
 	d.last = out
 	return out
 }
 
-// collectFamily exports one family's counters of a pod.
-func (d *decapCollector) collectFamily(ch chan<- prometheus.Metric, pod string, ns netns.NsHandle, f decapFamily) {
+// appendFamily appends one family's counters of a pod to out.
+func (d *decapCollector) appendFamily(out []prometheus.Metric, pod string, ns netns.NsHandle, f decapFamily) []prometheus.Metric {
 	if d.reader != nil {
 		c, err := d.reader.DecapCounters(ns, f.ipv6)
 		if err != nil {
 			d.errors.Inc()
 		} else {
-			ch <- prometheus.MustNewConstMetric(d.packets, prometheus.CounterValue, float64(c.Packets), f.vip, pod)
-			ch <- prometheus.MustNewConstMetric(d.bytes, prometheus.CounterValue, float64(c.Bytes), f.vip, pod)
+			out = append(out, prometheus.MustNewConstMetric(d.packets, prometheus.CounterValue, float64(c.Packets), f.vip, pod),
+				prometheus.MustNewConstMetric(d.bytes, prometheus.CounterValue, float64(c.Bytes), f.vip, pod))
 		}
 	}
 	if d.drops != nil && f.policy {
 		dropped, err := d.drops.PolicyDrops(ns, f.ipv6)
 		if err != nil {
 			d.errors.Inc()
-			return
+			return out
 		}
 		vips := slices.SortedFunc(maps.Keys(dropped), netip.Addr.Compare)
 		for _, vip := range vips {
 			c := dropped[vip]
-			ch <- prometheus.MustNewConstMetric(d.dropPackets, prometheus.CounterValue, float64(c.Packets), vip.String(), pod)
-			ch <- prometheus.MustNewConstMetric(d.dropBytes, prometheus.CounterValue, float64(c.Bytes), vip.String(), pod)
+			out = append(out, prometheus.MustNewConstMetric(d.dropPackets, prometheus.CounterValue, float64(c.Packets), vip.String(), pod),
+				prometheus.MustNewConstMetric(d.dropBytes, prometheus.CounterValue, float64(c.Bytes), vip.String(), pod))
 		}
 	}
+	return out
 }
