@@ -15,7 +15,6 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/routerstatus"
-	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
 )
 
 // TestRouterConfigMapPolicyExample runs
@@ -26,26 +25,9 @@ import (
 // token bound to a router pod only its own node's; tunnel-config stays the
 // admin's.
 func TestRouterConfigMapPolicyExample(t *testing.T) {
-	env := kubeenv.Start(t)
 	ctx := context.Background()
-	admin, err := kubernetes.NewForConfig(env.AdminConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := env.ApplyYAML(ctx, env.AdminConfig(), repoFile(t, "tunnel-router.yaml"), false); err != nil {
-		t.Fatal(err)
-	}
-	if err := env.ApplyYAML(ctx, env.AdminConfig(), repoFile(t, "examples/tunnel-router-configmap-policy.yaml"), false); err != nil {
-		t.Fatal(err)
-	}
-	unboundCfg, err := env.ServiceAccountConfig(ctx, manifestNamespace, "tunnel-router")
-	if err != nil {
-		t.Fatal(err)
-	}
-	unbound, err := kubernetes.NewForConfig(unboundCfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	srv := startPolicyServer(t, "examples/tunnel-router-configmap-policy.yaml")
+	admin, unbound := srv.admin, srv.router
 	// A token bound to a router pod on node router-1, as the kubelet
 	// mounts it.
 	if _, err := admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "router-1"}}, metav1.CreateOptions{}); err != nil {
@@ -65,7 +47,7 @@ func TestRouterConfigMapPolicyExample(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	boundCfg := rest.CopyConfig(unboundCfg)
+	boundCfg := rest.CopyConfig(srv.routerCfg)
 	boundCfg.BearerToken = tr.Status.Token
 	bound, err := kubernetes.NewForConfig(boundCfg)
 	if err != nil {

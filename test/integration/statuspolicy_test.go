@@ -12,6 +12,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 
 	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
 )
@@ -23,32 +24,15 @@ import (
 // CVE-2020-8554 class), while addresses another writer put there and every
 // other user are left alone.
 func TestStatusPolicyExample(t *testing.T) {
-	env := kubeenv.Start(t)
 	ctx := context.Background()
-	admin, err := kubernetes.NewForConfig(env.AdminConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := env.ApplyYAML(ctx, env.AdminConfig(), repoFile(t, "tunnel-router.yaml"), false); err != nil {
-		t.Fatal(err)
-	}
+	srv := startPolicyServer(t, "examples/tunnel-ip-status-policy.yaml")
+	admin, router := srv.admin, srv.router
 	cm, err := admin.CoreV1().ConfigMaps(manifestNamespace).Get(ctx, "tunnel-config", metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	cm.Data["KST_POOLS"] = " 192.0.2.0/24 ; 203.0.113.5=team-a, team-c\n2001:db8:2::/64"
 	if _, err := admin.CoreV1().ConfigMaps(manifestNamespace).Update(ctx, cm, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if err := env.ApplyYAML(ctx, env.AdminConfig(), repoFile(t, "examples/tunnel-ip-status-policy.yaml"), false); err != nil {
-		t.Fatal(err)
-	}
-	routerCfg, err := env.ServiceAccountConfig(ctx, manifestNamespace, "tunnel-router")
-	if err != nil {
-		t.Fatal(err)
-	}
-	router, err := kubernetes.NewForConfig(routerCfg)
-	if err != nil {
 		t.Fatal(err)
 	}
 	for _, ns := range []string{"team-a", "team-b"} {
@@ -127,4 +111,39 @@ func TestStatusPolicyExample(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// policyServer is a real API server of a test's own (an admission policy's
+// binding is cluster-wide) holding tunnel-router.yaml, applied as users
+// apply it, and an example admission policy.
+type policyServer struct {
+	admin  kubernetes.Interface
+	router kubernetes.Interface
+	// routerCfg authenticates as the router's ServiceAccount with a token
+	// bound to no pod.
+	routerCfg *rest.Config
+}
+
+func startPolicyServer(t *testing.T, example string) policyServer {
+	t.Helper()
+	env := kubeenv.Start(t)
+	ctx := context.Background()
+	admin, err := kubernetes.NewForConfig(env.AdminConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range []string{"tunnel-router.yaml", example} {
+		if err := env.ApplyYAML(ctx, env.AdminConfig(), repoFile(t, f), false); err != nil {
+			t.Fatalf("%s: %v", f, err)
+		}
+	}
+	routerCfg, err := env.ServiceAccountConfig(ctx, manifestNamespace, "tunnel-router")
+	if err != nil {
+		t.Fatal(err)
+	}
+	router, err := kubernetes.NewForConfig(routerCfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return policyServer{admin: admin, router: router, routerCfg: routerCfg}
 }
