@@ -302,8 +302,8 @@ func (c *Controller) updateReady() {
 	c.mu.Lock()
 	done := c.pending != nil && len(c.pending) == 0 && c.nodeSynced
 	c.mu.Unlock()
-	if done {
-		c.ready.Store(true)
+	if done && !c.ready.Swap(true) {
+		c.log.Info("ready: the first full sync is done")
 	}
 }
 

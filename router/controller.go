@@ -686,7 +686,9 @@ func (c *Controller) resync() error {
 		c.published.Replace(all)
 		c.published.SetPolicy(c.policy)
 	}
-	c.synced1.Store(true)
+	if !c.synced1.Swap(true) {
+		c.log.Info("ready: the first full sync is done")
+	}
 	return nil
 }
 

@@ -205,6 +205,12 @@ func TestCluster(t *testing.T) {
 		if n.role == "router" {
 			watch := lab.WatchBound(t, console, guestTimeout)
 			defer watch.Stop()
+			timed, err := os.Create(lab.TimedFile(console.Name()))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer timed.Close()
+			watch.TimeLinesTo(timed)
 			output = watch
 		}
 		wg.Add(1)

@@ -29,6 +29,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
+	"github.com/cmdnu/kube-service-tunnel/test/lab"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/kstate"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
 )
@@ -104,7 +105,7 @@ func TestInCluster(t *testing.T) {
 		if err != nil {
 			worker = []byte(err.Error())
 		}
-		t.Logf("CPU time in lab-router:\n%s\nCPU time in lab-worker:\n%s", cpuByProcess(15), worker)
+		t.Logf("CPU time in lab-router:\n%s\nCPU time in lab-worker:\n%s", lab.CPUByProcess(15), worker)
 	}()
 	start := time.Now()
 	c.waitFor(t, "both Nodes Ready", 5*time.Minute, func() (bool, error) {
@@ -151,7 +152,11 @@ func TestInCluster(t *testing.T) {
 				// pod; the old pods live out their grace period during the
 				// uninstall, where no table is compared.
 				{"rollout_restart", c.rolloutRestart},
-				{"uninstall", func(t *testing.T) { c.uninstall(t, before) }},
+				// The example stays for the next mode, which then serves
+				// pods that ran before its install, as a user's upgrade
+				// from one mode to the other would; the last mode deletes
+				// it.
+				{"uninstall", func(t *testing.T) { c.uninstall(t, before, mode != modes[len(modes)-1]) }},
 			}
 			if demo() {
 				steps = steps[:3]
@@ -409,10 +414,11 @@ func podNodes(pods []corev1.Pod) []string {
 func (c *cluster) deployExample(t *testing.T) {
 	ctx := context.Background()
 	example := vmFile(t, exampleFile)
-	// The previous mode's uninstall deleted the namespace; its pods are
-	// gone, the namespace controller may not be done yet.
-	if waited := c.waitFor(t, "namespace "+exampleNamespace+" gone", 3*time.Minute, func() (bool, error) {
-		return c.namespaceGone(t, exampleNamespace), nil
+	// A namespace being deleted (by an earlier run's uninstall) must be
+	// gone first; one that runs (kept by the previous mode) is applied
+	// again, which changes nothing, and served by this mode's install.
+	if waited := c.waitFor(t, "namespace "+exampleNamespace+" gone or in use", 3*time.Minute, func() (bool, error) {
+		return !c.namespaceTerminating(t, exampleNamespace), nil
 	}); waited > time.Second {
 		t.Logf("namespace %s gone after %v more", exampleNamespace, waited.Round(100*time.Millisecond))
 	}
@@ -1123,10 +1129,11 @@ func podReady(p corev1.Pod) bool {
 // uninstall follows docs/install.md#uninstalling: the daemons' DaemonSets
 // deleted, the uninstall DaemonSet applied until Ready on every node, then
 // both manifests deleted. The pods keep running and lose the tunnel IP;
-// once the example is deleted too, both nodes' kernel state must be as
-// before the install, but for what the CNI bridge plugin made for the
-// example's pods (cni0).
-func (c *cluster) uninstall(t *testing.T, before map[string]kstate.State) {
+// both nodes' kernel state must then be as before the install, but for
+// what the CNI bridge plugin made for the example's pods (cni0 and their
+// veths). With keepExample the example runs on into the next mode;
+// otherwise it is deleted first and every pod awaited gone.
+func (c *cluster) uninstall(t *testing.T, before map[string]kstate.State, keepExample bool) {
 	ctx := context.Background()
 	for _, name := range []string{"tunnel-router", "tunnel-endpoint"} {
 		if err := c.kube.AppsV1().DaemonSets(daemonNamespace).Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
@@ -1166,24 +1173,28 @@ func (c *cluster) uninstall(t *testing.T, before map[string]kstate.State) {
 			t.Errorf("pod namespace %s still has %s after the uninstall", p.NetNS, tunnelIP)
 		}
 	}
-	c.deleteExample(t)
+	waits := []struct {
+		what string
+		done func() bool
+	}{{"namespace " + daemonNamespace + " gone", func() bool { return c.namespaceGone(t, daemonNamespace) }}}
+	if !keepExample {
+		c.deleteExample(t)
+		// The example's namespace is awaited by the next deployExample
+		// (the namespace controller may take seconds more after its last
+		// pod), and here only its pods, whose sandboxes are kernel state.
+		waits = append(waits, struct {
+			what string
+			done func() bool
+		}{"every pod of namespace " + exampleNamespace + " gone", func() bool {
+			l, err := c.kube.CoreV1().Pods(exampleNamespace).List(ctx, metav1.ListOptions{})
+			return err == nil && len(l.Items) == 0
+		}})
+	}
 	deleted := time.Now()
 	w := newPodWatch()
 	defer func() { t.Logf("the pods' states since the deletion:\n%s", strings.Join(w.timeline, "\n")) }()
-	// The daemons' namespace must be gone before the next install; the
-	// example's is awaited by the next deployExample (the namespace
-	// controller may take seconds more after its last pod), and here only
-	// its pods, whose sandboxes are kernel state.
-	for _, wait := range []struct {
-		what string
-		done func() bool
-	}{
-		{"namespace " + daemonNamespace + " gone", func() bool { return c.namespaceGone(t, daemonNamespace) }},
-		{"every pod of namespace " + exampleNamespace + " gone", func() bool {
-			l, err := c.kube.CoreV1().Pods(exampleNamespace).List(ctx, metav1.ListOptions{})
-			return err == nil && len(l.Items) == 0
-		}},
-	} {
+	// The daemons' namespace must be gone before the next install.
+	for _, wait := range waits {
 		c.waitFor(t, wait.what, 3*time.Minute, func() (bool, error) {
 			var pods []corev1.Pod
 			for _, podNS := range []string{daemonNamespace, exampleNamespace} {
@@ -1220,6 +1231,17 @@ func (c *cluster) uninstall(t *testing.T, before map[string]kstate.State) {
 	t.Logf("both nodes' kernel state as before the install %v after the namespaces were gone", time.Since(start).Round(100*time.Millisecond))
 }
 
+// namespaceTerminating reports whether namespace ns exists and is being
+// deleted.
+func (c *cluster) namespaceTerminating(t *testing.T, ns string) bool {
+	n, err := c.kube.CoreV1().Namespaces().Get(context.Background(), ns, metav1.GetOptions{})
+	if err != nil && !apierrors.IsNotFound(err) {
+		t.Logf("namespace %s: %v", ns, err)
+		return true
+	}
+	return err == nil && n.DeletionTimestamp != nil
+}
+
 // namespaceGone reports whether namespace ns no longer exists.
 func (c *cluster) namespaceGone(t *testing.T, ns string) bool {
 	_, err := c.kube.CoreV1().Namespaces().Get(context.Background(), ns, metav1.GetOptions{})
@@ -1230,12 +1252,20 @@ func (c *cluster) namespaceGone(t *testing.T, ns string) bool {
 }
 
 // withoutCNIBridge drops the lines naming cni0, which the bridge plugin
-// creates with a node's first pod and never removes.
+// creates with a node's first pod and never removes, or naming a link
+// enslaved to it (a running pod's veth: its IPv6 link-local address and
+// routes).
 func withoutCNIBridge(st kstate.State) kstate.State {
+	names := []string{"cni0"}
+	for _, l := range st.Sections["link"] {
+		if f := strings.Fields(l); len(f) > 0 && slices.Contains(f, "master=cni0") {
+			names = append(names, f[0])
+		}
+	}
 	out := kstate.State{Namespace: st.Namespace, Sections: map[string][]string{}}
 	for name, lines := range st.Sections {
 		for _, l := range lines {
-			if !strings.Contains(l, "cni0") {
+			if !slices.ContainsFunc(strings.Fields(l), func(f string) bool { return slices.Contains(names, f) || strings.Contains(f, "cni0") }) {
 				out.Sections[name] = append(out.Sections[name], l)
 			}
 		}

@@ -24,6 +24,7 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/cmdnu/kube-service-tunnel/test/lab"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/kstate"
 )
 
@@ -79,7 +80,7 @@ func TestNodeHelper(t *testing.T) {
 		fmt.Fprintf(w, "== processes, token, queues\n%s", out)
 	})
 	mux.HandleFunc("GET /cpu", func(w http.ResponseWriter, r *http.Request) {
-		_, _ = io.WriteString(w, cpuByProcess(15))
+		_, _ = io.WriteString(w, lab.CPUByProcess(15))
 	})
 	mux.HandleFunc("POST /stop", func(w http.ResponseWriter, r *http.Request) {
 		close(stop)

@@ -2,8 +2,11 @@ package cluster
 
 import (
 	"net/netip"
+	"reflect"
 	"testing"
 	"time"
+
+	"github.com/cmdnu/kube-service-tunnel/test/lab/kstate"
 )
 
 func TestParseProcNetTCP(t *testing.T) {
@@ -48,5 +51,25 @@ func TestGenerationSwitches(t *testing.T) {
 	want := []time.Time{time.Date(2026, 11, 28, 7, 12, 29, 364871480, time.UTC), time.Date(2026, 11, 28, 7, 12, 53, 647953460, time.UTC)}
 	if len(got) != len(want) || !got[0].Equal(want[0]) || !got[1].Equal(want[1]) {
 		t.Errorf("generationSwitches = %v, want %v", got, want)
+	}
+}
+
+// TestWithoutCNIBridge: the bridge, the pods' veths on it and what the
+// kernel adds for them are left out; the rest, another veth included, stays.
+func TestWithoutCNIBridge(t *testing.T) {
+	st := kstate.State{Namespace: "node", Sections: map[string][]string{
+		"link":   {"cni0 kind=bridge up mtu=1500", "veth1a2b3c4d kind=veth up mtu=1500 master=cni0", "kst-probe kind=veth up mtu=1500", "eth0 kind=none up mtu=1500"},
+		"addr6":  {"veth1a2b3c4d fe80::1/64 scope=link", "eth0 fd00::1/64 scope=global"},
+		"route6": {"fe80::/64 dev veth1a2b3c4d proto kernel metric 256 pref medium", "fe80::/64 dev kst-probe proto kernel metric 256 pref medium"},
+		"route":  {"10.244.2.0/24 dev cni0 proto kernel scope link src 10.244.2.1"},
+	}}
+	got := withoutCNIBridge(st)
+	want := map[string][]string{
+		"link":   {"kst-probe kind=veth up mtu=1500", "eth0 kind=none up mtu=1500"},
+		"addr6":  {"eth0 fd00::1/64 scope=global"},
+		"route6": {"fe80::/64 dev kst-probe proto kernel metric 256 pref medium"},
+	}
+	if !reflect.DeepEqual(got.Sections, want) {
+		t.Errorf("got %v\nwant %v", got.Sections, want)
 	}
 }

@@ -139,8 +139,13 @@ func drainTerminating(t *testing.T, e *env, vips []netip.Addr, full [][]netip.Ad
 	if err := ra.Router.Restart(); err != nil {
 		t.Fatal(err)
 	}
+	// Its first full sync (where it would do harm, if it did) is done;
+	// a second more for what follows it.
+	if err := ra.Router.WaitReady(); err != nil {
+		t.Fatal(err)
+	}
 	e.waitTunnels(t, vips, rest...)
-	time.Sleep(3 * time.Second) // time to sync, and to do harm if it would
+	time.Sleep(time.Second)
 	after, err := kstate.Snapshot(ctx, ra.Name)
 	if err != nil {
 		t.Fatal(err)

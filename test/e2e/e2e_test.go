@@ -68,6 +68,11 @@ func TestInVM(t *testing.T) {
 					t.Logf("%s took %v", sc.name, time.Since(start).Round(100*time.Millisecond))
 				}
 			}
+			// Where the emulated cores went (the lab is CPU-bound): the
+			// running daemons since their last start, this test binary,
+			// and under it the ip and iptables processes it ran and the
+			// daemons it restarted.
+			t.Logf("CPU time in the VM after %s mode:\n%s", mode, lab.CPUByProcess(12))
 		})
 	}
 }

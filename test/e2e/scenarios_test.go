@@ -645,9 +645,16 @@ func restartsKeepConnection(t *testing.T, e *env) {
 	if err := errors.Join(restartErrs...); err != nil {
 		t.Fatal(err)
 	}
-	// Give the restarted daemons time to sync (and to do harm, if they would).
+	// Each restarted daemon has synced (and done harm, if it would): its
+	// first full sync read the cluster and the kernel; a second more for
+	// what follows it.
+	for _, d := range daemons {
+		if err := d.WaitReady(); err != nil {
+			t.Fatal(err)
+		}
+	}
 	e.waitTunnels(t, vips, e.Pods...)
-	time.Sleep(3 * time.Second)
+	time.Sleep(time.Second)
 	if diff := diffAll(before, snapshotAll(t, e)); diff != "" {
 		t.Errorf("restarting the daemons changed the kernel state:\n%s", diff)
 	}

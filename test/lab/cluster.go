@@ -248,17 +248,23 @@ func RunGuestTests(t *testing.T, pkg, run string, timeout time.Duration, console
 		t.Fatal(err)
 	}
 	defer logFile.Close()
+	timedFile, err := os.Create(TimedFile(consoleLog))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer timedFile.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	start = time.Now()
 	watch := WatchBound(t, logFile, timeout)
 	defer watch.Stop()
+	watch.TimeLinesTo(timedFile)
 	out, rc, err := RunCluster(ctx, ClusterOptions{
 		Assets: assets, Env: env, Program: bin, Output: watch,
 		Args: []string{"-test.run", run, "-test.v", "-test.count=1", "-test.timeout", timeout.String()},
 	})
 	took := time.Since(start)
-	t.Logf("VM ran %s in %v; console: %s", pkg, took.Round(time.Millisecond), consoleLog)
+	t.Logf("VM ran %s in %v; console: %s (each line timed: %s)", pkg, took.Round(time.Millisecond), consoleLog, TimedFile(consoleLog))
 	ReportGuestTests(t, out, rc, err)
 	RecordDurations(t, DurationsFile(consoleLog), pkg, out, took)
 }

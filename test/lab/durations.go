@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -78,24 +79,42 @@ func RecordDurations(t *testing.T, path, title, out string, total time.Duration)
 type BoundWatch struct {
 	out io.Writer
 
+	start time.Time
+
 	mu      sync.Mutex
-	partial []byte // the console's unfinished last line
-	running string // the last "=== RUN" test
+	partial []byte    // the console's unfinished last line
+	running string    // the last "=== RUN" test
+	timed   io.Writer // receives each whole line after its time since start
 	timer   *time.Timer
 }
 
 // WatchBound returns a BoundWatch forwarding to out (may be nil) that
 // logs to t when 3/4 of bound have passed; Stop it when the run ends.
 func WatchBound(t *testing.T, out io.Writer, bound time.Duration) *BoundWatch {
-	w := &BoundWatch{out: out}
-	start := time.Now()
+	w := &BoundWatch{out: out, start: time.Now()}
 	w.timer = time.AfterFunc(bound*3/4, func() {
 		w.mu.Lock()
 		running := w.running
 		w.mu.Unlock()
-		t.Logf("WARNING: the VM has run for %v of its %v bound; running now: %s", time.Since(start).Round(time.Second), bound, running)
+		t.Logf("WARNING: the VM has run for %v of its %v bound; running now: %s", time.Since(w.start).Round(time.Second), bound, running)
 	})
 	return w
+}
+
+// TimeLinesTo makes the watch also write each whole console line to timed,
+// after the seconds since the watch began ("  123.4 line"): where a
+// scenario spends its time, step by step, without a clock in the guest's
+// own log.
+func (w *BoundWatch) TimeLinesTo(timed io.Writer) {
+	w.mu.Lock()
+	w.timed = timed
+	w.mu.Unlock()
+}
+
+// TimedFile is where the timed copy of a lab run's console consoleLog
+// goes: /tmp/kst-e2e-console.log gives /tmp/kst-e2e-console.timed.log.
+func TimedFile(consoleLog string) string {
+	return strings.TrimSuffix(consoleLog, filepath.Ext(consoleLog)) + ".timed.log"
 }
 
 func (w *BoundWatch) Write(p []byte) (int, error) {
@@ -108,6 +127,9 @@ func (w *BoundWatch) Write(p []byte) (int, error) {
 		}
 		if line := strings.TrimSpace(string(w.partial[:i])); strings.HasPrefix(line, "=== RUN") {
 			w.running = strings.TrimSpace(strings.TrimPrefix(line, "=== RUN"))
+		}
+		if w.timed != nil {
+			_, _ = fmt.Fprintf(w.timed, "%7.1f %s\n", time.Since(w.start).Seconds(), strings.TrimRight(string(w.partial[:i]), "\r"))
 		}
 		w.partial = w.partial[i+1:]
 	}

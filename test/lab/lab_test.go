@@ -268,9 +268,10 @@ func TestDurationReport(t *testing.T) {
 // test -v started, across writes that split lines, and warns at 3/4 of
 // its bound.
 func TestBoundWatchFollowsTheRunningTest(t *testing.T) {
-	var out strings.Builder
+	var out, timed strings.Builder
 	w := WatchBound(t, &out, time.Hour)
 	defer w.Stop()
+	w.TimeLinesTo(&timed)
 	for _, chunk := range []string{"=== RUN   TestInVM\n=== RUN   TestIn", "VM/gre/9_draining\n    some log\n", "=== RUN   TestInVM/gre/9_dr"} {
 		if _, err := w.Write([]byte(chunk)); err != nil {
 			t.Fatal(err)
@@ -281,6 +282,10 @@ func TestBoundWatchFollowsTheRunningTest(t *testing.T) {
 	}
 	if !strings.HasSuffix(out.String(), "=== RUN   TestInVM/gre/9_dr") {
 		t.Errorf("the console was not forwarded as written: %q", out.String())
+	}
+	lines := strings.Split(strings.TrimSuffix(timed.String(), "\n"), "\n")
+	if len(lines) != 3 || !strings.HasSuffix(lines[1], " === RUN   TestInVM/gre/9_draining") || !strings.HasPrefix(strings.TrimSpace(lines[2]), "0.") {
+		t.Errorf("the timed copy holds %q, want the 3 whole lines, each after its time", timed.String())
 	}
 }
 

@@ -12,7 +12,10 @@
 // needs and leaves them so (docs/operating.md).
 //
 // It reads through the command-line tools an operator would use (iproute2's
-// ip, iptables-save), run with exec.CommandContext.
+// ip, iptables-save), run with exec.CommandContext: ip with -n, the
+// iptables tools started from a thread inside the namespace (as "ip netns
+// exec" would run them, without its process: the emulated lab VM pays for
+// every process it starts).
 package kstate
 
 import (
@@ -26,7 +29,9 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/nsexec"
 	"github.com/cmdnu/kube-service-tunnel/test/support/ipsetstate"
+	"github.com/vishvananda/netns"
 )
 
 // State is a snapshot of one namespace: normalised lines per section
@@ -91,6 +96,11 @@ func Snapshot(ctx context.Context, ns string) (State, error) {
 	}
 	// iptables-save shows the nft backend; legacy tables are separate and
 	// usually empty. A missing tool means nothing to read.
+	handle, err := netns.GetFromName(ns)
+	if err != nil {
+		return State{}, fmt.Errorf("snapshot of netns %s: %w", ns, err)
+	}
+	defer handle.Close()
 	for _, tool := range []struct{ section, binary string }{
 		{"iptables", "iptables-save"},
 		{"iptables-legacy", "iptables-legacy-save"},
@@ -102,7 +112,7 @@ func Snapshot(ctx context.Context, ns string) (State, error) {
 			continue
 		}
 		out, err := ipsetstate.ListRules(func() (string, error) {
-			out, err := run(ctx, ip, "netns", "exec", ns, path)
+			out, err := runIn(ctx, handle, path)
 			return string(out), err
 		})
 		if err != nil {
@@ -127,6 +137,18 @@ func (s State) add(section string, lines []string) {
 	}
 	slices.Sort(lines)
 	s.Sections[section] = lines
+}
+
+// runIn runs a command inside the network namespace ns: it is started
+// from a thread in ns, whose namespace the child inherits.
+func runIn(ctx context.Context, ns netns.NsHandle, name string, args ...string) ([]byte, error) {
+	var out []byte
+	err := nsexec.Do(ns, func() error {
+		var err error
+		out, err = run(ctx, name, args...)
+		return err
+	})
+	return out, err
 }
 
 func run(ctx context.Context, name string, args ...string) ([]byte, error) {

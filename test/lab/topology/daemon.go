@@ -35,7 +35,43 @@ type Daemon struct {
 	cmd     *exec.Cmd
 	exited  chan struct{}
 	starts  int
+	offset  int64 // where the last start's output begins in LogPath
 	waitErr error
+}
+
+// readyLine is what both daemons log once their first full sync is done
+// (when /readyz turns 200).
+const readyLine = "ready: the first full sync is done"
+
+// WaitReady waits until the daemon, since its last start, has logged that
+// its first full sync is done: it has read the cluster and made the
+// kernel match it (or found that it did).
+func (d *Daemon) WaitReady() error {
+	d.mu.Lock()
+	offset, exited := d.offset, d.exited
+	d.mu.Unlock()
+	if exited == nil {
+		return fmt.Errorf("%s was never started", d.Name)
+	}
+	return d.waitLogged(offset, exited, readyLine)
+}
+
+// waitLogged waits until the log after offset holds line, up to
+// startedTimeout.
+func (d *Daemon) waitLogged(offset int64, exited chan struct{}, line string) error {
+	for deadline := time.Now().Add(startedTimeout); ; {
+		if b, err := os.ReadFile(d.LogPath); err == nil && int64(len(b)) > offset && bytes.Contains(b[offset:], []byte(line)) {
+			return nil
+		}
+		select {
+		case <-exited:
+			return fmt.Errorf("%s exited before it logged %q:\n%s", d.Name, line, d.LogTail(20))
+		case <-time.After(50 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s did not log %q within %v:\n%s", d.Name, line, startedTimeout, d.LogTail(20))
+		}
+	}
 }
 
 // stopTimeout is how long Stop waits after SIGTERM before SIGKILL.
@@ -89,19 +125,7 @@ func (d *Daemon) Start() error {
 	if err != nil || d.startedLine == "" {
 		return err
 	}
-	for deadline := time.Now().Add(startedTimeout); ; {
-		if b, err := os.ReadFile(d.LogPath); err == nil && int64(len(b)) > offset && bytes.Contains(b[offset:], []byte(d.startedLine)) {
-			return nil
-		}
-		select {
-		case <-exited:
-			return fmt.Errorf("%s exited at start:\n%s", d.Name, d.LogTail(20))
-		case <-time.After(50 * time.Millisecond):
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("%s did not log %q within %v:\n%s", d.Name, d.startedLine, startedTimeout, d.LogTail(20))
-		}
-	}
+	return d.waitLogged(offset, exited, d.startedLine)
 }
 
 // start starts the process; offset is where its output begins in LogPath.
@@ -126,7 +150,7 @@ func (d *Daemon) start() (offset int64, exited chan struct{}, err error) {
 	if err := cmd.Start(); err != nil {
 		return 0, nil, fmt.Errorf("starting %s: %w", d.Name, err)
 	}
-	d.cmd, d.exited = cmd, make(chan struct{})
+	d.cmd, d.exited, d.offset = cmd, make(chan struct{}), offset
 	go func(exited chan struct{}) {
 		err := cmd.Wait()
 		d.mu.Lock()

@@ -32,10 +32,26 @@ func IP(ctx context.Context, args ...string) (string, error) {
 	return string(out), nil
 }
 
-// InNS runs a command inside the named namespace (ip netns exec) and
-// returns its combined output.
+// InNS runs a command inside the named namespace, as ip netns exec would,
+// and returns its combined output. The command is started from a thread in
+// the namespace, whose namespace it inherits: no ip process in between,
+// which halves what the lab's polls cost the emulated VM.
 func InNS(ctx context.Context, ns, name string, args ...string) (string, error) {
-	return IP(ctx, append([]string{"netns", "exec", ns, name}, args...)...)
+	h, err := netns.GetFromName(ns)
+	if err != nil {
+		return "", fmt.Errorf("%s %s in netns %s: %w", name, strings.Join(args, " "), ns, err)
+	}
+	defer h.Close()
+	var out []byte
+	err = nsexec.Do(h, func() error {
+		var err error
+		out, err = exec.CommandContext(ctx, name, args...).CombinedOutput()
+		return err
+	})
+	if err != nil {
+		return string(out), fmt.Errorf("%s %s in netns %s: %w: %s", name, strings.Join(args, " "), ns, err, strings.TrimSpace(string(out)))
+	}
+	return string(out), nil
 }
 
 // Sysctl sets a sysctl (dotted name, e.g. net.ipv4.ip_forward) inside the

@@ -1,4 +1,4 @@
-package cluster
+package lab
 
 import (
 	"fmt"
@@ -12,13 +12,13 @@ import (
 // clockTicks is USER_HZ, the unit of /proc's CPU times on Linux.
 const clockTicks = 100
 
-// cpuByProcess reports where a VM's CPU time went: the whole machine's
+// CPUByProcess reports where a VM's CPU time went: the whole machine's
 // (from /proc/stat) and the top processes' since they started (utime and
 // stime of /proc/PID/stat, and their reaped children's), so that
 // a slow run shows which program used the lab's two emulated cores. A
 // process's children are those it waited for: init's are every orphan's
 // (runc, the shims, the containers' processes once they ended).
-func cpuByProcess(top int) string {
+func CPUByProcess(top int) string {
 	var b strings.Builder
 	if stat, err := os.ReadFile("/proc/stat"); err == nil {
 		line, _, _ := strings.Cut(string(stat), "\n")
