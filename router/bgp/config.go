@@ -31,6 +31,12 @@ const (
 	// default multiplier a dead peer is detected in 900 ms.
 	DefaultBFDInterval   = 300 * time.Millisecond
 	DefaultBFDMultiplier = 3
+	// DefaultMaxPrefixes bounds what a peer may send, per address family:
+	// the router imports no route (it only announces its tunnel IPs), but
+	// GoBGP keeps every received route in the peer's Adj-RIB-In, so a peer
+	// sending a full table, or a flood, would grow the router's memory
+	// without a limit.
+	DefaultMaxPrefixes = 1000
 )
 
 // Config is the BGP part of the configuration every tunnel router shares,
@@ -109,6 +115,20 @@ type Peer struct {
 	// NodeSelector limits the neighbour to the routers whose Node matches
 	// (for example a top-of-rack router per rack). Empty: every router.
 	NodeSelector *metav1.LabelSelector `json:"nodeSelector,omitempty"`
+	// MaxPrefixes is how many routes of one address family the neighbour
+	// may send before the router closes the session (a Cease, "maximum
+	// number of prefixes reached") and keeps it down until its
+	// configuration changes or the router restarts. The router imports
+	// none of them either way. Default 1000; 0 means no limit.
+	MaxPrefixes *uint32 `json:"maxPrefixes,omitempty"`
+}
+
+// maxPrefixes is the peer's limit per address family (0: none).
+func (p *Peer) maxPrefixes() uint32 {
+	if p.MaxPrefixes == nil {
+		return DefaultMaxPrefixes
+	}
+	return *p.MaxPrefixes
 }
 
 // BFD configures Bidirectional Forwarding Detection towards one neighbour.

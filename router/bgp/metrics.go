@@ -11,6 +11,7 @@ type Metrics struct {
 	announced   prometheus.Gauge
 	updates     *prometheus.CounterVec
 	errors      prometheus.Counter
+	prefixLimit *prometheus.CounterVec
 }
 
 // NewMetrics registers the speaker's metrics on reg (nil: not exported).
@@ -36,9 +37,13 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "kube_service_tunnel_bgp_errors_total",
 			Help: "Failed BGP speaker operations (start, add or remove a peer or a path); each is retried.",
 		}),
+		prefixLimit: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kube_service_tunnel_bgp_prefix_limit_closes_total",
+			Help: "BGP sessions closed because the peer sent more routes of a family than its maxPrefixes; the session stays down until the peer's configuration changes or the router restarts.",
+		}, []string{"peer"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.sessionUp, m.transitions, m.announced, m.updates, m.errors)
+		reg.MustRegister(m.sessionUp, m.transitions, m.announced, m.updates, m.errors, m.prefixLimit)
 	}
 	return m
 }

@@ -254,6 +254,16 @@ func (s *Speaker) start(node Node) error {
 	if err := s.server.StartBgp(context.Background(), &api.StartBgpRequest{Global: global}); err != nil {
 		return fmt.Errorf("starting BGP (asn %d, router id %v): %w", s.cfg.ASN, routerID, err)
 	}
+	if err := s.server.AddPolicy(context.Background(), &api.AddPolicyRequest{Policy: ownRoutesOnly()}); err != nil {
+		return fmt.Errorf("adding the BGP policy %s: %w", ownRoutesPolicy, err)
+	}
+	for _, dir := range []api.PolicyDirection{api.PolicyDirection_POLICY_DIRECTION_IMPORT, api.PolicyDirection_POLICY_DIRECTION_EXPORT} {
+		if err := s.server.SetPolicyAssignment(context.Background(), &api.SetPolicyAssignmentRequest{Assignment: &api.PolicyAssignment{
+			Name: "global", Direction: dir, Policies: []*api.Policy{{Name: ownRoutesPolicy}}, DefaultAction: api.RouteAction_ROUTE_ACTION_REJECT,
+		}}); err != nil {
+			return fmt.Errorf("assigning the BGP policy %s (%v): %w", ownRoutesPolicy, dir, err)
+		}
+	}
 	if err := s.server.WatchEvent(context.Background(), server.WatchEventMessageCallbacks{OnPeerUpdate: s.peerEvent}, server.WatchPeer()); err != nil {
 		return fmt.Errorf("watching BGP peers: %w", err)
 	}
@@ -261,6 +271,25 @@ func (s *Speaker) start(node Node) error {
 	s.log.WithFields(logrus.Fields{"asn": s.cfg.ASN, "router_id": routerID, "next_hop": hops.IPv4, "next_hop_ipv6": hops.IPv6,
 		"listen_port": s.cfg.ListenPort, "graceful_restart": s.gracefulRestart()}).Info("BGP speaker started")
 	return nil
+}
+
+// ownRoutesPolicy names the policy that admits only the router's own
+// routes (its tunnel IPs) into its RIB and out to its peers.
+const ownRoutesPolicy = "kst-own-routes-only"
+
+// ownRoutesOnly is the router's import and export policy: a route the
+// router originated is accepted; everything else falls to the default,
+// reject. The router thus learns nothing from its peers and is never a
+// transit between them: a route from one datacenter router is not
+// re-advertised to another (GoBGP, like any BGP speaker, would by
+// default). GoBGP applies the global import policy to local routes too,
+// hence the statement.
+func ownRoutesOnly() *api.Policy {
+	return &api.Policy{Name: ownRoutesPolicy, Statements: []*api.Statement{{
+		Name:       ownRoutesPolicy + "-local",
+		Conditions: &api.Conditions{RouteType: api.Conditions_ROUTE_TYPE_LOCAL},
+		Actions:    &api.Actions{RouteAction: api.RouteAction_ROUTE_ACTION_ACCEPT},
+	}}}
 }
 
 // applyConfig makes cfg the speaker's configuration. A change of its own
@@ -324,6 +353,12 @@ func (s *Speaker) peerEvent(ev *apiutil.WatchEventMessage_PeerEvent, _ time.Time
 	entry := s.log.WithFields(logrus.Fields{"peer": peer, "peer_asn": ev.Peer.State.PeerASN, "state": state})
 	if msg := ev.Peer.State.DisconnectMessage; msg != "" && up == 0 {
 		entry = entry.WithField("reason", msg)
+	}
+	if ev.Peer.State.AdminState == api.PeerState_ADMIN_STATE_PFX_CT && up == 0 {
+		s.metrics.prefixLimit.WithLabelValues(peer).Inc()
+		entry.WithField("field", "peers[].maxPrefixes").Error("BGP session closed: the peer sent more routes than its maxPrefixes; " +
+			"the router imports none and announces nothing to this peer until its configuration changes or the router restarts: filter what the peer sends, or raise maxPrefixes")
+		return
 	}
 	entry.Info("BGP session state")
 }
@@ -461,8 +496,14 @@ func (s *Speaker) apiPeer(p Peer) (*api.Peer, error) {
 	}
 	var afiSafis []*api.AfiSafi
 	for _, afi := range peerFamilies(netip.MustParseAddr(p.Address)) {
-		afiSafis = append(afiSafis, &api.AfiSafi{Config: &api.AfiSafiConfig{
-			Family: &api.Family{Afi: afi, Safi: api.Family_SAFI_UNICAST}, Enabled: true}})
+		family := &api.Family{Afi: afi, Safi: api.Family_SAFI_UNICAST}
+		a := &api.AfiSafi{Config: &api.AfiSafiConfig{Family: family, Enabled: true}}
+		if limit := p.maxPrefixes(); limit > 0 {
+			// GoBGP counts what the peer sent (its Adj-RIB-In), before the
+			// import policy rejects it, and warns at 75 %.
+			a.PrefixLimits = &api.PrefixLimit{Family: family, MaxPrefixes: limit, ShutdownThresholdPct: 75}
+		}
+		afiSafis = append(afiSafis, a)
 	}
 	hold := uint64(p.holdTime() / time.Second)
 	keepalive := hold / 3

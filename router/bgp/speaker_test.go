@@ -333,3 +333,34 @@ func TestAPIPeerFamilies(t *testing.T) {
 		}
 	}
 }
+
+// The limit of what a peer may send, per family: 1000 by default, none
+// with maxPrefixes 0, the given one otherwise.
+func TestAPIPeerPrefixLimits(t *testing.T) {
+	log := logrus.New()
+	log.Out = io.Discard
+	zero, fifty := uint32(0), uint32(50)
+	for _, tc := range []struct {
+		name  string
+		limit *uint32
+		want  uint32 // 0: no PrefixLimits
+	}{{"default", nil, DefaultMaxPrefixes}, {"maxPrefixes 0", &zero, 0}, {"maxPrefixes 50", &fifty, 50}} {
+		peer := Peer{Address: "192.0.2.1", ASN: 64500, MaxPrefixes: tc.limit}
+		conf, err := NewSpeaker(Config{ASN: 64512, Peers: []Peer{peer}}, log, nil).apiPeer(peer)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(conf.AfiSafis) != 2 {
+			t.Fatalf("%s: %d families, want IPv4 and IPv6", tc.name, len(conf.AfiSafis))
+		}
+		for _, a := range conf.AfiSafis {
+			got := a.GetPrefixLimits().GetMaxPrefixes()
+			if got != tc.want || (tc.want == 0) != (a.PrefixLimits == nil) {
+				t.Errorf("%s: %v limit %d (set %v), want %d", tc.name, a.Config.Family, got, a.PrefixLimits != nil, tc.want)
+			}
+			if a.PrefixLimits != nil && a.PrefixLimits.Family.Afi != a.Config.Family.Afi {
+				t.Errorf("%s: the limit's family %v is not the channel's %v", tc.name, a.PrefixLimits.Family, a.Config.Family)
+			}
+		}
+	}
+}

@@ -126,6 +126,8 @@ type peerOptions struct {
 	// ipv6OverIPv4 addresses the links with IPv6 too and lets the IPv4
 	// sessions carry IPv6 routes (multiprotocol BGP).
 	ipv6OverIPv4 bool
+	// originate are routes bird announces to the routers.
+	originate []netip.Prefix
 }
 
 // newBGPLab builds the bridge, one namespace per router, starts bird, and
@@ -190,7 +192,7 @@ func newBGPLab(t *testing.T, opts peerOptions, vip string, nodeLabels map[string
 				HoldTime: 3 * time.Second, KeepaliveTime: time.Second, BFD: opts.bfd, Password: opts.password})
 		}
 	}
-	cfg := bgppeer.Config{RouterID: bgpPeerAddr, ASN: bgpPeerASN, Neighbors: neighbors}
+	cfg := bgppeer.Config{RouterID: bgpPeerAddr, ASN: bgpPeerASN, Neighbors: neighbors, Originate: opts.originate}
 	if opts.bfd {
 		cfg.BFD = bgppeer.BFDIntervals{MinTx: 300 * time.Millisecond, MinRx: 300 * time.Millisecond, Multiplier: 3}
 	}
