@@ -118,8 +118,9 @@ func TestCluster(t *testing.T) {
 	}
 	dir := t.TempDir()
 	version := fmt.Sprintf("lab-%d", time.Now().Unix())
+	built := testimages.Build(t, dir, image.DefaultRegistry, version)
 	var archives []string
-	for _, r := range testimages.Build(t, dir, image.DefaultRegistry, version) {
+	for _, r := range built {
 		archives = append(archives, r.Archive)
 	}
 	example := filepath.Join(dir, "example-image.tar")
@@ -171,13 +172,16 @@ func TestCluster(t *testing.T) {
 		if err := os.Mkdir(nodeDir, 0o755); err != nil {
 			t.Fatal(err)
 		}
-		images := archives
+		images, late := archives, []string(nil)
 		if n.role == "worker" {
 			// lab-router is cordoned: the example runs on lab-worker only.
-			images = append(slices.Clone(archives), example)
+			// No router runs there; the uninstall's router-cleanup does,
+			// minutes later.
+			images = []string{built[image.Endpoint.Name].Archive, example}
+			late = []string{built[image.Router.Name].Archive}
 		}
 		files, err := lab.KubeletFiles(nodeDir, lab.KubeletOptions{NodeName: n.name, NodeIP: n.linkAddr,
-			PodCIDR: n.podCIDR, Admin: env.AdminConfig(), Images: images})
+			PodCIDR: n.podCIDR, Admin: env.AdminConfig(), Images: images, LateImages: late})
 		if err != nil {
 			t.Fatal(err)
 		}

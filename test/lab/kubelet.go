@@ -51,6 +51,11 @@ type KubeletOptions struct {
 	// Images are more image archives (make image's) imported into the
 	// node's containerd before the kubelet starts.
 	Images []string
+	// LateImages are imported after Images, in the background, for pods
+	// that start minutes later (the uninstall's on a worker): the two VMs
+	// share the host's cores, so an import one node does not need yet
+	// slows the other node's start-up.
+	LateImages []string
 }
 
 // containerdConfig is containerd 1.6's: the overlayfs snapshotter (on a
@@ -109,7 +114,8 @@ containerRuntimeEndpoint: unix:///run/containerd/containerd.sock
 // kubelet in the background (it registers the node meanwhile) and imports
 // the other images, all at once; it prints "T NAME SECONDS" lines (seconds since the
 // VM's boot) for the figures. Source it from /lab/run.sh: what follows it
-// runs once every image is there.
+// runs once every image but the late ones is there; those are imported
+// meanwhile.
 //
 // /run is made a shared mount, as systemd makes every mount: a container's
 // mountPropagation HostToContainer needs it (the endpoint agent's /run).
@@ -142,6 +148,9 @@ done
 # A bare wait would wait for containerd and the kubelet too.
 [ -z "$imports" ] || wait $imports
 echo "T images-imported $(up)"
+for a in /lab/kubelet/late-images/*.tar; do
+	[ -e "$a" ] && import_image "$a" &
+done
 `
 
 // KubernetesServiceDNAT stands in for kube-proxy (the lab runs none) for
@@ -171,6 +180,9 @@ func KubeletFiles(dir string, o KubeletOptions) (map[string]string, error) {
 	files["/lab/kubelet/images/sandbox.tar"] = sandbox
 	for _, a := range o.Images {
 		files["/lab/kubelet/images/"+filepath.Base(a)] = a
+	}
+	for _, a := range o.LateImages {
+		files["/lab/kubelet/late-images/"+filepath.Base(a)] = a
 	}
 	kc := rest.CopyConfig(o.Admin)
 	kc.Host = "https://" + HostForwardAddr + ":" + o.Admin.Host[strings.LastIndex(o.Admin.Host, ":")+1:]
