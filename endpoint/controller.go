@@ -303,7 +303,7 @@ func (c *Controller) updateReady() {
 	done := c.pending != nil && len(c.pending) == 0 && c.nodeSynced
 	c.mu.Unlock()
 	if done && !c.ready.Swap(true) {
-		c.log.Info("ready: the first full sync is done")
+		c.log.Info("ready: the first full sync is done") // the lab waits for this line (topology.Daemon.WaitReady)
 	}
 }
 

@@ -687,7 +687,7 @@ func (c *Controller) resync() error {
 		c.published.SetPolicy(c.policy)
 	}
 	if !c.synced1.Swap(true) {
-		c.log.Info("ready: the first full sync is done")
+		c.log.Info("ready: the first full sync is done") // the lab waits for this line (topology.Daemon.WaitReady)
 	}
 	return nil
 }
