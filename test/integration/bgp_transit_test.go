@@ -63,7 +63,7 @@ func TestBGPRouterIsNoTransit(t *testing.T) {
 		if run.limit != "" {
 			// A's 10,001 routes arrive; wait until router a holds them.
 			bgppeer.Poll(t, start, time.Minute, "peer A's routes sent to router a", func() (bool, string) {
-				n, err := importStats(lab.peer, "router_a", "Export updates:")
+				n, err := protocolStat(lab.peer, "router_a", "Export updates:")
 				return err == nil && n >= sent, fmt.Sprintf("%d exported (%v)", n, err)
 			})
 			time.Sleep(2 * time.Second) // what router a would re-advertise, it has
@@ -86,7 +86,7 @@ func TestBGPRouterIsNoTransit(t *testing.T) {
 		// B learned tunnel IPs from router a (this test's, and those of
 		// the other tests' Services on the same API server), each once,
 		// and nothing else, ever.
-		received, err := importStats(peerB, "router_a", "Import updates:")
+		received, err := protocolStat(peerB, "router_a", "Import updates:")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -136,10 +136,11 @@ func startSecondPeer(t *testing.T, lab *bgpLab) *bgppeer.Peer {
 	}}})
 }
 
-// importStats reads, from BIRD's "show protocols all NAME", the first
-// column (received, or for exports, accepted) of the IPv4 channel's row
-// that starts with row ("Import updates:", "Export updates:").
-func importStats(p *bgppeer.Peer, name, row string) (int, error) {
+// protocolStat reads, from BIRD's "show protocols all NAME", the first
+// column of the IPv4 channel's row that starts with row: for "Import
+// updates:" the updates received from the neighbour, for "Export
+// updates:" those the table offered to it.
+func protocolStat(p *bgppeer.Peer, name, row string) (int, error) {
 	out, err := p.Birdc("show", "protocols", "all", name)
 	if err != nil {
 		return 0, err

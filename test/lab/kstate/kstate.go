@@ -84,7 +84,7 @@ func Snapshot(ctx context.Context, ns string) (State, error) {
 		sources = append(sources, source{"mpls", []string{"-n", ns, "-o", "-f", "mpls", "route", "show"}, textLines})
 	}
 	for _, src := range sources {
-		out, err := run(ctx, ip, src.args...)
+		out, err := run(ctx, netns.None(), ip, src.args...)
 		if err != nil {
 			return State{}, fmt.Errorf("snapshot of netns %s: %w", ns, err)
 		}
@@ -112,7 +112,7 @@ func Snapshot(ctx context.Context, ns string) (State, error) {
 			continue
 		}
 		out, err := ipsetstate.ListRules(func() (string, error) {
-			out, err := runIn(ctx, handle, path)
+			out, err := run(ctx, handle, path)
 			return string(out), err
 		})
 		if err != nil {
@@ -139,27 +139,23 @@ func (s State) add(section string, lines []string) {
 	s.Sections[section] = lines
 }
 
-// runIn runs a command inside the network namespace ns: it is started
-// from a thread in ns, whose namespace the child inherits.
-func runIn(ctx context.Context, ns netns.NsHandle, name string, args ...string) ([]byte, error) {
-	var out []byte
-	err := nsexec.Do(ns, func() error {
-		var err error
-		out, err = run(ctx, name, args...)
-		return err
-	})
-	return out, err
-}
-
-func run(ctx context.Context, name string, args ...string) ([]byte, error) {
+// run runs a command and returns its output; a failure carries its
+// stderr. With ns open the command starts from a thread inside ns, whose
+// namespace it inherits; with netns.None() it runs where the test does.
+func run(ctx context.Context, ns netns.NsHandle, name string, args ...string) ([]byte, error) {
 	cmd := exec.CommandContext(ctx, name, args...)
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	var err error
+	if ns.IsOpen() {
+		err = nsexec.Do(ns, cmd.Run)
+	} else {
+		err = cmd.Run()
+	}
 	if err != nil {
 		return nil, fmt.Errorf("%s %s: %w: %s", name, strings.Join(args, " "), err, strings.TrimSpace(stderr.String()))
 	}
-	return out, nil
+	return stdout.Bytes(), nil
 }
 
 // fallbackDevices are created by the kernel in every namespace when a tunnel

@@ -1,6 +1,7 @@
 package topology
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -42,16 +43,13 @@ func InNS(ctx context.Context, ns, name string, args ...string) (string, error) 
 		return "", fmt.Errorf("%s %s in netns %s: %w", name, strings.Join(args, " "), ns, err)
 	}
 	defer h.Close()
-	var out []byte
-	err = nsexec.Do(h, func() error {
-		var err error
-		out, err = exec.CommandContext(ctx, name, args...).CombinedOutput()
-		return err
-	})
-	if err != nil {
-		return string(out), fmt.Errorf("%s %s in netns %s: %w: %s", name, strings.Join(args, " "), ns, err, strings.TrimSpace(string(out)))
+	cmd := exec.CommandContext(ctx, name, args...)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := nsexec.Do(h, cmd.Run); err != nil {
+		return out.String(), fmt.Errorf("%s %s in netns %s: %w: %s", name, strings.Join(args, " "), ns, err, strings.TrimSpace(out.String()))
 	}
-	return string(out), nil
+	return out.String(), nil
 }
 
 // Sysctl sets a sysctl (dotted name, e.g. net.ipv4.ip_forward) inside the
