@@ -27,7 +27,10 @@ package endpoint
 import (
 	"errors"
 	"fmt"
+	"net/netip"
 	"time"
+
+	"k8s.io/apimachinery/pkg/labels"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/mplslabel"
@@ -94,6 +97,27 @@ type Config struct {
 	// NetworkPolicy enforces the ingress NetworkPolicies of each served
 	// pod on its tunneled traffic, in the pod's filter table.
 	NetworkPolicy bool
+	// RouterNodes selects the router nodes (their Nodes' labels): each
+	// served pod accepts the carrier only from their addresses (every
+	// InternalIP and ExternalIP), kept current as they come and go. nil
+	// means DefaultRouterNodes.
+	RouterNodes labels.Selector
+	// CarrierSources are further addresses each served pod accepts the
+	// carrier from (--carrier-sources), beside the router nodes'.
+	CarrierSources []netip.Addr
+}
+
+// DefaultRouterNodes is the label of the router nodes (tunnel-router.yaml's
+// node selector).
+const DefaultRouterNodes = "node=tunnel"
+
+// routerNodes returns RouterNodes, or the default selector.
+func (c Config) routerNodes() labels.Selector {
+	if c.RouterNodes == nil {
+		sel, _ := labels.Parse(DefaultRouterNodes)
+		return sel
+	}
+	return c.RouterNodes
 }
 
 // IPv6Device is the name of the ip6gre decapsulation device of IPv6

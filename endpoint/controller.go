@@ -28,6 +28,7 @@ import (
 	"k8s.io/client-go/util/workqueue"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
 	"github.com/cmdnu/kube-service-tunnel/internal/livepolicy"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
@@ -85,7 +86,7 @@ func (i Informers) Shutdown() {
 func nodeNetworksChanged(old, obj any) bool {
 	o, n := old.(*corev1.Node), obj.(*corev1.Node)
 	return o.Spec.PodCIDR != n.Spec.PodCIDR || !slices.Equal(o.Spec.PodCIDRs, n.Spec.PodCIDRs) ||
-		!slices.Equal(o.Status.Addresses, n.Status.Addresses)
+		!slices.Equal(o.Status.Addresses, n.Status.Addresses) || !maps.Equal(o.Labels, n.Labels)
 }
 
 // Controller keeps every local endpoint pod of a tunnel Service configured.
@@ -431,6 +432,11 @@ func (c *Controller) recompute() error {
 		}
 		problems = append(problems, p...)
 	}
+	carriers := CarrierSources(nodes, c.cfg.routerNodes(), c.cfg.CarrierSources)
+	if len(desired) > 0 && len(carriers) == 0 && c.cfg.Mode == encap.GRE {
+		problems = append(problems, fmt.Sprintf("no Node matches --router-nodes %q with an InternalIP or ExternalIP: the served pods accept GRE from no router", c.cfg.routerNodes()))
+	}
+	WithGuards(desired, c.cfg, carriers)
 
 	c.mu.Lock()
 	// The routers record a TunnelIPRefused event; the agent logs the same

@@ -8,9 +8,11 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	networkingv1 "k8s.io/api/networking/v1"
+	"k8s.io/apimachinery/pkg/labels"
 
+	"github.com/cmdnu/kube-service-tunnel/endpoint/guard"
 	"github.com/cmdnu/kube-service-tunnel/endpoint/netpol"
-
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/kubeobj"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
@@ -31,11 +33,80 @@ type PodTunnels struct {
 	// accept everything and only turn on connection tracking in its
 	// namespace.
 	Policy, Policy6 *netpol.Rules
+	// Guard and Guard6 are the pod's carrier guard (WithGuards) for its
+	// IPv4 and IPv6 raw tables: each is nil when the pod has no address of
+	// its family.
+	Guard, Guard6 *guard.Rules
 }
 
 // Equal reports whether two desired states are the same.
 func (p PodTunnels) Equal(o PodTunnels) bool {
-	return p.Pod == o.Pod && slices.Equal(p.TunnelIPs, o.TunnelIPs) && p.Policy.Equal(o.Policy) && p.Policy6.Equal(o.Policy6)
+	return p.Pod == o.Pod && slices.Equal(p.TunnelIPs, o.TunnelIPs) && p.Policy.Equal(o.Policy) && p.Policy6.Equal(o.Policy6) &&
+		p.Guard.Equal(o.Guard) && p.Guard6.Equal(o.Guard6)
+}
+
+// GuardOf returns the pod's IPv6 carrier guard (ipv6) or its IPv4 one.
+func (p PodTunnels) GuardOf(ipv6 bool) *guard.Rules {
+	if ipv6 {
+		return p.Guard6
+	}
+	return p.Guard
+}
+
+// WithGuards sets the carrier guard of every pod of desired: the carrier is
+// accepted only from carriers (the router nodes' addresses), a decapsulated
+// packet only to one of the pod's tunnel IPs of its family, and a tunnel IP
+// only through the decapsulation path. A family of which the pod has no
+// address gets none (its table is not read).
+func WithGuards(desired map[string]PodTunnels, cfg Config, carriers []netip.Addr) {
+	for key, pt := range desired {
+		for _, ipv6 := range []bool{false, true} {
+			podIP := pt.Pod.Addr(ipv6)
+			if !podIP.IsValid() {
+				continue
+			}
+			p := guard.Params{MPLS: cfg.Mode == encap.MPLS, PodIP: podIP, TunnelIPs: pt.TunnelIPsOf(ipv6)}
+			for _, a := range carriers {
+				if a.Is6() == ipv6 {
+					p.Routers = append(p.Routers, a)
+				}
+			}
+			if !p.MPLS {
+				p.Device, p.Other = cfg.Device, cfg.IPv6Device()
+				if ipv6 {
+					p.Device, p.Other = p.Other, p.Device
+				}
+			}
+			if ipv6 {
+				pt.Guard6 = guard.Render(p)
+			} else {
+				pt.Guard = guard.Render(p)
+			}
+		}
+		desired[key] = pt
+	}
+}
+
+// CarrierSources returns the addresses the carrier is accepted from: every
+// InternalIP and ExternalIP of the Nodes that routers selects, and extra,
+// sorted and without duplicates.
+func CarrierSources(nodes []*corev1.Node, routers labels.Selector, extra []netip.Addr) []netip.Addr {
+	out := slices.Clone(extra)
+	for _, n := range nodes {
+		if !routers.Matches(labels.Set(n.Labels)) {
+			continue
+		}
+		for _, a := range n.Status.Addresses {
+			if a.Type != corev1.NodeInternalIP && a.Type != corev1.NodeExternalIP {
+				continue
+			}
+			if ip, err := netip.ParseAddr(a.Address); err == nil && ip.Zone() == "" {
+				out = append(out, ip.Unmap())
+			}
+		}
+	}
+	slices.SortFunc(out, netip.Addr.Compare)
+	return slices.Compact(out)
 }
 
 // Isolated reports whether a NetworkPolicy restricts the pod's tunneled

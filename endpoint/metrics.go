@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cmdnu/kube-service-tunnel/endpoint/guard"
 	"github.com/cmdnu/kube-service-tunnel/endpoint/netpol"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/prometheus/client_golang/prometheus"
@@ -37,11 +38,19 @@ type DecapCounterReader interface {
 	DecapCounters(ns netns.NsHandle, ipv6 bool) (DecapCounters, error)
 }
 
-// PolicyCounterReader reads, in a pod's namespace, the counters of what
-// each tunnel IP's network policy dropped, from the IPv6 (ipv6) or the IPv4
-// filter table (*PodNetwork).
-type PolicyCounterReader interface {
-	PolicyDrops(ns netns.NsHandle, ipv6 bool) (map[netip.Addr]netpol.Counter, error)
+// RuleCounterReader reads, in a pod's namespace, the counters of what the
+// agent's rules dropped, from the IPv6 (ipv6) or the IPv4 tables
+// (*PodNetwork).
+type RuleCounterReader interface {
+	RuleDrops(ns netns.NsHandle, ipv6 bool) (RuleDrops, error)
+}
+
+// RuleDrops are the counters of what the agent's rules in one family's
+// tables of a pod dropped: each tunnel IP's network policy, and the carrier
+// guard by reason (guard.Reasons).
+type RuleDrops struct {
+	Policy map[netip.Addr]netpol.Counter
+	Guard  map[string]guard.Counter
 }
 
 // Metrics are the endpoint agent's Prometheus metrics. A nil *Metrics
@@ -64,9 +73,10 @@ type Metrics struct {
 
 // NewMetrics registers the agent's metrics on reg (nil: not exported). The
 // decapsulation devices' counters are read through decap at each scrape;
-// nil leaves them out (mpls mode has no such device). So are the network
-// policy's drop counters, through drops (nil: network policy is off).
-func NewMetrics(reg prometheus.Registerer, decap DecapCounterReader, drops PolicyCounterReader) *Metrics {
+// nil leaves them out (mpls mode has no such device). So are the carrier
+// guard's drop counters and, with policy (network policy is on), the
+// network policy's, through drops (nil: none of them).
+func NewMetrics(reg prometheus.Registerer, decap DecapCounterReader, drops RuleCounterReader, policy bool) *Metrics {
 	m := &Metrics{
 		tunnelIPs: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kube_service_tunnel_endpoint_tunnel_ips",
@@ -100,6 +110,7 @@ func NewMetrics(reg prometheus.Registerer, decap DecapCounterReader, drops Polic
 		vips: map[netip.Addr]bool{},
 	}
 	m.decap = newDecapCollector(decap, drops)
+	m.decap.policyOn = policy
 	for _, kind := range []string{syncKindPod, syncKindNode, syncKindDesired, syncKindResync} {
 		m.syncErrors.WithLabelValues(kind)
 	}
@@ -186,19 +197,19 @@ func (m *Metrics) desiredState(desired map[string]PodTunnels, refused []tunnelcl
 // keepNamespace hands the namespace of a pod just converged to want to the
 // counters' collector, which owns it from then on (and closes the one it
 // had for the pod), when it has counters to read there: the decapsulation
-// device's (gre mode), or the drops of a policy that isolates the pod. It
+// device's (gre mode), or the drops of its carrier guard and policy. It
 // reports whether it took it; when not, the caller closes it, and the
 // collector stops reading the pod.
 func (m *Metrics) keepNamespace(pod string, want PodTunnels, ns netns.NsHandle) bool {
 	if m == nil {
 		return false
 	}
-	policy := want.Isolated() && m.decap.drops != nil
-	if len(want.TunnelIPs) == 0 || m.decap.reader == nil && !policy {
+	guarded := m.decap.drops != nil && (want.Guard != nil || want.Guard6 != nil)
+	if len(want.TunnelIPs) == 0 || m.decap.reader == nil && !guarded {
 		m.forgetPod(pod)
 		return false
 	}
-	m.decap.keep(pod, want, m.decap.drops != nil, ns)
+	m.decap.keep(pod, want, m.decap.drops != nil && m.decap.policyOn, ns)
 	return true
 }
 
@@ -223,9 +234,11 @@ func (m *Metrics) release() {
 // kernel at each scrape.
 type decapCollector struct {
 	reader                 DecapCounterReader
-	drops                  PolicyCounterReader
+	drops                  RuleCounterReader
+	policyOn               bool
 	packets, bytes         *prometheus.Desc
 	dropPackets, dropBytes *prometheus.Desc
+	guardPackets           *prometheus.Desc
 	errors                 prometheus.Counter
 
 	// mu guards pods only: a scrape reads through duplicates of the
@@ -271,9 +284,10 @@ type decapFamily struct {
 	ipv6   bool
 	vip    string
 	policy bool
+	guard  bool
 }
 
-func newDecapCollector(reader DecapCounterReader, drops PolicyCounterReader) *decapCollector {
+func newDecapCollector(reader DecapCounterReader, drops RuleCounterReader) *decapCollector {
 	// A pod's device holds all its tunnel IPs of the device's family and
 	// the kernel counts per device: vip is the pod's tunnel IP of that
 	// family, or all of them comma-separated when it serves several.
@@ -285,6 +299,8 @@ func newDecapCollector(reader DecapCounterReader, drops PolicyCounterReader) *de
 			"Tunneled packets to the tunnel IP that the pod's NetworkPolicies do not admit, dropped in the pod (read from the pod's filter table at scrape time).", []string{"vip", "pod"}, nil),
 		dropBytes: prometheus.NewDesc("kube_service_tunnel_endpoint_policy_dropped_bytes_total",
 			"Bytes of the tunneled packets the pod's NetworkPolicies dropped (read from the pod's filter table at scrape time).", []string{"vip", "pod"}, nil),
+		guardPackets: prometheus.NewDesc("kube_service_tunnel_endpoint_guard_dropped_packets_total",
+			"Packets the carrier guard dropped in the pod, by reason: carrier-source (GRE to the pod IP from an address that is not a router node's), inner-destination (a decapsulated packet to an address that is not one of the pod's tunnel IPs), bypass (a packet to a tunnel IP that did not come through the decapsulation path); read from the pod's raw table at scrape time.", []string{"pod", "family", "reason"}, nil),
 		packets: prometheus.NewDesc("kube_service_tunnel_endpoint_decap_received_packets_total",
 			"Packets the pod's decapsulation device received (gre mode; read from the kernel's link statistics at scrape time).", labels, nil),
 		bytes: prometheus.NewDesc("kube_service_tunnel_endpoint_decap_received_bytes_total",
@@ -312,7 +328,7 @@ func (d *decapCollector) keep(pod string, want PodTunnels, drops bool, ns netns.
 			ips[i] = ip.String()
 		}
 		rules := want.PolicyOf(ipv6)
-		p.families = append(p.families, decapFamily{ipv6: ipv6, vip: strings.Join(ips, ","), policy: drops && rules != nil && rules.Isolated})
+		p.families = append(p.families, decapFamily{ipv6: ipv6, vip: strings.Join(ips, ","), policy: drops && rules != nil && rules.Isolated, guard: want.GuardOf(ipv6) != nil})
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -341,6 +357,7 @@ func (d *decapCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- d.bytes
 	ch <- d.dropPackets
 	ch <- d.dropBytes
+	ch <- d.guardPackets
 }
 
 // Collect implements prometheus.Collector: a pod whose counters cannot be
@@ -400,15 +417,28 @@ func (d *decapCollector) appendFamily(out []prometheus.Metric, pod string, ns ne
 				prometheus.MustNewConstMetric(d.bytes, prometheus.CounterValue, float64(c.Bytes), f.vip, pod))
 		}
 	}
-	if d.drops != nil && f.policy {
-		dropped, err := d.drops.PolicyDrops(ns, f.ipv6)
-		if err != nil {
-			d.errors.Inc()
-			return out
+	policy := f.policy && d.policyOn
+	if d.drops == nil || !policy && !f.guard {
+		return out
+	}
+	dropped, err := d.drops.RuleDrops(ns, f.ipv6)
+	if err != nil {
+		d.errors.Inc()
+		return out
+	}
+	if f.guard {
+		family := "IPv4"
+		if f.ipv6 {
+			family = "IPv6"
 		}
-		vips := slices.SortedFunc(maps.Keys(dropped), netip.Addr.Compare)
+		for _, reason := range guard.Reasons {
+			out = append(out, prometheus.MustNewConstMetric(d.guardPackets, prometheus.CounterValue, float64(dropped.Guard[reason].Packets), pod, family, reason))
+		}
+	}
+	if policy {
+		vips := slices.SortedFunc(maps.Keys(dropped.Policy), netip.Addr.Compare)
 		for _, vip := range vips {
-			c := dropped[vip]
+			c := dropped.Policy[vip]
 			out = append(out, prometheus.MustNewConstMetric(d.dropPackets, prometheus.CounterValue, float64(c.Packets), vip.String(), pod),
 				prometheus.MustNewConstMetric(d.dropBytes, prometheus.CounterValue, float64(c.Bytes), vip.String(), pod))
 		}

@@ -65,7 +65,7 @@ func TestDecapCountersFromKernel(t *testing.T) {
 	}
 
 	reg := prometheus.NewRegistry()
-	m := NewMetrics(reg, pn, nil)
+	m := NewMetrics(reg, pn, nil, false)
 	t.Cleanup(m.release)
 	fd, err := unix.Dup(int(pod.Handle))
 	if err != nil {

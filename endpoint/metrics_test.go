@@ -18,8 +18,10 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 
+	"github.com/cmdnu/kube-service-tunnel/endpoint/guard"
 	"github.com/cmdnu/kube-service-tunnel/endpoint/netpol"
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/test/support/promtest"
 )
 
@@ -140,7 +142,7 @@ func TestControllerMetrics(t *testing.T) {
 	node := &scriptedNode{}
 	counters := &fixedCounters{c: DecapCounters{Packets: 42, Bytes: 4200}}
 	reg := prometheus.NewRegistry()
-	client, ctrl := startControllerWith(t, loc, pods, node, NewMetrics(reg, counters, nil), objects...)
+	client, ctrl := startControllerWith(t, loc, pods, node, NewMetrics(reg, counters, nil, false), objects...)
 
 	waitFor(t, "first full sync", ctrl.Ready)
 	if got := promtest.Series(t, reg, "kube_service_tunnel_endpoint_tunnel_ips")[""]; got != 2 {
@@ -239,7 +241,7 @@ func TestReadyAfterFirstFullSync(t *testing.T) {
 	pods := &scriptedPods{held: map[string][]netip.Addr{}}
 	node := &scriptedNode{}
 	reg := daemon.NewRegistry()
-	_, ctrl := startControllerWith(t, loc, pods, node, NewMetrics(reg, nil, nil), objects...)
+	_, ctrl := startControllerWith(t, loc, pods, node, NewMetrics(reg, nil, nil, false), objects...)
 
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
@@ -320,11 +322,11 @@ func (familyCounters) DecapCounters(_ netns.NsHandle, ipv6 bool) (DecapCounters,
 	return DecapCounters{Packets: 4, Bytes: 400}, nil
 }
 
-func (familyCounters) PolicyDrops(_ netns.NsHandle, ipv6 bool) (map[netip.Addr]netpol.Counter, error) {
+func (familyCounters) RuleDrops(_ netns.NsHandle, ipv6 bool) (RuleDrops, error) {
 	if ipv6 {
-		return map[netip.Addr]netpol.Counter{v6vip1: {Packets: 2, Bytes: 160}}, nil
+		return RuleDrops{Policy: map[netip.Addr]netpol.Counter{v6vip1: {Packets: 2, Bytes: 160}}, Guard: map[string]guard.Counter{guard.CarrierSource: {Packets: 7}}}, nil
 	}
-	return map[netip.Addr]netpol.Counter{vip1: {Packets: 1, Bytes: 60}}, nil
+	return RuleDrops{Policy: map[netip.Addr]netpol.Counter{vip1: {Packets: 1, Bytes: 60}}, Guard: map[string]guard.Counter{guard.Bypass: {Packets: 3}}}, nil
 }
 
 // TestMetricsDualStack: a dual-stack pod's decapsulation counters are
@@ -333,8 +335,11 @@ func (familyCounters) PolicyDrops(_ netns.NsHandle, ipv6 bool) (map[netip.Addr]n
 // label values like IPv4 ones.
 func TestMetricsDualStack(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	m := NewMetrics(reg, familyCounters{}, familyCounters{})
+	m := NewMetrics(reg, familyCounters{}, familyCounters{}, true)
 	w := isolated(want6(vip1, v6vip1, v6vip2))
+	guarded := map[string]PodTunnels{"a/web-1": w}
+	WithGuards(guarded, testConfig(encap.GRE), nil)
+	w = guarded["a/web-1"]
 	m.desiredState(map[string]PodTunnels{"a/web-1": w}, nil)
 	if !m.keepNamespace("a/web-1", w, netns.None()) {
 		t.Fatal("the namespace of a served pod was not kept")
@@ -344,6 +349,10 @@ func TestMetricsDualStack(t *testing.T) {
 		"kube_service_tunnel_endpoint_decap_received_packets_total": {"pod=a/web-1,vip=192.0.2.10": 4, "pod=a/web-1,vip=2001:db8::10,2001:db8::11": 6},
 		"kube_service_tunnel_endpoint_policy_dropped_packets_total": {"pod=a/web-1,vip=192.0.2.10": 1, "pod=a/web-1,vip=2001:db8::10": 2},
 		"kube_service_tunnel_endpoint_local_endpoints":              {"vip=192.0.2.10": 1, "vip=2001:db8::10": 1, "vip=2001:db8::11": 1},
+		"kube_service_tunnel_endpoint_guard_dropped_packets_total": {
+			"family=IPv4,pod=a/web-1,reason=bypass": 3, "family=IPv4,pod=a/web-1,reason=carrier-source": 0, "family=IPv4,pod=a/web-1,reason=inner-destination": 0,
+			"family=IPv6,pod=a/web-1,reason=bypass": 0, "family=IPv6,pod=a/web-1,reason=carrier-source": 7, "family=IPv6,pod=a/web-1,reason=inner-destination": 0,
+		},
 	} {
 		if got := promtest.Series(t, reg, name); !mapsEqual(got, want) {
 			t.Errorf("%s = %v, want %v", name, got, want)

@@ -2,8 +2,12 @@ package endpoint
 
 import (
 	"flag"
+	"fmt"
+	"net/netip"
 	"strconv"
 	"strings"
+
+	"k8s.io/apimachinery/pkg/labels"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
@@ -65,6 +69,31 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.Workers, "workers", o.Workers, "pods configured in parallel")
 	daemon.AddPolicyFlags(fs, &o.Policy)
 	fs.BoolVar(&o.NetworkPolicy, "network-policy", o.NetworkPolicy, "enforce each served pod's ingress NetworkPolicies on its tunneled traffic, with iptables rules in the pod's network namespace (false: tunneled traffic bypasses them, and rules of an earlier run are removed)")
+	fs.Func("router-nodes", "label selector of the router nodes: each served pod accepts the carrier (GRE) only from their InternalIP and ExternalIP addresses (default \""+DefaultRouterNodes+"\")", func(s string) error {
+		sel, err := labels.Parse(s)
+		if err != nil {
+			return fmt.Errorf("--router-nodes %q: %w", s, err)
+		}
+		if sel.Empty() {
+			return fmt.Errorf("--router-nodes %q: selects every node, whose addresses would all be trusted to speak through the tunnel", s)
+		}
+		o.RouterNodes = sel
+		return nil
+	})
+	fs.Func("carrier-sources", "comma-separated further addresses each served pod accepts the carrier (GRE) from, beside the router nodes' (for a router whose packets leave from another address)", func(s string) error {
+		o.CarrierSources = nil
+		for _, f := range strings.Split(s, ",") {
+			if f = strings.TrimSpace(f); f == "" {
+				continue
+			}
+			a, err := netip.ParseAddr(f)
+			if err != nil || a.Zone() != "" {
+				return fmt.Errorf("--carrier-sources: %q is not an IP address", f)
+			}
+			o.CarrierSources = append(o.CarrierSources, a.Unmap())
+		}
+		return nil
+	})
 	fs.Func("iptables-backend", `iptables backend for the network policy rules in pods: "auto" (the node's, as the router chooses it), "nft", "legacy", or "system" (the iptables command on PATH) (default "auto")`, func(s string) error {
 		b, err := iptbackend.Parse(s)
 		o.IPTablesBackend = b

@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"slices"
 
+	"github.com/cmdnu/kube-service-tunnel/endpoint/guard"
 	"github.com/cmdnu/kube-service-tunnel/endpoint/netpol"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
@@ -33,7 +34,9 @@ type DecapDevice interface {
 // IPv6 address as local address, likewise. The kernel hands a GRE packet
 // to a device whose local address is the packet's destination whatever its
 // source when no device names that source as its remote
-// (ip6gre_tunnel_lookup, ip_tunnel_lookup).
+// (ip6gre_tunnel_lookup, ip_tunnel_lookup): the carrier guard
+// (endpoint/guard), written before the device, drops GRE from any source
+// but the routers.
 type GRE struct{}
 
 // NewLink implements DecapDevice: an ip6gre device for an IPv6 local
@@ -163,21 +166,16 @@ func (p *PodNetwork) Sync(ns netns.NsHandle, want PodTunnels) ([]PodChange, erro
 }
 
 // planAndApply plans the changes from have to want and makes them, returning
-// those made; read6 says whether the pod's IPv6 filter table is read (a pod
+// those made; read6 says whether the pod's IPv6 tables are read (a pod
 // without an IPv6 address has none of the agent's rules there).
 //
-// The filter table (network policy) is read and written by iptables
-// commands run in the pod, much slower than netlink. An isolated pod's
-// rules must be in place before its tunnel IPs, and removed rules go after
-// them, so the table is read first and its change planned with the rest.
-// A served pod that no policy isolates needs only the connection tracking
-// rule: its tunnel IPs come first, and the table after, so that a new pod
-// starts answering without waiting for iptables.
+// The tables (carrier guard and network policy) are read by iptables-save
+// run in the pod, much slower than netlink, but first: a served pod's
+// guard must be in place before its decapsulation device and tunnel IPs
+// (a device without it decapsulates GRE from anyone), and removed rules go
+// after them.
 func (p *PodNetwork) planAndApply(c *podConn, want PodTunnels, have podState, read6 bool) ([]PodChange, error) {
-	tablesFirst := want.Isolated() || len(want.TunnelIPs) == 0
-	if tablesFirst {
-		p.readTables(c.ns, &have, read6)
-	}
+	p.readTables(c.ns, &have, read6)
 	acts, err := planPod(p.cfg, want, have)
 	if err != nil {
 		return nil, err
@@ -186,20 +184,6 @@ func (p *PodNetwork) planAndApply(c *podConn, want PodTunnels, have podState, re
 		if err := p.apply(c, a); err != nil {
 			return acts[:i], fmt.Errorf("%s: %w", a, err)
 		}
-	}
-	if tablesFirst || p.tables == nil {
-		return acts, nil
-	}
-	p.readTables(c.ns, &have, read6)
-	policy, err := planPolicy(want, have)
-	if err != nil {
-		return acts, err
-	}
-	for _, a := range policy {
-		if err := p.apply(c, a); err != nil {
-			return acts, fmt.Errorf("%s: %w", a, err)
-		}
-		acts = append(acts, a)
 	}
 	return acts, nil
 }
@@ -214,7 +198,7 @@ func (p *PodNetwork) readTables(ns netns.NsHandle, st *podState, read6 bool) {
 	if save, err := p.tables.Save(ns, false); err != nil {
 		st.PolicyErr = err
 	} else {
-		st.Policy = netpol.ParseSave(save)
+		st.Policy, st.Guard = netpol.ParseSave(save), guard.ParseSave(save)
 	}
 	if !read6 {
 		return
@@ -223,7 +207,7 @@ func (p *PodNetwork) readTables(ns netns.NsHandle, st *podState, read6 bool) {
 	if save, err := p.tables.Save(ns, true); err != nil {
 		st.PolicyErr6 = err
 	} else {
-		st.Policy6 = netpol.ParseSave(save)
+		st.Policy6, st.Guard6 = netpol.ParseSave(save), guard.ParseSave(save)
 	}
 }
 
@@ -458,6 +442,20 @@ func (p *PodNetwork) PolicyDrops(ns netns.NsHandle, ipv6 bool) (map[netip.Addr]n
 	return netpol.ParseSave(save).Dropped, nil
 }
 
+// RuleDrops reads, in the pod namespace ns, the counters of what the
+// agent's rules dropped, from the IPv6 tables (ipv6) or the IPv4 ones: one
+// iptables-save for the network policy's and the carrier guard's.
+func (p *PodNetwork) RuleDrops(ns netns.NsHandle, ipv6 bool) (RuleDrops, error) {
+	if p.tables == nil {
+		return RuleDrops{}, errors.New("no iptables to read the agent's rules with")
+	}
+	save, err := p.tables.Save(ns, ipv6)
+	if err != nil {
+		return RuleDrops{}, err
+	}
+	return RuleDrops{Policy: netpol.ParseSave(save).Dropped, Guard: guard.ParseSave(save).Dropped}, nil
+}
+
 // defaultRoute returns the IPv6 (ipv6) or IPv4 default route of the main
 // table.
 func defaultRoute(nl *netlink.Handle, ipv6 bool) (netlink.Route, bool, error) {
@@ -559,9 +557,9 @@ func (p *PodNetwork) apply(c *podConn, a PodChange) error {
 			return err
 		}
 		return nil
-	case actSyncPolicy:
+	case actSyncPolicy, actSyncGuard:
 		if p.tables == nil {
-			return errors.New("no iptables to write the network policy rules with")
+			return errors.New("no iptables to write the agent's rules with")
 		}
 		return p.tables.Restore(c.ns, a.IPv6, a.Payload)
 	case actSetAdvMSS:

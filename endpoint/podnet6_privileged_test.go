@@ -219,7 +219,7 @@ func TestPodNetworkDualStackDevices(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got, want := render(acts), "create device, local 198.18.11.11; set device alias kube-service-tunnel; sysctl net/ipv4/conf/kst-decap/forwarding=0; set device up; sysctl net/ipv4/conf/kst-decap/rp_filter=2; "+
+	if got, want := render(acts), "create device, local 198.18.11.11; set device alias kube-service-tunnel; sysctl net/ipv4/conf/kst-decap/forwarding=0; sysctl net/ipv6/conf/kst-decap/disable_ipv6=1; set device up; sysctl net/ipv4/conf/kst-decap/rp_filter=2; "+
 		"create IPv6 device, local fd00:198:18:11::11; set IPv6 device alias kube-service-tunnel; set IPv6 device up; add tunnel IP 192.0.2.10 on device; add tunnel IP 2001:db8::10 on IPv6 device"; got != want {
 		t.Fatalf("first sync:\n got  %s\n want %s", got, want)
 	}

@@ -421,26 +421,35 @@ func TestCleanupRemovesPolicyRules(t *testing.T) {
 	}
 }
 
-func TestPodNetworkTrackingRuleAfterTheTunnelIP(t *testing.T) {
+// The agent's rules go before the decapsulation device and the tunnel IP,
+// even for a pod that no policy isolates: a device without the carrier
+// guard decapsulates GRE from anyone.
+func TestPodNetworkRulesBeforeTheTunnelIP(t *testing.T) {
 	if _, err := exec.LookPath("iptables-save"); err != nil {
 		t.Skip("no iptables-save")
 	}
 	ip := netip.MustParseAddr("198.18.10.41")
 	pod, _ := podAndNode(t, ip)
-	pn := standInPodNetwork(testConfig(encap.GRE)).WithPolicyTables(NamespaceIPTables{Binary: "iptables"})
+	cfg := testConfig(encap.GRE)
+	pn := standInPodNetwork(cfg).WithPolicyTables(NamespaceIPTables{Binary: "iptables"})
 	w := want(vip1)
 	w.Pod.IP = ip
 	w.Policy = netpol.Render(netpol.Ingress{}, w.TunnelIPs) // not isolated
+	desired := map[string]PodTunnels{"p": w}
+	WithGuards(desired, cfg, []netip.Addr{netip.MustParseAddr("198.18.0.1")})
+	w = desired["p"]
 	acts, err := pn.Sync(pod.Handle, w)
 	if err != nil {
 		t.Fatal(err)
 	}
-	// A pod no policy isolates answers first; its tracking rule follows.
-	if got := render(acts); !strings.HasSuffix(got, "add tunnel IP 192.0.2.10 on device; write network policy rules "+w.Policy.Digest) {
-		t.Fatalf("changes %q: want the tunnel IP, then the tracking rule", got)
+	if got := render(acts); !strings.HasPrefix(got, "write carrier guard "+w.Guard.Digest+"; write network policy rules "+w.Policy.Digest+"; create device") {
+		t.Fatalf("changes %q: want the guard, then the tracking rule, then the device", got)
 	}
 	if rules := pod.Run("iptables", "-S"); strings.Contains(rules, "-j KST-POLICY") || !strings.Contains(rules, "-A KST-POLICY -m conntrack --ctstate RELATED,ESTABLISHED") {
 		t.Fatalf("want the tracking rule alone, no jump:\n%s", rules)
+	}
+	if rules := pod.Run("iptables", "-t", "raw", "-S"); !strings.Contains(rules, "-A PREROUTING -m comment --comment \"kube-service-tunnel:"+w.Guard.Digest+"\" -j KST-GUARD") {
+		t.Fatalf("want the guard's jump first in PREROUTING:\n%s", rules)
 	}
 	if acts, err := pn.Sync(pod.Handle, w); err != nil || len(acts) != 0 {
 		t.Fatalf("second sync: %q, %v; want no change", render(acts), err)

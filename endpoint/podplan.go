@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strconv"
 
+	"github.com/cmdnu/kube-service-tunnel/endpoint/guard"
 	"github.com/cmdnu/kube-service-tunnel/endpoint/netpol"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 )
@@ -56,6 +57,9 @@ type podState struct {
 	Tables6Read bool
 	Policy6     netpol.Observed
 	PolicyErr6  error
+	// Guard and Guard6 are what the IPv4 and IPv6 raw tables hold of the
+	// carrier guard (read with the filter tables).
+	Guard, Guard6 guard.Observed
 }
 
 // device returns the state of the IPv6 device (ipv6) or of the IPv4 one.
@@ -91,6 +95,7 @@ const (
 	actDelPopRoute
 	actSetAdvMSS
 	actSyncPolicy
+	actSyncGuard
 )
 
 // PodChange is one change to a pod's namespace, as planned and made.
@@ -107,8 +112,9 @@ type PodChange struct {
 	Sysctl   string // actSetSysctl: name relative to /proc/sys
 	Value    string // actSetSysctl: value
 	MSS      int    // actSetAdvMSS: 0 removes it
-	// Payload is actSyncPolicy's iptables-restore input; Digest names the
-	// policy it writes ("" when it removes the agent's rules).
+	// Payload is actSyncPolicy's (actSyncGuard's) iptables-restore input;
+	// Digest names the policy (guard) it writes ("" when it removes the
+	// agent's rules).
 	Payload []byte
 	Digest  string
 }
@@ -140,6 +146,11 @@ func (a PodChange) String() string {
 			return "remove " + a.family() + "network policy rules"
 		}
 		return "write " + a.family() + "network policy rules " + a.Digest
+	case actSyncGuard:
+		if a.Digest == "" {
+			return "remove " + a.family() + "carrier guard"
+		}
+		return "write " + a.family() + "carrier guard " + a.Digest
 	}
 	return fmt.Sprintf("action %d", a.Kind)
 }
@@ -184,6 +195,11 @@ func (a PodChange) Operation() (object, operation string) {
 			return "policy_rules", "remove"
 		}
 		return "policy_rules", "restore"
+	case actSyncGuard:
+		if a.Digest == "" {
+			return "carrier_guard", "remove"
+		}
+		return "carrier_guard", "restore"
 	}
 	return "unknown", strconv.Itoa(int(a.Kind))
 }
@@ -215,10 +231,10 @@ func disableIPv6Sysctl(dev string) string { return "net/ipv6/conf/" + dev + "/di
 // IPv6 address.
 func podSysctls(cfg Config, st podState, ipv6 bool) []string {
 	if cfg.Mode == encap.GRE {
-		names := []string{rpFilterSysctl(cfg.Device), forwardingSysctl(cfg.Device)}
+		// A new device takes the namespace's default.
+		names := []string{rpFilterSysctl(cfg.Device), forwardingSysctl(cfg.Device), disableIPv6Sysctl(cfg.Device), disableIPv6Sysctl("default")}
 		if ipv6 {
-			// A new device takes the namespace's default.
-			names = append(names, disableIPv6Sysctl(cfg.IPv6Device()), disableIPv6Sysctl("default"))
+			names = append(names, disableIPv6Sysctl(cfg.IPv6Device()))
 		}
 		return names
 	}
@@ -322,8 +338,14 @@ func planPod(cfg Config, want PodTunnels, have podState) ([]PodChange, error) {
 	if have.PopRoute && len(wantLo4)+len(wantLo6) == 0 {
 		acts = append(acts, PodChange{Kind: actDelPopRoute})
 	}
-	// The policy rules change after the tunnel IPs that leave and before
-	// those that come, so that no tunnel IP is ever served unfiltered.
+	// The carrier guard and the policy rules change after the tunnel IPs
+	// that leave and before the decapsulation paths and tunnel IPs that
+	// come, so that no tunnel IP is ever served unguarded or unfiltered.
+	guards, err := planGuard(want, have)
+	if err != nil {
+		return nil, err
+	}
+	acts = append(acts, guards...)
 	policy, err := planPolicy(want, have)
 	if err != nil {
 		return nil, err
@@ -349,6 +371,18 @@ func planPod(cfg Config, want PodTunnels, have podState) ([]PodChange, error) {
 			// Off before the device is up (see above).
 			if dev == nil || have.Sysctls[forwardingSysctl(cfg.Device)] != "0" {
 				acts = append(acts, PodChange{Kind: actSetSysctl, Sysctl: forwardingSysctl(cfg.Device), Value: "0"})
+			}
+			// The IPv4 device carries IPv4 only: IPv6 inside IPv4 GRE
+			// would reach the device's link-local address and the
+			// multicast groups it joins, which no guard rule covers in a
+			// pod without an IPv6 address (a kernel without IPv6 has no
+			// such sysctl).
+			disabled := have.Sysctls[disableIPv6Sysctl(cfg.Device)]
+			if dev == nil {
+				disabled = have.Sysctls[disableIPv6Sysctl("default")]
+			}
+			if disabled != "" && disabled != "1" {
+				acts = append(acts, PodChange{Kind: actSetSysctl, Sysctl: disableIPv6Sysctl(cfg.Device), Value: "1"})
 			}
 			if dev == nil || !dev.Up {
 				acts = append(acts, PodChange{Kind: actSetDeviceUp})
@@ -457,6 +491,41 @@ func planPolicy(want PodTunnels, have podState) ([]PodChange, error) {
 			continue
 		}
 		a := PodChange{Kind: actSyncPolicy, IPv6: f.ipv6, Payload: payload}
+		if rules != nil {
+			a.Digest = rules.Digest
+		}
+		acts = append(acts, a)
+	}
+	return acts, nil
+}
+
+// planGuard returns the changes that make the pod's raw tables hold want's
+// carrier guard: the IPv4 table's, then the IPv6 one's, each only when it
+// was read and differs. A guarded family whose table could not be read is
+// an error: its tunnel IPs must not be served unguarded.
+func planGuard(want PodTunnels, have podState) ([]PodChange, error) {
+	var acts []PodChange
+	for _, f := range []struct {
+		ipv6 bool
+		read bool
+		have guard.Observed
+		err  error
+	}{{false, have.TablesRead, have.Guard, have.PolicyErr}, {true, have.Tables6Read, have.Guard6, have.PolicyErr6}} {
+		if !f.read {
+			continue
+		}
+		rules := want.GuardOf(f.ipv6)
+		if f.err != nil {
+			if rules != nil {
+				return nil, fmt.Errorf("reading the pod's %sraw table for its carrier guard: %w", PodChange{IPv6: f.ipv6}.family(), f.err)
+			}
+			continue
+		}
+		payload := guard.Update(rules, f.have)
+		if payload == nil {
+			continue
+		}
+		a := PodChange{Kind: actSyncGuard, IPv6: f.ipv6, Payload: payload}
 		if rules != nil {
 			a.Digest = rules.Digest
 		}

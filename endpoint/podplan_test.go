@@ -278,7 +278,7 @@ func TestPlanPodDualStack(t *testing.T) {
 	}{
 		{name: "gre: fresh dual-stack pod gets both devices", mode: encap.GRE, want: want6(vip1, v6vip1),
 			have: podState{PodLink: "eth0", PodLink6: "eth0", Sysctls: map[string]string{"net/ipv6/conf/default/disable_ipv6": "0"}},
-			plan: greCreate4 + "; " + greCreate6 + "; add tunnel IP 192.0.2.10 on device; add tunnel IP 2001:db8::10 on IPv6 device"},
+			plan: strings.Replace(greCreate4, "; set device up", "; sysctl net/ipv6/conf/kst-decap/disable_ipv6=1; set device up", 1) + "; " + greCreate6 + "; add tunnel IP 192.0.2.10 on device; add tunnel IP 2001:db8::10 on IPv6 device"},
 		{name: "gre: already right means no change (adoption)", mode: encap.GRE, want: want6(vip1, v6vip1), have: greDual(), plan: ""},
 		{name: "gre: the IPv6 tunnel IP leaves, then its device; IPv4 untouched", mode: encap.GRE, want: want6(vip1), have: greDual(),
 			plan: "remove tunnel IP 2001:db8::10 on IPv6 device; delete IPv6 device"},

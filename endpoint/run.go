@@ -86,11 +86,7 @@ func Main(args []string) error {
 	if o.Mode == encap.GRE {
 		decap = podNet
 	}
-	var drops PolicyCounterReader
-	if o.NetworkPolicy {
-		drops = podNet
-	}
-	ctrl.SetMetrics(NewMetrics(reg, decap, drops))
+	ctrl.SetMetrics(NewMetrics(reg, decap, podNet, o.NetworkPolicy))
 	if o.MetricsAddress != "" {
 		if err := daemon.ServeHTTP(ctx, o.MetricsAddress, reg, nil, ctrl.Ready, ctrl.Healthy, entry); err != nil {
 			return err

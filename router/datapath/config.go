@@ -155,6 +155,24 @@ type Config struct {
 	Chain string
 	// Chain6 is the ip6tables chain that holds the IPv6 HMARK rules.
 	Chain6 string
+	// EncapSources are the outer source addresses of gre mode's packets,
+	// at most one per family: the router node's own address, which the
+	// endpoint agents accept the carrier from (any other source is
+	// dropped in the pods). None of a family: the kernel chooses it by
+	// route (the pods then refuse the carrier unless that is the node's
+	// address).
+	EncapSources []netip.Addr
+}
+
+// encapSource is the outer source of c's family (gre mode), or the zero
+// Addr when the kernel chooses it.
+func (c Config) encapSource() netip.Addr {
+	for _, a := range c.EncapSources {
+		if c.Family.has(a) {
+			return a
+		}
+	}
+	return netip.Addr{}
 }
 
 // ForFamily is c for the Datapath of family f.
@@ -200,6 +218,17 @@ func (c Config) Validate() error {
 	}
 	if c.Family != IPv4 && c.Family != IPv6 {
 		errs = append(errs, fmt.Errorf("family %v: must be IPv4 or IPv6", c.Family))
+	}
+	seen := map[Family]bool{}
+	for _, a := range c.EncapSources {
+		f, ok := FamilyOf(a)
+		switch {
+		case !ok:
+			errs = append(errs, fmt.Errorf("encap source %v: not an IPv4 or IPv6 address", a))
+		case seen[f]:
+			errs = append(errs, fmt.Errorf("encap sources %v: more than one %v address", c.EncapSources, f))
+		}
+		seen[f] = true
 	}
 	if c.Buckets < 1 || c.Buckets > MaxBuckets {
 		errs = append(errs, fmt.Errorf("buckets %d: must be between 1 and %d", c.Buckets, MaxBuckets))

@@ -116,7 +116,7 @@ func (c Config) inlineRoute(vip netip.Addr, k int, h nextHop, addrs *addrTable) 
 	switch h.kind {
 	case hopGRE:
 		r.LinkIndex = int(h.link)
-		r.IPEncap = &rtnl.IPEncap{Dst: addrs.addr(h.addr), TTL: greTTL}
+		r.IPEncap = &rtnl.IPEncap{Dst: addrs.addr(h.addr), Src: c.encapSource(), TTL: greTTL}
 	case hopMPLS:
 		r.LinkIndex = int(h.link)
 		r.Gateway = addrs.addr(h.addr)
@@ -134,7 +134,7 @@ func (c Config) nextHopObject(h nextHop, id uint32, addrs *addrTable) rtnl.NextH
 	n := rtnl.NextHop{ID: id, Protocol: c.RouteProtocol, IPv6: c.Family == IPv6, LinkIndex: int(h.link)}
 	switch h.kind {
 	case hopGRE:
-		n.IPEncap = &rtnl.IPEncap{Dst: addrs.addr(h.addr), TTL: greTTL}
+		n.IPEncap = &rtnl.IPEncap{Dst: addrs.addr(h.addr), Src: c.encapSource(), TTL: greTTL}
 	case hopMPLS:
 		n.Gateway = addrs.addr(h.addr)
 		n.MPLSLabels = []uint32{h.label}

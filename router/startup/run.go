@@ -3,6 +3,7 @@ package startup
 import (
 	"context"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -17,6 +18,7 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
@@ -82,6 +84,12 @@ func Main(args []string) error {
 			return err
 		}
 		if err := o.chooseSeed(ctx, client, entry); err != nil {
+			return err
+		}
+	}
+
+	if !o.Cleanup && o.Mode == encap.GRE {
+		if o.EncapSources, err = encapSources(ctx, client, o.NodeName, o.IPv6, entry); err != nil {
 			return err
 		}
 	}
@@ -249,6 +257,75 @@ func followNode(factory informers.SharedInformerFactory, name string, speaker *b
 	}
 	return nil
 }
+
+// encapSources returns the outer sources of gre mode's packets: the node's
+// address of each family served (its first InternalIP, else ExternalIP),
+// which the endpoint agents accept the carrier from, when it is an address
+// of this host. The endpoint agents drop GRE from any other source, so a
+// family without one is logged as an error (its pods will refuse the
+// router's packets) but does not stop the router: the kernel then chooses
+// the source.
+func encapSources(ctx context.Context, client kubernetes.Interface, nodeName string, ipv6 bool, log logrus.FieldLogger) ([]netip.Addr, error) {
+	if nodeName == "" {
+		log.Error("no --node-name (NODE_NAME): the GRE packets' source is left to the kernel, and the endpoint agents accept GRE only from the router nodes' addresses")
+		return nil, nil
+	}
+	var node *corev1.Node
+	err := wait.PollUntilContextTimeout(ctx, time.Second, encapSourceTimeout, true, func(ctx context.Context) (bool, error) {
+		// A list by name needs only the grant the informers use.
+		l, err := client.CoreV1().Nodes().List(ctx, metav1.ListOptions{FieldSelector: "metadata.name=" + nodeName})
+		if err == nil && len(l.Items) == 0 {
+			err = fmt.Errorf("node %s not found", nodeName)
+		}
+		if err != nil {
+			log.WithError(err).WithField("node", nodeName).Warn("reading this node's addresses for the GRE packets' source; retrying")
+			return false, nil
+		}
+		node = &l.Items[0]
+		return true, nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("reading node %s for the GRE packets' source address: %w", nodeName, err)
+	}
+	local, err := net.InterfaceAddrs()
+	if err != nil {
+		return nil, fmt.Errorf("listing this host's addresses: %w", err)
+	}
+	isLocal := func(a netip.Addr) bool {
+		for _, l := range local {
+			if p, ok := l.(*net.IPNet); ok {
+				if b, ok := netip.AddrFromSlice(p.IP); ok && b.Unmap() == a {
+					return true
+				}
+			}
+		}
+		return false
+	}
+	var out []netip.Addr
+	for _, v4 := range []bool{true, false} {
+		if !v4 && !ipv6 {
+			continue
+		}
+		a := kubeobj.NodeAddressOf(node, v4)
+		fields := logrus.Fields{"node": nodeName, "family": datapath.IPv4, "address": a}
+		if !v4 {
+			fields["family"] = datapath.IPv6
+		}
+		switch {
+		case !a.IsValid():
+			log.WithFields(fields).Error("the node has no InternalIP or ExternalIP of this family in status.addresses: the GRE packets' source is left to the kernel, and the endpoint agents drop GRE from any address but the router nodes'")
+		case !isLocal(a):
+			log.WithFields(fields).Error("the node's address is not on any interface of this host: the GRE packets' source is left to the kernel, and the endpoint agents drop GRE from any address but the router nodes'")
+		default:
+			log.WithFields(fields).Info("GRE packets leave from the node's address (the endpoint agents accept the carrier only from the router nodes' addresses)")
+			out = append(out, a)
+		}
+	}
+	return out, nil
+}
+
+// encapSourceTimeout bounds the wait for this node's Node object.
+const encapSourceTimeout = 2 * time.Minute
 
 // openDatapath opens the kernel seams of the current network namespace;
 // metrics counts the writes that go through them. It returns the datapath
