@@ -72,7 +72,7 @@ test: ## everything: the images and manifest, unit, privileged (root) and integr
 unit: ## unit tests only (no root, no API server)
 	KST_SKIP_PRIVILEGED=1 $(GO) test -count=1 -short $(PKGS)
 
-e2e: deps assets ## the end-to-end lab: 16 dual-stack scenarios x gre, mpls in the VM (KST_E2E_RUN=gre/4_ for one)
+e2e: deps assets ## the end-to-end lab: 17 dual-stack scenarios x gre, mpls in the VM (KST_E2E_RUN=gre/4_ for one)
 	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 50m -run TestE2E -v ./test/e2e
 
 cluster: deps assets ## the two-node lab cluster run by real kubelets: install, example, client traffic, network policy, rollout restart, router pod deletion, uninstall, in gre and mpls

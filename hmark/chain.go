@@ -328,7 +328,7 @@ func (c *Chain) Cleanup() error {
 // cleanupSets destroys c's sets, once the chains that matched them are
 // gone.
 func (c *Chain) cleanupSets() error {
-	sets := []ipset{{name: c.allSetName()}}
+	sets := []ipset{{name: c.allSetName()}, {name: c.filteredSetName()}, {name: c.portSetName()}}
 	for k := range classes {
 		sets = append(sets, ipset{name: c.classSetName(k)})
 	}

@@ -50,6 +50,18 @@ type fakeSet struct {
 	family   uint8
 	counters bool
 	members  map[netip.Addr]Counter
+	// ports are the elements of a hash:ip,port set.
+	ports map[portElem]bool
+}
+
+// fakeElem names an entry as the fake records its writes: the address,
+// and ",PROTO:PORT" for a hash:ip,port element.
+func fakeElem(entry *netlink.IPSetEntry) string {
+	a, _ := netip.AddrFromSlice(entry.IP)
+	if entry.Port == nil || entry.Protocol == nil {
+		return a.String()
+	}
+	return fmt.Sprintf("%s,%d:%d", a.Unmap(), *entry.Protocol, *entry.Port)
 }
 
 type fakeRule struct {
@@ -498,7 +510,7 @@ func (f *fakeIPTables) IpsetCreate(setname, typename string, options netlink.Ips
 	if _, ok := f.sets[setname]; ok {
 		return nl.IPSetError(nl.IPSET_ERR_EXIST_SETNAME2)
 	}
-	f.sets[setname] = &fakeSet{typ: typename, family: options.Family, counters: options.Counters, members: map[netip.Addr]Counter{}}
+	f.sets[setname] = &fakeSet{typ: typename, family: options.Family, counters: options.Counters, members: map[netip.Addr]Counter{}, ports: map[portElem]bool{}}
 	return nil
 }
 
@@ -529,6 +541,10 @@ func (f *fakeIPTables) IpsetList(setname string) (*netlink.IPSetResult, error) {
 	if s.counters {
 		res.CadtFlags |= nl.IPSET_FLAG_WITH_COUNTERS
 	}
+	for e := range s.ports {
+		proto, port := e.port.Protocol, e.port.Number
+		res.Entries = append(res.Entries, netlink.IPSetEntry{IP: e.vip.AsSlice(), Protocol: &proto, Port: &port})
+	}
 	for a, c := range s.members {
 		e := netlink.IPSetEntry{IP: a.AsSlice()}
 		if s.counters {
@@ -542,7 +558,7 @@ func (f *fakeIPTables) IpsetList(setname string) (*netlink.IPSetResult, error) {
 
 func (f *fakeIPTables) IpsetAdd(setname string, entry *netlink.IPSetEntry) error {
 	a, _ := netip.AddrFromSlice(entry.IP)
-	if err := f.write("ipset add %s %s", setname, a); err != nil {
+	if err := f.write("ipset add %s %s", setname, fakeElem(entry)); err != nil {
 		return err
 	}
 	s, ok := f.sets[setname]
@@ -553,6 +569,14 @@ func (f *fakeIPTables) IpsetAdd(setname string, entry *netlink.IPSetEntry) error
 		return nl.IPSetError(nl.IPSET_ERR_PROTOCOL)
 	}
 	a = a.Unmap()
+	if s.typ == PortSetType {
+		e := portElem{a, Port{*entry.Protocol, *entry.Port}}
+		if s.ports[e] {
+			return nl.IPSetError(nl.IPSET_ERR_EXIST)
+		}
+		s.ports[e] = true
+		return nil
+	}
 	if _, dup := s.members[a]; dup {
 		return nl.IPSetError(nl.IPSET_ERR_EXIST)
 	}
@@ -562,7 +586,7 @@ func (f *fakeIPTables) IpsetAdd(setname string, entry *netlink.IPSetEntry) error
 
 func (f *fakeIPTables) IpsetDel(setname string, entry *netlink.IPSetEntry) error {
 	a, _ := netip.AddrFromSlice(entry.IP)
-	if err := f.write("ipset del %s %s", setname, a); err != nil {
+	if err := f.write("ipset del %s %s", setname, fakeElem(entry)); err != nil {
 		return err
 	}
 	s, ok := f.sets[setname]
@@ -573,6 +597,14 @@ func (f *fakeIPTables) IpsetDel(setname string, entry *netlink.IPSetEntry) error
 		return nl.IPSetError(nl.IPSET_ERR_PROTOCOL)
 	}
 	a = a.Unmap()
+	if s.typ == PortSetType {
+		e := portElem{a, Port{*entry.Protocol, *entry.Port}}
+		if !s.ports[e] {
+			return nl.IPSetError(nl.IPSET_ERR_EXIST)
+		}
+		delete(s.ports, e)
+		return nil
+	}
 	if _, ok := s.members[a]; !ok {
 		return nl.IPSetError(nl.IPSET_ERR_EXIST)
 	}

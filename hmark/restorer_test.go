@@ -39,7 +39,7 @@ func TestExecRestorer(t *testing.T) {
 	if string(args) != "--noflush --counters --wait\n" {
 		t.Errorf("iptables-restore ran with %q, want --noflush --counters --wait", args)
 	}
-	if want := string(restorePayloadOf(Table, c.name, c.mangleRules([]int{0}))); string(stdin) != want || !strings.HasPrefix(want, "*mangle\n:KST-HMARK - [0:0]\n-A KST-HMARK -m set ! --match-set KST-HMARK dst ") {
+	if want := string(restorePayloadOf(Table, c.name, c.mangleRules([]int{0}, false))); string(stdin) != want || !strings.HasPrefix(want, "*mangle\n:KST-HMARK - [0:0]\n-A KST-HMARK -m set ! --match-set KST-HMARK dst ") {
 		t.Errorf("iptables-restore read:\n%s\nwant:\n%s", stdin, want)
 	}
 

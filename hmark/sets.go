@@ -153,6 +153,9 @@ func setFamilyName(af uint8) string {
 type chainSets struct {
 	all     ipset
 	classes [classes]ipset
+	// filtered and ports are the port filter's sets.
+	filtered ipset
+	ports    portSet
 }
 
 // readSets reads every set of c.
@@ -160,6 +163,12 @@ func (c *Chain) readSets() (chainSets, error) {
 	var s chainSets
 	var err error
 	if s.all, err = c.readSet(c.allSetName(), true); err != nil {
+		return s, err
+	}
+	if s.filtered, err = c.readSet(c.filteredSetName(), true); err != nil {
+		return s, err
+	}
+	if s.ports, err = c.readPortSet(); err != nil {
 		return s, err
 	}
 	for k := range s.classes {

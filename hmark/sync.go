@@ -28,6 +28,13 @@ type Target struct {
 	// masked to 0), so that every flow of one client gets one bucket: see
 	// ClientFlow.
 	ClientAffinity bool
+	// FilterPorts: the tunnel IP carries only Ports (and ICMP); every
+	// other packet to it is dropped before it is marked, and counted (see
+	// PortDrops). Otherwise it carries every protocol and port.
+	FilterPorts bool
+	// Ports are the protocols (TCP, UDP, SCTP) and destination ports a
+	// tunnel IP with FilterPorts carries.
+	Ports []Port
 }
 
 // Sync makes the kernel match the desired state for targets,
@@ -46,7 +53,12 @@ type Target struct {
 //     g×Buckets (in sticky mode also the restore and save rules around
 //     them: see SetSticky);
 //   - in sticky mode, the raw chain NAME holds one rule sending every
-//     packet to a tunnel IP to the SYN subchain.
+//     packet to a tunnel IP to the SYN subchain;
+//   - while some target filters its ports, the set NAME-f (hash:ip, with
+//     counters) holds those tunnel IPs, NAME-p (hash:ip,port) their
+//     protocols and ports, and the rule after the exit drops a packet to
+//     a tunnel IP of NAME-f whose protocol and port are not in NAME-p
+//     (ICMP passes), counting it in NAME-f (see PortDrops).
 //
 // A packet therefore walks at most 1 + 2×MaxGenerations rules (sticky: 5
 // more), whatever the number of tunnel IPs. Targets must not repeat a
@@ -93,6 +105,41 @@ func (c *Chain) Sync(targets []Target) (changed int, err error) {
 type wantedTarget struct {
 	vip   netip.Addr
 	class int
+	// filter and ports are Target's FilterPorts and Ports (sorted, without
+	// repeats; none without filter).
+	filter bool
+	ports  []Port
+}
+
+// portPlan is what the port filter holds for targets: the filtered tunnel
+// IPs and the elements of the port set.
+type portPlan struct {
+	filtered map[netip.Addr]bool
+	elems    map[portElem]bool
+}
+
+func planPorts(want []wantedTarget) portPlan {
+	p := portPlan{filtered: map[netip.Addr]bool{}, elems: map[portElem]bool{}}
+	for _, t := range want {
+		if !t.filter {
+			continue
+		}
+		p.filtered[t.vip] = true
+		for _, port := range t.ports {
+			p.elems[portElem{t.vip, port}] = true
+		}
+	}
+	return p
+}
+
+// sortedAddrs returns the addresses of m, in order.
+func sortedAddrs(m map[netip.Addr]bool) []netip.Addr {
+	out := make([]netip.Addr, 0, len(m))
+	for a := range m {
+		out = append(out, a)
+	}
+	slices.SortFunc(out, netip.Addr.Compare)
+	return out
 }
 
 func (c *Chain) sync(targets []Target) (changed int, err error) {
@@ -129,8 +176,20 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 		}
 	}
 
+	// The port filter's sets and rule exist while some tunnel IP is
+	// filtered.
+	ports := planPorts(want)
+	filtering := len(ports.filtered) > 0
 	if err := count(c.createSet(&sets.all, true)); err != nil {
 		return changed, err
+	}
+	if filtering {
+		if err := count(c.createSet(&sets.filtered, true)); err != nil {
+			return changed, err
+		}
+		if err := count(c.createPortSet(&sets.ports)); err != nil {
+			return changed, err
+		}
 	}
 	for _, k := range inUse {
 		if err := count(c.createSet(&sets.classes[k], false)); err != nil {
@@ -158,6 +217,19 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 		}
 	}
 
+	// A tunnel IP's port filter is complete before it joins the sets of
+	// all and of its class, and opens (leaves the filtered set) before its
+	// ports go.
+	for _, e := range sortedPortElems(ports.elems, func(e portElem) bool { return !sets.ports.members[e] }) {
+		if err := c.addPort(e); err != nil {
+			return changed, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
+		}
+		changed++
+		sets.ports.members[e] = true
+	}
+	if err := count(c.addMembers(&sets.filtered, sortedAddrs(ports.filtered))); err != nil {
+		return changed, err
+	}
 	if err := count(c.addMembers(&sets.all, all)); err != nil {
 		return changed, err
 	}
@@ -167,7 +239,7 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 		}
 	}
 
-	if err := count(c.syncRules(Table, c.name, c.mangleRules(inUse))); err != nil {
+	if err := count(c.syncRules(Table, c.name, c.mangleRules(inUse, filtering))); err != nil {
 		return changed, err
 	}
 
@@ -181,6 +253,29 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 	if err := count(c.removeMembers(&sets.all, keep)); err != nil {
 		return changed, err
 	}
+	if filtering {
+		if err := count(c.removeMembers(&sets.filtered, func(a netip.Addr) bool { return ports.filtered[a] })); err != nil {
+			return changed, err
+		}
+		for _, e := range sortedPortElems(sets.ports.members, func(e portElem) bool { return !ports.elems[e] }) {
+			if err := c.delPort(e); err != nil {
+				return changed, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
+			}
+			changed++
+			delete(sets.ports.members, e)
+		}
+	} else {
+		// The rule that matched them is gone.
+		if err := count(c.destroySet(&sets.filtered)); err != nil {
+			return changed, err
+		}
+		if sets.ports.exists {
+			if err := c.sets.IpsetDestroy(sets.ports.name); err != nil {
+				return changed, fmt.Errorf("hmark: sync chain %s: destroy set %s: %w", c.name, sets.ports.name, err)
+			}
+			changed++
+		}
+	}
 	for k := range sets.classes {
 		if len(byClass[k]) == 0 {
 			if err := count(c.destroySet(&sets.classes[k])); err != nil {
@@ -193,16 +288,17 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 			return changed, err
 		}
 	}
-	c.last = &lastSync{class: class, inUse: inUse}
+	c.last = &lastSync{class: class, inUse: inUse, ports: ports}
 	return changed, nil
 }
 
 // lastSync is what the last successful Sync or Update left in the kernel,
-// as far as Update needs to know: each tunnel IP's class, and the classes
-// in use (which decide the rules).
+// as far as Update needs to know: each tunnel IP's class, the classes in
+// use (which decide the rules), and the port filter.
 type lastSync struct {
 	class map[netip.Addr]int
 	inUse []int
+	ports portPlan
 }
 
 // Update is Sync for a router that is the only writer of its chains and
@@ -241,8 +337,9 @@ func (c *Chain) update(targets []Target) (changed int, err error) {
 			inUse = append(inUse, k)
 		}
 	}
-	if !slices.Equal(inUse, last.inUse) {
-		return c.sync(targets)
+	ports := planPorts(want)
+	if !slices.Equal(inUse, last.inUse) || (len(ports.filtered) > 0) != (len(last.ports.filtered) > 0) {
+		return c.sync(targets) // a rule and its sets come or go
 	}
 	c.last = nil // until every write below succeeded
 	var added, moved, removed []netip.Addr
@@ -268,6 +365,20 @@ func (c *Chain) update(targets []Target) (changed int, err error) {
 		vip netip.Addr
 	}
 	var steps []step
+	// The port filter first: elements to add, then tunnel IPs that become
+	// filtered (new ones included), so that a tunnel IP is never open
+	// before its filter is complete.
+	for _, e := range sortedPortElems(ports.elems, func(e portElem) bool { return !last.ports.elems[e] }) {
+		if err := c.addPort(e); err != nil {
+			return changed, fmt.Errorf("hmark: update chain %s: %w", c.name, err)
+		}
+		changed++
+	}
+	for _, vip := range sortedAddrs(ports.filtered) {
+		if !last.ports.filtered[vip] {
+			steps = append(steps, step{true, c.filteredSetName(), vip})
+		}
+	}
 	for _, vip := range added {
 		steps = append(steps, step{true, c.allSetName(), vip})
 	}
@@ -280,6 +391,11 @@ func (c *Chain) update(targets []Target) (changed int, err error) {
 	for _, vip := range removed {
 		steps = append(steps, step{false, c.allSetName(), vip})
 	}
+	for _, vip := range sortedAddrs(last.ports.filtered) {
+		if !ports.filtered[vip] {
+			steps = append(steps, step{false, c.filteredSetName(), vip})
+		}
+	}
 	for _, st := range steps {
 		write := c.delMember
 		if st.add {
@@ -290,7 +406,13 @@ func (c *Chain) update(targets []Target) (changed int, err error) {
 		}
 		changed++
 	}
-	c.last = &lastSync{class: class, inUse: inUse}
+	for _, e := range sortedPortElems(last.ports.elems, func(e portElem) bool { return !ports.elems[e] }) {
+		if err := c.delPort(e); err != nil {
+			return changed, fmt.Errorf("hmark: update chain %s: %w", c.name, err)
+		}
+		changed++
+	}
+	c.last = &lastSync{class: class, inUse: inUse, ports: ports}
 	return changed, nil
 }
 
@@ -321,7 +443,18 @@ func (c *Chain) normalizeTargets(targets []Target) ([]wantedTarget, error) {
 				return nil, fmt.Errorf("vip %s: %w", v, err)
 			}
 		}
-		out = append(out, wantedTarget{vip: v, class: classOf(g, t.ClientAffinity)})
+		w := wantedTarget{vip: v, class: classOf(g, t.ClientAffinity), filter: t.FilterPorts}
+		if t.FilterPorts {
+			for _, p := range t.Ports {
+				if !validPortProtocol(p.Protocol) {
+					return nil, fmt.Errorf("vip %s: port %d of protocol %d: only TCP, UDP and SCTP ports can be filtered", v, p.Number, p.Protocol)
+				}
+			}
+			w.ports = slices.Clone(t.Ports)
+			slices.SortFunc(w.ports, func(a, b Port) int { return comparePortElems(portElem{port: a}, portElem{port: b}) })
+			w.ports = slices.Compact(w.ports)
+		}
+		out = append(out, w)
 	}
 	slices.SortFunc(out, func(a, b wantedTarget) int { return a.vip.Compare(b.vip) })
 	for i := 1; i < len(out); i++ {
@@ -377,11 +510,14 @@ var comment = []string{"-m", "comment", "--comment", RuleComment}
 // mode the save rule. They are written as iptables 1.8 (nft and
 // legacy) prints them, so that syncRules compares them word for word (the
 // HMARK options semantically).
-func (c *Chain) mangleRules(inUse []int) [][]string {
+func (c *Chain) mangleRules(inUse []int, filtering bool) [][]string {
 	// The exit counts every packet to a tunnel IP in the set's counters
 	// (the raw rule, in sticky mode, does not).
 	exit := []string{"-m", "set", "!", "--match-set", c.allSetName(), "dst"}
 	rules := [][]string{slices.Concat(exit, comment, []string{"-j", "RETURN"})}
+	if filtering {
+		rules = append(rules, c.dropRule())
+	}
 	head, tail := c.fixedMangleRules()
 	rules = append(rules, head...)
 	for _, k := range inUse {

@@ -402,7 +402,7 @@ func testSyncManyVIPsInNetns(t *testing.T, binary string) {
 // one jump to the chain.
 func assertKernelChain(t *testing.T, step string, ns *testnetns.NS, c *Chain, vips []netip.Addr) {
 	t.Helper()
-	want := c.mangleRules([]int{0})
+	want := c.mangleRules([]int{0}, false)
 	rules, err := c.listRules(Table, c.name)
 	if err != nil {
 		t.Fatalf("%s: list chain: %v", step, err)

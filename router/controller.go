@@ -892,6 +892,13 @@ func (c *Controller) tunnelFor(vip netip.Addr) (t datapath.Tunnel, winner *corev
 		return t, nil, nil
 	}
 	key := tunnelclaim.ServiceKey(svc)
+	// The port filter holds from the tunnel IP's first programming, so
+	// that it is in place before any route to a pod.
+	var portProblems []string
+	t.FilterPorts, t.Ports, portProblems = PortFilter(svc)
+	for _, p := range portProblems {
+		c.log.WithFields(logrus.Fields{"service": key, "vip": vip}).Warn(p)
+	}
 	for _, loser := range losers {
 		notices = append(notices, notice{loser, vip, corev1.EventTypeWarning, ReasonConflict,
 			fmt.Sprintf("tunnel IP %v is already served for Service %s (older); this Service gets it when that one releases it", vip, key)})
@@ -926,8 +933,10 @@ func (c *Controller) tunnelFor(vip netip.Addr) (t datapath.Tunnel, winner *corev
 		notices = append(notices, notice{svc, vip, corev1.EventTypeWarning, ReasonNoReadyEndpoints, msg})
 		return t, svc, notices
 	}
+	filter, ports := t.FilterPorts, t.Ports
 	t = NewTunnel(vip, eps, c.cfg.Buckets)
 	t.ClientAffinity = ClientAffinity(svc)
+	t.FilterPorts, t.Ports = filter, ports
 	ready, draining := splitDraining(eps)
 	if len(ready) == 0 {
 		notices = append(notices, notice{svc, vip, corev1.EventTypeWarning, ReasonNoReadyEndpoints,
@@ -943,6 +952,7 @@ func (c *Controller) tunnelFor(vip netip.Addr) (t datapath.Tunnel, winner *corev
 	if t.ClientAffinity {
 		msg += ", client affinity"
 	}
+	msg += "; " + describePorts(t.FilterPorts, t.Ports)
 	if len(draining) > 0 {
 		msg += fmt.Sprintf("; %d draining (no new flows)", len(draining))
 	}

@@ -88,6 +88,9 @@ var (
 	// ipset command is needed.
 	IPSets   = Feature{Name: "hash:ip ipsets", Option: "CONFIG_IP_SET_HASH_IP", Module: "ip_set_hash_ip"}
 	SetMatch = Feature{Name: "the iptables set match", Option: "CONFIG_NETFILTER_XT_SET", Module: "xt_set"}
+	// PortSets hold the ports of the tunnel IPs whose Service's ports
+	// are filtered (hash:ip,port).
+	PortSets = Feature{Name: "hash:ip,port ipsets", Option: "CONFIG_IP_SET_HASH_IPPORT", Module: "ip_set_hash_ipport"}
 	// NextHopObjects ("ip nexthop") carry the routers' encapsulations: one
 	// per endpoint, named by every bucket route to it. They are part of
 	// IPv4 since Linux 5.3, lightweight-tunnel encapsulations included.
@@ -118,6 +121,7 @@ var (
 	CTTarget6           = Feature{Name: "the ip6tables CT target", Option: "CONFIG_NETFILTER_XT_TARGET_CT", Module: "xt_CT"}
 	IPSets6             = Feature{Name: "hash:ip ipsets of family inet6", Option: "CONFIG_IP_SET_HASH_IP", Module: "ip_set_hash_ip"}
 	SetMatch6           = Feature{Name: "the ip6tables set match", Option: "CONFIG_NETFILTER_XT_SET", Module: "xt_set"}
+	PortSets6           = Feature{Name: "hash:ip,port ipsets of family inet6", Option: "CONFIG_IP_SET_HASH_IPPORT", Module: "ip_set_hash_ipport"}
 	NextHopObjects6     = Feature{Name: "IPv6 nexthop objects", Since: "Linux 5.3"}
 )
 
@@ -175,6 +179,8 @@ type Kernel interface {
 	// IPSetRule creates a hash:ip set of the family, appends a rule
 	// matching it to a temporary chain of table, and deletes both.
 	IPSetRule(table string) error
+	// PortSet creates and destroys a hash:ip,port set of the family.
+	PortSet() error
 	// LoadModule loads a kernel module with modprobe.
 	LoadModule(name string) error
 }
@@ -356,7 +362,7 @@ type family struct {
 	policyRouting, lightweightTunnels, nextHopObjects, flowBasedGRE, gre, mplsEncap Feature
 	iptablesCommand, mangleTable, rawTable, filterTable                             Feature
 	hmark, commentMatch, conntrackMatch, connmark, markMatch, ctTarget              Feature
-	ipsets, setMatch                                                                Feature
+	ipsets, setMatch, portSets                                                      Feature
 }
 
 var (
@@ -365,7 +371,7 @@ var (
 		flowBasedGRE: FlowBasedGRE, gre: GRE, mplsEncap: MPLSEncap,
 		iptablesCommand: IPTablesCommand, mangleTable: MangleTable, rawTable: RawTable, filterTable: FilterTable,
 		hmark: HMARK, commentMatch: CommentMatch, conntrackMatch: ConntrackMatch, connmark: Connmark,
-		markMatch: MarkMatch, ctTarget: CTTarget, ipsets: IPSets, setMatch: SetMatch,
+		markMatch: MarkMatch, ctTarget: CTTarget, ipsets: IPSets, setMatch: SetMatch, portSets: PortSets,
 	}
 	ipv6 = family{
 		ipv6: true, requires: []Feature{IPv6Protocol},
@@ -373,7 +379,7 @@ var (
 		flowBasedGRE: FlowBasedGRE6, gre: GRE6, mplsEncap: MPLSEncap6,
 		iptablesCommand: IP6TablesCommand, mangleTable: MangleTable6, rawTable: RawTable6, filterTable: FilterTable6,
 		hmark: HMARK6, commentMatch: CommentMatch6, conntrackMatch: ConntrackMatch6, connmark: Connmark6,
-		markMatch: MarkMatch6, ctTarget: CTTarget6, ipsets: IPSets6, setMatch: SetMatch6,
+		markMatch: MarkMatch6, ctTarget: CTTarget6, ipsets: IPSets6, setMatch: SetMatch6, portSets: PortSets6,
 	}
 )
 
@@ -449,7 +455,8 @@ func routerChecks(p RouterParams, f family) []Check {
 		f.ruleCheck(f.hmark, f.mangleTable, "mangle", hmarkRule),
 		f.ruleCheck(f.commentMatch, f.mangleTable, "mangle", commentRule),
 		f.check(f.ipsets, nil, Kernel.IPSet),
-		f.check(f.setMatch, []Feature{f.iptablesCommand, f.mangleTable, f.ipsets}, func(k Kernel) error { return k.IPSetRule("mangle") }))
+		f.check(f.setMatch, []Feature{f.iptablesCommand, f.mangleTable, f.ipsets}, func(k Kernel) error { return k.IPSetRule("mangle") }),
+		f.check(f.portSets, nil, Kernel.PortSet))
 	if p.Generations > 1 {
 		checks = append(checks,
 			f.ruleCheck(f.conntrackMatch, f.mangleTable, "mangle", conntrackRule),

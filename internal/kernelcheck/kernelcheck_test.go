@@ -55,6 +55,7 @@ func (f *fakeKernel) IPTables() error                  { return f.probe("iptable
 func (f *fakeKernel) IPTablesChain(table string) error { return f.probe("chain:" + table) }
 func (f *fakeKernel) IPSet() error                     { return f.probe("ipset") }
 func (f *fakeKernel) IPSetRule(table string) error     { return f.probe("rule:" + table + ":set") }
+func (f *fakeKernel) PortSet() error                   { return f.probe("portset") }
 func (f *fakeKernel) IPTablesRule(table string, rule ...string) error {
 	return f.probe("rule:" + table + ":" + target(rule))
 }
@@ -111,7 +112,7 @@ func features(checks []Check) []string {
 }
 
 func TestRouterChecksFollowModeAndFlags(t *testing.T) {
-	base := []string{"", "", "iptables", "iptable_mangle", "xt_HMARK", "xt_comment", "ip_set_hash_ip", "xt_set"}
+	base := []string{"", "", "iptables", "iptable_mangle", "xt_HMARK", "xt_comment", "ip_set_hash_ip", "xt_set", "ip_set_hash_ipport"}
 	sticky := []string{"xt_conntrack", "xt_connmark", "xt_mark", "iptable_raw", "xt_CT"}
 	// Nexthop objects have neither module nor package: "".
 	greBase := slices.Concat(base[:2], []string{""}, base[2:])
@@ -153,7 +154,7 @@ func featuresOf(checks []Check) []Feature {
 }
 
 func TestRouterIPv6ChecksFollowTheIPv4Ones(t *testing.T) {
-	tables := []Feature{IP6TablesCommand, MangleTable6, HMARK6, CommentMatch6, IPSets6, SetMatch6}
+	tables := []Feature{IP6TablesCommand, MangleTable6, HMARK6, CommentMatch6, IPSets6, SetMatch6, PortSets6}
 	sticky := []Feature{ConntrackMatch6, Connmark6, MarkMatch6, RawTable6, CTTarget6}
 	for _, tc := range []struct {
 		name string
@@ -210,7 +211,7 @@ func TestIPv6FeaturesAreTheirOwn(t *testing.T) {
 			v6 = append(v6, f)
 		}
 	}
-	if want := 19; len(v6) != want { // MPLS routing is of no family
+	if want := 20; len(v6) != want { // MPLS routing is of no family
 		t.Errorf("%d IPv6 features, want %d: %v", len(v6), want, v6)
 	}
 	for _, f := range v6 {
@@ -284,7 +285,7 @@ func TestEveryCheckProbesWhatItNames(t *testing.T) {
 		MangleTable: {"chain:mangle"}, RawTable: {"chain:raw"}, FilterTable: {"chain:filter"}, HMARK: {"rule:mangle:HMARK"},
 		CommentMatch: {"rule:mangle:comment", "rule:filter:comment"}, ConntrackMatch: {"rule:mangle:conntrack", "rule:filter:conntrack"},
 		Connmark: {"rule:mangle:connmark"}, MarkMatch: {"rule:mangle:mark"}, CTTarget: {"rule:raw:CT"},
-		IPSets: {"ipset"}, SetMatch: {"rule:mangle:set"},
+		IPSets: {"ipset"}, SetMatch: {"rule:mangle:set"}, PortSets: {"portset"},
 		// Probed in gre mode only: mpls mode keeps inline routes.
 		NextHopObjects: {"nexthop-ip"},
 
@@ -294,7 +295,7 @@ func TestEveryCheckProbesWhatItNames(t *testing.T) {
 		FilterTable6: {"6:chain:filter"}, HMARK6: {"6:rule:mangle:HMARK"},
 		CommentMatch6: {"6:rule:mangle:comment", "6:rule:filter:comment"}, ConntrackMatch6: {"6:rule:mangle:conntrack", "6:rule:filter:conntrack"},
 		Connmark6: {"6:rule:mangle:connmark"}, MarkMatch6: {"6:rule:mangle:mark"}, CTTarget6: {"6:rule:raw:CT"},
-		IPSets6: {"6:ipset"}, SetMatch6: {"6:rule:mangle:set"},
+		IPSets6: {"6:ipset"}, SetMatch6: {"6:rule:mangle:set"}, PortSets6: {"6:portset"},
 	}
 	failing := func(names []string) *fakeKernel {
 		k := &fakeKernel{fail: map[string]error{}}

@@ -687,6 +687,21 @@ func (p *Probes) createSet() error {
 	return nil
 }
 
+// PortSet implements Kernel.
+func (p *Probes) PortSet() error {
+	return p.in(func() error {
+		af, of := uint8(unix.AF_INET), ""
+		if p.ipv6 {
+			af, of = unix.AF_INET6, " of family inet6"
+		}
+		if err := netlink.IpsetCreate(p.setName(), "hash:ip,port", netlink.IpsetCreateOptions{Family: af}); err != nil {
+			return fmt.Errorf("creating hash:ip,port set %s%s: %w", p.setName(), of, err)
+		}
+		p.leftover("ipset "+p.setName(), netlink.IpsetDestroy(p.setName()))
+		return nil
+	})
+}
+
 // IPSetRule implements Kernel.
 func (p *Probes) IPSetRule(table string) error {
 	var err error

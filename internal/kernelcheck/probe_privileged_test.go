@@ -117,6 +117,8 @@ func groundTruth(t *testing.T, f Feature) error {
 	case IPSets:
 		// No ipset command here: the set is created through netlink.
 		return ns.IPSets().IpsetCreate("GROUND-TRUTH", "hash:ip", netlink.IpsetCreateOptions{})
+	case PortSets:
+		return ns.IPSets().IpsetCreate("GROUND-TRUTH-P", "hash:ip,port", netlink.IpsetCreateOptions{})
 	case SetMatch:
 		if err := ns.IPSets().IpsetCreate("GROUND-TRUTH", "hash:ip", netlink.IpsetCreateOptions{}); err != nil {
 			return err
@@ -161,6 +163,8 @@ func groundTruth(t *testing.T, f Feature) error {
 		return ip6tables("raw", "-p", "udp", "-j", "CT", "--notrack")
 	case IPSets6:
 		return ns.IPSets().IpsetCreate("GROUND-TRUTH6", "hash:ip", netlink.IpsetCreateOptions{Family: unix.AF_INET6})
+	case PortSets6:
+		return ns.IPSets().IpsetCreate("GROUND-TRUTH6-P", "hash:ip,port", netlink.IpsetCreateOptions{Family: unix.AF_INET6})
 	case SetMatch6:
 		// ip6tables refuses a set of family inet.
 		if err := ns.IPSets().IpsetCreate("GROUND-TRUTH6", "hash:ip", netlink.IpsetCreateOptions{Family: unix.AF_INET6}); err != nil {

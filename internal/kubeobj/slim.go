@@ -27,9 +27,10 @@ const AnnotationPrefix = "cmd.nu/"
 // tombstone, for example).
 
 // SlimService keeps a Service's identity, creation time, the daemons'
-// annotations, the three fields of its spec they read (type and
+// annotations, the fields of its spec they read (type and
 // loadBalancerClass, for the status they publish; sessionAffinity, for the
-// hash) and its status.loadBalancer. A daemon that starts reading another field of the
+// hash; each port's protocol, port and targetPort, for the router's port
+// filter) and its status.loadBalancer. A daemon that starts reading another field of the
 // spec adds it here (TestSlimServiceKeepsWhatTheDaemonsRead lists them).
 func SlimService(obj any) (any, error) {
 	svc, ok := obj.(*corev1.Service)
@@ -40,6 +41,9 @@ func SlimService(obj any) (any, error) {
 	slim.Spec.Type = corev1.ServiceType(sharedStrings.intern(string(svc.Spec.Type)))
 	slim.Spec.LoadBalancerClass = svc.Spec.LoadBalancerClass
 	slim.Spec.SessionAffinity = corev1.ServiceAffinity(sharedStrings.intern(string(svc.Spec.SessionAffinity)))
+	for _, p := range svc.Spec.Ports {
+		slim.Spec.Ports = append(slim.Spec.Ports, corev1.ServicePort{Protocol: p.Protocol, Port: p.Port, TargetPort: p.TargetPort})
+	}
 	slim.Status.LoadBalancer = svc.Status.LoadBalancer
 	return slim, nil
 }

@@ -10,6 +10,7 @@ import (
 	discoveryv1 "k8s.io/api/discovery/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/tools/cache"
 )
 
@@ -35,7 +36,8 @@ var wantMeta = metav1.ObjectMeta{
 func TestSlimServiceKeepsWhatTheDaemonsRead(t *testing.T) {
 	full := &corev1.Service{
 		ObjectMeta: fullMeta,
-		Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeLoadBalancer, LoadBalancerClass: ptr("cmd.nu/tunnel"), Ports: []corev1.ServicePort{{Port: 80}},
+		Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeLoadBalancer, LoadBalancerClass: ptr("cmd.nu/tunnel"),
+			Ports:           []corev1.ServicePort{{Name: "http", Protocol: corev1.ProtocolTCP, Port: 80, TargetPort: intstr.FromInt32(8080), NodePort: 30080, AppProtocol: ptr("http")}},
 			SessionAffinity: corev1.ServiceAffinityClientIP, SessionAffinityConfig: &corev1.SessionAffinityConfig{ClientIP: &corev1.ClientIPConfig{TimeoutSeconds: ptr(int32(60))}}},
 		Status: corev1.ServiceStatus{
 			LoadBalancer: corev1.LoadBalancerStatus{Ingress: []corev1.LoadBalancerIngress{{IP: "192.0.2.10"}}},
@@ -46,7 +48,8 @@ func TestSlimServiceKeepsWhatTheDaemonsRead(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := &corev1.Service{ObjectMeta: wantMeta, Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeLoadBalancer, LoadBalancerClass: ptr("cmd.nu/tunnel"), SessionAffinity: corev1.ServiceAffinityClientIP}}
+	want := &corev1.Service{ObjectMeta: wantMeta, Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeLoadBalancer, LoadBalancerClass: ptr("cmd.nu/tunnel"), SessionAffinity: corev1.ServiceAffinityClientIP,
+		Ports: []corev1.ServicePort{{Protocol: corev1.ProtocolTCP, Port: 80, TargetPort: intstr.FromInt32(8080)}}}}
 	want.Labels = nil
 	want.Status.LoadBalancer = full.Status.LoadBalancer
 	if !equality.Semantic.DeepEqual(got, want) {

@@ -89,15 +89,18 @@ type Datapath struct {
 	// never written in place, only replaced.
 	observed map[netip.Addr][]nextHop
 	desired  map[netip.Addr][]nextHop
-	nexthops *nexthopTable           // the nexthop objects the observed routes use
-	addrs    *addrTable              // the addresses the next hops hold
-	current  map[netip.Addr]int      // per tunnel IP, the generation of new flows
-	age      map[netip.Addr][]uint64 // per tunnel IP and generation, when it became current
-	clock    uint64                  // advances at every generation switch
-	affinity map[netip.Addr]bool     // tunnel IPs hashed on the client's address alone
-	marked   map[netip.Addr]int      // the chain's classes (see markClasses) at the last sync; nil: unknown
-	stale    bool                    // a write failed: re-read the kernel before the next change
-	ops      uint64
+	nexthops *nexthopTable             // the nexthop objects the observed routes use
+	addrs    *addrTable                // the addresses the next hops hold
+	current  map[netip.Addr]int        // per tunnel IP, the generation of new flows
+	age      map[netip.Addr][]uint64   // per tunnel IP and generation, when it became current
+	clock    uint64                    // advances at every generation switch
+	affinity map[netip.Addr]bool       // tunnel IPs hashed on the client's address alone
+	ports    map[netip.Addr]portFilter // tunnel IPs whose ports are filtered
+	marked   map[netip.Addr]int        // the chain's classes (see markClasses) at the last sync; nil: unknown
+	// markedPorts are the port filters (portKey) at the last sync.
+	markedPorts map[netip.Addr]string
+	stale       bool // a write failed: re-read the kernel before the next change
+	ops         uint64
 }
 
 // NewDatapath wires the kernel seams together, for the family cfg.Family:
@@ -117,6 +120,7 @@ func NewDatapath(cfg Config, routes RouteOps, rules RuleOps, chain markChain, de
 		current:  map[netip.Addr]int{},
 		age:      map[netip.Addr][]uint64{},
 		affinity: map[netip.Addr]bool{},
+		ports:    map[netip.Addr]portFilter{},
 	}
 }
 
@@ -236,6 +240,11 @@ func (d *Datapath) plan(t Tunnel, have []nextHop, cur int) error {
 	} else {
 		delete(d.affinity, t.VIP)
 	}
+	if t.FilterPorts {
+		d.ports[t.VIP] = portFilter{ports: slices.Clone(t.Ports), key: t.portKey()}
+	} else {
+		delete(d.ports, t.VIP)
+	}
 	if switched {
 		d.clock++
 		age := d.age[t.VIP]
@@ -343,6 +352,7 @@ func (d *Datapath) RemoveTunnel(vip netip.Addr) error {
 	delete(d.current, vip)
 	delete(d.age, vip)
 	delete(d.affinity, vip)
+	delete(d.ports, vip)
 	if err := d.syncMarks(false); err != nil {
 		return err
 	}
@@ -427,6 +437,7 @@ func (d *Datapath) Resync(tunnels []Tunnel) error {
 	oldCurrent := d.current
 	d.desired, d.current = make(map[netip.Addr][]nextHop, len(tunnels)), make(map[netip.Addr]int, len(tunnels))
 	d.affinity = map[netip.Addr]bool{}
+	d.ports = map[netip.Addr]portFilter{}
 	for _, t := range tunnels {
 		cur, ok := kernelCur[t.VIP]
 		if !ok {
@@ -659,7 +670,9 @@ func (d *Datapath) syncMarks(force bool) error {
 	}
 	targets := make([]hmark.Target, 0, len(d.desired))
 	for vip := range d.desired {
-		targets = append(targets, hmark.Target{VIP: vip, Offset: d.cfg.GenerationOffset(d.current[vip]), ClientAffinity: d.affinity[vip]})
+		p, filter := d.ports[vip]
+		targets = append(targets, hmark.Target{VIP: vip, Offset: d.cfg.GenerationOffset(d.current[vip]), ClientAffinity: d.affinity[vip],
+			FilterPorts: filter, Ports: p.ports})
 	}
 	slices.SortFunc(targets, func(a, b hmark.Target) int { return a.VIP.Compare(b.VIP) })
 	sync := d.chain.Update
@@ -675,6 +688,10 @@ func (d *Datapath) syncMarks(force bool) error {
 	d.marked = make(map[netip.Addr]int, len(d.current))
 	for vip, g := range d.current {
 		d.marked[vip] = d.markClass(vip, g)
+	}
+	d.markedPorts = make(map[netip.Addr]string, len(d.ports))
+	for vip, p := range d.ports {
+		d.markedPorts[vip] = p.key
 	}
 	return nil
 }
@@ -699,7 +716,21 @@ func (d *Datapath) marksCurrent() bool {
 			return false
 		}
 	}
+	if len(d.markedPorts) != len(d.ports) {
+		return false
+	}
+	for vip, p := range d.ports {
+		if k, ok := d.markedPorts[vip]; !ok || k != p.key {
+			return false
+		}
+	}
 	return true
+}
+
+// portFilter is a filtered tunnel IP's ports, and its portKey.
+type portFilter struct {
+	ports []hmark.Port
+	key   string
 }
 
 // GuardRules are the two rules that let packets without a router mark skip

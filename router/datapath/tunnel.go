@@ -1,6 +1,13 @@
 package datapath
 
-import "net/netip"
+import (
+	"fmt"
+	"net/netip"
+	"slices"
+	"strings"
+
+	"github.com/cmdnu/kube-service-tunnel/hmark"
+)
 
 // Tunnel is the desired state of one tunnel IP: the endpoint of every bucket
 // for new flows, or no table at all when it has no endpoint (its traffic is
@@ -14,6 +21,32 @@ type Tunnel struct {
 	// Service's sessionAffinity: ClientIP), so that every flow of a client
 	// gets the same bucket.
 	ClientAffinity bool
+	// FilterPorts: the tunnel IP carries only Ports (TCP, UDP and SCTP
+	// destination ports) and ICMP; every other packet to it is dropped
+	// before it is marked, and counted. Otherwise it carries everything.
+	FilterPorts bool
+	Ports       []hmark.Port
+}
+
+// portKey identifies what the port filter does for t, comparably.
+func (t Tunnel) portKey() string {
+	if !t.FilterPorts {
+		return ""
+	}
+	ports := slices.Clone(t.Ports)
+	slices.SortFunc(ports, func(a, b hmark.Port) int {
+		if a.Protocol != b.Protocol {
+			return int(a.Protocol) - int(b.Protocol)
+		}
+		return int(a.Number) - int(b.Number)
+	})
+	ports = slices.Compact(ports)
+	var b strings.Builder
+	b.WriteString("filter")
+	for _, p := range ports {
+		fmt.Fprintf(&b, " %d/%d", p.Protocol, p.Number)
+	}
+	return b.String()
 }
 
 // HasReady reports whether the tunnel has an endpoint that takes new flows

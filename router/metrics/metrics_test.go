@@ -191,6 +191,15 @@ func (f fakeCounters) Counters() (map[netip.Addr]hmark.Counter, error) {
 	return maps.Clone(f.counters), f.err
 }
 
+// PortDrops: the port filter dropped half of each tunnel IP's packets.
+func (f fakeCounters) PortDrops() (map[netip.Addr]hmark.Counter, error) {
+	drops := make(map[netip.Addr]hmark.Counter, len(f.counters))
+	for vip, c := range f.counters {
+		drops[vip] = hmark.Counter{Packets: c.Packets / 2, Bytes: c.Bytes / 2}
+	}
+	return drops, f.err
+}
+
 func TestVIPTrafficReadAtScrape(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	m := NewMetrics(reg)

@@ -37,6 +37,10 @@ var (
 		name: "kube_service_tunnel_router_vip_bytes_total", typ: "counter",
 		help: "Bytes (IP header included) of the packets counted by kube_service_tunnel_router_vip_packets_total.",
 	}
+	familyPortDrops = family{
+		name: "kube_service_tunnel_router_port_dropped_packets_total", typ: "counter",
+		help: "Packets to the tunnel IP that this router dropped before encapsulation because their protocol and destination port are not among its Service's spec.ports (only tunnel IPs whose ports are filtered; read at scrape time from the router's ipset of filtered tunnel IPs).",
+	}
 )
 
 // family is a metric family's name, type and help text.
@@ -46,6 +50,9 @@ type family struct{ name, typ, help string }
 // (*hmark.Chain).
 type vipCounterReader interface {
 	Counters() (map[netip.Addr]hmark.Counter, error)
+	// PortDrops reads what the port filter dropped, per filtered tunnel
+	// IP.
+	PortDrops() (map[netip.Addr]hmark.Counter, error)
 }
 
 // CounterReaders reads the counters of several chains (one per address
@@ -62,6 +69,20 @@ func (rs CounterReaders[T]) Counters() (map[netip.Addr]hmark.Counter, error) {
 			return nil, err
 		}
 		maps.Copy(all, counters)
+	}
+	return all, nil
+}
+
+// PortDrops implements vipCounterReader: every chain's port drops, or the
+// first error.
+func (rs CounterReaders[T]) PortDrops() (map[netip.Addr]hmark.Counter, error) {
+	all := map[netip.Addr]hmark.Counter{}
+	for _, r := range rs {
+		drops, err := r.PortDrops()
+		if err != nil {
+			return nil, err
+		}
+		maps.Copy(all, drops)
 	}
 	return all, nil
 }
@@ -124,27 +145,49 @@ func (m *Metrics) WriteText(w io.Writer) error {
 		}
 	}
 	if traffic != nil {
-		counters, err := traffic.Counters()
-		if err != nil {
+		if err := m.writeTraffic(t, traffic); err != nil {
 			m.counterErrors.Inc()
 			log.WithError(err).Debug("reading the tunnel IPs' packet counters")
-		} else {
-			vips := make([]netip.Addr, 0, len(counters))
-			for vip := range counters {
-				vips = append(vips, vip)
-			}
-			slices.SortFunc(vips, netip.Addr.Compare)
-			t.header(familyVIPPackets)
-			for _, vip := range vips {
-				t.sample(familyVIPPackets.name, "vip", vip, "", "", netip.Addr{}, counters[vip].Packets)
-			}
-			t.header(familyVIPBytes)
-			for _, vip := range vips {
-				t.sample(familyVIPBytes.name, "vip", vip, "", "", netip.Addr{}, counters[vip].Bytes)
-			}
 		}
 	}
 	return t.flush()
+}
+
+// writeTraffic writes the per tunnel IP counters read from traffic: its
+// packets and bytes, and what the port filter dropped. A failed reading
+// stops it (one error per scrape).
+func (m *Metrics) writeTraffic(t *textWriter, traffic vipCounterReader) error {
+	counters, err := traffic.Counters()
+	if err != nil {
+		return err
+	}
+	drops, err := traffic.PortDrops()
+	if err != nil {
+		return err
+	}
+	vips := make([]netip.Addr, 0, len(counters))
+	for vip := range counters {
+		vips = append(vips, vip)
+	}
+	slices.SortFunc(vips, netip.Addr.Compare)
+	t.header(familyVIPPackets)
+	for _, vip := range vips {
+		t.sample(familyVIPPackets.name, "vip", vip, "", "", netip.Addr{}, counters[vip].Packets)
+	}
+	t.header(familyVIPBytes)
+	for _, vip := range vips {
+		t.sample(familyVIPBytes.name, "vip", vip, "", "", netip.Addr{}, counters[vip].Bytes)
+	}
+	vips = vips[:0]
+	for vip := range drops {
+		vips = append(vips, vip)
+	}
+	slices.SortFunc(vips, netip.Addr.Compare)
+	t.header(familyPortDrops)
+	for _, vip := range vips {
+		t.sample(familyPortDrops.name, "vip", vip, "", "", netip.Addr{}, drops[vip].Packets)
+	}
+	return nil
 }
 
 // textWriter writes samples through one reused line buffer. The first

@@ -55,6 +55,10 @@ func TestWriteTextParses(t *testing.T) {
 	if len(eps) != 600 || len(buckets) != 3000 || len(packets) != 300 || len(bytes) != 300 {
 		t.Fatalf("series: %d endpoints, %d buckets, %d packets, %d bytes; want 600, 3000, 300, 300", len(eps), len(buckets), len(packets), len(bytes))
 	}
+	drops := promtest.Series(t, g, "kube_service_tunnel_router_port_dropped_packets_total")
+	if len(drops) != 300 || drops["vip=198.18.1.2"] != float64(int(packets["vip=198.18.1.2"])/2) || packets["vip=198.18.1.2"] < 2 {
+		t.Errorf("port drops: %d series, %v for 198.18.1.2 (packets %v); want 300 series, half the packets", len(drops), drops["vip=198.18.1.2"], packets["vip=198.18.1.2"])
+	}
 	want := map[string]float64{
 		"state=ready,vip=198.18.1.2":    9,
 		"state=draining,vip=198.18.1.2": 1,

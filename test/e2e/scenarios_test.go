@@ -44,6 +44,7 @@ var scenarios = []scenario{
 	{"14_dual_stack_service_answers_on_both_addresses", dualStack},
 	{"15_ipv6_tunnel_ip_without_ipv6_endpoints_is_dropped", ipv6WithoutIPv6Endpoints},
 	{"16_only_the_routers_speak_through_the_tunnel", carrierGuard},
+	{"17_tunnel_ip_carries_only_the_services_ports", servicePortsOnly},
 }
 
 const (

@@ -349,8 +349,10 @@ func TestEndpointAgentLifecycle(t *testing.T) {
 	}
 	podNS2.remove()
 	time.Sleep(time.Second)
-	if log := b.log.String(); strings.Contains(log, "web-1") && strings.Contains(log, "level=warning") {
-		t.Fatalf("deleted pod caused a warning:\n%s", log)
+	for line := range strings.Lines(b.log.String()) {
+		if strings.Contains(line, "web-1") && strings.Contains(line, "level=warning") {
+			t.Fatalf("deleted pod caused a warning:\n%s", b.log.String())
+		}
 	}
 }
 

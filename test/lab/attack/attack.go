@@ -230,3 +230,21 @@ func (l *Listener) Close() {
 
 // Settle is how long the attacks' packets are given to arrive.
 const Settle = time.Second
+
+// SendUDP sends payload n times from the namespace ns to dst, from an
+// ordinary UDP socket (the address its routes choose in ns).
+func SendUDP(ns netns.NsHandle, dst netip.AddrPort, payload []byte, n int) error {
+	return nsexec.Do(ns, func() error {
+		c, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(dst))
+		if err != nil {
+			return fmt.Errorf("dialing %v: %w", dst, err)
+		}
+		defer c.Close()
+		for range n {
+			if _, err := c.Write(payload); err != nil {
+				return fmt.Errorf("sending to %v: %w", dst, err)
+			}
+		}
+		return nil
+	})
+}
