@@ -25,6 +25,9 @@ type Options struct {
 	RuntimeEndpoint string
 	// Cleanup removes everything the agent created on this node and exits.
 	Cleanup bool
+	// KernelCheckOnly runs the kernel check (which loads missing modules)
+	// and exits.
+	KernelCheckOnly bool
 	// WaitAfterCleanup makes a successful Cleanup answer /readyz and wait
 	// for SIGTERM.
 	WaitAfterCleanup bool
@@ -106,6 +109,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.MetricsAddress, "metrics-address", DefaultMetricsAddress, "address serving /metrics, /healthz and /readyz; empty disables")
 	fs.BoolVar(&o.Cleanup, "cleanup", false, "remove everything the agent created in this node's pods and namespace, then exit")
 	fs.BoolVar(&o.WaitAfterCleanup, "wait-after-cleanup", false, daemon.WaitAfterCleanupHelp)
+	fs.BoolVar(&o.KernelCheckOnly, "kernel-check-only", false, daemon.KernelCheckOnlyHelp)
 }
 
 // Parse parses args, applies the KST_* environment fallbacks and validates.

@@ -47,6 +47,10 @@ func Main(args []string) error {
 	if err := kernelcheck.Verify(kernelcheck.Endpoint(o.Mode, o.NetworkPolicy), entry, kernelcheck.WithProcSys(o.ProcSys), kernelcheck.WithIPTables(tables.Binary)); err != nil {
 		return fmt.Errorf("kernel check (--mode %s): %w", o.Mode, err)
 	}
+	if o.KernelCheckOnly {
+		entry.WithField("mode", o.Mode).Info("kernel check passed (--kernel-check-only): every module the agent needs is loaded")
+		return nil
+	}
 
 	locator, how, err := runtime.Open(ctx, runtime.Options{Runtime: o.Runtime, Endpoint: o.RuntimeEndpoint})
 	if err != nil {

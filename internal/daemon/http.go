@@ -85,5 +85,8 @@ func WaitAfterCleanup(ctx context.Context, addr string, log logrus.FieldLogger) 
 	return nil
 }
 
+// KernelCheckOnlyHelp is both daemons' --kernel-check-only usage.
+const KernelCheckOnlyHelp = "run the start-up kernel check, loading any missing kernel module with modprobe, then exit: the DaemonSet's init container, the one container granted SYS_MODULE (the daemon itself checks again, and cannot load a module)"
+
 // WaitAfterCleanupHelp is both daemons' --wait-after-cleanup usage.
 const WaitAfterCleanupHelp = "with --cleanup: once done, answer /readyz with 200 on --metrics-address and wait for SIGTERM instead of exiting (the uninstall DaemonSet's pods turn Ready once their node is clean)"

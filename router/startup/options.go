@@ -24,6 +24,9 @@ type Options struct {
 	NodeName string
 	// Cleanup removes everything the router owns and exits.
 	Cleanup bool
+	// KernelCheckOnly runs the kernel check (which loads missing modules)
+	// and exits.
+	KernelCheckOnly bool
 	// WaitAfterCleanup makes a successful Cleanup answer /readyz and wait
 	// for SIGTERM.
 	WaitAfterCleanup bool
@@ -112,6 +115,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	})
 	fs.BoolVar(&o.Cleanup, "cleanup", false, "remove every rule, route, chain and device the router owns, then exit")
 	fs.BoolVar(&o.WaitAfterCleanup, "wait-after-cleanup", false, daemon.WaitAfterCleanupHelp)
+	fs.BoolVar(&o.KernelCheckOnly, "kernel-check-only", false, daemon.KernelCheckOnlyHelp)
 }
 
 // Parse parses args, applies the KST_* environment fallbacks and validates.

@@ -74,6 +74,10 @@ func Main(args []string) error {
 			}
 			return fmt.Errorf("kernel check (--mode %s): %w", o.Mode, err)
 		}
+		if o.KernelCheckOnly {
+			entry.WithField("mode", o.Mode).Info("kernel check passed (--kernel-check-only): every module the router needs is loaded")
+			return nil
+		}
 	}
 
 	// client-go's default (5 QPS, burst 10) throttles the paged initial LISTs

@@ -202,10 +202,6 @@ func checkDaemon(t *testing.T, m manifest, name string, metricsAddress string, e
 	if c.ImagePullPolicy != corev1.PullIfNotPresent {
 		t.Errorf("%s: imagePullPolicy %q, want IfNotPresent", name, c.ImagePullPolicy)
 	}
-	// The kernel check's modprobe needs the node's modules.
-	if hostPathFor(spec, c, "/lib/modules") == "" {
-		t.Errorf("%s: /lib/modules is not mounted from the host", name)
-	}
 	// Sysctls (the router's conntrack ones, the agent's per-device ones)
 	// need a writable /proc/sys/net: a runtime mounts its own read-only and
 	// (runc) refuses a mount inside /proc, so the node's is mounted
@@ -243,6 +239,53 @@ func checkDaemon(t *testing.T, m manifest, name string, metricsAddress string, e
 		t.Errorf("%s: the pod's seccompProfile is not RuntimeDefault", name)
 	}
 	return ds, c
+}
+
+// checkKernelModules: SYS_MODULE (loading kernel code: node root) is the
+// init container's alone, which runs the daemon's --kernel-check-only in
+// its image with /lib/modules read-only and exits; the long-running
+// container neither has it nor mounts the modules.
+func checkKernelModules(t *testing.T, ds *appsv1.DaemonSet) {
+	t.Helper()
+	spec := ds.Spec.Template.Spec
+	for _, c := range spec.Containers {
+		if c.SecurityContext != nil && c.SecurityContext.Capabilities != nil && slices.Contains(c.SecurityContext.Capabilities.Add, "SYS_MODULE") {
+			t.Errorf("%s: container %s keeps SYS_MODULE: only the init container may load modules", ds.Name, c.Name)
+		}
+		for _, m := range c.VolumeMounts {
+			if m.MountPath == "/lib/modules" {
+				t.Errorf("%s: container %s mounts /lib/modules", ds.Name, c.Name)
+			}
+		}
+	}
+	if len(spec.InitContainers) != 1 {
+		t.Fatalf("%s: %d init containers, want the kernel check's", ds.Name, len(spec.InitContainers))
+	}
+	ic := spec.InitContainers[0]
+	if ic.Image != spec.Containers[0].Image || !slices.Contains(ic.Args, "--kernel-check-only") {
+		t.Errorf("%s: init container %s runs %s %v, want the daemon's image with --kernel-check-only", ds.Name, ic.Name, ic.Image, ic.Args)
+	}
+	if sc := ic.SecurityContext; sc == nil || sc.Capabilities == nil ||
+		!slices.Equal(slices.Sorted(slices.Values(sc.Capabilities.Add)), []corev1.Capability{"NET_ADMIN", "NET_RAW", "SYS_MODULE"}) ||
+		!slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) {
+		t.Errorf("%s: init container %s capabilities %+v, want ALL dropped and NET_ADMIN, NET_RAW, SYS_MODULE", ds.Name, ic.Name, ic.SecurityContext)
+	}
+	modules := false
+	for _, m := range ic.VolumeMounts {
+		for _, v := range spec.Volumes {
+			if v.Name == m.Name && v.HostPath != nil && v.HostPath.Path == "/lib/modules" && m.MountPath == "/lib/modules" && m.ReadOnly {
+				modules = true
+			}
+		}
+	}
+	if !modules {
+		t.Errorf("%s: init container %s does not mount the node's /lib/modules read-only for modprobe", ds.Name, ic.Name)
+	}
+	if !slices.ContainsFunc(ic.EnvFrom, func(e corev1.EnvFromSource) bool {
+		return e.ConfigMapRef != nil && e.ConfigMapRef.Name == "tunnel-config"
+	}) {
+		t.Errorf("%s: init container %s does not read tunnel-config: it would check another mode's modules", ds.Name, ic.Name)
+	}
 }
 
 // hostPathFor returns the host directory mounted in c that holds the host
@@ -307,12 +350,14 @@ func TestManifestProperties(t *testing.T) {
 		t.Errorf("router and endpoint agent default to the same metrics port %s", startup.DefaultMetricsAddress)
 	}
 
-	routerDS, _ := checkDaemon(t, m, "tunnel-router", startup.DefaultMetricsAddress, "NET_RAW", "SYS_MODULE")
+	routerDS, _ := checkDaemon(t, m, "tunnel-router", startup.DefaultMetricsAddress, "NET_RAW")
+	checkKernelModules(t, routerDS)
 	if sel := routerDS.Spec.Template.Spec.NodeSelector; len(sel) != 1 || sel["node"] != "tunnel" {
 		t.Errorf("tunnel-router nodeSelector %v, want node=tunnel", sel)
 	}
 
-	endpointDS, c := checkDaemon(t, m, "tunnel-endpoint", endpoint.DefaultMetricsAddress, "NET_RAW", "SYS_ADMIN", "SYS_PTRACE", "SYS_MODULE")
+	endpointDS, c := checkDaemon(t, m, "tunnel-endpoint", endpoint.DefaultMetricsAddress, "NET_RAW", "SYS_ADMIN", "SYS_PTRACE")
+	checkKernelModules(t, endpointDS)
 	spec := endpointDS.Spec.Template.Spec
 	if !spec.HostPID {
 		t.Error("tunnel-endpoint: hostPID is off; the pods' namespaces are opened through their processes")
