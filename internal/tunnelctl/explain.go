@@ -7,10 +7,14 @@ import (
 	"strconv"
 	"strings"
 
+	"golang.org/x/sys/unix"
+	corev1 "k8s.io/api/core/v1"
+
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/mplslabel"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
+	"github.com/cmdnu/kube-service-tunnel/router"
 )
 
 // Flow is the flow explain is asked about.
@@ -85,6 +89,23 @@ func protoName(p uint8) string {
 		}
 	}
 	return strconv.Itoa(int(p))
+}
+
+// portDropped says why the routers' port filter drops flow f to svc's
+// tunnel IP, or "" when it carries it (router.PortFilter): ICMP always
+// passes, and every other protocol only on a port of spec.ports.
+func portDropped(svc *corev1.Service, f Flow) string {
+	filter, ports, _ := router.PortFilter(svc)
+	if !filter || f.Proto == unix.IPPROTO_ICMP || f.Proto == unix.IPPROTO_ICMPV6 {
+		return ""
+	}
+	for _, p := range ports {
+		if p.Protocol == f.Proto && p.Number == f.TunnelIP.Port() {
+			return ""
+		}
+	}
+	return fmt.Sprintf("the Service %s lists no %s port %d in spec.ports (%s: %s opts it into every port)",
+		tunnelclaim.ServiceKey(svc), protoName(f.Proto), f.TunnelIP.Port(), router.PortsAnnotation, router.AllPorts)
 }
 
 // Explanation is kubectl tunnel explain's answer: where a new flow goes.
@@ -201,10 +222,16 @@ func (inv *Inventory) Explain(ctx context.Context, f Flow, seed Seed) (*Explanat
 			ex.Notes = append(ex.Notes, "every endpoint drains: new flows go to draining endpoints")
 		}
 	}
+	dropped := portDropped(svc, f)
+	if dropped != "" {
+		ex.Notes = append(ex.Notes, "the routers drop this flow: "+dropped)
+	}
 	for _, r := range inv.Routers {
 		rt := inv.routerTunnel(r, s)
 		p := RouterPath{Router: r.Node, Generation: rt.Generation, Announced: rt.Announced}
 		switch {
+		case dropped != "":
+			p.Why = "drops it: its protocol and port are not among the Service's spec.ports"
 		case !rt.Programmed:
 			p.Why = "has not programmed this tunnel IP"
 		case rt.Table == "outdated":

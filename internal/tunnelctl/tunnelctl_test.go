@@ -47,7 +47,8 @@ var (
 
 func service(name, ip string, age time.Duration) *corev1.Service {
 	return &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "web", Name: name, CreationTimestamp: metav1.NewTime(created.Add(-age)),
-		Annotations: map[string]string{tunnelclaim.Annotation: ip}}}
+		Annotations: map[string]string{tunnelclaim.Annotation: ip}},
+		Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Protocol: corev1.ProtocolTCP, Port: 80}, {Protocol: corev1.ProtocolUDP, Port: 80}}}}
 }
 
 func ptr[T any](v T) *T { return &v }
@@ -400,6 +401,52 @@ func TestRouterComparedWithItsOwnSettings(t *testing.T) {
 		if rt.Router == "router-c" && !rt.Current() {
 			t.Errorf("router-c, with 32 buckets and the table they give, shows %+v", rt)
 		}
+	}
+}
+
+// explain says when the routers' port filter drops the flow: a port the
+// Service does not list, unless it opted into every port; ICMP passes.
+func TestExplainPortFilter(t *testing.T) {
+	client, _ := cluster(t, encap.GRE)
+	ctx := context.Background()
+	explain := func(to, proto string) *Explanation {
+		t.Helper()
+		inv, err := Load(ctx, client, ns)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f, err := ParseFlow(to, "198.51.100.7:40000", proto)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ex, err := inv.Explain(ctx, f, Seed{Value: seed})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ex
+	}
+	dropsIt := func(ex *Explanation) bool {
+		return strings.Contains(strings.Join(ex.Notes, "\n"), "the routers drop this flow") && !ex.Routers[0].Carries
+	}
+	if ex := explain(vip.String()+":80", "tcp"); dropsIt(ex) {
+		t.Errorf("tcp/80 is in spec.ports, but explain says %+v", ex)
+	}
+	if ex := explain(vip.String()+":8080", "tcp"); !dropsIt(ex) || !strings.Contains(ex.Routers[0].Why, "spec.ports") {
+		t.Errorf("tcp/8080: %+v %+v, want the routers to drop it", ex.Notes, ex.Routers)
+	}
+	if ex := explain(vip.String(), "icmp"); dropsIt(ex) {
+		t.Errorf("icmp is dropped: %+v", ex.Notes)
+	}
+	svc, err := client.CoreV1().Services("web").Get(ctx, "echo", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	svc.Annotations[router.PortsAnnotation] = router.AllPorts
+	if _, err := client.CoreV1().Services("web").Update(ctx, svc, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if ex := explain(vip.String()+":8080", "tcp"); dropsIt(ex) {
+		t.Errorf("with %s: %s, tcp/8080 is still dropped: %+v", router.PortsAnnotation, router.AllPorts, ex.Notes)
 	}
 }
 
