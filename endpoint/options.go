@@ -26,8 +26,8 @@ type Options struct {
 	// Cleanup removes everything the agent created on this node and exits.
 	Cleanup bool
 	// KernelCheckOnly runs the kernel check (which loads missing modules)
-	// and exits.
-	KernelCheckOnly bool
+	// and exits; KernelCheck false skips the check.
+	KernelCheckOnly, KernelCheck bool
 	// WaitAfterCleanup makes a successful Cleanup answer /readyz and wait
 	// for SIGTERM.
 	WaitAfterCleanup bool
@@ -110,6 +110,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.BoolVar(&o.Cleanup, "cleanup", false, "remove everything the agent created in this node's pods and namespace, then exit")
 	fs.BoolVar(&o.WaitAfterCleanup, "wait-after-cleanup", false, daemon.WaitAfterCleanupHelp)
 	fs.BoolVar(&o.KernelCheckOnly, "kernel-check-only", false, daemon.KernelCheckOnlyHelp)
+	fs.BoolVar(&o.KernelCheck, "kernel-check", true, daemon.KernelCheckHelp)
 }
 
 // Parse parses args, applies the KST_* environment fallbacks and validates.

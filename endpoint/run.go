@@ -44,8 +44,10 @@ func Main(args []string) error {
 		return daemon.WaitAfterCleanup(ctx, o.MetricsAddress, entry)
 	}
 	// Before any kernel state is touched; cleanup must work on any kernel.
-	if err := kernelcheck.Verify(kernelcheck.Endpoint(o.Mode, o.NetworkPolicy), entry, kernelcheck.WithProcSys(o.ProcSys), kernelcheck.WithIPTables(tables.Binary)); err != nil {
-		return fmt.Errorf("kernel check (--mode %s): %w", o.Mode, err)
+	if o.KernelCheck || o.KernelCheckOnly {
+		if err := kernelcheck.Verify(kernelcheck.Endpoint(o.Mode, o.NetworkPolicy), entry, kernelcheck.WithProcSys(o.ProcSys), kernelcheck.WithIPTables(tables.Binary)); err != nil {
+			return fmt.Errorf("kernel check (--mode %s): %w", o.Mode, err)
+		}
 	}
 	if o.KernelCheckOnly {
 		entry.WithField("mode", o.Mode).Info("kernel check passed (--kernel-check-only): every module the agent needs is loaded")

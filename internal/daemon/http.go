@@ -86,7 +86,10 @@ func WaitAfterCleanup(ctx context.Context, addr string, log logrus.FieldLogger) 
 }
 
 // KernelCheckOnlyHelp is both daemons' --kernel-check-only usage.
-const KernelCheckOnlyHelp = "run the start-up kernel check, loading any missing kernel module with modprobe, then exit: the DaemonSet's init container, the one container granted SYS_MODULE (the daemon itself checks again, and cannot load a module)"
+const KernelCheckOnlyHelp = "run the start-up kernel check, loading any missing kernel module with modprobe, then exit: the DaemonSet's init container, the one container granted SYS_MODULE (the daemon then starts with --kernel-check=false)"
+
+// KernelCheckHelp is both daemons' --kernel-check usage.
+const KernelCheckHelp = "check the kernel's features at start-up, before touching any state (false: skip it; the manifest's daemon containers do, as their init container checked the same kernel with --kernel-check-only just before)"
 
 // WaitAfterCleanupHelp is both daemons' --wait-after-cleanup usage.
 const WaitAfterCleanupHelp = "with --cleanup: once done, answer /readyz with 200 on --metrics-address and wait for SIGTERM instead of exiting (the uninstall DaemonSet's pods turn Ready once their node is clean)"

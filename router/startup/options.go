@@ -25,8 +25,8 @@ type Options struct {
 	// Cleanup removes everything the router owns and exits.
 	Cleanup bool
 	// KernelCheckOnly runs the kernel check (which loads missing modules)
-	// and exits.
-	KernelCheckOnly bool
+	// and exits; KernelCheck false skips the check.
+	KernelCheckOnly, KernelCheck bool
 	// WaitAfterCleanup makes a successful Cleanup answer /readyz and wait
 	// for SIGTERM.
 	WaitAfterCleanup bool
@@ -116,6 +116,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.BoolVar(&o.Cleanup, "cleanup", false, "remove every rule, route, chain and device the router owns, then exit")
 	fs.BoolVar(&o.WaitAfterCleanup, "wait-after-cleanup", false, daemon.WaitAfterCleanupHelp)
 	fs.BoolVar(&o.KernelCheckOnly, "kernel-check-only", false, daemon.KernelCheckOnlyHelp)
+	fs.BoolVar(&o.KernelCheck, "kernel-check", true, daemon.KernelCheckHelp)
 }
 
 // Parse parses args, applies the KST_* environment fallbacks and validates.

@@ -65,7 +65,7 @@ func Main(args []string) error {
 	iptablesBinary := backend.Backend.Binary("iptables")
 	entry.WithFields(logrus.Fields{"backend": backend.Backend, "iptables": iptablesBinary, "why": backend.Reason}).Info("iptables backend chosen")
 	// Before any kernel state is touched; cleanup must work on any kernel.
-	if !o.Cleanup {
+	if !o.Cleanup && (o.KernelCheck || o.KernelCheckOnly) {
 		checks := kernelcheck.Router(kernelcheck.RouterParams{Mode: o.Mode, CreateGREDevice: o.CreateDevice, Generations: o.Generations, IPv6: o.IPv6})
 		if err := kernelcheck.Verify(checks, entry, kernelcheck.WithIPTables(iptablesBinary),
 			kernelcheck.WithIP6Tables(backend.Backend.Binary("ip6tables")), kernelcheck.WithProcSys(o.ProcSys)); err != nil {

@@ -262,6 +262,10 @@ func checkKernelModules(t *testing.T, ds *appsv1.DaemonSet) {
 		t.Fatalf("%s: %d init containers, want the kernel check's", ds.Name, len(spec.InitContainers))
 	}
 	ic := spec.InitContainers[0]
+	// The daemon skips the check its init container just made.
+	if !slices.Contains(spec.Containers[0].Args, "--kernel-check=false") {
+		t.Errorf("%s: the daemon's args %v lack --kernel-check=false: it would check the kernel again", ds.Name, spec.Containers[0].Args)
+	}
 	if ic.Image != spec.Containers[0].Image || !slices.Contains(ic.Args, "--kernel-check-only") {
 		t.Errorf("%s: init container %s runs %s %v, want the daemon's image with --kernel-check-only", ds.Name, ic.Name, ic.Image, ic.Args)
 	}
