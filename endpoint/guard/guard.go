@@ -29,8 +29,9 @@ import (
 	"net/netip"
 	"regexp"
 	"slices"
-	"strconv"
 	"strings"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/iptsave"
 )
 
 // Chain is the raw table's chain holding the guard; PREROUTING jumps to it
@@ -105,11 +106,11 @@ func Render(p Params) *Rules {
 	vips = slices.Compact(vips)
 	if !p.MPLS {
 		for _, rt := range routers {
-			add("", "-s", host(rt), "-d", host(p.PodIP), "-p", "47", "-j", "RETURN")
+			add("", "-s", iptsave.Host(rt), "-d", iptsave.Host(p.PodIP), "-p", "47", "-j", "RETURN")
 		}
-		add(CarrierSource, "-d", host(p.PodIP), "-p", "47", "-j", "DROP")
+		add(CarrierSource, "-d", iptsave.Host(p.PodIP), "-p", "47", "-j", "DROP")
 		for _, vip := range vips {
-			add("", "-d", host(vip), "-i", p.Device, "-j", "RETURN")
+			add("", "-d", iptsave.Host(vip), "-i", p.Device, "-j", "RETURN")
 		}
 		for _, dev := range []string{p.Device, p.Other} {
 			if dev != "" {
@@ -130,7 +131,7 @@ func Render(p Params) *Rules {
 			add("", "-s", l.String(), "-i", "lo", "-j", "RETURN")
 		}
 		for _, vip := range vips {
-			add("", "-d", host(vip), "-i", "lo", "-j", "RETURN")
+			add("", "-d", iptsave.Host(vip), "-i", "lo", "-j", "RETURN")
 		}
 		add(InnerDestination, "-i", "lo", "-j", "DROP")
 	}
@@ -139,7 +140,7 @@ func Render(p Params) *Rules {
 		add("", "-i", "lo", "-j", "RETURN")
 	}
 	for _, vip := range vips {
-		add(Bypass, "-d", host(vip), "-j", "DROP")
+		add(Bypass, "-d", iptsave.Host(vip), "-j", "DROP")
 	}
 	sum := sha256.Sum256([]byte(strings.Join(r.Body, "\n")))
 	r.Digest = hex.EncodeToString(sum[:4])
@@ -152,10 +153,8 @@ func Jump(digest string) []string {
 	return []string{"-m", "comment", "--comment", Comment + ":" + digest, "-j", Chain}
 }
 
-func host(a netip.Addr) string { return netip.PrefixFrom(a, a.BitLen()).String() }
-
 // Counter is a rule's packet and byte counters.
-type Counter struct{ Packets, Bytes uint64 }
+type Counter = iptsave.Counter
 
 // Observed is what a pod's raw table holds of the guard (ParseSave).
 type Observed struct {
@@ -174,60 +173,32 @@ type Observed struct {
 // Empty reports whether the table holds nothing of the guard's.
 func (o Observed) Empty() bool { return !o.Chain && len(o.Jumps) == 0 }
 
-var (
-	counterPrefix = regexp.MustCompile(`^\[(\d+):(\d+)\] `)
-	tagComment    = regexp.MustCompile(`--comment "?` + regexp.QuoteMeta(Comment) + `:([0-9a-z-]+)"?`)
-	target        = regexp.MustCompile(`(?:^| )-j (\S+)`)
-)
+var tagComment = regexp.MustCompile(`--comment "?` + regexp.QuoteMeta(Comment) + `:([0-9a-z-]+)"?`)
 
 // ParseSave reads the raw table of iptables-save's output (with or without
 // -c; other tables are skipped).
 func ParseSave(save string) Observed {
 	o := Observed{Dropped: map[string]Counter{}}
-	table := ""
-	for line := range strings.Lines(save) {
-		line = strings.TrimSpace(line)
-		switch {
-		case strings.HasPrefix(line, "*"):
-			table = line[1:]
-			continue
-		case table != "raw":
-			continue
-		case strings.HasPrefix(line, ":"):
-			if name, _, _ := strings.Cut(line[1:], " "); name == Chain {
-				o.Chain = true
-			}
+	for l := range iptsave.Table(save, "raw") {
+		if l.Declared != "" {
+			o.Chain = o.Chain || l.Declared == Chain
 			continue
 		}
-		var c Counter
-		if m := counterPrefix.FindStringSubmatch(line); m != nil {
-			c.Packets, _ = strconv.ParseUint(m[1], 10, 64)
-			c.Bytes, _ = strconv.ParseUint(m[2], 10, 64)
-			line = line[len(m[0]):]
-		}
-		rest, ok := strings.CutPrefix(line, "-A ")
-		if !ok {
-			continue
-		}
-		chain, spec, _ := strings.Cut(rest, " ")
 		tag := ""
-		if m := tagComment.FindStringSubmatch(spec); m != nil {
+		if m := tagComment.FindStringSubmatch(l.Spec); m != nil {
 			tag = m[1]
 		}
-		t := ""
-		if m := target.FindStringSubmatch(spec); m != nil {
-			t = m[1]
-		}
+		t := iptsave.Target(l.Spec)
 		switch {
-		case chain == "PREROUTING" && t == Chain:
-			o.Jumps = append(o.Jumps, spec)
+		case l.Chain == "PREROUTING" && t == Chain:
+			o.Jumps = append(o.Jumps, l.Spec)
 			o.Digests = append(o.Digests, tag)
-		case chain == Chain:
+		case l.Chain == Chain:
 			o.Rules++
 			if t == "DROP" && slices.Contains(Reasons, tag) {
 				d := o.Dropped[tag]
-				d.Packets += c.Packets
-				d.Bytes += c.Bytes
+				d.Packets += l.Counter.Packets
+				d.Bytes += l.Counter.Bytes
 				o.Dropped[tag] = d
 			}
 		}

@@ -11,6 +11,8 @@ import (
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/iptsave"
 )
 
 // Chain is the filter chain, in a served pod's network namespace, that
@@ -125,7 +127,7 @@ func Render(in Ingress, vips []netip.Addr) *Rules {
 		}
 	}
 	for _, vip := range r.VIPs {
-		add(Chain, "-d", host(vip), "-j", "DROP")
+		add(Chain, "-d", iptsave.Host(vip), "-j", "DROP")
 	}
 	r.seal()
 	return r
@@ -141,10 +143,8 @@ func (r *Rules) seal() {
 
 // Jump is the INPUT rule sending packets to tunnel IP vip to Chain.
 func Jump(vip netip.Addr) []string {
-	return []string{"-d", host(vip), "-m", "comment", "--comment", Comment, "-j", Chain}
+	return []string{"-d", iptsave.Host(vip), "-m", "comment", "--comment", Comment, "-j", Chain}
 }
-
-func host(a netip.Addr) string { return netip.PrefixFrom(a, a.BitLen()).String() }
 
 // Observed is what a pod's filter table holds of the agent's, read from
 // iptables-save (ParseSave).
@@ -169,16 +169,14 @@ type ObservedJump struct {
 }
 
 // Counter is a rule's packet and byte counters.
-type Counter struct{ Packets, Bytes uint64 }
+type Counter = iptsave.Counter
 
 // Empty reports whether the table holds nothing of the agent's.
 func (o Observed) Empty() bool { return len(o.Counts) == 0 && len(o.Jumps) == 0 }
 
 var (
-	counterPrefix = regexp.MustCompile(`^\[(\d+):(\d+)\] `)
 	digestComment = regexp.MustCompile(`--comment "?` + regexp.QuoteMeta(Comment) + `:([0-9a-f]+)"?`)
 	destination   = regexp.MustCompile(`-d (\S+)`)
-	target        = regexp.MustCompile(`(?:^| )-j (\S+)`)
 )
 
 // hostDestination returns the single address a saved rule's -d names
@@ -190,14 +188,6 @@ func hostDestination(spec string) netip.Addr {
 		}
 	}
 	return netip.Addr{}
-}
-
-// jumpsTo returns the target of a saved rule.
-func jumpsTo(spec string) string {
-	if m := target.FindStringSubmatch(spec); m != nil {
-		return m[1]
-	}
-	return ""
 }
 
 // ours reports whether chain is Chain or one of its subchains.
@@ -214,34 +204,14 @@ func ours(chain string) bool {
 // without -c; other tables are skipped).
 func ParseSave(save string) Observed {
 	o := Observed{Counts: map[string]int{}, Dropped: map[netip.Addr]Counter{}}
-	table := ""
-	for line := range strings.Lines(save) {
-		line = strings.TrimSpace(line)
+	for l := range iptsave.Table(save, "filter") {
+		chain, spec := l.Chain, l.Spec
 		switch {
-		case strings.HasPrefix(line, "*"):
-			table = line[1:]
-			continue
-		case table != "filter":
-			continue
-		case strings.HasPrefix(line, ":"):
-			if name, _, _ := strings.Cut(line[1:], " "); ours(name) {
-				o.Counts[name] += 0
+		case l.Declared != "":
+			if ours(l.Declared) {
+				o.Counts[l.Declared] += 0
 			}
-			continue
-		}
-		var counter Counter
-		if m := counterPrefix.FindStringSubmatch(line); m != nil {
-			counter.Packets, _ = strconv.ParseUint(m[1], 10, 64)
-			counter.Bytes, _ = strconv.ParseUint(m[2], 10, 64)
-			line = line[len(m[0]):]
-		}
-		rest, ok := strings.CutPrefix(line, "-A ")
-		if !ok {
-			continue
-		}
-		chain, spec, _ := strings.Cut(rest, " ")
-		switch {
-		case chain == "INPUT" && jumpsTo(spec) == Chain:
+		case chain == "INPUT" && iptsave.Target(spec) == Chain:
 			o.Jumps = append(o.Jumps, ObservedJump{VIP: hostDestination(spec), Spec: spec})
 		case ours(chain):
 			if o.Counts[chain] == 0 && chain == Chain {
@@ -250,8 +220,8 @@ func ParseSave(save string) Observed {
 				}
 			}
 			o.Counts[chain]++
-			if vip := hostDestination(spec); chain == Chain && jumpsTo(spec) == "DROP" && vip.IsValid() {
-				o.Dropped[vip] = counter
+			if vip := hostDestination(spec); chain == Chain && iptsave.Target(spec) == "DROP" && vip.IsValid() {
+				o.Dropped[vip] = l.Counter
 			}
 		}
 	}
