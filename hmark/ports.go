@@ -145,10 +145,15 @@ func comparePortElems(a, b portElem) int {
 	if c := a.vip.Compare(b.vip); c != 0 {
 		return c
 	}
-	if a.port.Protocol != b.port.Protocol {
-		return int(a.port.Protocol) - int(b.port.Protocol)
+	return ComparePorts(a.port, b.port)
+}
+
+// ComparePorts orders ports by protocol, then number.
+func ComparePorts(a, b Port) int {
+	if a.Protocol != b.Protocol {
+		return int(a.Protocol) - int(b.Protocol)
 	}
-	return int(a.port.Number) - int(b.port.Number)
+	return int(a.Number) - int(b.Number)
 }
 
 // PortDrops returns, by filtered tunnel IP, the packets and bytes the port

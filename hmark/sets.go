@@ -250,13 +250,21 @@ func (c *Chain) destroySet(s *ipset) (changed int, err error) {
 	if !s.exists {
 		return 0, nil
 	}
-	if err := c.sets.IpsetDestroy(s.name); err != nil {
-		if errors.Is(err, syscall.EBUSY) || errors.Is(err, nl.IPSetError(nl.IPSET_ERR_BUSY)) || errors.Is(err, nl.IPSetError(nl.IPSET_ERR_REFERENCED)) {
-			return 0, fmt.Errorf("destroy set %s: a rule that is not the router's still uses it: %w", s.name, err)
-		}
-		return 0, fmt.Errorf("destroy set %s: %w", s.name, err)
+	if err := c.destroySetNamed(s.name); err != nil {
+		return 0, err
 	}
 	s.exists = false
 	s.members = map[netip.Addr]Counter{}
 	return 1, nil
+}
+
+// destroySetNamed destroys the set name: one netlink call.
+func (c *Chain) destroySetNamed(name string) error {
+	if err := c.sets.IpsetDestroy(name); err != nil {
+		if errors.Is(err, syscall.EBUSY) || errors.Is(err, nl.IPSetError(nl.IPSET_ERR_BUSY)) || errors.Is(err, nl.IPSetError(nl.IPSET_ERR_REFERENCED)) {
+			return fmt.Errorf("destroy set %s: a rule that is not the router's still uses it: %w", name, err)
+		}
+		return fmt.Errorf("destroy set %s: %w", name, err)
+	}
+	return nil
 }

@@ -270,8 +270,8 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 			return changed, err
 		}
 		if sets.ports.exists {
-			if err := c.sets.IpsetDestroy(sets.ports.name); err != nil {
-				return changed, fmt.Errorf("hmark: sync chain %s: destroy set %s: %w", c.name, sets.ports.name, err)
+			if err := c.destroySetNamed(sets.ports.name); err != nil {
+				return changed, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
 			}
 			changed++
 		}
@@ -451,7 +451,7 @@ func (c *Chain) normalizeTargets(targets []Target) ([]wantedTarget, error) {
 				}
 			}
 			w.ports = slices.Clone(t.Ports)
-			slices.SortFunc(w.ports, func(a, b Port) int { return comparePortElems(portElem{port: a}, portElem{port: b}) })
+			slices.SortFunc(w.ports, ComparePorts)
 			w.ports = slices.Compact(w.ports)
 		}
 		out = append(out, w)

@@ -34,12 +34,7 @@ func (t Tunnel) portKey() string {
 		return ""
 	}
 	ports := slices.Clone(t.Ports)
-	slices.SortFunc(ports, func(a, b hmark.Port) int {
-		if a.Protocol != b.Protocol {
-			return int(a.Protocol) - int(b.Protocol)
-		}
-		return int(a.Number) - int(b.Number)
-	})
+	slices.SortFunc(ports, hmark.ComparePorts)
 	ports = slices.Compact(ports)
 	var b strings.Builder
 	b.WriteString("filter")
