@@ -175,9 +175,7 @@ func carrierGuard(t *testing.T, e *env) {
 		return got
 	}
 
-	prefix := "kube_service_tunnel_endpoint_guard_dropped_packets_total"
-	podLabel := `pod="` + e.Opts.Namespace + "/" + target.Name + `"`
-	dropsBefore := e.guardDrops(t, target, prefix, podLabel)
+	dropsBefore := e.guardDrops(t, target)
 	got := round("")
 	for i, a := range attacks {
 		switch {
@@ -196,7 +194,7 @@ func carrierGuard(t *testing.T, e *env) {
 			want[a.family+"/"+a.reason] += attackPackets
 		}
 	}
-	dropsAfter := e.guardDrops(t, target, prefix, podLabel)
+	dropsAfter := e.guardDrops(t, target)
 	for key, n := range want {
 		if d := dropsAfter[key] - dropsBefore[key]; d < n {
 			t.Errorf("carrier guard drops %s: +%d, want at least %d", key, d, n)
@@ -225,32 +223,15 @@ func carrierGuard(t *testing.T, e *env) {
 
 // guardDrops reads the carrier guard's drop counters of pod from its
 // node's agent, by "family/reason" (family as familyName).
-func (e *env) guardDrops(t *testing.T, pod *topology.Pod, prefix, podLabel string) map[string]int {
+func (e *env) guardDrops(t *testing.T, pod *topology.Pod) map[string]int {
 	t.Helper()
-	ms, err := e.AgentMetrics(context.Background(), pod.Node, prefix)
-	if err != nil {
-		t.Fatalf("metrics of the agent on %s: %v", pod.Node.Name, err)
-	}
 	out := map[string]int{}
-	for _, m := range ms {
-		if !strings.Contains(m, podLabel) {
-			continue
+	for _, family := range []string{"IPv4", "IPv6"} {
+		for _, reason := range guard.Reasons {
+			// Prometheus orders the labels by name.
+			label := fmt.Sprintf(`family=%q,pod="%s/%s",reason=%q`, family, e.Opts.Namespace, pod.Name, reason)
+			out[strings.ToLower(family)+"/"+reason], _ = e.agentSum(t, "kube_service_tunnel_endpoint_guard_dropped_packets_total{", label)
 		}
-		var fam, reason string
-		for _, f := range []string{"IPv4", "IPv6"} {
-			if strings.Contains(m, `family="`+f+`"`) {
-				fam = strings.ToLower(f)
-			}
-		}
-		for _, r := range guard.Reasons {
-			if strings.Contains(m, `reason="`+r+`"`) {
-				reason = r
-			}
-		}
-		var n float64
-		fields := strings.Fields(m)
-		fmt.Sscan(fields[len(fields)-1], &n)
-		out[fam+"/"+reason] += int(n)
 	}
 	return out
 }

@@ -222,27 +222,43 @@ func (e *env) policyWrites(t testing.TB) int {
 func (e *env) agentSum(t testing.TB, prefix, label string) (int, []string) {
 	t.Helper()
 	seen := map[*topology.Node]bool{}
+	var nodes []*topology.Node
+	for _, p := range e.Pods {
+		if !seen[p.Node] {
+			seen[p.Node] = true
+			nodes = append(nodes, p.Node)
+		}
+	}
+	return metricSum(t, nodes, e.AgentMetrics, prefix, label)
+}
+
+// routerSum is agentSum over the routers' metrics.
+func (e *env) routerSum(t testing.TB, prefix, label string) (int, []string) {
+	t.Helper()
+	return metricSum(t, e.Routers, e.RouterMetrics, prefix, label)
+}
+
+// metricSum sums, over nodes, the metric lines read (by read) that start
+// with prefix and contain label, and returns them.
+func metricSum(t testing.TB, nodes []*topology.Node, read func(context.Context, *topology.Node, ...string) ([]string, error), prefix, label string) (int, []string) {
+	t.Helper()
 	total := 0
 	var lines []string
-	for _, p := range e.Pods {
-		if seen[p.Node] {
-			continue
-		}
-		seen[p.Node] = true
-		ms, err := e.AgentMetrics(context.Background(), p.Node, prefix)
+	for _, n := range nodes {
+		ms, err := read(context.Background(), n, prefix)
 		if err != nil {
-			t.Fatalf("metrics of the agent on %s: %v", p.Node.Name, err)
+			t.Fatalf("metrics of %s: %v", n.Name, err)
 		}
 		for _, m := range ms {
 			if !strings.Contains(m, label) {
 				continue
 			}
 			fields := strings.Fields(m)
-			n, err := strconv.ParseFloat(fields[len(fields)-1], 64)
+			v, err := strconv.ParseFloat(fields[len(fields)-1], 64)
 			if err != nil {
 				t.Fatalf("metric line %q: %v", m, err)
 			}
-			total += int(n)
+			total += int(v)
 			lines = append(lines, m)
 		}
 	}

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/netip"
-	"strings"
 	"testing"
 	"time"
 
@@ -39,21 +38,8 @@ func servicePortsOnly(t *testing.T, e *env) {
 
 	dropped := func() map[string]int {
 		out := map[string]int{}
-		for _, r := range e.Routers {
-			ms, err := e.RouterMetrics(ctx, r, "kube_service_tunnel_router_port_dropped_packets_total")
-			if err != nil {
-				t.Fatalf("metrics of %s: %v", r.Name, err)
-			}
-			for _, m := range ms {
-				for _, vip := range vips {
-					if strings.Contains(m, `vip="`+vip.String()+`"`) {
-						var n float64
-						fields := strings.Fields(m)
-						fmt.Sscan(fields[len(fields)-1], &n)
-						out[vip.String()] += int(n)
-					}
-				}
-			}
+		for _, vip := range vips {
+			out[vip.String()], _ = e.routerSum(t, "kube_service_tunnel_router_port_dropped_packets_total{", `vip="`+vip.String()+`"`)
 		}
 		return out
 	}
