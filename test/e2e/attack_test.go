@@ -152,7 +152,9 @@ func carrierGuard(t *testing.T, e *env) {
 
 	// round sends every attack at once, each with its own token, and
 	// returns how many of each were delivered.
-	round := func(label string) []int {
+	// Each line reads "attack NAME MODE FAMILY: D of N delivered"; the
+	// round without the guard prefixes NAME with "unguarded-".
+	round := func(prefix string) []int {
 		tokens := make([]string, len(attacks))
 		errs := make(chan error, len(attacks))
 		for i, a := range attacks {
@@ -170,7 +172,7 @@ func carrierGuard(t *testing.T, e *env) {
 		got := make([]int, len(attacks))
 		for i, a := range attacks {
 			got[i] = listener.Count(tokens[i])
-			t.Logf("attack %s-from-%s %s %s%s: %d of %d delivered", a.name, a.from, e.Opts.Mode, a.family, label, got[i], attackPackets)
+			t.Logf("attack %s%s-from-%s %s %s: %d of %d delivered", prefix, a.name, a.from, e.Opts.Mode, a.family, got[i], attackPackets)
 		}
 		return got
 	}
@@ -209,7 +211,7 @@ func carrierGuard(t *testing.T, e *env) {
 			t.Fatal(err)
 		}
 	}
-	unguarded := round(" without the guard")
+	unguarded := round("unguarded-")
 	through := 0
 	for i, a := range attacks {
 		if !a.through {
