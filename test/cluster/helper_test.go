@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"net"
 	"net/http"
 	"net/netip"
@@ -181,6 +182,11 @@ func allPodSockets() ([]podSockets, error) {
 	var pods []podSockets
 	for _, p := range paths {
 		ps, err := socketsIn(p)
+		if errors.Is(err, fs.ErrNotExist) {
+			// The sandbox of a pod being deleted went away between the
+			// glob and the open: it has no sockets left to report.
+			continue
+		}
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", p, err)
 		}
