@@ -8,10 +8,12 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cmdnu/kube-service-tunnel/endpoint/bridgeguard"
 	"github.com/cmdnu/kube-service-tunnel/endpoint/guard"
 	"github.com/cmdnu/kube-service-tunnel/endpoint/netpol"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/sirupsen/logrus"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 )
@@ -105,7 +107,7 @@ func NewMetrics(reg prometheus.Registerer, decap DecapCounterReader, drops RuleC
 		}, []string{"kind"}),
 		kernelOps: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kube_service_tunnel_endpoint_kernel_operations_total",
-			Help: "Kernel changes the agent made, by network namespace (pod, node), object (decap_device, tunnel_ip, sysctl, mpls_route, default_route) and operation.",
+			Help: "Kernel changes the agent made, by network namespace (pod, node), object (decap_device, tunnel_ip, sysctl, mpls_route, default_route, bridge_guard) and operation.",
 		}, []string{"netns", "object", "operation"}),
 		vips: map[netip.Addr]bool{},
 	}
@@ -444,4 +446,33 @@ func (d *decapCollector) appendFamily(out []prometheus.Metric, pod string, ns ne
 		}
 	}
 	return out
+}
+
+// bridgeGuardCollector reads the bridge guard's drop counter (mpls mode)
+// from the node's namespace at each scrape.
+type bridgeGuardCollector struct {
+	ns      netns.NsHandle
+	dropped *prometheus.Desc
+	log     logrus.FieldLogger
+}
+
+// NewBridgeGuardCollector returns the collector of the bridge guard in the
+// node namespace ns (package bridgeguard).
+func NewBridgeGuardCollector(ns netns.NsHandle, log logrus.FieldLogger) prometheus.Collector {
+	return &bridgeGuardCollector{ns: ns, log: log,
+		dropped: prometheus.NewDesc("kube_service_tunnel_endpoint_bridge_guard_dropped_packets_total",
+			"MPLS frames with the pods' label that one pod sent another across a bridge of the node (mpls mode), dropped by the node's bridge table kube-service-tunnel; absent while the table is not there.", nil, nil)}
+}
+
+func (c *bridgeGuardCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.dropped }
+
+func (c *bridgeGuardCollector) Collect(ch chan<- prometheus.Metric) {
+	st, err := bridgeguard.Read(c.ns, PodLabel)
+	if err != nil {
+		c.log.WithError(err).Warn("reading the bridge guard's counter")
+		return
+	}
+	if st.Current {
+		ch <- prometheus.MustNewConstMetric(c.dropped, prometheus.CounterValue, float64(st.Dropped))
+	}
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/cmdnu/kube-service-tunnel/endpoint/bridgeguard"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/mplslabel"
 )
@@ -38,13 +39,25 @@ func (r swapRoute) viaFamily() string {
 type NodeChange struct {
 	Sysctl, Value string    // a sysctl to set, or
 	Add           swapRoute // a swap route to add or replace (Label != 0), or
-	Del           uint32    // a swap route to delete (label != 0)
+	Del           uint32    // a swap route to delete (label != 0), or
+	BridgeGuard   string    // the bridge guard (bridgeguard): guardAdd, guardReplace or guardRemove
 }
+
+// The changes to the bridge guard.
+const (
+	guardAdd     = "add"
+	guardReplace = "replace"
+	guardRemove  = "remove"
+)
 
 func (a NodeChange) String() string {
 	switch {
 	case a.Sysctl != "":
 		return "sysctl " + a.Sysctl + "=" + a.Value
+	case a.BridgeGuard == guardRemove:
+		return "remove bridge table " + bridgeguard.Table
+	case a.BridgeGuard != "":
+		return fmt.Sprintf("%s bridge table %s (bridged MPLS with label %d dropped)", a.BridgeGuard, bridgeguard.Table, PodLabel)
 	case a.Add.Label != 0:
 		return fmt.Sprintf("mpls route %d as %d via %s %v dev #%d", a.Add.Label, PodLabel, a.Add.viaFamily(), a.Add.Pod, a.Add.LinkIdx)
 	default:
@@ -58,6 +71,10 @@ func (a NodeChange) Operation() (object, operation string) {
 	switch {
 	case a.Sysctl != "":
 		return "sysctl", "set"
+	case a.BridgeGuard == guardRemove:
+		return "bridge_guard", "delete"
+	case a.BridgeGuard != "":
+		return "bridge_guard", "add"
 	case a.Add.Label != 0:
 		return "mpls_route", "add"
 	default:
@@ -71,6 +88,8 @@ type nodeState struct {
 	Routes map[uint32]swapRoute
 	// Sysctls by name relative to /proc/sys; "" when missing.
 	Sysctls map[string]string
+	// BridgeGuard is the bridge guard's table, for PodLabel.
+	BridgeGuard bridgeguard.State
 }
 
 // nodeWant is the node's desired state, derived from the served pods.
@@ -83,6 +102,9 @@ type nodeWant struct {
 	MPLSInput []string
 	// IPv6Pods: some served pod has an IPv6 tunnel IP.
 	IPv6Pods bool
+	// BridgeGuard: the node keeps PodLabel off its bridges (mpls mode,
+	// some pod served).
+	BridgeGuard bool
 }
 
 // sysctlNames lists the sysctls planNode reads.
@@ -137,6 +159,14 @@ func planNode(mode encap.Mode, want nodeWant, have nodeState) (acts []NodeChange
 			}
 		}
 	}
+	switch {
+	case want.BridgeGuard && !have.BridgeGuard.Present:
+		acts = append(acts, NodeChange{BridgeGuard: guardAdd})
+	case want.BridgeGuard && !have.BridgeGuard.Current:
+		acts = append(acts, NodeChange{BridgeGuard: guardReplace})
+	case !want.BridgeGuard && have.BridgeGuard.Present:
+		acts = append(acts, NodeChange{BridgeGuard: guardRemove})
+	}
 	var labels []uint32
 	for l := range have.Routes {
 		labels = append(labels, l)
@@ -189,6 +219,11 @@ func (n *NodeNetwork) Sync(served []PodTunnels, nodeIP netip.Addr) ([]NodeChange
 		return nil, err
 	}
 	if have.Sysctls, err = n.sysctl.Read(n.ns, want.sysctlNames(n.cfg.Mode)); err != nil {
+		return nil, err
+	}
+	// Read in gre mode too (a change of --mode removes it), where a kernel
+	// without nf_tables has none.
+	if have.BridgeGuard, err = bridgeguard.Read(n.ns, PodLabel); err != nil && want.BridgeGuard {
 		return nil, err
 	}
 	acts, planProblems := planNode(n.cfg.Mode, want, have)
@@ -250,6 +285,7 @@ func (n *NodeNetwork) want(nl *netlink.Handle, served []PodTunnels, nodeIP netip
 	}
 	slices.Sort(w.PodLinks)
 	if n.cfg.Mode == encap.MPLS && len(served) > 0 {
+		w.BridgeGuard = true
 		w.MPLSInput = n.cfg.MPLSInputInterfaces
 		if len(w.MPLSInput) == 0 {
 			name, err := linkHolding(nl, nodeIP)
@@ -323,6 +359,10 @@ func (n *NodeNetwork) apply(nl *netlink.Handle, a NodeChange) error {
 	switch {
 	case a.Sysctl != "":
 		return n.sysctl.Write(n.ns, a.Sysctl, a.Value)
+	case a.BridgeGuard == guardRemove:
+		return bridgeguard.Remove(n.ns)
+	case a.BridgeGuard != "":
+		return bridgeguard.Install(n.ns, PodLabel, a.BridgeGuard == guardReplace)
 	case a.Add.Label != 0:
 		label := int(a.Add.Label)
 		family := netlink.FAMILY_V4

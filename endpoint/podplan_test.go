@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/cmdnu/kube-service-tunnel/endpoint/bridgeguard"
 	"github.com/cmdnu/kube-service-tunnel/endpoint/netpol"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/mplslabel"
@@ -202,17 +203,25 @@ func TestPlanNode(t *testing.T) {
 			have: nodeState{Sysctls: map[string]string{"net/ipv4/ip_forward": "0", "net/ipv4/conf/cni0/rp_filter": "1"}},
 			plan: "sysctl net/ipv4/ip_forward=1; sysctl net/ipv4/conf/cni0/rp_filter=2"},
 		{name: "mpls: fresh node", mode: encap.MPLS,
-			want: nodeWant{PodLinks: []string{"cni0"}, MPLSInput: []string{"eth0"}, Routes: map[uint32]swapRoute{r1.Label: r1}},
+			want: nodeWant{PodLinks: []string{"cni0"}, MPLSInput: []string{"eth0"}, Routes: map[uint32]swapRoute{r1.Label: r1}, BridgeGuard: true},
 			have: nodeState{Sysctls: map[string]string{"net/ipv4/ip_forward": "1", "net/mpls/platform_labels": "0"}},
-			plan: "sysctl net/mpls/platform_labels=132096; sysctl net/mpls/conf/eth0/input=1; mpls route 1035 as 100 via inet 10.1.0.11 dev #5"},
+			plan: "sysctl net/mpls/platform_labels=132096; sysctl net/mpls/conf/eth0/input=1; add bridge table kube-service-tunnel (bridged MPLS with label 100 dropped); mpls route 1035 as 100 via inet 10.1.0.11 dev #5"},
 		{name: "mpls: stale route removed, wrong one replaced, right one kept", mode: encap.MPLS,
-			want: nodeWant{PodLinks: []string{"cni0"}, MPLSInput: []string{"eth0"}, Routes: map[uint32]swapRoute{r1.Label: r1}},
+			want: nodeWant{PodLinks: []string{"cni0"}, MPLSInput: []string{"eth0"}, Routes: map[uint32]swapRoute{r1.Label: r1}, BridgeGuard: true},
 			have: nodeState{Routes: map[uint32]swapRoute{r1.Label: {Label: r1.Label, Pod: podIP, LinkIdx: 9}, r2.Label: r2},
-				Sysctls: map[string]string{"net/ipv4/ip_forward": "1", "net/mpls/platform_labels": "132096", "net/mpls/conf/eth0/input": "1"}},
+				Sysctls:     map[string]string{"net/ipv4/ip_forward": "1", "net/mpls/platform_labels": "132096", "net/mpls/conf/eth0/input": "1"},
+				BridgeGuard: bridgeguard.State{Present: true, Current: true}},
 			plan: "mpls route 1035 as 100 via inet 10.1.0.11 dev #5; remove mpls route 1036"},
+		{name: "mpls: a bridge table not as the agent writes it is replaced", mode: encap.MPLS,
+			want: nodeWant{MPLSInput: []string{"eth0"}, Routes: map[uint32]swapRoute{r1.Label: r1}, BridgeGuard: true},
+			have: nodeState{Routes: map[uint32]swapRoute{r1.Label: r1},
+				Sysctls:     map[string]string{"net/mpls/platform_labels": "132096", "net/mpls/conf/eth0/input": "1"},
+				BridgeGuard: bridgeguard.State{Present: true}},
+			plan: "replace bridge table kube-service-tunnel (bridged MPLS with label 100 dropped)"},
 		{name: "nothing served: only leftovers go, no sysctl", mode: encap.MPLS,
-			have: nodeState{Routes: map[uint32]swapRoute{r2.Label: r2}, Sysctls: map[string]string{"net/ipv4/ip_forward": "0"}},
-			plan: "remove mpls route 1036"},
+			have: nodeState{Routes: map[uint32]swapRoute{r2.Label: r2}, Sysctls: map[string]string{"net/ipv4/ip_forward": "0"},
+				BridgeGuard: bridgeguard.State{Present: true, Current: true}},
+			plan: "remove bridge table kube-service-tunnel; remove mpls route 1036"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var got []string

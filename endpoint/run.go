@@ -93,6 +93,9 @@ func Main(args []string) error {
 		decap = podNet
 	}
 	ctrl.SetMetrics(NewMetrics(reg, decap, podNet, o.NetworkPolicy))
+	if o.Mode == encap.MPLS {
+		reg.MustRegister(NewBridgeGuardCollector(nodeNS, entry.WithField("component", "metrics")))
+	}
 	if o.MetricsAddress != "" {
 		if err := daemon.ServeHTTP(ctx, o.MetricsAddress, reg, nil, ctrl.Ready, ctrl.Healthy, entry); err != nil {
 			return err

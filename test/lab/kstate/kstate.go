@@ -22,6 +22,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"maps"
 	"os"
@@ -29,15 +30,18 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/google/nftables"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+
 	"github.com/cmdnu/kube-service-tunnel/internal/nsexec"
 	"github.com/cmdnu/kube-service-tunnel/test/support/ipsetstate"
-	"github.com/vishvananda/netns"
 )
 
 // State is a snapshot of one namespace: normalised lines per section
 // ("link", "addr", "rule", "route", "addr6", "rule6", "route6", "nexthop",
 // "mpls", "iptables/TABLE", "iptables-legacy/TABLE", "ip6tables/TABLE",
-// "ip6tables-legacy/TABLE", "ipset"). A section with no lines may be absent.
+// "ip6tables-legacy/TABLE", "nftables", "ipset"). A section with no lines may be absent.
 // The IPv6 sections hold what the kernel adds by itself too (link-local
 // addresses and their routes, multicast routes in the local table), which
 // comes and goes with the links.
@@ -122,6 +126,13 @@ func Snapshot(ctx context.Context, ns string) (State, error) {
 			st.add(tool.section+"/"+table, lines)
 		}
 	}
+	// nftables tables that iptables-save does not show (bridge, netdev
+	// and inet families), through netlink: the VM has no nft binary.
+	nft, err := nftTables(handle)
+	if err != nil {
+		return State{}, fmt.Errorf("snapshot of netns %s: %w", ns, err)
+	}
+	st.add("nftables", nft)
 	// ipsets through netlink: the VM has no ipset binary.
 	sets, err := ipsetstate.InNamespace(ns)
 	if err != nil {
@@ -368,4 +379,44 @@ func difference(x, y []string) []string {
 		out = append(out, l)
 	}
 	return out
+}
+
+// nftTables lists the nftables tables of the bridge, netdev and inet
+// families in ns, one line per chain with its hook and number of rules.
+// A kernel without nf_tables has none.
+func nftTables(ns netns.NsHandle) ([]string, error) {
+	c, err := nftables.New(nftables.WithNetNSFd(int(ns)))
+	if err != nil {
+		return nil, err
+	}
+	var lines []string
+	for _, family := range []nftables.TableFamily{nftables.TableFamilyBridge, nftables.TableFamilyNetdev, nftables.TableFamilyINet} {
+		tables, err := c.ListTablesOfFamily(family)
+		if errors.Is(err, unix.EPROTONOSUPPORT) || errors.Is(err, unix.ENOENT) {
+			return nil, nil
+		}
+		if err != nil {
+			return nil, fmt.Errorf("listing nftables tables of family %d: %w", family, err)
+		}
+		for _, t := range tables {
+			lines = append(lines, fmt.Sprintf("table %d %s", family, t.Name))
+		}
+		chains, err := c.ListChainsOfTableFamily(family)
+		if err != nil {
+			return nil, fmt.Errorf("listing nftables chains of family %d: %w", family, err)
+		}
+		for _, ch := range chains {
+			rules, err := c.GetRules(ch.Table, ch)
+			if err != nil {
+				return nil, fmt.Errorf("listing the rules of nftables chain %s %s: %w", ch.Table.Name, ch.Name, err)
+			}
+			hook := "none"
+			if ch.Hooknum != nil {
+				hook = fmt.Sprint(*ch.Hooknum)
+			}
+			lines = append(lines, fmt.Sprintf("chain %d %s %s hook %s rules %d", family, ch.Table.Name, ch.Name, hook, len(rules)))
+		}
+	}
+	slices.Sort(lines)
+	return lines, nil
 }

@@ -9,6 +9,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vishvananda/netns"
+
+	"github.com/cmdnu/kube-service-tunnel/endpoint/bridgeguard"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
@@ -117,6 +120,14 @@ func TestSnapshotSeesWhatChangedAndNothingElse(t *testing.T) {
 	ipRun(t, "-n", ns, "nexthop", "add", "id", "4711", "encap", "ip", "id", "0", "dst", "10.77.0.9", "dev", "lo")
 	ipRun(t, "-n", ns, "route", "add", "10.89.0.1/32", "nhid", "4711", "table", "100")
 	iptables("-A")
+	handle, err := netns.GetFromName(ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer handle.Close()
+	if err := bridgeguard.Install(handle, 100, false); err != nil {
+		t.Fatal(err)
+	}
 	ipRun(t, "-n", ns, "addr", "add", "fd77::1/64", "dev", "kst-a", "nodad")
 	ipRun(t, "-n", ns, "-6", "rule", "add", "fwmark", "0x77", "lookup", "100", "pref", "1000")
 	ipRun(t, "-n", ns, "-6", "route", "add", "blackhole", "2001:db8:2::10/128", "table", "100")
@@ -148,6 +159,9 @@ func TestSnapshotSeesWhatChangedAndNothingElse(t *testing.T) {
 		"+ blackhole 2001:db8:2::10 dev lo table 100 metric 1024 pref medium\n",
 		"[ip6tables/mangle]\n",
 		"+ -A PREROUTING -d 2001:db8:2::10/128 -j MARK --set-xmark 0x77/0xffffffff\n",
+		"[nftables]\n",
+		"+ chain 7 kube-service-tunnel forward hook 2 rules 1\n",
+		"+ table 7 kube-service-tunnel\n",
 	} {
 		if !strings.Contains(d, want) {
 			t.Errorf("diff lacks %q", want)
@@ -161,6 +175,9 @@ func TestSnapshotSeesWhatChangedAndNothingElse(t *testing.T) {
 	}
 
 	iptables("-D")
+	if err := bridgeguard.Remove(handle); err != nil {
+		t.Fatal(err)
+	}
 	ipRun(t, "netns", "exec", ns, "ip6tables", "-t", "mangle", "-D", "PREROUTING", "-d", "2001:db8:2::10/128", "-j", "MARK", "--set-mark", "0x77")
 	ipRun(t, "-n", ns, "-6", "route", "del", "blackhole", "2001:db8:2::10/128", "table", "100")
 	ipRun(t, "-n", ns, "-6", "rule", "del", "pref", "1000")

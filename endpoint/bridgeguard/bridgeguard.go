@@ -1,0 +1,192 @@
+// Package bridgeguard keeps the pods' MPLS label off the node's bridges.
+//
+// In mpls mode a served pod accepts MPLS frames carrying PodLabel on its
+// eth0 and pops them into its tunnel IP. The node sends it those frames (it
+// swaps each router's per-endpoint label to PodLabel), but on a bridge
+// plugin (cni0) another pod on the same node, with NET_RAW, can send the
+// pod such a frame itself and speak to the tunnel IP with any client
+// address. A frame the node routes to a pod leaves through the bridge's
+// local output; a frame one pod sends another is bridged, and passes the
+// bridge family's forward hook. So one rule in the node's namespace, in a
+// bridge-family nftables table of the agent's own, drops bridged MPLS
+// frames whose top label is PodLabel, and counts them. Frames with other
+// labels, and everything else that crosses the bridge, are left alone.
+//
+// The source MAC address cannot tell the node's frames from a pod's (a pod
+// with NET_RAW forges it, and the Linux bridge forwards a frame with its
+// own address as source), which is why the guard sits on the bridge's
+// forward path. Hosts on the node's own segment, which reach the node's
+// MPLS input, remain trusted: that is mpls mode's L2 trust assumption
+// (docs/security.md).
+package bridgeguard
+
+import (
+	"encoding/binary"
+	"fmt"
+	"strconv"
+
+	"github.com/google/nftables"
+	"github.com/google/nftables/expr"
+	"github.com/google/nftables/userdata"
+	"github.com/vishvananda/netns"
+)
+
+// Table is the agent's bridge-family table; Chain its only chain, on the
+// forward hook.
+const (
+	Table = "kube-service-tunnel"
+	Chain = "forward"
+)
+
+// ethertypeMPLSUnicast is ETH_P_MPLS_UC.
+const ethertypeMPLSUnicast = 0x8847
+
+// State is what the node holds of the guard.
+type State struct {
+	// Present: the table exists.
+	Present bool
+	// Current: the table holds exactly the rule for the label asked about.
+	Current bool
+	// Dropped is the rule's packet counter (0 unless Current).
+	Dropped uint64
+}
+
+// comment names the rule and the label it drops; a rule with another
+// comment (another label, an older version) is replaced.
+func comment(label uint32) string {
+	return "kube-service-tunnel: bridged MPLS with the pods' label " + strconv.FormatUint(uint64(label), 10) + " dropped"
+}
+
+func conn(ns netns.NsHandle) (*nftables.Conn, error) {
+	c, err := nftables.New(nftables.WithNetNSFd(int(ns)))
+	if err != nil {
+		return nil, fmt.Errorf("nftables connection: %w", err)
+	}
+	return c, nil
+}
+
+func table() *nftables.Table {
+	return &nftables.Table{Name: Table, Family: nftables.TableFamilyBridge}
+}
+
+// Read reports the guard's state in the namespace ns for label.
+func Read(ns netns.NsHandle, label uint32) (State, error) {
+	c, err := conn(ns)
+	if err != nil {
+		return State{}, err
+	}
+	tables, err := c.ListTablesOfFamily(nftables.TableFamilyBridge)
+	if err != nil {
+		return State{}, fmt.Errorf("listing bridge-family nftables tables (does the kernel have nf_tables?): %w", err)
+	}
+	var st State
+	for _, t := range tables {
+		if t.Name == Table {
+			st.Present = true
+		}
+	}
+	if !st.Present {
+		return st, nil
+	}
+	chains, err := c.ListChainsOfTableFamily(nftables.TableFamilyBridge)
+	if err != nil {
+		return st, fmt.Errorf("listing bridge-family chains: %w", err)
+	}
+	var ours []*nftables.Chain
+	for _, ch := range chains {
+		if ch.Table != nil && ch.Table.Name == Table {
+			ours = append(ours, ch)
+		}
+	}
+	if len(ours) != 1 || ours[0].Name != Chain || ours[0].Hooknum == nil || *ours[0].Hooknum != *nftables.ChainHookForward {
+		return st, nil
+	}
+	rules, err := c.GetRules(table(), ours[0])
+	if err != nil {
+		return st, fmt.Errorf("listing the rules of bridge %s %s: %w", Table, Chain, err)
+	}
+	if len(rules) != 1 {
+		return st, nil
+	}
+	if got, _ := userdata.GetString(rules[0].UserData, userdata.TypeComment); got != comment(label) {
+		return st, nil
+	}
+	st.Current = true
+	for _, e := range rules[0].Exprs {
+		if ctr, ok := e.(*expr.Counter); ok {
+			st.Dropped = ctr.Packets
+		}
+	}
+	return st, nil
+}
+
+// Install makes the table hold exactly the rule for label, in one
+// transaction: a table of that name already there is replaced.
+func Install(ns netns.NsHandle, label uint32, replace bool) error {
+	c, err := conn(ns)
+	if err != nil {
+		return err
+	}
+	t := table()
+	if replace {
+		c.DelTable(t)
+	}
+	c.AddTable(t)
+	ch := c.AddChain(&nftables.Chain{
+		Name:     Chain,
+		Table:    t,
+		Type:     nftables.ChainTypeFilter,
+		Hooknum:  nftables.ChainHookForward,
+		Priority: nftables.ChainPriorityFilter,
+	})
+	c.AddRule(&nftables.Rule{
+		Table:    t,
+		Chain:    ch,
+		Exprs:    ruleExprs(label),
+		UserData: userdata.AppendString(nil, userdata.TypeComment, comment(label)),
+	})
+	if err := c.Flush(); err != nil {
+		return fmt.Errorf("adding bridge table %s (does the kernel have nf_tables with the bridge family?): %w", Table, err)
+	}
+	return nil
+}
+
+// Remove deletes the table if it is there.
+func Remove(ns netns.NsHandle) error {
+	c, err := conn(ns)
+	if err != nil {
+		return err
+	}
+	tables, err := c.ListTablesOfFamily(nftables.TableFamilyBridge)
+	if err != nil {
+		return fmt.Errorf("listing bridge-family nftables tables: %w", err)
+	}
+	for _, t := range tables {
+		if t.Name != Table {
+			continue
+		}
+		c.DelTable(table())
+		if err := c.Flush(); err != nil {
+			return fmt.Errorf("removing bridge table %s: %w", Table, err)
+		}
+	}
+	return nil
+}
+
+// ruleExprs is `ether type 0x8847 @nh,0,20 == label counter drop`: the
+// top label is the first 20 bits of the MPLS header, which follows the
+// Ethernet header. The Ethernet type is read from the frame: `meta
+// protocol` in the bridge family needs the module nft_meta_bridge, which a
+// kernel such as Debian 12's does not load by itself.
+func ruleExprs(label uint32) []expr.Any {
+	proto := binary.BigEndian.AppendUint16(nil, ethertypeMPLSUnicast)
+	return []expr.Any{
+		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseLLHeader, Offset: 12, Len: 2},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: proto},
+		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 0, Len: 4},
+		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4, Mask: []byte{0xff, 0xff, 0xf0, 0x00}, Xor: []byte{0, 0, 0, 0}},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: binary.BigEndian.AppendUint32(nil, label<<12)},
+		&expr.Counter{},
+		&expr.Verdict{Kind: expr.VerdictDrop},
+	}
+}
