@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
+	"github.com/cmdnu/kube-service-tunnel/internal/ctmarks"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 )
 
@@ -39,9 +40,12 @@ type markChain interface {
 	Cleanup() error
 }
 
-// flowLister is the conntrack seam (*netlink.Handle on NETLINK_NETFILTER).
+// flowLister is the conntrack seam (ctmarks.Lister): fn is called with
+// each entry of family whose mark lies in one of ranges, filtered by the
+// kernel and decoded as it arrives, so that neither a flood of other
+// entries nor the number of the router's own grows the router's memory.
 type flowLister interface {
-	ConntrackTableList(table netlink.ConntrackTableType, family netlink.InetFamily) ([]*netlink.ConntrackFlow, error)
+	EachMarked(family netlink.InetFamily, ranges []ctmarks.Range, fn func(*netlink.ConntrackFlow)) error
 }
 
 // TunnelDevice is the encapsulation device seam: the flow-based GRE device in

@@ -12,6 +12,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/ctmarks"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 )
 
@@ -206,6 +207,18 @@ func flowAddr(ip net.IP) (netip.Addr, bool) {
 	return netip.AddrFromSlice(ip)
 }
 
+// generationMarks returns the mark ranges of the generations gens, in
+// order.
+func (c Config) generationMarks(gens map[int]bool) []ctmarks.Range {
+	var out []ctmarks.Range
+	for g := range c.Generations {
+		if gens[g] {
+			out = append(out, ctmarks.Range{First: c.GenerationOffset(g), Count: uint32(c.Buckets)})
+		}
+	}
+	return out
+}
+
 // conntrackFamily is the conntrack table family of c's tunnel IPs.
 func (c Config) conntrackFamily() netlink.InetFamily { return netlink.InetFamily(c.Family.af()) }
 
@@ -225,16 +238,15 @@ func (d *Datapath) liveFlowsBySlot(vip netip.Addr) []int {
 	if d.flows == nil {
 		return nil
 	}
-	entries, err := d.flows.ConntrackTableList(netlink.ConntrackTable, d.cfg.conntrackFamily())
-	if err != nil {
-		d.log.WithError(err).WithField("vip", vip).Warn("listing conntrack entries to choose a generation to overwrite; overwriting the oldest")
-		return nil
-	}
 	live := make([]int, d.cfg.Slots())
-	for _, f := range entries {
+	err := d.flows.EachMarked(d.cfg.conntrackFamily(), []ctmarks.Range{{First: d.cfg.MarkOffset, Count: uint32(d.cfg.Slots())}}, func(f *netlink.ConntrackFlow) {
 		if a, slot, ok := d.restoredFlow(f); ok && a == vip {
 			live[slot]++
 		}
+	})
+	if err != nil {
+		d.log.WithError(err).WithField("vip", vip).Warn("listing conntrack entries to choose a generation to overwrite; overwriting the oldest")
+		return nil
 	}
 	return live
 }
@@ -242,15 +254,26 @@ func (d *Datapath) liveFlowsBySlot(vip netip.Addr) []int {
 // CollectGenerations removes the routes of older generations that no flow
 // uses any more: no conntrack entry with one of their marks is left (for TCP:
 // none in an established state, the only ones whose mark is restored). It
-// lists the conntrack table only when some tunnel IP has an older generation.
-// It returns the number of generations removed.
+// lists conntrack only when some tunnel IP has an older generation, and
+// then only the entries with the marks of the generations that are older
+// for some tunnel IP: new flows (a flood included) get the current
+// generation's marks, and other traffic none of the router's, so neither
+// is copied out of the kernel. It returns the number of generations removed.
 func (d *Datapath) CollectGenerations() (removed int, err error) {
 	d.mu.Lock()
 	flows := d.flows
 	older := map[netip.Addr]bool{} // tunnel IPs with an older generation
+	olderGens := map[int]bool{}    // generations older for some tunnel IP
 	for vip, slots := range d.desired {
-		if len(generationsInUse(d.cfg, slots)) > 1 {
-			older[vip] = true
+		gens := generationsInUse(d.cfg, slots)
+		if len(gens) <= 1 {
+			continue
+		}
+		older[vip] = true
+		for _, g := range gens {
+			if g != d.current[vip] {
+				olderGens[g] = true
+			}
 		}
 	}
 	clock := d.clock
@@ -258,15 +281,14 @@ func (d *Datapath) CollectGenerations() (removed int, err error) {
 	if flows == nil || len(older) == 0 {
 		return 0, nil
 	}
-	entries, err := flows.ConntrackTableList(netlink.ConntrackTable, d.cfg.conntrackFamily())
-	if err != nil {
-		return 0, fmt.Errorf("listing conntrack entries (needs the nf_conntrack_netlink module, CONFIG_NF_CT_NETLINK): %w", err)
-	}
 	inUse := map[flowKey]int{}
-	for _, f := range entries {
+	err = flows.EachMarked(d.cfg.conntrackFamily(), d.cfg.generationMarks(olderGens), func(f *netlink.ConntrackFlow) {
 		if vip, slot, ok := d.restoredFlow(f); ok && older[vip] {
 			inUse[flowKey{vip, slot / d.cfg.Buckets}]++
 		}
+	})
+	if err != nil {
+		return 0, fmt.Errorf("listing conntrack entries (needs the nf_conntrack_netlink module, CONFIG_NF_CT_NETLINK): %w", err)
 	}
 
 	d.mu.Lock()

@@ -5,16 +5,39 @@ import (
 	"net/netip"
 	"testing"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/ctmarks"
 	"github.com/cmdnu/kube-service-tunnel/test/support/seamtest"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 )
 
-// fakeFlows is a conntrack table.
-type fakeFlows struct{ entries []*netlink.ConntrackFlow }
+// fakeFlows is a conntrack table, which lists, as the kernel does, only
+// the entries with a mark in the ranges asked for.
+type fakeFlows struct {
+	entries []*netlink.ConntrackFlow
+	asked   [][]ctmarks.Range
+}
 
-func (f *fakeFlows) ConntrackTableList(netlink.ConntrackTableType, netlink.InetFamily) ([]*netlink.ConntrackFlow, error) {
-	return f.entries, nil
+func (f *fakeFlows) EachMarked(_ netlink.InetFamily, ranges []ctmarks.Range, fn func(*netlink.ConntrackFlow)) error {
+	f.asked = append(f.asked, ranges)
+	for _, e := range markedIn(f.entries, ranges) {
+		fn(e)
+	}
+	return nil
+}
+
+// markedIn returns the entries with a mark in one of ranges.
+func markedIn(entries []*netlink.ConntrackFlow, ranges []ctmarks.Range) []*netlink.ConntrackFlow {
+	var out []*netlink.ConntrackFlow
+	for _, e := range entries {
+		for _, r := range ranges {
+			if e.Mark >= r.First && uint64(e.Mark) < uint64(r.First)+uint64(r.Count) {
+				out = append(out, e)
+				break
+			}
+		}
+	}
+	return out
 }
 
 func flow(proto uint8, vip netip.Addr, mark, timeout uint32) *netlink.ConntrackFlow {
@@ -128,6 +151,11 @@ func TestDrainingKeepsOldGenerationUntilItsFlowsEnd(t *testing.T) {
 	flows.entries = []*netlink.ConntrackFlow{flow(unix.IPPROTO_TCP, vip, gen0, 299)}
 	if n, err := d.CollectGenerations(); err != nil || n != 0 {
 		t.Fatalf("collected %d generations (%v) while an established TCP flow uses generation 0", n, err)
+	}
+	// Only the older generation's marks are listed: new flows (a flood)
+	// have the current generation's.
+	if last := flows.asked[len(flows.asked)-1]; len(last) != 1 || last[0] != (ctmarks.Range{First: cfg.GenerationOffset(0), Count: uint32(cfg.Buckets)}) {
+		t.Errorf("CollectGenerations listed the marks %+v, want only generation 0's (%#x, %d)", last, cfg.GenerationOffset(0), cfg.Buckets)
 	}
 
 	// Restart while both generations are in use: nothing is written.

@@ -10,6 +10,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/ctmarks"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/mplslabel"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
@@ -264,13 +265,12 @@ type familyFlows struct {
 	asked   []netlink.InetFamily
 }
 
-func (f *familyFlows) ConntrackTableList(_ netlink.ConntrackTableType, family netlink.InetFamily) ([]*netlink.ConntrackFlow, error) {
+func (f *familyFlows) EachMarked(family netlink.InetFamily, ranges []ctmarks.Range, fn func(*netlink.ConntrackFlow)) error {
 	f.asked = append(f.asked, family)
-	var out []*netlink.ConntrackFlow
-	for _, e := range f.entries {
+	for _, e := range markedIn(f.entries, ranges) {
 		if (e.Forward.DstIP.To4() == nil) == (family == unix.AF_INET6) {
-			out = append(out, e)
+			fn(e)
 		}
 	}
-	return out, nil
+	return nil
 }

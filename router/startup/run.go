@@ -25,6 +25,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
+	"github.com/cmdnu/kube-service-tunnel/internal/ctmarks"
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/iptbackend"
@@ -352,15 +353,12 @@ func openDatapath(cfg datapath.Config, ipv6, createDevice bool, backend iptbacke
 		return nil, nil, nil, fmt.Errorf("netfilter netlink handle (ipsets): %w", err)
 	}
 	closeAll := func() { routes.Close(); handle.Close(); sets.Close() }
-	var conntrack *netlink.Handle
+	// The router's own conntrack entries, filtered by mark in the kernel
+	// (one netlink socket per listing).
+	var conntrack *ctmarks.Lister
 	tcpMinExpire := closingTimeout(sysctls, log)
 	if cfg.Generations > 1 {
-		if conntrack, err = netlink.NewHandle(unix.NETLINK_NETFILTER); err != nil {
-			closeAll()
-			return nil, nil, nil, fmt.Errorf("netfilter netlink handle (conntrack): %w", err)
-		}
-		closeRoute := closeAll
-		closeAll = func() { closeRoute(); conntrack.Close() }
+		conntrack = &ctmarks.Lister{}
 	}
 	nodeLink := func(ip netip.Addr) (int, error) {
 		rs, err := handle.RouteGet(ip.AsSlice())
