@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"net/netip"
 	"os"
 	"slices"
@@ -10,9 +11,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
 	"github.com/cmdnu/kube-service-tunnel/hmark"
+	"github.com/cmdnu/kube-service-tunnel/internal/ctmarks"
 	"github.com/cmdnu/kube-service-tunnel/router/bucket"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
+	"github.com/cmdnu/kube-service-tunnel/test/lab/attack"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/kstate"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/topology"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
@@ -123,6 +129,27 @@ func drainTerminating(t *testing.T, e *env, vips []netip.Addr, full [][]netip.Ad
 		waitVerified(t, f.stream, f.streamAt+128<<10, "after the drain")
 		t.Logf("draining: %d of %d established flows to %s disrupted (%d of the %d on the draining %s); %d of %d new flows reached it; the busy stream to it went on",
 			len(broken), len(f.flows), vip, brokenOnX, count(f.onX), x.Name, toX, len(newPorts))
+	})
+
+	// d2. A spoofed flood during the drain: TCP ACKs (no SYN: conntrack
+	// picks each up as a new entry) from random client addresses and
+	// ports to the tunnel IP. Each lands in the current generation, which
+	// the routers' periodic check no longer lists: their memory stays as
+	// it was, and the draining flows go on.
+	floodDuringDrain(t, e, vips, func(since time.Time) {
+		inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
+			f := &fs[i]
+			if broken := brokenFlows(f.flows, f.echoed, since); len(broken) > 0 {
+				t.Errorf("%d of %d established flows to %s disrupted during the flood", len(broken), len(f.flows), vip)
+			}
+			if err := f.stream.Stats().Err; err != nil {
+				t.Errorf("the busy stream to the draining %s broke during the flood: %v", x.Name, err)
+			}
+		})
+	}, func() {
+		for i := range fs {
+			fs[i].mark()
+		}
 	})
 
 	// e. router-a restarts while the old generations are in use: it adopts
@@ -677,4 +704,125 @@ func percent(n, of int) float64 {
 		return 0
 	}
 	return 100 * float64(n) / float64(of)
+}
+
+// floodPackets is the number of spoofed packets per family of the flood.
+const floodPackets = 4000
+
+// floodDuringDrain sends floodPackets spoofed TCP ACKs per family to each
+// tunnel IP from the client's namespace (200 addresses of the client's
+// subnet, which the gateway's loose reverse-path filter accepts, and
+// random ports), waits one generation check of the routers (10 s), then
+// calls check with the time the flood began (after mark). It asserts
+// that the flood's packets made conntrack entries on the routers, each in
+// the tunnel IP's current generation (which the periodic check does not
+// list), and logs each router's RSS before and after and the packets the
+// routers counted (kube_service_tunnel_router_vip_packets_total, which
+// the light flows add to).
+func floodDuringDrain(t *testing.T, e *env, vips []netip.Addr, check func(since time.Time), mark func()) {
+	t.Helper()
+	rss := func() []int64 {
+		out := make([]int64, len(e.Routers))
+		for i, r := range e.Routers {
+			kib, err := r.Router.RSS()
+			if err != nil {
+				t.Fatal(err)
+			}
+			out[i] = kib
+		}
+		return out
+	}
+	packets := func(vip netip.Addr) int {
+		n, _ := e.routerSum(t, "kube_service_tunnel_router_vip_packets_total{", fmt.Sprintf("vip=%q", vip.String()))
+		return n
+	}
+	before := rss()
+	counted := make([]int, len(vips))
+	for i, vip := range vips {
+		counted[i] = packets(vip)
+	}
+	clientNS, err := e.Client.NS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer clientNS.Close()
+	mark()
+	since := time.Now()
+	tuples := make([]map[[2]netip.AddrPort]bool, len(vips))
+	for i, vip := range vips {
+		tuples[i] = map[[2]netip.AddrPort]bool{}
+		client := topology.ClientAddr
+		if vip.Is6() {
+			client = topology.ClientAddr6
+		}
+		flood := make([][]byte, floodPackets)
+		for k := range flood {
+			// 200 addresses (the gateway answers their replies with
+			// neighbour lookups), ports at random.
+			src := client.As16()
+			src[15] = byte(20 + rand.IntN(200))
+			from := netip.AddrPortFrom(netip.AddrFrom16(src).Unmap(), uint16(1024+rand.IntN(64000)))
+			flood[k] = attack.TCPAck(from, netip.AddrPortFrom(vip, tcpPort), rand.Uint32())
+			tuples[i][[2]netip.AddrPort{from, netip.AddrPortFrom(vip, tcpPort)}] = true
+		}
+		if err := attack.SendRaw(clientNS, flood); err != nil {
+			t.Fatalf("flooding %s: %v", vip, err)
+		}
+	}
+	sent := time.Since(since)
+	time.Sleep(11 * time.Second) // one generation check (--generation-check-period 10s) of each router
+	after := rss()
+	cfg := datapath.DefaultConfig()
+	cfg.Buckets = e.Opts.Buckets
+	for i, vip := range vips {
+		// The flood's entries on each router, by generation.
+		entries, byGen := 0, map[string]int{}
+		for _, r := range e.Routers {
+			cur, err := e.CurrentGeneration(context.Background(), r, vip)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ns, err := r.Host.NS()
+			if err != nil {
+				t.Fatal(err)
+			}
+			family := netlink.InetFamily(unix.AF_INET)
+			if vip.Is6() {
+				family = unix.AF_INET6
+			}
+			err = ctmarks.Lister{NetNS: int(ns)}.EachMarked(family, []ctmarks.Range{{First: cfg.MarkOffset, Count: uint32(cfg.Slots())}}, func(f *netlink.ConntrackFlow) {
+				src, _ := netip.AddrFromSlice(f.Forward.SrcIP)
+				dst, _ := netip.AddrFromSlice(f.Forward.DstIP)
+				key := [2]netip.AddrPort{netip.AddrPortFrom(src.Unmap(), f.Forward.SrcPort), netip.AddrPortFrom(dst.Unmap(), f.Forward.DstPort)}
+				if !tuples[i][key] {
+					return
+				}
+				entries++
+				g := int(f.Mark-cfg.MarkOffset) / cfg.Buckets
+				if g == cur {
+					byGen[r.Name+" current"]++
+				} else {
+					byGen[fmt.Sprintf("%s generation %d (current %d)", r.Name, g, cur)]++
+				}
+			})
+			ns.Close()
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		for k, n := range byGen {
+			if !strings.HasSuffix(k, " current") {
+				t.Errorf("%d of the flood's conntrack entries to %s are in %s: the generation check would list them", n, vip, k)
+			}
+		}
+		if entries < len(tuples[i])*9/10 {
+			t.Errorf("the routers hold %d conntrack entries of the flood's %d connections to %s", entries, len(tuples[i]), vip)
+		}
+		t.Logf("flood during the drain: %d spoofed TCP ACKs to %s in %v: %d conntrack entries on the routers %v; %d packets counted by the routers (light flows included)",
+			floodPackets, vip, sent.Round(time.Millisecond), entries, byGen, packets(vip)-counted[i])
+	}
+	for i, r := range e.Routers {
+		t.Logf("flood during the drain: %s RSS %d KiB before, %d KiB after one generation check", r.Name, before[i], after[i])
+	}
+	check(since)
 }

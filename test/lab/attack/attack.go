@@ -29,40 +29,99 @@ func UDP(src, dst netip.AddrPort, payload []byte) []byte {
 	binary.BigEndian.PutUint16(udp[2:], dst.Port())
 	binary.BigEndian.PutUint16(udp[4:], uint16(len(udp)))
 	copy(udp[8:], payload)
-	s, d := src.Addr(), dst.Addr()
-	var pseudo []byte
-	pseudo = append(pseudo, s.AsSlice()...)
-	pseudo = append(pseudo, d.AsSlice()...)
-	if s.Is4() {
-		pseudo = append(pseudo, 0, unix.IPPROTO_UDP, byte(len(udp)>>8), byte(len(udp)))
-	} else {
-		pseudo = binary.BigEndian.AppendUint32(pseudo, uint32(len(udp)))
-		pseudo = append(pseudo, 0, 0, 0, unix.IPPROTO_UDP)
-	}
-	sum := checksum(append(pseudo, udp...))
+	sum := l4Checksum(src.Addr(), dst.Addr(), unix.IPPROTO_UDP, udp)
 	if sum == 0 {
 		sum = 0xffff
 	}
 	binary.BigEndian.PutUint16(udp[6:], sum)
+	return ipPacket(src.Addr(), dst.Addr(), unix.IPPROTO_UDP, udp)
+}
+
+// TCPAck returns an IP packet carrying a bare TCP ACK (no SYN: the
+// mid-stream packet that conntrack picks up as a new ESTABLISHED entry)
+// with sequence number seq.
+func TCPAck(src, dst netip.AddrPort, seq uint32) []byte {
+	tcp := make([]byte, 20)
+	binary.BigEndian.PutUint16(tcp[0:], src.Port())
+	binary.BigEndian.PutUint16(tcp[2:], dst.Port())
+	binary.BigEndian.PutUint32(tcp[4:], seq)
+	binary.BigEndian.PutUint32(tcp[8:], seq^0x5a5a5a5a)
+	tcp[12] = 5 << 4 // data offset: 5 words
+	tcp[13] = 0x10   // ACK
+	binary.BigEndian.PutUint16(tcp[14:], 64240)
+	binary.BigEndian.PutUint16(tcp[16:], l4Checksum(src.Addr(), dst.Addr(), unix.IPPROTO_TCP, tcp))
+	return ipPacket(src.Addr(), dst.Addr(), unix.IPPROTO_TCP, tcp)
+}
+
+// l4Checksum is the checksum of a TCP or UDP segment with its pseudo
+// header.
+func l4Checksum(s, d netip.Addr, proto uint8, segment []byte) uint16 {
+	var pseudo []byte
+	pseudo = append(pseudo, s.AsSlice()...)
+	pseudo = append(pseudo, d.AsSlice()...)
+	if s.Is4() {
+		pseudo = append(pseudo, 0, proto, byte(len(segment)>>8), byte(len(segment)))
+	} else {
+		pseudo = binary.BigEndian.AppendUint32(pseudo, uint32(len(segment)))
+		pseudo = append(pseudo, 0, 0, 0, proto)
+	}
+	return checksum(append(pseudo, segment...))
+}
+
+// ipPacket puts an IPv4 or IPv6 header (TTL 64) before segment.
+func ipPacket(s, d netip.Addr, proto uint8, segment []byte) []byte {
 	if s.Is4() {
 		h := make([]byte, 20)
 		h[0] = 0x45
-		binary.BigEndian.PutUint16(h[2:], uint16(20+len(udp)))
+		binary.BigEndian.PutUint16(h[2:], uint16(20+len(segment)))
 		h[8] = 64
-		h[9] = unix.IPPROTO_UDP
+		h[9] = proto
 		copy(h[12:], s.AsSlice())
 		copy(h[16:], d.AsSlice())
 		binary.BigEndian.PutUint16(h[10:], checksum(h))
-		return append(h, udp...)
+		return append(h, segment...)
 	}
 	h := make([]byte, 40)
 	h[0] = 0x60
-	binary.BigEndian.PutUint16(h[4:], uint16(len(udp)))
-	h[6] = unix.IPPROTO_UDP
+	binary.BigEndian.PutUint16(h[4:], uint16(len(segment)))
+	h[6] = proto
 	h[7] = 64
 	copy(h[8:], s.AsSlice())
 	copy(h[24:], d.AsSlice())
-	return append(h, udp...)
+	return append(h, segment...)
+}
+
+// SendRaw sends each of packets (whole IP packets of one family, any
+// source address) from the namespace ns, through a raw socket that takes
+// the header as it is (IPPROTO_RAW); the kernel routes each by its
+// destination.
+func SendRaw(ns netns.NsHandle, packets [][]byte) error {
+	if len(packets) == 0 {
+		return nil
+	}
+	return nsexec.Do(ns, func() error {
+		family := unix.AF_INET
+		if packets[0][0]>>4 == 6 {
+			family = unix.AF_INET6
+		}
+		fd, err := unix.Socket(family, unix.SOCK_RAW, unix.IPPROTO_RAW)
+		if err != nil {
+			return fmt.Errorf("raw socket: %w", err)
+		}
+		defer unix.Close(fd)
+		for _, p := range packets {
+			var sa unix.Sockaddr
+			if family == unix.AF_INET {
+				sa = &unix.SockaddrInet4{Addr: [4]byte(p[16:20])}
+			} else {
+				sa = &unix.SockaddrInet6{Addr: [16]byte(p[24:40])}
+			}
+			if err := unix.Sendto(fd, p, 0, sa); err != nil {
+				return fmt.Errorf("sending a raw packet: %w", err)
+			}
+		}
+		return nil
+	})
 }
 
 func checksum(b []byte) uint16 {

@@ -270,3 +270,28 @@ func (l *Lab) Logs(n int) string {
 	}
 	return b.String()
 }
+
+// RSS returns the daemon's resident memory in KiB (VmRSS), read from
+// /proc: ip netns exec runs the daemon in its own process.
+func (d *Daemon) RSS() (int64, error) {
+	d.mu.Lock()
+	cmd := d.cmd
+	d.mu.Unlock()
+	if cmd == nil || cmd.Process == nil {
+		return 0, fmt.Errorf("%s is not running", d.Name)
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", cmd.Process.Pid))
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			var kib int64
+			if _, err := fmt.Sscanf(strings.TrimSpace(v), "%d kB", &kib); err != nil {
+				return 0, fmt.Errorf("%s: VmRSS %q: %w", d.Name, v, err)
+			}
+			return kib, nil
+		}
+	}
+	return 0, fmt.Errorf("%s: no VmRSS in /proc/%d/status", d.Name, cmd.Process.Pid)
+}
