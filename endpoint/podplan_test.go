@@ -8,8 +8,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/cmdnu/kube-service-tunnel/endpoint/bridgeguard"
 	"github.com/cmdnu/kube-service-tunnel/endpoint/netpol"
+	"github.com/cmdnu/kube-service-tunnel/internal/bridgeguard"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/mplslabel"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"

@@ -69,6 +69,9 @@ var (
 	FlowBasedGRE = Feature{Name: "flow-based GRE", Option: "CONFIG_NET_IPGRE", Module: "ip_gre"}
 	GRE          = Feature{Name: "GRE", Option: "CONFIG_NET_IPGRE", Module: "ip_gre"}
 	MPLSRouting  = Feature{Name: "MPLS routing", Option: "CONFIG_MPLS_ROUTING", Module: "mpls_router"}
+	// BridgeFilter holds the endpoint agent's bridge guard in mpls mode:
+	// an nftables table of the bridge family (package bridgeguard).
+	BridgeFilter = Feature{Name: "nftables for bridges (the bridge guard)", Option: "CONFIG_NF_TABLES_BRIDGE", Module: "nf_tables"}
 	MPLSEncap    = Feature{Name: "MPLS encapsulation of IP routes", Option: "CONFIG_MPLS_IPTUNNEL", Module: "mpls_iptunnel"}
 	// LightweightTunnels is probed with an "encap ip" route, which needs
 	// nothing else (ip_tunnel_core is always built in).
@@ -181,6 +184,9 @@ type Kernel interface {
 	IPSetRule(table string) error
 	// PortSet creates and destroys a hash:ip,port set of the family.
 	PortSet() error
+	// BridgeFilter writes a bridge-family nftables table with the bridge
+	// guard's chain and rule under a probe's name, and deletes it.
+	BridgeFilter() error
 	// LoadModule loads a kernel module with modprobe.
 	LoadModule(name string) error
 }
@@ -495,7 +501,8 @@ func endpointChecks(p EndpointParams, f family) []Check {
 		checks = append(checks, f.check(f.gre, nil, Kernel.GRE))
 	case encap.MPLS:
 		if !f.ipv6 {
-			checks = append(checks, Check{Feature: MPLSRouting, Probe: Kernel.MPLSRouting})
+			checks = append(checks, Check{Feature: MPLSRouting, Probe: Kernel.MPLSRouting},
+				Check{Feature: BridgeFilter, Probe: Kernel.BridgeFilter})
 		}
 	}
 	if p.NetworkPolicy {

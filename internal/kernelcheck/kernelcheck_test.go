@@ -56,6 +56,7 @@ func (f *fakeKernel) IPTablesChain(table string) error { return f.probe("chain:"
 func (f *fakeKernel) IPSet() error                     { return f.probe("ipset") }
 func (f *fakeKernel) IPSetRule(table string) error     { return f.probe("rule:" + table + ":set") }
 func (f *fakeKernel) PortSet() error                   { return f.probe("portset") }
+func (f *fakeKernel) BridgeFilter() error              { return f.probe("bridge-filter") }
 func (f *fakeKernel) IPTablesRule(table string, rule ...string) error {
 	return f.probe("rule:" + table + ":" + target(rule))
 }
@@ -230,12 +231,12 @@ func TestEndpointIPv6Checks(t *testing.T) {
 	}{
 		{EndpointParams{Mode: encap.GRE, IPv6: true}, []Feature{GRE, IPv6Protocol, GRE6}},
 		// The pod's MPLS pop route delivers IPv6 as it is.
-		{EndpointParams{Mode: encap.MPLS, IPv6: true}, []Feature{MPLSRouting, IPv6Protocol}},
+		{EndpointParams{Mode: encap.MPLS, IPv6: true}, []Feature{MPLSRouting, BridgeFilter, IPv6Protocol}},
 		{EndpointParams{Mode: encap.GRE, NetworkPolicy: true, IPv6: true},
 			slices.Concat([]Feature{GRE}, policy, []Feature{IPv6Protocol, GRE6}, policy6)},
 		{EndpointParams{Mode: encap.MPLS, NetworkPolicy: true, IPv6: true},
-			slices.Concat([]Feature{MPLSRouting}, policy, []Feature{IPv6Protocol}, policy6)},
-		{EndpointParams{Mode: encap.MPLS, NetworkPolicy: true}, slices.Concat([]Feature{MPLSRouting}, policy)},
+			slices.Concat([]Feature{MPLSRouting, BridgeFilter}, policy, []Feature{IPv6Protocol}, policy6)},
+		{EndpointParams{Mode: encap.MPLS, NetworkPolicy: true}, slices.Concat([]Feature{MPLSRouting, BridgeFilter}, policy)},
 	} {
 		if got := featuresOf(EndpointChecks(tc.p)); !slices.Equal(got, tc.want) {
 			t.Errorf("EndpointChecks(%+v) = %v, want %v", tc.p, got, tc.want)
@@ -251,7 +252,7 @@ func TestEndpointIPv6Checks(t *testing.T) {
 func TestEndpointChecksFollowMode(t *testing.T) {
 	for mode, want := range map[encap.Mode][]Feature{
 		encap.GRE:  {GRE},
-		encap.MPLS: {MPLSRouting},
+		encap.MPLS: {MPLSRouting, BridgeFilter},
 		"vxlan":    nil,
 	} {
 		var got []Feature
@@ -285,7 +286,7 @@ func TestEveryCheckProbesWhatItNames(t *testing.T) {
 		MangleTable: {"chain:mangle"}, RawTable: {"chain:raw"}, FilterTable: {"chain:filter"}, HMARK: {"rule:mangle:HMARK"},
 		CommentMatch: {"rule:mangle:comment", "rule:filter:comment"}, ConntrackMatch: {"rule:mangle:conntrack", "rule:filter:conntrack"},
 		Connmark: {"rule:mangle:connmark"}, MarkMatch: {"rule:mangle:mark"}, CTTarget: {"rule:raw:CT"},
-		IPSets: {"ipset"}, SetMatch: {"rule:mangle:set"}, PortSets: {"portset"},
+		IPSets: {"ipset"}, SetMatch: {"rule:mangle:set"}, PortSets: {"portset"}, BridgeFilter: {"bridge-filter"},
 		// Probed in gre mode only: mpls mode keeps inline routes.
 		NextHopObjects: {"nexthop-ip"},
 

@@ -19,6 +19,7 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/bridgeguard"
 	"github.com/cmdnu/kube-service-tunnel/internal/nsexec"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 )
@@ -685,6 +686,16 @@ func (p *Probes) createSet() error {
 		return fmt.Errorf("creating hash:ip set %s%s: %w", p.setName(), of, err)
 	}
 	return nil
+}
+
+// BridgeFilter implements Kernel, in the probes' namespace (the daemon's
+// own when they do not enter one).
+func (p *Probes) BridgeFilter() error {
+	ns := p.ns
+	if !p.enter {
+		ns = netns.None() // the daemon's own, without setns
+	}
+	return bridgeguard.Probe(ns, "kst-probe"+p.suffix[:5])
 }
 
 // PortSet implements Kernel.

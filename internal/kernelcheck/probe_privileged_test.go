@@ -35,7 +35,8 @@ func everyCheck() []Check {
 	seen := map[Feature]bool{}
 	for _, c := range slices.Concat(Router(RouterParams{Mode: encap.MPLS, Generations: 2, IPv6: true}),
 		Router(RouterParams{Mode: encap.GRE, CreateGREDevice: true, Generations: 1, IPv6: true}),
-		EndpointChecks(EndpointParams{Mode: encap.GRE, NetworkPolicy: true, IPv6: true})) {
+		EndpointChecks(EndpointParams{Mode: encap.GRE, NetworkPolicy: true, IPv6: true}),
+		EndpointChecks(EndpointParams{Mode: encap.MPLS})) {
 		if !seen[c.Feature] {
 			seen[c.Feature] = true
 			out = append(out, c)
@@ -93,6 +94,13 @@ func groundTruth(t *testing.T, f Feature) error {
 			return err
 		}
 		return run([]string{"ip", "-f", "mpls", "route", "add", "200", "dev", "lo"})
+	case BridgeFilter:
+		// ebtables-nft (in Debian's iptables package) writes the bridge
+		// family through nftables: a base chain and an Ethernet type match.
+		if _, err := exec.LookPath("ebtables-nft"); err != nil {
+			return err
+		}
+		return run([]string{"ebtables-nft", "-t", "filter", "-A", "FORWARD", "-p", "0x8847", "-j", "DROP"})
 	case IPTablesCommand:
 		_, err := exec.LookPath("iptables")
 		return err

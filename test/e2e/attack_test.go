@@ -13,8 +13,8 @@ import (
 	"github.com/vishvananda/netns"
 
 	"github.com/cmdnu/kube-service-tunnel/endpoint"
-	"github.com/cmdnu/kube-service-tunnel/endpoint/bridgeguard"
 	"github.com/cmdnu/kube-service-tunnel/endpoint/guard"
+	"github.com/cmdnu/kube-service-tunnel/internal/bridgeguard"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/attack"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/topology"

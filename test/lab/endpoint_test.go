@@ -24,7 +24,7 @@ func TestEndpointKernelInVM(t *testing.T) {
 		t.Fatal(err)
 	}
 	guardBin := filepath.Join(dir, "bridgeguard.test")
-	if err := BuildStaticTest("./endpoint/bridgeguard", guardBin); err != nil {
+	if err := BuildStaticTest("./internal/bridgeguard", guardBin); err != nil {
 		t.Fatal(err)
 	}
 	script := `#!/bin/sh

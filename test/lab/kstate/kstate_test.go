@@ -11,7 +11,7 @@ import (
 
 	"github.com/vishvananda/netns"
 
-	"github.com/cmdnu/kube-service-tunnel/endpoint/bridgeguard"
+	"github.com/cmdnu/kube-service-tunnel/internal/bridgeguard"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 

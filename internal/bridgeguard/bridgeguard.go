@@ -57,19 +57,28 @@ func comment(label uint32) string {
 	return "kube-service-tunnel: bridged MPLS with the pods' label " + strconv.FormatUint(uint64(label), 10) + " dropped"
 }
 
+// conn opens an nftables connection in ns; netns.None() is the caller's
+// own namespace, which needs no setns (and so no CAP_SYS_ADMIN).
 func conn(ns netns.NsHandle) (*nftables.Conn, error) {
-	c, err := nftables.New(nftables.WithNetNSFd(int(ns)))
+	var opts []nftables.ConnOption
+	if ns != netns.None() {
+		opts = append(opts, nftables.WithNetNSFd(int(ns)))
+	}
+	c, err := nftables.New(opts...)
 	if err != nil {
 		return nil, fmt.Errorf("nftables connection: %w", err)
 	}
 	return c, nil
 }
 
-func table() *nftables.Table {
-	return &nftables.Table{Name: Table, Family: nftables.TableFamilyBridge}
+func table() *nftables.Table { return named(Table) }
+
+func named(name string) *nftables.Table {
+	return &nftables.Table{Name: name, Family: nftables.TableFamilyBridge}
 }
 
-// Read reports the guard's state in the namespace ns for label.
+// Read reports the guard's state in the namespace ns (netns.None(): the
+// caller's) for label.
 func Read(ns netns.NsHandle, label uint32) (State, error) {
 	c, err := conn(ns)
 	if err != nil {
@@ -123,11 +132,36 @@ func Read(ns netns.NsHandle, label uint32) (State, error) {
 // Install makes the table hold exactly the rule for label, in one
 // transaction: a table of that name already there is replaced.
 func Install(ns netns.NsHandle, label uint32, replace bool) error {
+	return install(ns, table(), label, replace)
+}
+
+// Probe writes the guard's table, chain and rule under the table name
+// name in the namespace ns, and removes them: it fails when the kernel
+// cannot hold the guard (no nf_tables, no bridge family). A kernel check
+// calls it with a name of its own, never Table.
+func Probe(ns netns.NsHandle, name string) error {
+	if name == Table {
+		return fmt.Errorf("bridge guard probe: %s is the guard's own table", name)
+	}
+	if err := install(ns, named(name), 100, false); err != nil {
+		return err
+	}
 	c, err := conn(ns)
 	if err != nil {
 		return err
 	}
-	t := table()
+	c.DelTable(named(name))
+	if err := c.Flush(); err != nil {
+		return fmt.Errorf("removing bridge table %s: %w", name, err)
+	}
+	return nil
+}
+
+func install(ns netns.NsHandle, t *nftables.Table, label uint32, replace bool) error {
+	c, err := conn(ns)
+	if err != nil {
+		return err
+	}
 	if replace {
 		c.DelTable(t)
 	}
@@ -146,7 +180,7 @@ func Install(ns netns.NsHandle, label uint32, replace bool) error {
 		UserData: userdata.AppendString(nil, userdata.TypeComment, comment(label)),
 	})
 	if err := c.Flush(); err != nil {
-		return fmt.Errorf("adding bridge table %s (does the kernel have nf_tables with the bridge family?): %w", Table, err)
+		return fmt.Errorf("adding bridge table %s (does the kernel have nf_tables with the bridge family?): %w", t.Name, err)
 	}
 	return nil
 }
