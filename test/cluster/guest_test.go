@@ -293,7 +293,12 @@ func (c *cluster) patchNode(t *testing.T, patch string) {
 // mode in its ConfigMap: the agents are scheduled on both nodes, the router
 // on none until lab-router is labelled node=tunnel, as a user does. Then
 // the agents (both nodes) and the router (the tunnel node) must become
-// Ready.
+// Ready. In mpls mode the ConfigMap also sets KST_IPTABLES_BACKEND=legacy,
+// so that the daemons, their kernel state and the uninstall's cleanup run
+// on each iptables backend once (legacyMode).
+// legacyMode is the mode whose install uses iptables-legacy.
+const legacyMode = "mpls"
+
 func (c *cluster) install(t *testing.T, mode string) {
 	ctx := context.Background()
 	manifest := vmFile(t, manifestFile)
@@ -301,7 +306,13 @@ func (c *cluster) install(t *testing.T, mode string) {
 	if !strings.Contains(string(manifest), gre) {
 		t.Fatalf("%s has no %q", manifestFile, gre)
 	}
-	manifest = []byte(strings.Replace(string(manifest), gre, "KST_MODE: "+mode+"\n", 1))
+	backend := "nft"
+	config := "KST_MODE: " + mode + "\n"
+	if mode == legacyMode {
+		backend = "legacy"
+		config += "  KST_IPTABLES_BACKEND: legacy\n"
+	}
+	manifest = []byte(strings.Replace(string(manifest), gre, config, 1))
 	applied := time.Now()
 	if err := kubeenv.Apply(ctx, c.cfg, manifest, false); err != nil {
 		t.Fatal(err)
@@ -328,13 +339,21 @@ func (c *cluster) install(t *testing.T, mode string) {
 		t.Fatalf("tunnel-router pods: %v, want one on %s", podNodes(pods), routerNode.name)
 	}
 	// kubelet writes its KUBE-IPTABLES-HINT chain with the node's iptables
-	// (nft); the containerised router must have followed it.
-	if line := grepLine(c.podLogs(t, pods[0]), "iptables backend chosen"); !strings.Contains(line, "backend=nft") || !strings.Contains(line, `why="kubelet's chains are in nft"`) {
+	// (nft); the containerised router must have followed it, unless told.
+	line := grepLine(c.podLogs(t, pods[0]), "iptables backend chosen")
+	switch {
+	case backend == "nft" && (!strings.Contains(line, "backend=nft") || !strings.Contains(line, `why="kubelet's chains are in nft"`)):
 		t.Errorf("the router's backend line: %q, want nft because of kubelet's chains", line)
+	case backend == "legacy" && !strings.Contains(line, "backend=legacy"):
+		t.Errorf("the router's backend line: %q, want legacy (KST_IPTABLES_BACKEND)", line)
 	}
-	// Both agents found containerd's CRI (--runtime auto).
+	// Both agents found containerd's CRI (--runtime auto), and use the
+	// backend.
 	for _, p := range c.daemonPods(t, "tunnel-endpoint") {
 		logs := c.podLogs(t, p)
+		if line := grepLine(logs, "iptables backend chosen"); !strings.Contains(line, "backend="+backend) {
+			t.Errorf("the agent on %s: backend line %q, want %s", p.Spec.NodeName, line, backend)
+		}
 		const want = `runtime="cri at unix:///run/containerd/containerd.sock`
 		if line := grepLine(logs, "starting endpoint agent"); !strings.Contains(line, want) {
 			t.Errorf("the agent on %s started with %q, want %s", p.Spec.NodeName, line, want)
@@ -378,6 +397,31 @@ func grepLine(s, sub string) string {
 func (c *cluster) waitDaemonSet(t *testing.T, name string, want int32) *podWatch {
 	t.Helper()
 	w := newPodWatch()
+	defer func() {
+		if t.Failed() {
+			pods := c.daemonPods(t, name)
+			t.Logf("%s's pods when the wait ended:\n%s", name, podStatuses(pods))
+			for _, p := range pods {
+				for _, cs := range p.Status.ContainerStatuses {
+					if cs.RestartCount == 0 {
+						continue
+					}
+					// From the node's files: the API server cannot reach
+					// the kubelets by name in the lab.
+					var b []byte
+					var err error
+					if p.Spec.NodeName == routerNode.name {
+						var logs string
+						logs, err = podLogs(p.Namespace, p.Name)
+						b = []byte(logs)
+					} else {
+						b, err = c.helperGet("/podlogs?namespace=" + p.Namespace + "&pod=" + p.Name)
+					}
+					t.Logf("the logs of %s (container %s restarted %d times) on %s (%v):\n%s", p.Name, cs.Name, cs.RestartCount, p.Spec.NodeName, err, b)
+				}
+			}
+		}
+	}()
 	c.waitFor(t, name+" Ready", 5*time.Minute, func() (bool, error) {
 		w.update(c.daemonPods(t, name))
 		ds, err := c.kube.AppsV1().DaemonSets(daemonNamespace).Get(context.Background(), name, metav1.GetOptions{})
@@ -398,6 +442,30 @@ func (c *cluster) daemonPods(t *testing.T, name string) []corev1.Pod {
 		t.Fatal(err)
 	}
 	return pods.Items
+}
+
+// podStatuses describes each pod's phase and each container's state, with
+// the reason and message of one that waits or ended (why a pod is not
+// Ready: CreateContainerError, CrashLoopBackOff, ...).
+func podStatuses(pods []corev1.Pod) string {
+	var b strings.Builder
+	for _, p := range pods {
+		fmt.Fprintf(&b, "  %s on %s: %s\n", p.Name, p.Spec.NodeName, p.Status.Phase)
+		for _, cs := range slices.Concat(p.Status.InitContainerStatuses, p.Status.ContainerStatuses) {
+			switch st := cs.State; {
+			case st.Waiting != nil:
+				fmt.Fprintf(&b, "    %s waiting: %s: %s\n", cs.Name, st.Waiting.Reason, st.Waiting.Message)
+			case st.Terminated != nil:
+				fmt.Fprintf(&b, "    %s terminated (exit %d): %s: %s\n", cs.Name, st.Terminated.ExitCode, st.Terminated.Reason, st.Terminated.Message)
+			default:
+				fmt.Fprintf(&b, "    %s running, ready %v, restarts %d\n", cs.Name, cs.Ready, cs.RestartCount)
+			}
+			if last := cs.LastTerminationState.Terminated; last != nil {
+				fmt.Fprintf(&b, "    %s last ended (exit %d): %s: %s\n", cs.Name, last.ExitCode, last.Reason, last.Message)
+			}
+		}
+	}
+	return b.String()
 }
 
 func podNodes(pods []corev1.Pod) []string {
