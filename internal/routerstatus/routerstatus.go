@@ -40,6 +40,11 @@ import (
 )
 
 const (
+	// DefaultNamespace holds the routers' status ConfigMaps and the events
+	// Lease, apart from the configuration (tunnel-config, the seed Secret):
+	// the router may write every ConfigMap of this namespace, since RBAC
+	// cannot name objects not yet created, and nothing else.
+	DefaultNamespace = "kube-service-tunnel-status"
 	// NamePrefix prefixes the node's name in the ConfigMap's name.
 	NamePrefix = "tunnel-router-status-"
 	// ComponentLabel labels every router status ConfigMap, for listing them.

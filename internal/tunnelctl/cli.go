@@ -14,6 +14,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/routerstatus"
 	"github.com/cmdnu/kube-service-tunnel/internal/seedsecret"
 	"github.com/cmdnu/kube-service-tunnel/internal/version"
 )
@@ -48,7 +49,8 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	clientcmd.BindOverrideFlags(overrides, fs, clientcmd.RecommendedConfigOverrideFlags(""))
 	all := fs.BoolP("all-namespaces", "A", false, "status: the tunnel IPs of every namespace")
 	output := fs.StringP("output", "o", "", "output format: wide, json or yaml")
-	tunnelNS := fs.String("tunnel-namespace", seedsecret.DefaultNamespace, "namespace of kube-service-tunnel (its configuration and the routers' status)")
+	tunnelNS := fs.String("tunnel-namespace", seedsecret.DefaultNamespace, "namespace of kube-service-tunnel's configuration (tunnel-config, the seed Secret)")
+	statusNS := fs.String("status-namespace", routerstatus.DefaultNamespace, "namespace of the routers' status ConfigMaps (the routers' --status-namespace)")
 	seedSecret := fs.String("seed-secret", seedsecret.DefaultName, "explain: name of the Secret holding the HMARK seed, in --tunnel-namespace")
 	seedFlag := fs.String("seed", "", "explain: the HMARK seed, instead of reading its Secret")
 	from := fs.String("from", "", "explain: the client's address, CLIENT-IP[:PORT]")
@@ -95,7 +97,7 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		if len(words) == 2 {
 			filter.Target = words[1]
 		}
-		inv, err := Load(ctx, client, *tunnelNS)
+		inv, err := Load(ctx, client, *tunnelNS, *statusNS)
 		if err != nil {
 			return err
 		}
@@ -116,7 +118,7 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		if err != nil {
 			return err
 		}
-		inv, err := Load(ctx, client, *tunnelNS)
+		inv, err := Load(ctx, client, *tunnelNS, *statusNS)
 		if err != nil {
 			return err
 		}

@@ -34,10 +34,12 @@ const ConfigMapName = "tunnel-config"
 // Inventory is what the API says about every claim, plus every router's
 // published status.
 type Inventory struct {
-	// Namespace is the project's namespace (router status, configuration).
+	// Namespace is the project's namespace (its configuration).
 	Namespace string
-	Mode      encap.Mode
-	Buckets   int
+	// StatusNamespace holds the routers' status ConfigMaps.
+	StatusNamespace string
+	Mode            encap.Mode
+	Buckets         int
 	// ConfigFrom says where Mode and Buckets come from.
 	ConfigFrom string
 	// Policy is what claims are judged with: the pools and ranges the
@@ -59,8 +61,8 @@ type Inventory struct {
 
 // Load reads the inventory. Only the Services and Nodes are required; the
 // configuration and the routers' status are reported in Notes when missing.
-func Load(ctx context.Context, client kubernetes.Interface, namespace string) (*Inventory, error) {
-	inv := &Inventory{Namespace: namespace, client: client, Mode: encap.GRE, Buckets: datapath.DefaultBuckets, ConfigFrom: "defaults", nodes: map[string]*corev1.Node{}, drained: map[string]map[string]bool{}}
+func Load(ctx context.Context, client kubernetes.Interface, namespace, statusNamespace string) (*Inventory, error) {
+	inv := &Inventory{Namespace: namespace, StatusNamespace: statusNamespace, client: client, Mode: encap.GRE, Buckets: datapath.DefaultBuckets, ConfigFrom: "defaults", nodes: map[string]*corev1.Node{}, drained: map[string]map[string]bool{}}
 	cfg, err := client.CoreV1().ConfigMaps(namespace).Get(ctx, ConfigMapName, metav1.GetOptions{})
 	configMissing := false
 	switch {
@@ -73,9 +75,9 @@ func Load(ctx context.Context, client kubernetes.Interface, namespace string) (*
 	default:
 		inv.Notes = append(inv.Notes, fmt.Sprintf("cannot read ConfigMap %s/%s (the address pools): %v", namespace, ConfigMapName, err))
 	}
-	cms, err := client.CoreV1().ConfigMaps(namespace).List(ctx, metav1.ListOptions{LabelSelector: routerstatus.ComponentLabel + "=" + routerstatus.ComponentValue})
+	cms, err := client.CoreV1().ConfigMaps(statusNamespace).List(ctx, metav1.ListOptions{LabelSelector: routerstatus.ComponentLabel + "=" + routerstatus.ComponentValue})
 	if err != nil {
-		inv.Notes = append(inv.Notes, fmt.Sprintf("cannot read the routers' status (ConfigMaps %s* in %s): %v", routerstatus.NamePrefix, namespace, err))
+		inv.Notes = append(inv.Notes, fmt.Sprintf("cannot read the routers' status (ConfigMaps %s* in %s): %v", routerstatus.NamePrefix, statusNamespace, err))
 	} else {
 		for i := range cms.Items {
 			r, err := routerstatus.Parse(&cms.Items[i])

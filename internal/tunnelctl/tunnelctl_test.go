@@ -114,7 +114,7 @@ func cluster(t *testing.T, mode encap.Mode) (*fake.Clientset, []netip.Addr) {
 
 func TestStatus(t *testing.T) {
 	client, _ := cluster(t, encap.GRE)
-	inv, err := Load(context.Background(), client, ns)
+	inv, err := Load(context.Background(), client, ns, ns)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -165,7 +165,7 @@ func TestExplain(t *testing.T) {
 	for _, mode := range []encap.Mode{encap.GRE, encap.MPLS} {
 		t.Run(string(mode), func(t *testing.T) {
 			client, ready := cluster(t, mode)
-			inv, err := Load(context.Background(), client, ns)
+			inv, err := Load(context.Background(), client, ns, ns)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -258,7 +258,7 @@ func TestExplainSeedForbidden(t *testing.T) {
 // and yaml decode back into the report.
 func TestOutputFormats(t *testing.T) {
 	client, _ := cluster(t, encap.GRE)
-	inv, err := Load(context.Background(), client, ns)
+	inv, err := Load(context.Background(), client, ns, ns)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -351,7 +351,7 @@ func TestExplainClientAffinity(t *testing.T) {
 	if _, err := client.CoreV1().Services("web").Update(ctx, svc, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	inv, err := Load(ctx, client, ns)
+	inv, err := Load(ctx, client, ns, ns)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -386,7 +386,7 @@ func TestRouterComparedWithItsOwnSettings(t *testing.T) {
 	if _, err := client.CoreV1().ConfigMaps(ns).Create(ctx, r.ConfigMap(ns, nil), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	inv, err := Load(ctx, client, ns)
+	inv, err := Load(ctx, client, ns, ns)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -411,7 +411,7 @@ func TestExplainPortFilter(t *testing.T) {
 	ctx := context.Background()
 	explain := func(to, proto string) *Explanation {
 		t.Helper()
-		inv, err := Load(ctx, client, ns)
+		inv, err := Load(ctx, client, ns, ns)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -457,7 +457,7 @@ func TestExplainNetworkPolicy(t *testing.T) {
 	ctx := context.Background()
 	explain := func(from, proto string) *PolicyVerdict {
 		t.Helper()
-		inv, err := Load(ctx, client, ns)
+		inv, err := Load(ctx, client, ns, ns)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -556,7 +556,7 @@ func TestPoolsFromTheRouters(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			inv, err := Load(ctx, client, ns)
+			inv, err := Load(ctx, client, ns, ns)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -104,7 +104,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	o.Common.AddFlags(fs)
 	fs.StringVar(&o.NodeName, "node-name", "", "name of this node, used as the event source (env NODE_NAME)")
 	fs.StringVar(&o.BGPConfig, "bgp-config", "", "BGP configuration file (YAML): announce the served tunnel IPs to these peers; empty disables BGP")
-	fs.StringVar(&o.StatusNamespace, "status-namespace", seedsecret.DefaultNamespace, "namespace of the router's status ConfigMap, "+routerstatus.NamePrefix+"NODE, which kubectl tunnel reads, and of the Lease "+router.EventLeaseName+" that lets one router record the Services' events (needs --node-name); empty: no status, and every router records events")
+	fs.StringVar(&o.StatusNamespace, "status-namespace", routerstatus.DefaultNamespace, "namespace of the router's status ConfigMap, "+routerstatus.NamePrefix+"NODE, which kubectl tunnel reads, and of the Lease "+router.EventLeaseName+" that lets one router record the Services' events (needs --node-name); empty: no status, and every router records events")
 	fs.StringVar(&o.MetricsAddress, "metrics-address", DefaultMetricsAddress, "address serving /metrics, /healthz and /readyz; empty disables")
 	daemon.AddProcSysFlag(fs, &o.ProcSys)
 	o.IPTablesBackend = iptbackend.Auto

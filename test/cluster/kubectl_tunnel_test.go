@@ -77,7 +77,7 @@ func (c *cluster) routerStatusOwner(t *testing.T) string {
 		}
 		return true, nil
 	})
-	cm, err := c.kube.CoreV1().ConfigMaps(daemonNamespace).Get(context.Background(), routerstatus.Name(routerNode.name), metav1.GetOptions{})
+	cm, err := c.kube.CoreV1().ConfigMaps(routerstatus.DefaultNamespace).Get(context.Background(), routerstatus.Name(routerNode.name), metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}

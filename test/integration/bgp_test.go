@@ -33,7 +33,6 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/routerstatus"
-	"github.com/cmdnu/kube-service-tunnel/internal/seedsecret"
 	"github.com/cmdnu/kube-service-tunnel/router/bgp"
 	"github.com/cmdnu/kube-service-tunnel/test/bgppeer"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
@@ -356,7 +355,7 @@ func (l *bgpLab) startRouterProcess(t *testing.T, router, bgpYAML string) *route
 			t.Logf("router %s log:\n%s", router, lastLines(p.log.String(), 40))
 		}
 		// No pod owns the status ConfigMap of a router process here.
-		_ = l.cs.CoreV1().ConfigMaps(seedsecret.DefaultNamespace).Delete(context.Background(), routerstatus.Name(l.nodes[router]), metav1.DeleteOptions{})
+		_ = l.cs.CoreV1().ConfigMaps(routerstatus.DefaultNamespace).Delete(context.Background(), routerstatus.Name(l.nodes[router]), metav1.DeleteOptions{})
 	})
 	return p
 }

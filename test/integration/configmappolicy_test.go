@@ -19,11 +19,11 @@ import (
 
 // TestRouterConfigMapPolicyExample runs
 // examples/tunnel-router-configmap-policy.yaml on a real API server of its
-// own (the binding is cluster-wide): with the manifest's RBAC, which lets
-// the router create and update every ConfigMap of its namespace, the
-// router's ServiceAccount may write only status ConfigMaps, and with a
-// token bound to a router pod only its own node's; tunnel-config stays the
-// admin's.
+// own (the binding is cluster-wide). The manifest's RBAC lets the router
+// write no ConfigMap of kube-service-tunnel (tunnel-config stays the
+// admin's) and every ConfigMap of the status namespace; with the policy the
+// router's ServiceAccount may write only status ConfigMaps there, and with
+// a token bound to a router pod only its own node's.
 func TestRouterConfigMapPolicyExample(t *testing.T) {
 	ctx := context.Background()
 	srv := startPolicyServer(t, "examples/tunnel-router-configmap-policy.yaml")
@@ -61,48 +61,56 @@ func TestRouterConfigMapPolicyExample(t *testing.T) {
 		t.Fatalf("the pod-bound token names node %v, want [router-1]", got)
 	}
 
-	cms := func(cs kubernetes.Interface) func(name string) error {
-		return func(name string) error {
+	cms := func(cs kubernetes.Interface) func(ns, name string) error {
+		return func(ns, name string) error {
 			cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: name}, Data: map[string]string{"written": "yes"}}
-			_, err := cs.CoreV1().ConfigMaps(manifestNamespace).Create(ctx, cm, metav1.CreateOptions{})
+			_, err := cs.CoreV1().ConfigMaps(ns).Create(ctx, cm, metav1.CreateOptions{})
 			if apierrors.IsAlreadyExists(err) {
-				_, err = cs.CoreV1().ConfigMaps(manifestNamespace).Update(ctx, cm, metav1.UpdateOptions{})
+				_, err = cs.CoreV1().ConfigMaps(ns).Update(ctx, cm, metav1.UpdateOptions{})
 			}
 			return err
 		}
 	}
 	write, writeBound, writeAdmin := cms(unbound), cms(bound), cms(admin)
+	status := routerstatus.DefaultNamespace
 	// The policy is in force once the API server has loaded it.
-	eventually(t, 20*time.Second, "the policy denies the router tunnel-config", func() error {
-		if err := write("tunnel-config"); !apierrors.IsForbidden(err) || !strings.Contains(err.Error(), "status ConfigMap") {
+	eventually(t, 20*time.Second, "the policy denies the router a ConfigMap of the status namespace", func() error {
+		if err := write(status, "not-a-status"); !apierrors.IsForbidden(err) || !strings.Contains(err.Error(), "status ConfigMap") {
 			return fmt.Errorf("got %v", err)
 		}
 		return nil
 	})
+	const byRBAC, byPolicy = "RBAC", "policy"
 	for _, tc := range []struct {
-		who   string
-		write func(string) error
-		name  string
-		admit bool
+		who      string
+		write    func(ns, name string) error
+		ns, name string
+		deniedBy string // "" when admitted
 	}{
-		{"router (unbound token)", write, routerstatus.NamePrefix + "router-9", true},
-		{"router (unbound token)", write, routerstatus.NamePrefix + "router-9", true}, // an update
-		{"router (unbound token)", write, "tunnel-config", false},
-		{"router (unbound token)", write, "tunnel-bgp", false},
-		{"router on router-1", writeBound, routerstatus.NamePrefix + "router-1", true},
-		{"router on router-1", writeBound, routerstatus.NamePrefix + "router-1", true},
-		{"router on router-1", writeBound, routerstatus.NamePrefix + "router-2", false},
-		{"router on router-1", writeBound, "tunnel-config", false},
-		{"admin", writeAdmin, "tunnel-config", true},
+		{"router (unbound token)", write, status, routerstatus.NamePrefix + "router-9", ""},
+		{"router (unbound token)", write, status, routerstatus.NamePrefix + "router-9", ""}, // an update
+		{"router (unbound token)", write, status, "tunnel-bgp", byPolicy},
+		{"router (unbound token)", write, manifestNamespace, "tunnel-config", byRBAC},
+		{"router (unbound token)", write, manifestNamespace, routerstatus.NamePrefix + "router-9", byRBAC},
+		{"router on router-1", writeBound, status, routerstatus.NamePrefix + "router-1", ""},
+		{"router on router-1", writeBound, status, routerstatus.NamePrefix + "router-1", ""},
+		{"router on router-1", writeBound, status, routerstatus.NamePrefix + "router-2", byPolicy},
+		{"router on router-1", writeBound, manifestNamespace, "tunnel-config", byRBAC},
+		{"admin", writeAdmin, manifestNamespace, "tunnel-config", ""},
+		{"admin", writeAdmin, status, "not-a-status", ""},
 	} {
-		err := tc.write(tc.name)
+		err := tc.write(tc.ns, tc.name)
 		switch {
-		case tc.admit && err != nil:
-			t.Errorf("%s writing ConfigMap %s: %v, want admitted", tc.who, tc.name, err)
-		case !tc.admit && err == nil:
-			t.Errorf("%s writing ConfigMap %s: admitted, want denied", tc.who, tc.name)
-		case !tc.admit && !apierrors.IsForbidden(err):
-			t.Errorf("%s writing ConfigMap %s: %v, want forbidden by the policy", tc.who, tc.name, err)
+		case tc.deniedBy == "" && err != nil:
+			t.Errorf("%s writing ConfigMap %s/%s: %v, want admitted", tc.who, tc.ns, tc.name, err)
+		case tc.deniedBy != "" && err == nil:
+			t.Errorf("%s writing ConfigMap %s/%s: admitted, want denied", tc.who, tc.ns, tc.name)
+		case tc.deniedBy != "" && !apierrors.IsForbidden(err):
+			t.Errorf("%s writing ConfigMap %s/%s: %v, want forbidden by %s", tc.who, tc.ns, tc.name, err, tc.deniedBy)
+		case tc.deniedBy == byPolicy && !strings.Contains(err.Error(), "status ConfigMap"):
+			t.Errorf("%s writing ConfigMap %s/%s: %v, want the policy's message", tc.who, tc.ns, tc.name, err)
+		case tc.deniedBy == byRBAC && strings.Contains(err.Error(), "status ConfigMap"):
+			t.Errorf("%s writing ConfigMap %s/%s: %v, want denied by RBAC before any policy", tc.who, tc.ns, tc.name, err)
 		}
 	}
 	cm, err := admin.CoreV1().ConfigMaps(manifestNamespace).Get(ctx, "tunnel-config", metav1.GetOptions{})

@@ -25,6 +25,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/endpoint"
 	"github.com/cmdnu/kube-service-tunnel/internal/image"
+	"github.com/cmdnu/kube-service-tunnel/internal/routerstatus"
 	"github.com/cmdnu/kube-service-tunnel/router/startup"
 	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
 )
@@ -64,8 +65,8 @@ func decodeManifest(t *testing.T, data []byte) manifest {
 			t.Fatalf("document %d: %v", i, err)
 		}
 		meta := obj.(metav1.Object)
-		if isNamespaced(obj) && meta.GetNamespace() != manifestNamespace {
-			t.Errorf("%T %s is in namespace %q, want %q", obj, meta.GetName(), meta.GetNamespace(), manifestNamespace)
+		if isNamespaced(obj) && meta.GetNamespace() != manifestNamespace && meta.GetNamespace() != routerstatus.DefaultNamespace {
+			t.Errorf("%T %s is in namespace %q, want %q or %q", obj, meta.GetName(), meta.GetNamespace(), manifestNamespace, routerstatus.DefaultNamespace)
 		}
 		switch o := obj.(type) {
 		case *corev1.Namespace:
@@ -313,8 +314,12 @@ func hostPathFor(spec corev1.PodSpec, c corev1.Container, p string) string {
 // here rather than on a cluster.
 func TestManifestProperties(t *testing.T) {
 	m := decodeManifest(t, repoFile(t, "tunnel-router.yaml"))
-	if len(m.namespaces) != 1 || m.namespaces[0].Name != manifestNamespace {
-		t.Errorf("namespaces %v, want exactly %s", m.namespaces, manifestNamespace)
+	var namespaces []string
+	for _, ns := range m.namespaces {
+		namespaces = append(namespaces, ns.Name)
+	}
+	if want := []string{manifestNamespace, routerstatus.DefaultNamespace}; !slices.Equal(namespaces, want) {
+		t.Errorf("namespaces %v, want exactly %v", namespaces, want)
 	}
 	for _, sa := range []string{"tunnel-router", "tunnel-endpoint"} {
 		if _, ok := m.serviceAccounts[sa]; !ok {
@@ -386,9 +391,11 @@ func TestManifestServerSideDryRun(t *testing.T) {
 	ctx := context.Background()
 	// A dry run creates no Namespace, so the namespaced objects need the
 	// real one (the other tests apply the manifest for real anyway).
-	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: manifestNamespace}}
-	if _, err := adminClient(t).CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-		t.Fatal(err)
+	for _, name := range []string{manifestNamespace, routerstatus.DefaultNamespace} {
+		ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}
+		if _, err := adminClient(t).CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+			t.Fatal(err)
+		}
 	}
 	if err := env.ApplyYAML(ctx, env.AdminConfig(), repoFile(t, "tunnel-router.yaml"), true); err != nil {
 		t.Fatalf("server-side dry-run apply of tunnel-router.yaml: %v", err)

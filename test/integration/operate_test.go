@@ -108,14 +108,14 @@ func TestRouterStatusShowsWhatEachRouterProgrammed(t *testing.T) {
 			t.Fatal(err)
 		}
 		_, stop := startController(t, client, cfg, node, newRecorder(), nil, func(ctrl *router.Controller) []func(context.Context) {
-			pub := routerstatus.NewPublisher(client, seedRef.Namespace, routerstatus.Router{Node: node, Mode: cfg.Mode, Buckets: cfg.Buckets, Generations: 1, MarkOffset: cfg.MarkOffset, TableBase: cfg.TableBase}, "", "", quietLogger())
+			pub := routerstatus.NewPublisher(client, routerstatus.DefaultNamespace, routerstatus.Router{Node: node, Mode: cfg.Mode, Buckets: cfg.Buckets, Generations: 1, MarkOffset: cfg.MarkOffset, TableBase: cfg.TableBase}, "", "", quietLogger())
 			ctrl.SetStatusPublisher(pub)
 			return []func(context.Context){pub.Run}
 		})
 		stops = append(stops, stop)
 		// No pod owns the status ConfigMap here.
 		t.Cleanup(func() {
-			_ = admin.CoreV1().ConfigMaps(seedRef.Namespace).Delete(context.Background(), routerstatus.Name(node), metav1.DeleteOptions{})
+			_ = admin.CoreV1().ConfigMaps(routerstatus.DefaultNamespace).Delete(context.Background(), routerstatus.Name(node), metav1.DeleteOptions{})
 		})
 	}
 	createService(t, admin, ns, "web", vip)
@@ -123,7 +123,7 @@ func TestRouterStatusShowsWhatEachRouterProgrammed(t *testing.T) {
 	applySlice(t, admin, ns, "web", "web-1", ep{addr: "10.244.1.5", node: "n1"}, ep{addr: "10.244.2.5", node: "n2"})
 
 	status := func() (tunnelctl.TunnelStatus, error) {
-		inv, err := tunnelctl.Load(context.Background(), admin, seedRef.Namespace)
+		inv, err := tunnelctl.Load(context.Background(), admin, seedRef.Namespace, routerstatus.DefaultNamespace)
 		if err != nil {
 			return tunnelctl.TunnelStatus{}, err
 		}

@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/routerstatus"
 	"github.com/cmdnu/kube-service-tunnel/internal/seedsecret"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 )
@@ -56,9 +57,13 @@ func (l *Lab) connectKube(ctx context.Context) error {
 // running, ready Pod with nodeName and both pod IPs for every pod
 // namespace, as a dual-stack cluster has them.
 func (l *Lab) createClusterObjects(ctx context.Context) error {
-	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: l.Opts.Namespace}}
-	if _, err := l.Kube.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-		return fmt.Errorf("create namespace %s: %w", l.Opts.Namespace, err)
+	// The pods' namespace and the routers' status namespace (the
+	// manifest creates it in a cluster).
+	for _, name := range []string{l.Opts.Namespace, routerstatus.DefaultNamespace} {
+		ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}
+		if _, err := l.Kube.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+			return fmt.Errorf("create namespace %s: %w", name, err)
+		}
 	}
 	// The routers read their seed from its Secret, as in a cluster.
 	if err := l.writeSeedSecret(ctx); err != nil {
