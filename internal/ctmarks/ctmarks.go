@@ -110,26 +110,15 @@ func (l Lister) EachMarked(family vnl.InetFamily, ranges []Range, fn func(*vnl.C
 
 // socket opens a NETLINK_NETFILTER socket in the Lister's namespace.
 func (l Lister) socket() (int, error) {
-	open := func() (fd int, err error) {
-		fd, err = unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_NETFILTER)
-		if err != nil {
-			return -1, fmt.Errorf("netfilter netlink socket (conntrack): %w", err)
-		}
-		if err := unix.Bind(fd, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
-			unix.Close(fd)
-			return -1, fmt.Errorf("binding the netfilter netlink socket: %w", err)
-		}
-		return fd, nil
+	ns := netns.None()
+	if l.NetNS != 0 {
+		ns = netns.NsHandle(l.NetNS)
 	}
-	if l.NetNS == 0 {
-		return open()
+	fd, err := nsexec.NetlinkSocket(ns, unix.NETLINK_NETFILTER, 0)
+	if err != nil {
+		return -1, fmt.Errorf("conntrack: %w", err)
 	}
-	fd := -1
-	err := nsexec.Do(netns.NsHandle(l.NetNS), func() (err error) {
-		fd, err = open()
-		return err
-	})
-	return fd, err
+	return fd, nil
 }
 
 // dump sends one filtered dump request on fd and decodes its answer.

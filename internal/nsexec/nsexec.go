@@ -15,6 +15,7 @@ import (
 	"runtime"
 
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 )
 
 // OnDiscardedThread runs fn on a new goroutine locked to its OS thread and
@@ -38,4 +39,59 @@ func Do(ns netns.NsHandle, fn func() error) error {
 		}
 		return fn()
 	})
+}
+
+// NetlinkSocket opens a netlink socket of protocol (unix.NETLINK_ROUTE,
+// unix.NETLINK_NETFILTER, ...) with the extra socket flags (such as
+// unix.SOCK_NONBLOCK), bound to a kernel-chosen port, in network namespace
+// ns, or in the caller's when ns is not open. A socket stays in the
+// namespace it was created in, so no later call on it switches namespaces.
+// The thread that entered ns is reused only if it got back to its own.
+func NetlinkSocket(ns netns.NsHandle, protocol, flags int) (int, error) {
+	if !ns.IsOpen() {
+		return netlinkSocket(protocol, flags)
+	}
+	type result struct {
+		fd  int
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		runtime.LockOSThread()
+		fd, restored, err := netlinkSocketIn(ns, protocol, flags)
+		if restored {
+			runtime.UnlockOSThread()
+		}
+		done <- result{fd, err}
+	}()
+	r := <-done
+	return r.fd, r.err
+}
+
+// netlinkSocketIn runs on a locked thread; restored reports whether the
+// thread is back in its original namespace.
+func netlinkSocketIn(ns netns.NsHandle, protocol, flags int) (fd int, restored bool, err error) {
+	orig, err := netns.Get()
+	if err != nil {
+		return -1, true, fmt.Errorf("get current netns: %w", err)
+	}
+	defer orig.Close()
+	if err := netns.Set(ns); err != nil {
+		return -1, true, fmt.Errorf("enter netns %s: %w", ns, err)
+	}
+	fd, err = netlinkSocket(protocol, flags)
+	// The socket keeps its namespace; a failed return only costs the thread.
+	return fd, netns.Set(orig) == nil, err
+}
+
+func netlinkSocket(protocol, flags int) (int, error) {
+	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC|flags, protocol)
+	if err != nil {
+		return -1, fmt.Errorf("create netlink socket (protocol %d): %w", protocol, err)
+	}
+	if err := unix.Bind(fd, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+		unix.Close(fd)
+		return -1, fmt.Errorf("bind netlink socket (protocol %d): %w", protocol, err)
+	}
+	return fd, nil
 }

@@ -3,12 +3,13 @@ package rtnl
 import (
 	"errors"
 	"fmt"
-	"runtime"
 	"time"
 	"unsafe"
 
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/nsexec"
 )
 
 // Socket sizing. The send buffer must hold one batch (netlink rejects a
@@ -35,13 +36,7 @@ type conn struct {
 // one if ns is not open). The socket stays in ns for its lifetime, so no
 // later call switches namespaces.
 func dialAt(ns netns.NsHandle) (*conn, error) {
-	var fd int
-	var err error
-	if ns.IsOpen() {
-		fd, err = socketInNetns(ns)
-	} else {
-		fd, err = newSocket()
-	}
+	fd, err := nsexec.NetlinkSocket(ns, unix.NETLINK_ROUTE, unix.SOCK_NONBLOCK)
 	if err != nil {
 		return nil, err
 	}
@@ -51,55 +46,6 @@ func dialAt(ns netns.NsHandle) (*conn, error) {
 		return nil, err
 	}
 	return c, nil
-}
-
-func newSocket() (int, error) {
-	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, unix.NETLINK_ROUTE)
-	if err != nil {
-		return -1, fmt.Errorf("create netlink socket: %w", err)
-	}
-	if err := unix.Bind(fd, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
-		unix.Close(fd)
-		return -1, fmt.Errorf("bind netlink socket: %w", err)
-	}
-	return fd, nil
-}
-
-// socketInNetns creates the socket on a fresh goroutine whose thread enters
-// ns. If the thread cannot return to its original namespace it stays locked,
-// so the runtime discards it instead of reusing it.
-func socketInNetns(ns netns.NsHandle) (int, error) {
-	type result struct {
-		fd  int
-		err error
-	}
-	done := make(chan result, 1)
-	go func() {
-		runtime.LockOSThread()
-		fd, restored, err := socketInNetnsLocked(ns)
-		if restored {
-			runtime.UnlockOSThread()
-		}
-		done <- result{fd, err}
-	}()
-	r := <-done
-	return r.fd, r.err
-}
-
-// socketInNetnsLocked runs on a locked thread; restored reports whether the
-// thread is back in its original namespace.
-func socketInNetnsLocked(ns netns.NsHandle) (fd int, restored bool, err error) {
-	orig, err := netns.Get()
-	if err != nil {
-		return -1, true, fmt.Errorf("get current netns: %w", err)
-	}
-	defer orig.Close()
-	if err := netns.Set(ns); err != nil {
-		return -1, true, fmt.Errorf("enter netns %s: %w", ns, err)
-	}
-	fd, err = newSocket()
-	// The socket keeps its namespace; a failed return only costs the thread.
-	return fd, netns.Set(orig) == nil, err
 }
 
 // configure sets buffer sizes and netlink options. Forcing the buffers past
