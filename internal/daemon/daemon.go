@@ -112,6 +112,10 @@ func (c *Common) gcPercent(fs *flag.FlagSet) (int, bool) {
 	return c.GCPercent, true
 }
 
+// LogTimeFormat is the time format of the daemons' log lines (RFC 3339
+// with milliseconds).
+const LogTimeFormat = "2006-01-02T15:04:05.000Z07:00"
+
 // Logger returns a structured logger at --log-level, tagged with component.
 func (c *Common) Logger(component string) (*logrus.Entry, error) {
 	log := logrus.New()
@@ -120,6 +124,9 @@ func (c *Common) Logger(component string) (*logrus.Entry, error) {
 		return nil, fmt.Errorf("--log-level: %w", err)
 	}
 	log.SetLevel(level)
+	// Milliseconds: what the daemons do is often a matter of them, and
+	// latencies can then be read from the log without asking the daemon.
+	log.SetFormatter(&logrus.TextFormatter{FullTimestamp: true, TimestampFormat: LogTimeFormat})
 	entry := log.WithField("component", component)
 	RouteKlog(entry)
 	return entry, nil

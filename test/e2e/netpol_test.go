@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -54,6 +55,28 @@ func networkPolicy(t *testing.T, e *env) {
 			t.Errorf("deleting the policy: %v", err)
 		}
 	})
+	var rules []networkingv1.NetworkPolicyIngressRule
+	for _, vip := range vips {
+		rules = append(rules, ipBlockRule(topology.ClientAddrFor(vip), corev1.ProtocolTCP, tcpPort))
+	}
+	onlyClient := policy(rules...)
+
+	// The policy latency with nothing reading /metrics, timed from the
+	// agents' logs: the steps below poll the agents' /metrics every 20 ms,
+	// and each scrape reads every isolated pod's counters.
+	start := time.Now()
+	if _, err := policies.Create(ctx, onlyClient, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	quietCreated := e.loggedRules(t, start, "write ")
+	start = time.Now()
+	if err := policies.Delete(ctx, policyName, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	quietDeleted := e.loggedRules(t, start, "remove ")
+	t.Logf("without a scraper (timed from the agents' logs): policy created: the rules were in the %d pods' kernels %v after the write; deleted: gone %v after the delete",
+		len(e.Pods), quietCreated.Round(time.Millisecond), quietDeleted.Round(time.Millisecond))
+
 	// Both reach the pods before any policy. A connection of the second
 	// address, opened before any policy: the policy will refuse that
 	// address, but not this connection.
@@ -73,13 +96,8 @@ func networkPolicy(t *testing.T, e *env) {
 		waitVerified(t, s, 1000, "before any policy")
 	})
 
-	var rules []networkingv1.NetworkPolicyIngressRule
-	for _, vip := range vips {
-		rules = append(rules, ipBlockRule(topology.ClientAddrFor(vip), corev1.ProtocolTCP, tcpPort))
-	}
-	onlyClient := policy(rules...)
 	writes := e.policyWrites(t)
-	start := time.Now()
+	start = time.Now()
 	if _, err := policies.Create(ctx, onlyClient, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -276,6 +294,39 @@ func (e *env) timeToRules(t *testing.T, writes int, start time.Time) time.Durati
 		time.Sleep(20 * time.Millisecond)
 	}
 	return time.Since(start)
+}
+
+// loggedRules waits, reading only the agents' logs, until they have logged
+// as many changes of the pods' network policy rules (verb: "write " or
+// "remove ") since start as there are pods (one per pod and family counts,
+// as timeToRules counts kernel operations), and returns how long after
+// start the last of them was logged.
+func (e *env) loggedRules(t *testing.T, start time.Time, verb string) time.Duration {
+	t.Helper()
+	seen := map[*topology.Node]bool{}
+	for {
+		var times []time.Time
+		clear(seen)
+		for _, p := range e.Pods {
+			if seen[p.Node] {
+				continue
+			}
+			seen[p.Node] = true
+			ts, err := p.Node.Agent.LoggedSince(start, "pod namespace changed", `change="`+verb, "network policy rules")
+			if err != nil {
+				t.Fatal(err)
+			}
+			times = append(times, ts...)
+		}
+		if len(times) >= len(e.Pods) {
+			slices.SortFunc(times, time.Time.Compare)
+			return times[len(e.Pods)-1].Sub(start)
+		}
+		if time.Since(start) > 30*time.Second {
+			t.Fatalf("the agents logged %d of the %d pods' rules within 30 s", len(times), len(e.Pods))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 // policy is the lab's NetworkPolicy selecting every lab pod, with rules

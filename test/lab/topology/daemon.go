@@ -12,6 +12,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 )
 
 // Daemon is one of the project's daemons running in a node's namespace, or
@@ -294,4 +296,47 @@ func (d *Daemon) RSS() (int64, error) {
 		}
 	}
 	return 0, fmt.Errorf("%s: no VmRSS in /proc/%d/status", d.Name, cmd.Process.Pid)
+}
+
+// LoggedSince returns the times of the daemon's log lines that contain
+// every one of words and were logged at or after since (the daemons log
+// milliseconds: daemon.LogTimeFormat). Reading the log asks nothing of the
+// daemon, so that a test can time what it does without scraping it.
+func (d *Daemon) LoggedSince(since time.Time, words ...string) ([]time.Time, error) {
+	b, err := os.ReadFile(d.LogPath)
+	if err != nil {
+		return nil, err
+	}
+	var times []time.Time
+	for _, line := range strings.Split(string(b), "\n") {
+		if !containsAll(line, words) {
+			continue
+		}
+		i := strings.Index(line, `time="`)
+		if i < 0 {
+			continue
+		}
+		rest := line[i+len(`time="`):]
+		j := strings.IndexByte(rest, '"')
+		if j < 0 {
+			continue
+		}
+		at, err := time.Parse(daemon.LogTimeFormat, rest[:j])
+		if err != nil {
+			return nil, fmt.Errorf("%s log: %w", d.Name, err)
+		}
+		if !at.Before(since) {
+			times = append(times, at)
+		}
+	}
+	return times, nil
+}
+
+func containsAll(s string, words []string) bool {
+	for _, w := range words {
+		if !strings.Contains(s, w) {
+			return false
+		}
+	}
+	return true
 }
