@@ -23,6 +23,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"os"
 	"path/filepath"
@@ -109,7 +110,8 @@ func TestCluster(t *testing.T) {
 		t.Skip("-short: the lab cluster takes minutes")
 	}
 	assets := lab.Require(t)
-	env := kubeenv.StartWithOptions(t, kubeenv.Options{ServiceAccountAdmission: true})
+	// The daemons' requests are audited: checkGrantsUsed.
+	env := kubeenv.StartWithOptions(t, kubeenv.Options{ServiceAccountAdmission: true, AuditServiceAccountsOf: daemonNamespace})
 	if err := env.StartControllers(); err != nil {
 		if lab.IntegrationRequired() {
 			t.Fatal(err)
@@ -239,6 +241,9 @@ func TestCluster(t *testing.T) {
 	t.Logf("the VMs ran for %v; consoles: %s", took.Round(time.Second), filepath.Join(os.TempDir(), "kst-cluster-*.log"))
 	lab.ReportGuestTests(t, results[0].out, results[0].rc, results[0].err)
 	lab.RecordDurations(t, lab.DurationsFile(filepath.Join(os.TempDir(), "kst-cluster-lab-router.log")), "./test/cluster", results[0].out, took)
+	if !t.Failed() && os.Getenv(demoEnv) == "" {
+		checkGrantsUsed(t, env)
+	}
 	if t.Failed() {
 		t.Logf("lab-worker's console tail:\n%s", lab.LastLines(results[1].out, 60))
 		t.Logf("controller-manager and scheduler logs: %v", env.ControllerLogs())
@@ -367,4 +372,33 @@ func repoFile(t *testing.T, name string) []byte {
 		t.Fatal(err)
 	}
 	return b
+}
+
+// checkGrantsUsed reads the API server's audit log of the daemons'
+// ServiceAccounts after the whole run (both modes, install to uninstall):
+// every verb of every rule the manifest grants them was used by a
+// successful request, and none of their requests was forbidden. A grant
+// that nothing uses fails the test: it is power an attacker gets for free.
+func checkGrantsUsed(t *testing.T, env *kubeenv.Env) {
+	t.Helper()
+	grants, err := kubeenv.ManifestGrants(repoFile(t, "tunnel-router.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	events, err := kubeenv.ReadAuditLog(env.AuditLog())
+	if err != nil {
+		t.Fatal(err)
+	}
+	users := map[string]bool{}
+	for _, g := range grants {
+		users[g.User] = true
+	}
+	for _, ev := range kubeenv.Forbidden(events, slices.Collect(maps.Keys(users))...) {
+		t.Errorf("forbidden: %s %s by %s", ev.Verb, ev.RequestURI, ev.User.Username)
+	}
+	unused := kubeenv.UnusedGrants(grants, events)
+	for _, g := range unused {
+		t.Errorf("granted but never used in the lab cluster: %v", g)
+	}
+	t.Logf("grants: %d of %d verbs the manifest grants used by the daemons' %d audited requests", len(grants)-len(unused), len(grants), len(events))
 }

@@ -296,13 +296,10 @@ func (c *cluster) patchNode(t *testing.T, patch string) {
 // Ready. In legacyMode the ConfigMap also sets KST_IPTABLES_BACKEND=legacy,
 // so that the daemons, their kernel state and the uninstall's cleanup run
 // on each iptables backend once.
-// legacyMode is the mode whose install uses iptables-legacy; none yet.
-// With "mpls" the agents' kernel-modules init container failed on both
-// nodes: "iptables-legacy -t filter: Table does not exist" (the lab VM
-// does not load iptable_filter, and the probe did not load it either).
-// Load it in the lab (test/lab DefaultModules) or find why modprobe did
-// not, then set "mpls" here.
-const legacyMode = ""
+// legacyMode is the mode whose install uses iptables-legacy. The lab VM
+// loads iptable_filter and ip6table_filter at boot (test/lab
+// KubeletModules): a node has them on disk, the VM only what it is given.
+const legacyMode = "mpls"
 
 func (c *cluster) install(t *testing.T, mode string) {
 	ctx := context.Background()

@@ -91,6 +91,10 @@ type Options struct {
 	// as a kubelet needs them (off by default: the tests create pods that
 	// nothing runs, before their ServiceAccounts).
 	ServiceAccountAdmission bool
+	// AuditServiceAccountsOf, when set, makes the API server write an audit
+	// log (AuditLog) of every request by a ServiceAccount of that
+	// namespace, at the Metadata level.
+	AuditServiceAccountsOf string
 }
 
 // New starts etcd and kube-apiserver and waits until /readyz answers ok.

@@ -97,7 +97,15 @@ func (e *Env) apiserverArgs(port int) ([]string, error) {
 	if e.opts.ServiceAccountAdmission {
 		admission = "--enable-admission-plugins=ServiceAccount"
 	}
-	return []string{
+	var audit []string
+	if e.opts.AuditServiceAccountsOf != "" {
+		policy, err := writeAuditPolicy(e.dir, e.opts.AuditServiceAccountsOf)
+		if err != nil {
+			return nil, err
+		}
+		audit = []string{"--audit-policy-file=" + policy, "--audit-log-path=" + e.AuditLog(), "--audit-log-format=json", "--audit-log-mode=blocking"}
+	}
+	return append([]string{
 		"--etcd-servers=" + e.etcdURL,
 		"--bind-address=127.0.0.1",
 		"--advertise-address=127.0.0.1",
@@ -114,7 +122,7 @@ func (e *Env) apiserverArgs(port int) ([]string, error) {
 		"--allow-privileged=true",
 		"--profiling=false",
 		"--v=1",
-	}, nil
+	}, audit...), nil
 }
 
 // probeAPIServer checks that the API server's /readyz answers ok.

@@ -32,7 +32,10 @@ var KubeletHostBinaries = []string{
 
 // KubeletModules are DefaultModules plus NAT, for KubernetesServiceDNAT,
 // and overlay, for containerd's overlayfs snapshotter.
-var KubeletModules = append(slices.Clone(DefaultModules), "nf_nat", "nft_chain_nat", "xt_nat", "iptable_nat", "overlay")
+var KubeletModules = append(slices.Clone(DefaultModules), "nf_nat", "nft_chain_nat", "xt_nat", "iptable_nat", "overlay",
+	// iptables-legacy's filter tables (the agents' policy chains), as a node has them
+	// on disk: the cluster runs one mode on that backend.
+	"iptable_filter", "ip6table_filter")
 
 // SandboxImage is the image containerd uses as every pod's sandbox (no
 // registry can give the pause image): a static busybox whose entrypoint
