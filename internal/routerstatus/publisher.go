@@ -33,7 +33,7 @@ const RefreshInterval = time.Minute
 type Publisher struct {
 	client    kubernetes.Interface
 	namespace string
-	owner     *metav1.OwnerReference
+	nodeUID   func() types.UID
 	log       logrus.FieldLogger
 	now       func() time.Time
 
@@ -44,18 +44,33 @@ type Publisher struct {
 }
 
 // NewPublisher returns a publisher of header's router (Node must be set)
-// in namespace ns. podName and podUID, when set, make the router's pod the
-// owner of the ConfigMap.
-func NewPublisher(client kubernetes.Interface, ns string, header Router, podName, podUID string, log logrus.FieldLogger) *Publisher {
+// in namespace ns; podName is the router's pod, recorded in the status.
+// nodeUID, when set and once it returns the UID of header.Node, makes the
+// router's Node the owner of the ConfigMap, so that the garbage collector
+// removes it with the Node. Not the pod: the status namespace is not the
+// pod's, and an owner in another namespace counts as absent (the garbage
+// collector would delete the ConfigMap at once); readers tell a status
+// whose pod is gone by its Pod.
+func NewPublisher(client kubernetes.Interface, ns string, header Router, podName string, nodeUID func() types.UID, log logrus.FieldLogger) *Publisher {
 	p := &Publisher{
-		client: client, namespace: ns, log: log, now: time.Now,
+		client: client, namespace: ns, log: log, now: time.Now, nodeUID: nodeUID,
 		header: header, tunnels: map[netip.Addr]Tunnel{}, dirty: make(chan struct{}, 1),
 	}
 	p.header.Pod = podName
-	if podName != "" && podUID != "" {
-		p.owner = &metav1.OwnerReference{APIVersion: "v1", Kind: "Pod", Name: podName, UID: types.UID(podUID)}
-	}
 	return p
+}
+
+// owner is the ConfigMap's owner reference, the router's Node, when its UID
+// is known.
+func (p *Publisher) owner() *metav1.OwnerReference {
+	if p.nodeUID == nil {
+		return nil
+	}
+	uid := p.nodeUID()
+	if uid == "" {
+		return nil
+	}
+	return &metav1.OwnerReference{APIVersion: "v1", Kind: "Node", Name: p.header.Node, UID: uid}
 }
 
 // Set records what the router programmed for one tunnel IP.
@@ -127,7 +142,8 @@ func (p *Publisher) markDirty() {
 // Run writes the status until ctx ends: once at start, then after changes
 // and every RefreshInterval.
 // It never deletes the ConfigMap: a restarted router takes it over, and the
-// garbage collector removes it with the router's pod.
+// garbage collector removes it with the router's Node (or the namespace
+// goes at uninstall).
 func (p *Publisher) Run(ctx context.Context) {
 	p.markDirty()
 	backoff := MinInterval
@@ -169,7 +185,8 @@ func (p *Publisher) Snapshot() Router {
 }
 
 func (p *Publisher) write(ctx context.Context) error {
-	want := p.Snapshot().ConfigMap(p.namespace, p.owner)
+	owner := p.owner()
+	want := p.Snapshot().ConfigMap(p.namespace, owner)
 	cms := p.client.CoreV1().ConfigMaps(p.namespace)
 	have, err := cms.Get(ctx, want.Name, metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
@@ -181,10 +198,10 @@ func (p *Publisher) write(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("reading configmap %s/%s: %w", p.namespace, want.Name, err)
 	}
-	// The router owns the whole object: its data, labels and owner (a
-	// previous pod's owner reference is replaced by this pod's).
+	// The router owns the whole object: its data, labels and owner (an
+	// older owner reference, a pod's before, is replaced by the Node's).
 	want.ResourceVersion = have.ResourceVersion
-	if p.owner == nil {
+	if owner == nil {
 		want.OwnerReferences = have.OwnerReferences
 	}
 	if _, err := cms.Update(ctx, want, metav1.UpdateOptions{}); err != nil {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/sirupsen/logrus"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
@@ -130,7 +131,7 @@ func TestPublisherWritesAndTakesOver(t *testing.T) {
 	defer cancel()
 	old := Router{Node: "n1"}.ConfigMap("kst", &metav1.OwnerReference{APIVersion: "v1", Kind: "Pod", Name: "old", UID: "old-uid"})
 	client := fake.NewClientset(old)
-	p := NewPublisher(client, "kst", Router{Node: "n1", Buckets: 8}, "new", "new-uid", logrus.New())
+	p := NewPublisher(client, "kst", Router{Node: "n1", Buckets: 8}, "new", func() types.UID { return "node-uid" }, logrus.New())
 	go p.Run(ctx)
 	vip := netip.MustParseAddr("192.0.2.1")
 	p.Set(Tunnel{VIP: vip, Table: "aa"})
@@ -144,7 +145,7 @@ func TestPublisherWritesAndTakesOver(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if len(cm.OwnerReferences) != 1 || cm.OwnerReferences[0].UID != "new-uid" {
+		if len(cm.OwnerReferences) != 1 || cm.OwnerReferences[0].UID != "node-uid" || cm.OwnerReferences[0].Kind != "Node" || cm.OwnerReferences[0].Name != "n1" {
 			r.Pod = fmt.Sprintf("owned by %v", cm.OwnerReferences)
 		}
 		return r

@@ -12,6 +12,7 @@ import (
 	"net/netip"
 	"slices"
 	"strconv"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -83,6 +84,9 @@ func Load(ctx context.Context, client kubernetes.Interface, namespace, statusNam
 			r, err := routerstatus.Parse(&cms.Items[i])
 			if err != nil {
 				inv.Notes = append(inv.Notes, err.Error())
+				continue
+			}
+			if inv.routerGone(ctx, r) {
 				continue
 			}
 			inv.Routers = append(inv.Routers, r)
@@ -319,4 +323,20 @@ func (inv *Inventory) VIPs() []netip.Addr {
 	}
 	slices.SortFunc(out, func(a, b netip.Addr) int { return a.Compare(b) })
 	return out
+}
+
+// routerGone reports whether the pod that wrote r is gone, so that r is a
+// status left behind (the router stopped running on that node; its status
+// goes only with the Node or the namespace), and says so in Notes. A pod
+// that cannot be read counts as there.
+func (inv *Inventory) routerGone(ctx context.Context, r routerstatus.Router) bool {
+	if r.Pod == "" {
+		return false
+	}
+	_, err := inv.client.CoreV1().Pods(inv.Namespace).Get(ctx, r.Pod, metav1.GetOptions{})
+	if !apierrors.IsNotFound(err) {
+		return false
+	}
+	inv.Notes = append(inv.Notes, fmt.Sprintf("left out the status of the router on %s, written by pod %s/%s, which is gone (updated %s)", r.Node, inv.Namespace, r.Pod, r.Updated.UTC().Format(time.RFC3339)))
+	return true
 }

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -576,5 +577,39 @@ func TestPoolsFromTheRouters(t *testing.T) {
 				t.Errorf("notes say no pool is known, while a router publishes its pools or the ConfigMap is there:\n%s", notes)
 			}
 		})
+	}
+}
+
+// TestStatusLeavesOutARouterWhosePodIsGone: a status ConfigMap outlives
+// its router's pod (it goes with the Node or the namespace), so kubectl
+// tunnel reads it only while the pod that wrote it exists.
+func TestStatusLeavesOutARouterWhosePodIsGone(t *testing.T) {
+	client, _ := cluster(t, encap.GRE)
+	ctx := context.Background()
+	live := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "tunnel-router-live"}}
+	if _, err := client.CoreV1().Pods(ns).Create(ctx, live, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for node, pod := range map[string]string{"router-c": "tunnel-router-live", "router-d": "tunnel-router-gone"} {
+		cm := routerstatus.Router{Node: node, Pod: pod, Mode: encap.GRE, Buckets: 16, Updated: time.Now()}.ConfigMap(ns, nil)
+		if _, err := client.CoreV1().ConfigMaps(ns).Create(ctx, cm, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	inv, err := Load(ctx, client, ns, ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var nodes []string
+	for _, r := range inv.Routers {
+		nodes = append(nodes, r.Node)
+	}
+	if want := []string{"router-a", "router-b", "router-c"}; !slices.Equal(nodes, want) {
+		t.Errorf("routers %v, want %v (router-d's pod is gone)", nodes, want)
+	}
+	if !slices.ContainsFunc(inv.Notes, func(n string) bool {
+		return strings.Contains(n, "router-d") && strings.Contains(n, "tunnel-router-gone")
+	}) {
+		t.Errorf("notes %q do not name the status left out", inv.Notes)
 	}
 }

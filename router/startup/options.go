@@ -49,9 +49,8 @@ type Options struct {
 	// and competes for the events Lease (--status-namespace); empty: no
 	// status, and the router records every event itself.
 	StatusNamespace string
-	// PodName and PodUID are the router's pod (POD_NAME, POD_UID), owner of
-	// its status ConfigMap.
-	PodName, PodUID string
+	// PodName is the router's pod (POD_NAME), recorded in its status.
+	PodName string
 	// IPv6 makes the router serve IPv6 tunnel IPs too (--ipv6): an IPv6
 	// datapath beside the IPv4 one. Without it IPv6 tunnel IPs are
 	// refused with a TunnelProgramFailed Warning.
@@ -124,7 +123,7 @@ func (o *Options) Parse(fs *flag.FlagSet, args []string) error {
 	if err := o.Common.Parse(fs, args, &o.NodeName); err != nil {
 		return err
 	}
-	o.PodName, o.PodUID = os.Getenv("POD_NAME"), os.Getenv("POD_UID")
+	o.PodName = os.Getenv("POD_NAME")
 	if o.seed != "" {
 		v, err := seedsecret.ParseSeed(o.seed)
 		if err != nil {

@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
@@ -182,7 +183,7 @@ func Main(args []string) error {
 		publisher := routerstatus.NewPublisher(client, o.StatusNamespace, routerstatus.Router{
 			Node: o.NodeName, Version: version.String(), Mode: o.Mode, Buckets: o.Buckets, Generations: o.Generations,
 			MarkOffset: o.MarkOffset, TableBase: o.TableBase, SeedFingerprint: hmark.SeedFingerprint(o.Seed), BGP: bgpCfg != nil,
-		}, o.PodName, o.PodUID, entry.WithField("component", "status"))
+		}, o.PodName, nodeUID(factory, o.NodeName), entry.WithField("component", "status"))
 		ctrl.SetStatusPublisher(publisher)
 		go publisher.Run(ctx)
 	} else {
@@ -518,5 +519,18 @@ func warnIfNotForwarding(sysctls procSys, ipv6 bool, log logrus.FieldLogger) {
 	}
 	if v, err := sysctls.read("net/ipv6/conf/all/forwarding"); err == nil && v != 1 {
 		log.Warn("net.ipv6.conf.all.forwarding is 0: this node will not forward the traffic of IPv6 tunnel IPs (set it to 1, or run with --ipv6=false)")
+	}
+}
+
+// nodeUID returns the UID of the Node name as the informers know it, or ""
+// until they do: the router status's owner.
+func nodeUID(factory informers.SharedInformerFactory, name string) func() types.UID {
+	nodes := factory.Core().V1().Nodes().Lister()
+	return func() types.UID {
+		node, err := nodes.Get(name)
+		if err != nil {
+			return ""
+		}
+		return node.UID
 	}
 }

@@ -108,7 +108,7 @@ func TestRouterStatusShowsWhatEachRouterProgrammed(t *testing.T) {
 			t.Fatal(err)
 		}
 		_, stop := startController(t, client, cfg, node, newRecorder(), nil, func(ctrl *router.Controller) []func(context.Context) {
-			pub := routerstatus.NewPublisher(client, routerstatus.DefaultNamespace, routerstatus.Router{Node: node, Mode: cfg.Mode, Buckets: cfg.Buckets, Generations: 1, MarkOffset: cfg.MarkOffset, TableBase: cfg.TableBase}, "", "", quietLogger())
+			pub := routerstatus.NewPublisher(client, routerstatus.DefaultNamespace, routerstatus.Router{Node: node, Mode: cfg.Mode, Buckets: cfg.Buckets, Generations: 1, MarkOffset: cfg.MarkOffset, TableBase: cfg.TableBase}, "", nil, quietLogger())
 			ctrl.SetStatusPublisher(pub)
 			return []func(context.Context){pub.Run}
 		})
