@@ -97,6 +97,10 @@ type Config struct {
 	// NetworkPolicy enforces the ingress NetworkPolicies of each served
 	// pod on its tunneled traffic, in the pod's filter table.
 	NetworkPolicy bool
+	// UntrackReplies exempts the served pods' replies from their tunnel
+	// IPs from the node's connection tracking (package replyexempt), so
+	// that conntrack INVALID drops (kube-proxy's) do not drop them.
+	UntrackReplies bool
 	// RouterNodes selects the router nodes (their Nodes' labels): each
 	// served pod accepts the carrier only from their addresses (every
 	// InternalIP and ExternalIP), kept current as they come and go. nil

@@ -11,6 +11,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/endpoint/guard"
 	"github.com/cmdnu/kube-service-tunnel/endpoint/netpol"
 	"github.com/cmdnu/kube-service-tunnel/internal/bridgeguard"
+	"github.com/cmdnu/kube-service-tunnel/internal/replyexempt"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sirupsen/logrus"
@@ -107,7 +108,7 @@ func NewMetrics(reg prometheus.Registerer, decap DecapCounterReader, drops RuleC
 		}, []string{"kind"}),
 		kernelOps: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kube_service_tunnel_endpoint_kernel_operations_total",
-			Help: "Kernel changes the agent made, by network namespace (pod, node), object (decap_device, tunnel_ip, sysctl, mpls_route, default_route, bridge_guard) and operation.",
+			Help: "Kernel changes the agent made, by network namespace (pod, node), object (decap_device, tunnel_ip, sysctl, mpls_route, default_route, bridge_guard, reply_exemption) and operation.",
 		}, []string{"netns", "object", "operation"}),
 		vips: map[netip.Addr]bool{},
 	}
@@ -446,6 +447,35 @@ func (d *decapCollector) appendFamily(out []prometheus.Metric, pod string, ns ne
 		}
 	}
 	return out
+}
+
+// replyExemptionCollector reads the counters of the node's table that
+// exempts the pods' replies from connection tracking (package replyexempt).
+type replyExemptionCollector struct {
+	ns        netns.NsHandle
+	untracked *prometheus.Desc
+	log       logrus.FieldLogger
+}
+
+// NewReplyExemptionCollector returns the collector of the reply exemption
+// in the node namespace ns.
+func NewReplyExemptionCollector(ns netns.NsHandle, log logrus.FieldLogger) prometheus.Collector {
+	return &replyExemptionCollector{ns: ns, log: log,
+		untracked: prometheus.NewDesc("kube_service_tunnel_endpoint_untracked_reply_packets_total",
+			"Packets from the served tunnel IPs, arriving on the node's interfaces towards the served pods, that the node's inet table kube-service-tunnel exempted from connection tracking (--untrack-replies); absent while the table is not there.", nil, nil)}
+}
+
+func (c *replyExemptionCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.untracked }
+
+func (c *replyExemptionCollector) Collect(ch chan<- prometheus.Metric) {
+	st, err := replyexempt.Read(c.ns)
+	if err != nil {
+		c.log.WithError(err).Warn("reading the reply exemption's counters")
+		return
+	}
+	if st.Current {
+		ch <- prometheus.MustNewConstMetric(c.untracked, prometheus.CounterValue, float64(st.Exempted))
+	}
 }
 
 // bridgeGuardCollector reads the bridge guard's drop counter (mpls mode)

@@ -16,6 +16,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/bridgeguard"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/mplslabel"
+	"github.com/cmdnu/kube-service-tunnel/internal/replyexempt"
 )
 
 // swapRoute is one MPLS route on the node: the label of a pod address is
@@ -37,13 +38,15 @@ func (r swapRoute) viaFamily() string {
 
 // NodeChange is one change to the node's namespace.
 type NodeChange struct {
-	Sysctl, Value string    // a sysctl to set, or
-	Add           swapRoute // a swap route to add or replace (Label != 0), or
-	Del           uint32    // a swap route to delete (label != 0), or
-	BridgeGuard   string    // the bridge guard (bridgeguard): guardAdd, guardReplace or guardRemove
+	Sysctl, Value string           // a sysctl to set, or
+	Add           swapRoute        // a swap route to add or replace (Label != 0), or
+	Del           uint32           // a swap route to delete (label != 0), or
+	BridgeGuard   string           // the bridge guard (bridgeguard): guardAdd, guardReplace or guardRemove, or
+	ReplyExempt   string           // the reply exemption (replyexempt): guardAdd, guardReplace or guardRemove,
+	Untracked     replyexempt.Want // with what it holds
 }
 
-// The changes to the bridge guard.
+// The changes to the bridge guard and the reply exemption.
 const (
 	guardAdd     = "add"
 	guardReplace = "replace"
@@ -58,6 +61,10 @@ func (a NodeChange) String() string {
 		return "remove bridge table " + bridgeguard.Table
 	case a.BridgeGuard != "":
 		return fmt.Sprintf("%s bridge table %s (bridged MPLS with label %d dropped)", a.BridgeGuard, bridgeguard.Table, PodLabel)
+	case a.ReplyExempt == guardRemove:
+		return "remove inet table " + replyexempt.Table
+	case a.ReplyExempt != "":
+		return fmt.Sprintf("%s inet table %s (replies from %v on %v untracked)", a.ReplyExempt, replyexempt.Table, a.Untracked.Sources, a.Untracked.Links)
 	case a.Add.Label != 0:
 		return fmt.Sprintf("mpls route %d as %d via %s %v dev #%d", a.Add.Label, PodLabel, a.Add.viaFamily(), a.Add.Pod, a.Add.LinkIdx)
 	default:
@@ -75,6 +82,10 @@ func (a NodeChange) Operation() (object, operation string) {
 		return "bridge_guard", "delete"
 	case a.BridgeGuard != "":
 		return "bridge_guard", "add"
+	case a.ReplyExempt == guardRemove:
+		return "reply_exemption", "delete"
+	case a.ReplyExempt != "":
+		return "reply_exemption", a.ReplyExempt
 	case a.Add.Label != 0:
 		return "mpls_route", "add"
 	default:
@@ -90,6 +101,8 @@ type nodeState struct {
 	Sysctls map[string]string
 	// BridgeGuard is the bridge guard's table, for PodLabel.
 	BridgeGuard bridgeguard.State
+	// ReplyExempt is the reply exemption's table.
+	ReplyExempt replyexempt.State
 }
 
 // nodeWant is the node's desired state, derived from the served pods.
@@ -105,6 +118,10 @@ type nodeWant struct {
 	// BridgeGuard: the node keeps PodLabel off its bridges (mpls mode,
 	// some pod served).
 	BridgeGuard bool
+	// Untracked are the replies exempted from connection tracking: the
+	// served tunnel IPs and the interfaces towards their pods (both
+	// families); empty without --untrack-replies or a served pod.
+	Untracked replyexempt.Want
 }
 
 // sysctlNames lists the sysctls planNode reads.
@@ -167,6 +184,14 @@ func planNode(mode encap.Mode, want nodeWant, have nodeState) (acts []NodeChange
 	case !want.BridgeGuard && have.BridgeGuard.Present:
 		acts = append(acts, NodeChange{BridgeGuard: guardRemove})
 	}
+	switch untracked := want.Untracked.Normalized(); {
+	case !untracked.Empty() && !have.ReplyExempt.Present:
+		acts = append(acts, NodeChange{ReplyExempt: guardAdd, Untracked: untracked})
+	case !untracked.Empty() && (!have.ReplyExempt.Current || !have.ReplyExempt.Have.Equal(untracked)):
+		acts = append(acts, NodeChange{ReplyExempt: guardReplace, Untracked: untracked})
+	case untracked.Empty() && have.ReplyExempt.Present:
+		acts = append(acts, NodeChange{ReplyExempt: guardRemove})
+	}
 	var labels []uint32
 	for l := range have.Routes {
 		labels = append(labels, l)
@@ -226,6 +251,11 @@ func (n *NodeNetwork) Sync(served []PodTunnels, nodeIP netip.Addr) ([]NodeChange
 	if have.BridgeGuard, err = bridgeguard.Read(n.ns, PodLabel); err != nil && want.BridgeGuard {
 		return nil, err
 	}
+	// Read without --untrack-replies too (the table of an earlier run is
+	// removed), where a kernel without nf_tables has none.
+	if have.ReplyExempt, err = replyexempt.Read(n.ns); err != nil && !want.Untracked.Empty() {
+		return nil, err
+	}
 	acts, planProblems := planNode(n.cfg.Mode, want, have)
 	for i, a := range acts {
 		if err := n.apply(nl, a); err != nil {
@@ -265,6 +295,10 @@ func (n *NodeNetwork) want(nl *netlink.Handle, served []PodTunnels, nodeIP netip
 			} else {
 				// rp_filter is IPv4's: IPv6 has none.
 				links[link.Attrs().Name] = true
+			}
+			if n.cfg.UntrackReplies {
+				w.Untracked.Links = append(w.Untracked.Links, link.Attrs().Name)
+				w.Untracked.Sources = append(w.Untracked.Sources, pt.TunnelIPsOf(ipv6)...)
 			}
 			if n.cfg.Mode == encap.MPLS {
 				label, err := mplslabel.ForEndpoint(podIP)
@@ -363,6 +397,10 @@ func (n *NodeNetwork) apply(nl *netlink.Handle, a NodeChange) error {
 		return bridgeguard.Remove(n.ns)
 	case a.BridgeGuard != "":
 		return bridgeguard.Install(n.ns, PodLabel, a.BridgeGuard == guardReplace)
+	case a.ReplyExempt == guardRemove:
+		return replyexempt.Remove(n.ns)
+	case a.ReplyExempt != "":
+		return replyexempt.Install(n.ns, a.Untracked, a.ReplyExempt == guardReplace)
 	case a.Add.Label != 0:
 		label := int(a.Add.Label)
 		family := netlink.FAMILY_V4

@@ -47,7 +47,7 @@ const DefaultMetricsAddress = ":9642"
 func (o *Options) AddFlags(fs *flag.FlagSet) {
 	o.Config = Config{
 		Mode: encap.GRE, Device: DefaultDevice, RouteProtocol: encap.DefaultRouteProtocol,
-		ResyncPeriod: DefaultResyncPeriod, Workers: 4, NetworkPolicy: true,
+		ResyncPeriod: DefaultResyncPeriod, Workers: 4, NetworkPolicy: true, UntrackReplies: true,
 	}
 	o.IPTablesBackend = iptbackend.Auto
 	fs.Func("mode", `encapsulation the routers use: "gre" or "mpls" (default "gre")`, func(s string) error { o.Mode = encap.Mode(s); return nil })
@@ -72,6 +72,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.Workers, "workers", o.Workers, "pods configured in parallel")
 	daemon.AddPolicyFlags(fs, &o.Policy)
 	fs.BoolVar(&o.NetworkPolicy, "network-policy", o.NetworkPolicy, "enforce each served pod's ingress NetworkPolicies on its tunneled traffic, with iptables rules in the pod's network namespace (false: tunneled traffic bypasses them, and rules of an earlier run are removed)")
+	fs.BoolVar(&o.UntrackReplies, "untrack-replies", o.UntrackReplies, "exempt the served pods' packets from their tunnel IPs, on the node's interfaces towards them, from the node's connection tracking (an nftables table in the node's namespace): the node's conntrack never saw the clients' packets, which came inside the carrier, so it marks the replies INVALID, and kube-proxy drops INVALID packets (false: no table, and one of an earlier run is removed)")
 	fs.Func("router-nodes", "label selector of the router nodes: each served pod accepts the carrier (GRE) only from their InternalIP and ExternalIP addresses (default \""+DefaultRouterNodes+"\")", func(s string) error {
 		sel, err := labels.Parse(s)
 		if err != nil {

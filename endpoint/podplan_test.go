@@ -12,6 +12,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/bridgeguard"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/mplslabel"
+	"github.com/cmdnu/kube-service-tunnel/internal/replyexempt"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
 	"github.com/cmdnu/kube-service-tunnel/runtime"
 )
@@ -188,6 +189,8 @@ func TestPlanPodRefusesForeignDevice(t *testing.T) {
 }
 
 func TestPlanNode(t *testing.T) {
+	vip, vip6 := netip.MustParseAddr("192.0.2.10"), netip.MustParseAddr("2001:db8::10")
+	untracked := replyexempt.Want{Sources: []netip.Addr{vip, vip6}, Links: []string{"cni0"}}
 	r1 := swapRoute{Label: 1024 + 11, Pod: podIP, LinkIdx: 5}
 	r2 := swapRoute{Label: 1024 + 12, Pod: netip.MustParseAddr("10.1.0.12"), LinkIdx: 5}
 	for _, tc := range []struct {
@@ -218,6 +221,27 @@ func TestPlanNode(t *testing.T) {
 				Sysctls:     map[string]string{"net/mpls/platform_labels": "132096", "net/mpls/conf/eth0/input": "1"},
 				BridgeGuard: bridgeguard.State{Present: true}},
 			plan: "replace bridge table kube-service-tunnel (bridged MPLS with label 100 dropped)"},
+		{name: "gre: replies untracked, the table added", mode: encap.GRE,
+			want: nodeWant{PodLinks: []string{"cni0"}, Untracked: untracked},
+			have: nodeState{Sysctls: map[string]string{"net/ipv4/ip_forward": "1"}},
+			plan: "add inet table kube-service-tunnel (replies from [192.0.2.10 2001:db8::10] on [cni0] untracked)"},
+		{name: "gre: the table holds the same, in another order: nothing to do", mode: encap.GRE,
+			want: nodeWant{PodLinks: []string{"cni0"}, Untracked: untracked},
+			have: nodeState{Sysctls: map[string]string{"net/ipv4/ip_forward": "1"},
+				ReplyExempt: replyexempt.State{Present: true, Current: true, Have: replyexempt.Want{Sources: []netip.Addr{vip6, vip}, Links: []string{"cni0", "cni0"}}}},
+			plan: ""},
+		{name: "gre: a tunnel IP more, or a table of another version: replaced", mode: encap.GRE,
+			want: nodeWant{PodLinks: []string{"cni0"}, Untracked: untracked},
+			have: nodeState{Sysctls: map[string]string{"net/ipv4/ip_forward": "1"},
+				ReplyExempt: replyexempt.State{Present: true, Current: true, Have: replyexempt.Want{Sources: []netip.Addr{vip}, Links: []string{"cni0"}}}},
+			plan: "replace inet table kube-service-tunnel (replies from [192.0.2.10 2001:db8::10] on [cni0] untracked)"},
+		{name: "gre: not current", mode: encap.GRE,
+			want: nodeWant{PodLinks: []string{"cni0"}, Untracked: untracked},
+			have: nodeState{Sysctls: map[string]string{"net/ipv4/ip_forward": "1"}, ReplyExempt: replyexempt.State{Present: true}},
+			plan: "replace inet table kube-service-tunnel (replies from [192.0.2.10 2001:db8::10] on [cni0] untracked)"},
+		{name: "gre: nothing served or --untrack-replies=false: the table goes", mode: encap.GRE,
+			have: nodeState{ReplyExempt: replyexempt.State{Present: true, Current: true}},
+			plan: "remove inet table kube-service-tunnel"},
 		{name: "nothing served: only leftovers go, no sysctl", mode: encap.MPLS,
 			have: nodeState{Routes: map[uint32]swapRoute{r2.Label: r2}, Sysctls: map[string]string{"net/ipv4/ip_forward": "0"},
 				BridgeGuard: bridgeguard.State{Present: true, Current: true}},

@@ -45,7 +45,7 @@ func Main(args []string) error {
 	}
 	// Before any kernel state is touched; cleanup must work on any kernel.
 	if o.KernelCheck || o.KernelCheckOnly {
-		if err := kernelcheck.Verify(kernelcheck.Endpoint(o.Mode, o.NetworkPolicy), entry, kernelcheck.WithProcSys(o.ProcSys), kernelcheck.WithIPTables(tables.Binary)); err != nil {
+		if err := kernelcheck.Verify(kernelcheck.EndpointChecks(kernelcheck.EndpointParams{Mode: o.Mode, NetworkPolicy: o.NetworkPolicy, UntrackReplies: o.UntrackReplies}), entry, kernelcheck.WithProcSys(o.ProcSys), kernelcheck.WithIPTables(tables.Binary)); err != nil {
 			return fmt.Errorf("kernel check (--mode %s): %w", o.Mode, err)
 		}
 	}
@@ -61,7 +61,7 @@ func Main(args []string) error {
 	defer locator.Close()
 	entry.WithFields(logrus.Fields{
 		"version": version.String(), "mode": o.Mode, "node": o.NodeName, "runtime": how, "device": o.Device,
-		"pod_advmss": o.PodAdvMSS, "route_protocol": o.RouteProtocol, "network_policy": o.NetworkPolicy,
+		"pod_advmss": o.PodAdvMSS, "route_protocol": o.RouteProtocol, "network_policy": o.NetworkPolicy, "untrack_replies": o.UntrackReplies,
 	}).Info("starting endpoint agent")
 	daemon.LogPolicy(entry, o.Policy)
 
@@ -95,6 +95,9 @@ func Main(args []string) error {
 	ctrl.SetMetrics(NewMetrics(reg, decap, podNet, o.NetworkPolicy))
 	if o.Mode == encap.MPLS {
 		reg.MustRegister(NewBridgeGuardCollector(nodeNS, entry.WithField("component", "metrics")))
+	}
+	if o.UntrackReplies {
+		reg.MustRegister(NewReplyExemptionCollector(nodeNS, entry.WithField("component", "metrics")))
 	}
 	if o.MetricsAddress != "" {
 		if err := daemon.ServeHTTP(ctx, o.MetricsAddress, reg, nil, ctrl.Ready, ctrl.Healthy, entry); err != nil {

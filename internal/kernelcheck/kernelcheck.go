@@ -72,6 +72,10 @@ var (
 	// BridgeFilter holds the endpoint agent's bridge guard in mpls mode:
 	// an nftables table of the bridge family (package bridgeguard).
 	BridgeFilter = Feature{Name: "nftables for bridges (the bridge guard)", Option: "CONFIG_NF_TABLES_BRIDGE", Module: "nf_tables"}
+	// ReplyNotrack holds the endpoint agent's reply exemption
+	// (--untrack-replies): an inet-family nftables table whose rules
+	// exempt packets from connection tracking (package replyexempt).
+	ReplyNotrack = Feature{Name: "nftables notrack (the pods' replies untracked)", Option: "CONFIG_NFT_CT", Module: "nft_ct"}
 	MPLSEncap    = Feature{Name: "MPLS encapsulation of IP routes", Option: "CONFIG_MPLS_IPTUNNEL", Module: "mpls_iptunnel"}
 	// LightweightTunnels is probed with an "encap ip" route, which needs
 	// nothing else (ip_tunnel_core is always built in).
@@ -187,6 +191,10 @@ type Kernel interface {
 	// BridgeFilter writes a bridge-family nftables table with the bridge
 	// guard's chain and rule under a probe's name, and deletes it.
 	BridgeFilter() error
+	// ReplyNotrack writes an inet-family nftables table with the reply
+	// exemption's sets and notrack rules under a probe's name, and
+	// deletes it.
+	ReplyNotrack() error
 	// LoadModule loads a kernel module with modprobe.
 	LoadModule(name string) error
 }
@@ -344,6 +352,9 @@ type EndpointParams struct {
 	NetworkPolicy bool
 	// IPv6 adds the checks of IPv6 tunnel IPs, after the IPv4 ones.
 	IPv6 bool
+	// UntrackReplies is the agent's reply exemption (one inet table, for
+	// both families).
+	UntrackReplies bool
 }
 
 // iptables rules that exercise one extension each. They go in a temporary
@@ -504,6 +515,9 @@ func endpointChecks(p EndpointParams, f family) []Check {
 			checks = append(checks, Check{Feature: MPLSRouting, Probe: Kernel.MPLSRouting},
 				Check{Feature: BridgeFilter, Probe: Kernel.BridgeFilter})
 		}
+	}
+	if p.UntrackReplies && !f.ipv6 {
+		checks = append(checks, Check{Feature: ReplyNotrack, Probe: Kernel.ReplyNotrack})
 	}
 	if p.NetworkPolicy {
 		checks = append(checks,

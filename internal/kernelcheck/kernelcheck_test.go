@@ -57,6 +57,7 @@ func (f *fakeKernel) IPSet() error                     { return f.probe("ipset")
 func (f *fakeKernel) IPSetRule(table string) error     { return f.probe("rule:" + table + ":set") }
 func (f *fakeKernel) PortSet() error                   { return f.probe("portset") }
 func (f *fakeKernel) BridgeFilter() error              { return f.probe("bridge-filter") }
+func (f *fakeKernel) ReplyNotrack() error              { return f.probe("reply-notrack") }
 func (f *fakeKernel) IPTablesRule(table string, rule ...string) error {
 	return f.probe("rule:" + table + ":" + target(rule))
 }
@@ -237,6 +238,8 @@ func TestEndpointIPv6Checks(t *testing.T) {
 		{EndpointParams{Mode: encap.MPLS, NetworkPolicy: true, IPv6: true},
 			slices.Concat([]Feature{MPLSRouting, BridgeFilter}, policy, []Feature{IPv6Protocol}, policy6)},
 		{EndpointParams{Mode: encap.MPLS, NetworkPolicy: true}, slices.Concat([]Feature{MPLSRouting, BridgeFilter}, policy)},
+		// One inet table for both families, checked with IPv4's.
+		{EndpointParams{Mode: encap.GRE, UntrackReplies: true, IPv6: true}, []Feature{GRE, ReplyNotrack, IPv6Protocol, GRE6}},
 	} {
 		if got := featuresOf(EndpointChecks(tc.p)); !slices.Equal(got, tc.want) {
 			t.Errorf("EndpointChecks(%+v) = %v, want %v", tc.p, got, tc.want)

@@ -21,6 +21,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/internal/bridgeguard"
 	"github.com/cmdnu/kube-service-tunnel/internal/nsexec"
+	"github.com/cmdnu/kube-service-tunnel/internal/replyexempt"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
 )
 
@@ -686,6 +687,16 @@ func (p *Probes) createSet() error {
 		return fmt.Errorf("creating hash:ip set %s%s: %w", p.setName(), of, err)
 	}
 	return nil
+}
+
+// ReplyNotrack implements Kernel, in the probes' namespace (the daemon's
+// own when they do not enter one).
+func (p *Probes) ReplyNotrack() error {
+	ns := p.ns
+	if !p.enter {
+		ns = netns.None() // the daemon's own, without setns
+	}
+	return replyexempt.Probe(ns, "kst-probe"+p.suffix[:5])
 }
 
 // BridgeFilter implements Kernel, in the probes' namespace (the daemon's

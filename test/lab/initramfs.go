@@ -35,7 +35,7 @@ var DefaultModules = []string{
 	"ip6_tables", "ip6table_mangle", "ip6table_raw",
 	"nf_conntrack", "nf_conntrack_netlink", "xt_conntrack", "xt_connmark", "xt_CT", "iptable_raw",
 	"ip_set", "ip_set_hash_ip", "ip_set_hash_ipport", "xt_set",
-	"nf_tables", "nft_compat", "virtio_pci", "virtio_net",
+	"nf_tables", "nft_compat", "nft_ct", "virtio_pci", "virtio_net",
 }
 
 // RunScript is where the caller's script lives in the VM; /init runs it with

@@ -238,6 +238,9 @@ func Up(ctx context.Context, opts Options) (*Lab, error) {
 	if err := l.createClusterObjects(ctx); err != nil {
 		return l, err
 	}
+	if err := l.addKubeProxyRules(ctx); err != nil {
+		return l, err
+	}
 	for _, r := range l.Routers {
 		r.Router = l.routerDaemon(r)
 		if err := r.Router.Start(); err != nil {
@@ -438,6 +441,23 @@ func (l *Lab) relayAPI() error {
 			return fmt.Errorf("relaying the API server into %q: %w", name, err)
 		}
 		l.relays = append(l.relays, stop)
+	}
+	return nil
+}
+
+// addKubeProxyRules writes kube-proxy's rule into every worker's namespace,
+// in both families, as almost every cluster has it: packets that conntrack
+// finds INVALID are dropped in forwarding. A tunneled connection's first
+// packet the worker's conntrack sees is the pod's SYN-ACK (the SYN came
+// inside the carrier), which it marks INVALID: the pods' replies pass only
+// because the agents exempt them from tracking (--untrack-replies).
+func (l *Lab) addKubeProxyRules(ctx context.Context) error {
+	for _, w := range l.Workers {
+		for _, bin := range []string{"iptables", "ip6tables"} {
+			if _, err := InNS(ctx, w.Name, bin, "-A", "FORWARD", "-m", "conntrack", "--ctstate", "INVALID", "-m", "comment", "--comment", "kube-proxy's rule (lab)", "-j", "DROP"); err != nil {
+				return err
+			}
+		}
 	}
 	return nil
 }
