@@ -458,3 +458,54 @@ func TestUninstallHasTheDaemonsCapabilities(t *testing.T) {
 		}
 	}
 }
+
+// TestAgentMountsRunReadOnly: the agent and its uninstall cleanup see the
+// node's /run (the runtimes' sockets, /run/netns) read-only, with host to
+// container propagation, and only iptables-legacy's lock writable.
+func TestAgentMountsRunReadOnly(t *testing.T) {
+	daemons := decodeManifest(t, repoFile(t, "tunnel-router.yaml"))
+	agentDS, agent := daemons.daemonSet(t, "tunnel-endpoint")
+	uninstall := decodeManifest(t, image.Uninstall)
+	ds := uninstall.daemonSets["tunnel-uninstall"]
+	if ds == nil {
+		t.Fatal("no DaemonSet tunnel-uninstall in the uninstall manifest")
+	}
+	var cleanup corev1.Container
+	for _, c := range ds.Spec.Template.Spec.Containers {
+		if c.Name == "endpoint-cleanup" {
+			cleanup = c
+		}
+	}
+	for _, tc := range []struct {
+		who  string
+		spec corev1.PodSpec
+		c    corev1.Container
+	}{{"tunnel-endpoint", agentDS.Spec.Template.Spec, agent}, {"the uninstall's endpoint-cleanup", ds.Spec.Template.Spec, cleanup}} {
+		hostPaths := map[string]string{}
+		for _, v := range tc.spec.Volumes {
+			if v.HostPath != nil {
+				hostPaths[v.Name] = v.HostPath.Path
+			}
+		}
+		seen := map[string]bool{}
+		for _, m := range tc.c.VolumeMounts {
+			switch {
+			case m.MountPath == "/run":
+				seen["/run"] = true
+				if !m.ReadOnly || hostPaths[m.Name] != "/run" || m.MountPropagation == nil || *m.MountPropagation != corev1.MountPropagationHostToContainer {
+					t.Errorf("%s: /run mounted from %q, readOnly %v, propagation %v; want the node's /run, read-only, HostToContainer", tc.who, hostPaths[m.Name], m.ReadOnly, m.MountPropagation)
+				}
+			case m.MountPath == "/run/xtables.lock":
+				seen["lock"] = true
+				if m.ReadOnly || hostPaths[m.Name] != "/run/xtables.lock" {
+					t.Errorf("%s: /run/xtables.lock from %q, readOnly %v; want the node's lock, writable", tc.who, hostPaths[m.Name], m.ReadOnly)
+				}
+			case strings.HasPrefix(m.MountPath, "/run/") && !m.ReadOnly:
+				t.Errorf("%s: %s is mounted writable", tc.who, m.MountPath)
+			}
+		}
+		if !seen["/run"] || !seen["lock"] {
+			t.Errorf("%s: mounts %v lack /run (read-only) or /run/xtables.lock", tc.who, tc.c.VolumeMounts)
+		}
+	}
+}
