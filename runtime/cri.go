@@ -126,7 +126,7 @@ func (c *CRI) Locate(ctx context.Context, pod Pod) (Netns, error) {
 	if err != nil {
 		return Netns{}, wrap(err)
 	}
-	h, err := netns.GetFromPath(path)
+	h, err := openHostPath(path)
 	if errors.Is(err, os.ErrNotExist) {
 		// Not ErrNotFound: the runtime says the sandbox is ready, so a
 		// missing path is more likely a deployment error than a race.
@@ -270,4 +270,20 @@ func criRefuseOwnNetns(h netns.NsHandle) error {
 		return ErrHostNetwork
 	}
 	return nil
+}
+
+// openHostPath opens a network namespace by the path a runtime gave, as the
+// node names it. The runtimes name /var/run/netns/cni-...; on the node
+// /var/run is /run, but in the agent's image /var/run is a directory of its
+// own (the kubelet mounts the ServiceAccount token under it, which must not
+// land in the node's /run, mounted read-only), so such a path is also
+// tried under /run.
+func openHostPath(path string) (netns.NsHandle, error) {
+	h, err := netns.GetFromPath(path)
+	if rest, ok := strings.CutPrefix(path, "/var/run/"); ok && errors.Is(err, os.ErrNotExist) {
+		if h2, err2 := netns.GetFromPath("/run/" + rest); err2 == nil {
+			return h2, nil
+		}
+	}
+	return h, err
 }

@@ -41,12 +41,15 @@ type Spec struct {
 func Build(s Spec) (v1.Image, error) {
 	// Mount points: /run holds legacy iptables' lock (the manifest mounts
 	// the node's /run/xtables.lock) and the agent's view of the node's
-	// /run; /tmp is for whatever wants one. /var/run is /run, as on every
-	// Debian system: containerd names a pod's network namespace
-	// /var/run/netns/cni-..., which the agent must open.
+	// /run (read-only); /tmp is for whatever wants one. /var/run is a
+	// directory, not a link to /run as on the node: the kubelet mounts the
+	// ServiceAccount token at /var/run/secrets/kubernetes.io/serviceaccount,
+	// which through a link would be created in the node's /run (and fail on
+	// the read-only mount). The agent opens the runtimes'
+	// /var/run/netns/cni-... under /run (runtime.openHostPath).
 	files := Tree{
 		"/run":     {Path: "/run", Mode: fs.ModeDir | 0o755},
-		"/var/run": {Path: "/var/run", Target: "/run", Mode: fs.ModeSymlink | 0o777},
+		"/var/run": {Path: "/var/run", Mode: fs.ModeDir | 0o755},
 		"/tmp":     {Path: "/tmp", Mode: fs.ModeDir | fs.ModeSticky | 0o777},
 	}
 	for p, e := range s.Runtime {

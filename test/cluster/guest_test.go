@@ -4,8 +4,10 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"net/http"
 	"net/netip"
 	"os"
@@ -348,6 +350,13 @@ func (c *cluster) install(t *testing.T, mode string) {
 		t.Errorf("the router's backend line: %q, want nft because of kubelet's chains", line)
 	case backend == "legacy" && !strings.Contains(line, "backend=legacy"):
 		t.Errorf("the router's backend line: %q, want legacy (KST_IPTABLES_BACKEND)", line)
+	}
+	// Nothing of the daemons' containers lands in the node's /run: the
+	// agent sees it read-only, and the kubelet mounts the ServiceAccount
+	// token in the image's own /var/run (once a link to /run, so that the
+	// runtime created /run/secrets/kubernetes.io/serviceaccount on the node).
+	if _, err := os.Stat("/run/secrets"); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("%s's /run/secrets after the install: %v, want none (a container's mount point created in the node's /run)", routerNode.name, err)
 	}
 	// Both agents found containerd's CRI (--runtime auto), and use the
 	// backend.
