@@ -374,6 +374,12 @@ func repoFile(t *testing.T, name string) []byte {
 	return b
 }
 
+// usedOutsideTheLab are the router's grants that a code path uses but the
+// lab cluster's run does not reach, each with the reason.
+var usedOutsideTheLab = map[string]string{
+	"patch events": "client-go's event recorder patches an event that repeats within its window (the count); the router de-duplicates its own events, so the lab's run repeats none",
+}
+
 // checkGrantsUsed reads the API server's audit log of the daemons'
 // ServiceAccounts after the whole run (both modes, install to uninstall):
 // every verb of every rule the manifest grants them was used by a
@@ -398,7 +404,11 @@ func checkGrantsUsed(t *testing.T, env *kubeenv.Env) {
 	}
 	unused := kubeenv.UnusedGrants(grants, events)
 	for _, g := range unused {
+		if why, ok := usedOutsideTheLab[g.Verb+" "+g.Resource]; ok && strings.HasSuffix(g.User, ":tunnel-router") {
+			t.Logf("granted, not used in the lab cluster, kept: %v: %s", g, why)
+			continue
+		}
 		t.Errorf("granted but never used in the lab cluster: %v", g)
 	}
-	t.Logf("grants: %d of %d verbs the manifest grants used by the daemons' %d audited requests", len(grants)-len(unused), len(grants), len(events))
+	t.Logf("grants: %d of %d (verb, API group, resource) the manifest grants used by the daemons' %d audited requests", len(grants)-len(unused), len(grants), len(events))
 }

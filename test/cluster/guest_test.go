@@ -709,9 +709,9 @@ func (c *cluster) traffic(t *testing.T) {
 	} else {
 		t.Logf("the router's buckets per endpoint: %v", buckets)
 	}
-	owner := c.routerStatusOwner(t)
-	if routers := c.daemonPods(t, "tunnel-router"); len(routers) != 1 || string(routers[0].UID) != owner {
-		t.Errorf("the router's status ConfigMap is owned by %s, not by the router pod", owner)
+	writer := c.routerStatusPod(t)
+	if routers := c.daemonPods(t, "tunnel-router"); len(routers) != 1 || routers[0].Name != writer {
+		t.Errorf("the router's status names pod %s as its writer, not the router pod", writer)
 	}
 	t.Logf("kubectl tunnel status:\n%s", kubectlTunnel(t, "status", "-A", "-o", "wide"))
 	t.Logf("kubectl tunnel status %s:\n%s", tunnelIP, kubectlTunnel(t, "status", tunnelIP.String()))
@@ -1135,16 +1135,15 @@ func (c *cluster) deleteRouterPod(t *testing.T) {
 	})
 	t.Logf("router pod deleted to its replacement Ready: %v; the router pods' states since the deletion:\n%s",
 		time.Since(deleted).Round(100*time.Millisecond), strings.Join(w.timeline, "\n"))
-	// The new pod takes the status ConfigMap over (the garbage collector
-	// does not remove it with the old pod) once its first full resync is
-	// over.
-	var owner string
-	c.waitForOr(t, "the router's status ConfigMap owned by the new router pod", time.Minute,
-		func() string { return "its owner: " + owner },
+	// The new pod takes the status ConfigMap over (the Node owns it, so
+	// it outlives the old pod) once its first full resync is over.
+	var writer string
+	c.waitForOr(t, "the router's status written by the new router pod", time.Minute,
+		func() string { return "its writer: " + writer },
 		func() (bool, error) {
-			owner = c.routerStatusOwner(t)
+			writer = c.routerStatusPod(t)
 			now := c.daemonPods(t, "tunnel-router")
-			return len(now) == 1 && owner == string(now[0].UID), nil
+			return len(now) == 1 && writer == now[0].Name, nil
 		})
 	newFlows := c.openStreams(t, 20)
 	failed, errs := stopAll(append(streams, newFlows...))

@@ -62,10 +62,10 @@ func (c *cluster) explainStreams(t *testing.T, streams []*workload.Stream, n int
 	t.Logf("kubectl tunnel explain named the answering pod of %d of %d flows (seed from %s)", right, min(n, len(streams)), "the Secret the router created")
 }
 
-// routerStatusOwner waits until the router's status shows the example's
-// tunnel IP with the current table, and returns the UID owning the
-// router's status ConfigMap.
-func (c *cluster) routerStatusOwner(t *testing.T) string {
+// routerStatusPod waits until the router's status shows the example's
+// tunnel IP with the current table, checks that the router's Node owns the
+// status ConfigMap, and returns the pod the status names as its writer.
+func (c *cluster) routerStatusPod(t *testing.T) string {
 	t.Helper()
 	c.waitFor(t, "kubectl tunnel status showing the router's current table", time.Minute, func() (bool, error) {
 		var rep tunnelctl.StatusReport
@@ -81,8 +81,12 @@ func (c *cluster) routerStatusOwner(t *testing.T) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(cm.OwnerReferences) != 1 || cm.OwnerReferences[0].Kind != "Pod" {
-		t.Fatalf("the router's status ConfigMap is owned by %v, want its pod", cm.OwnerReferences)
+	if len(cm.OwnerReferences) != 1 || cm.OwnerReferences[0].Kind != "Node" || cm.OwnerReferences[0].Name != routerNode.name {
+		t.Fatalf("the router's status ConfigMap is owned by %v, want its Node %s", cm.OwnerReferences, routerNode.name)
 	}
-	return string(cm.OwnerReferences[0].UID)
+	r, err := routerstatus.Parse(cm)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r.Pod
 }

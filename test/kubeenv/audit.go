@@ -79,14 +79,18 @@ func ReadAuditLog(path string) ([]AuditEvent, error) {
 	return events, sc.Err()
 }
 
-// Grant is one verb of one RBAC rule that a manifest binds to a
-// ServiceAccount, in Namespace ("" when a ClusterRoleBinding grants it).
+// Grant is one verb on one resource of one API group, of one RBAC rule
+// that a manifest binds to a ServiceAccount, in Namespace ("" when a
+// ClusterRoleBinding grants it).
 type Grant struct {
 	User      string // system:serviceaccount:NAMESPACE:NAME
 	Namespace string
 	Source    string // the role and rule, for messages
 	Verb      string
-	Rule      rbacv1.PolicyRule
+	APIGroup  string
+	Resource  string // with its subresource: services/status
+	// ResourceNames limits the grant to these names, when set.
+	ResourceNames []string
 }
 
 func (g Grant) String() string {
@@ -94,9 +98,13 @@ func (g Grant) String() string {
 	if g.Namespace != "" {
 		where = "in namespace " + g.Namespace
 	}
-	s := fmt.Sprintf("%s %s of %s %s (%s)", g.Verb, strings.Join(g.Rule.Resources, ","), g.User, where, g.Source)
-	if len(g.Rule.ResourceNames) > 0 {
-		s += " named " + strings.Join(g.Rule.ResourceNames, ",")
+	resource := g.Resource
+	if g.APIGroup != "" {
+		resource += "." + g.APIGroup
+	}
+	s := fmt.Sprintf("%s %s of %s %s (%s)", g.Verb, resource, g.User, where, g.Source)
+	if len(g.ResourceNames) > 0 {
+		s += " named " + strings.Join(g.ResourceNames, ",")
 	}
 	return s
 }
@@ -116,13 +124,14 @@ func (g Grant) Allows(ev AuditEvent) bool {
 	if ref.Subresource != "" {
 		resource += "/" + ref.Subresource
 	}
-	if !slices.Contains(g.Rule.APIGroups, ref.APIGroup) || !slices.Contains(g.Rule.Resources, resource) {
+	if g.APIGroup != ref.APIGroup || g.Resource != resource {
 		return false
 	}
-	return len(g.Rule.ResourceNames) == 0 || slices.Contains(g.Rule.ResourceNames, ref.Name)
+	return len(g.ResourceNames) == 0 || slices.Contains(g.ResourceNames, ref.Name)
 }
 
-// ManifestGrants lists, verb by verb, every rule that a multi-document
+// ManifestGrants lists, verb by verb, API group by group and resource by
+// resource, every rule that a multi-document
 // manifest's RoleBindings and ClusterRoleBindings grant to
 // ServiceAccounts.
 func ManifestGrants(manifest []byte) ([]Grant, error) {
@@ -171,8 +180,12 @@ func ManifestGrants(manifest []byte) ([]Grant, error) {
 					}
 				}
 				for _, verb := range rule.Verbs {
-					grants = append(grants, Grant{User: "system:serviceaccount:" + s.Namespace + ":" + s.Name, Namespace: namespace,
-						Source: fmt.Sprintf("%s rule %d", source, i), Verb: verb, Rule: rule})
+					for _, group := range rule.APIGroups {
+						for _, resource := range rule.Resources {
+							grants = append(grants, Grant{User: "system:serviceaccount:" + s.Namespace + ":" + s.Name, Namespace: namespace,
+								Source: fmt.Sprintf("%s rule %d", source, i), Verb: verb, APIGroup: group, Resource: resource, ResourceNames: rule.ResourceNames})
+						}
+					}
 				}
 			}
 		}

@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 
 	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
@@ -25,7 +24,7 @@ func TestGrantChecks(t *testing.T) {
 	const router = "system:serviceaccount:kube-service-tunnel:tunnel-router"
 	find := func(verb, resource, namespace string) *kubeenv.Grant {
 		for i, g := range grants {
-			if g.User == router && g.Verb == verb && strings.Contains(strings.Join(g.Rule.Resources, ","), resource) && g.Namespace == namespace {
+			if g.User == router && g.Verb == verb && g.Resource == resource && g.Namespace == namespace {
 				return &grants[i]
 			}
 		}
