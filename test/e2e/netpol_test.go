@@ -101,7 +101,7 @@ func networkPolicy(t *testing.T, e *env) {
 	if _, err := policies.Create(ctx, onlyClient, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("policy created: the rules were in the %d pods' kernels %v after the write to the API server", len(e.Pods), e.timeToRules(t, writes, start).Round(time.Millisecond))
+	e.logPolicyLatency(t, "policy created", writes, start)
 	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
 		client, stranger := topology.ClientAddrFor(vip), strangers[i]
 		if err := e.poll(30*time.Second, func() (bool, string) {
@@ -172,7 +172,7 @@ func networkPolicy(t *testing.T, e *env) {
 	if _, err := policies.Update(ctx, denyAll, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("policy changed: the new rules were in the %d pods' kernels %v after the write", len(e.Pods), e.timeToRules(t, writes, start).Round(time.Millisecond))
+	e.logPolicyLatency(t, "policy changed", writes, start)
 	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
 		if err := e.poll(30*time.Second, func() (bool, string) {
 			return !e.connects(topology.ClientAddrFor(vip), vip, 41401), "the client still opens new connections"
@@ -191,7 +191,7 @@ func networkPolicy(t *testing.T, e *env) {
 	if err := policies.Delete(ctx, policyName, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("policy deleted: the rules were gone from the %d pods' kernels %v after the delete", len(e.Pods), e.timeToRules(t, writes, start).Round(time.Millisecond))
+	e.logPolicyLatency(t, "policy deleted", writes, start)
 	inFamilies(t, vips, func(t testing.TB, i int, vip netip.Addr) {
 		if err := e.poll(30*time.Second, func() (bool, string) {
 			return e.connects(strangers[i], vip, 41500) && e.connects(topology.ClientAddrFor(vip), vip, 41501), "a client is still refused"
@@ -294,6 +294,18 @@ func (e *env) timeToRules(t *testing.T, writes int, start time.Time) time.Durati
 		time.Sleep(20 * time.Millisecond)
 	}
 	return time.Since(start)
+}
+
+// logPolicyLatency waits for a policy step's rules as the busy scraper
+// sees them (timeToRules) and logs that with the latency the agents'
+// logs give for the same step: the scraper's figure adds the time it
+// takes to see the change.
+func (e *env) logPolicyLatency(t *testing.T, step string, writes int, start time.Time) {
+	t.Helper()
+	seen := e.timeToRules(t, writes, start)
+	logged := e.loggedRules(t, start)
+	t.Logf("%s under a busy scraper: the rules were in the %d pods' kernels %v after the API write (the agents' logs), seen by the scraper after %v",
+		step, len(e.Pods), logged.Round(time.Millisecond), seen.Round(time.Millisecond))
 }
 
 // loggedRules waits, reading only the agents' logs, until they have logged

@@ -193,6 +193,13 @@ func reachPod(t *testing.T, e *env) {
 		}
 		nextHopObjects(t, e, vip)
 	})
+	// The replies crossed kube-proxy's INVALID drop on the workers
+	// (topology's addKubeProxyRules) untracked, by the agents' reply tables.
+	untracked, _ := e.agentSum(t, "kube_service_tunnel_endpoint_untracked_reply_packets_total", "")
+	if untracked == 0 {
+		t.Error("the agents' reply tables counted no untracked reply: the metric or the table is broken")
+	}
+	t.Logf("reply packets the workers' reply tables left untracked (kube-proxy's INVALID drop in place): %d", untracked)
 }
 
 // nextHopObjects checks the shape of every router's bucket routes for vip,
