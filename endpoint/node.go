@@ -64,7 +64,8 @@ func (a NodeChange) String() string {
 	case a.ReplyExempt == guardRemove:
 		return "remove inet table " + replyexempt.Table
 	case a.ReplyExempt != "":
-		return fmt.Sprintf("%s inet table %s (replies from %v on %v untracked)", a.ReplyExempt, replyexempt.Table, a.Untracked.Sources, a.Untracked.Links)
+		// Counted, not listed: a node may serve many tunnel IPs.
+		return fmt.Sprintf("%s inet table %s (replies from %d tunnel IPs on %v untracked)", a.ReplyExempt, replyexempt.Table, len(a.Untracked.Sources), a.Untracked.Links)
 	case a.Add.Label != 0:
 		return fmt.Sprintf("mpls route %d as %d via %s %v dev #%d", a.Add.Label, PodLabel, a.Add.viaFamily(), a.Add.Pod, a.Add.LinkIdx)
 	default:
