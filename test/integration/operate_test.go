@@ -192,7 +192,7 @@ func TestOneEventPerChangeNotPerRouter(t *testing.T) {
 		gate := router.NewEventGate(quietLogger())
 		gate.LeaseDuration, gate.RenewDeadline, gate.RetryPeriod = 4*time.Second, 3*time.Second, 500*time.Millisecond
 		_, stop := startController(t, client, routerCfg(encap.GRE, 8), node, newRecorder(), gate.Recorder, func(ctrl *router.Controller) []func(context.Context) {
-			return []func(context.Context){func(ctx context.Context) { gate.Run(ctx, client, seedRef.Namespace, node, ctrl.Ready) }}
+			return []func(context.Context){func(ctx context.Context) { gate.Run(ctx, client, routerstatus.DefaultNamespace, node, ctrl.Ready) }}
 		})
 		routers = append(routers, &running{node: node, gate: gate, stop: stop})
 	}

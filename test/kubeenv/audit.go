@@ -130,10 +130,9 @@ func (g Grant) Allows(ev AuditEvent) bool {
 	return len(g.ResourceNames) == 0 || slices.Contains(g.ResourceNames, ref.Name)
 }
 
-// ManifestGrants lists, verb by verb, API group by group and resource by
-// resource, every rule that a multi-document
-// manifest's RoleBindings and ClusterRoleBindings grant to
-// ServiceAccounts.
+// ManifestGrants lists every rule that a multi-document manifest's
+// RoleBindings and ClusterRoleBindings grant to ServiceAccounts, verb by
+// verb, API group by group and resource by resource.
 func ManifestGrants(manifest []byte) ([]Grant, error) {
 	decoder := serializer.NewCodecFactory(scheme.Scheme).UniversalDeserializer()
 	roles := map[string]*rbacv1.Role{}
