@@ -5,10 +5,10 @@
 // IP, or MPLS), so the conntrack of the pod's node sees only the pod's
 // replies, from the tunnel IP. Its first one, a SYN-ACK, opens no valid TCP
 // connection: conntrack marks it INVALID, and kube-proxy's rule in the
-// node's forward path (iptables and IPVS modes: `-A KUBE-FORWARD -m
-// conntrack --ctstate INVALID -j DROP`; nftables mode: `ct state invalid
-// drop`) drops it, unless the whole node is made liberal
-// (conntrack.tcpBeLiberal). So the agent keeps, in the node's namespace, an
+// node's forward path (iptables mode, whose filter rules the IPVS mode
+// shares: `-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP`) drops
+// it, unless the whole node is made liberal (conntrack.tcpBeLiberal); so
+// do many hosts' own firewalls. So the agent keeps, in the node's namespace, an
 // inet-family nftables table of its own whose chain, on the prerouting hook
 // before conntrack (priority raw), exempts from tracking the packets that
 // arrive on an interface towards a served pod with a source address among
