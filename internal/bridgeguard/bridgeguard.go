@@ -29,6 +29,8 @@ import (
 	"github.com/google/nftables/expr"
 	"github.com/google/nftables/userdata"
 	"github.com/vishvananda/netns"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/nfttable"
 )
 
 // Table is the agent's bridge-family table; Chain its only chain, on the
@@ -57,20 +59,6 @@ func comment(label uint32) string {
 	return "kube-service-tunnel: bridged MPLS with the pods' label " + strconv.FormatUint(uint64(label), 10) + " dropped"
 }
 
-// conn opens an nftables connection in ns; netns.None() is the caller's
-// own namespace, which needs no setns (and so no CAP_SYS_ADMIN).
-func conn(ns netns.NsHandle) (*nftables.Conn, error) {
-	var opts []nftables.ConnOption
-	if ns != netns.None() {
-		opts = append(opts, nftables.WithNetNSFd(int(ns)))
-	}
-	c, err := nftables.New(opts...)
-	if err != nil {
-		return nil, fmt.Errorf("nftables connection: %w", err)
-	}
-	return c, nil
-}
-
 func table() *nftables.Table { return named(Table) }
 
 func named(name string) *nftables.Table {
@@ -80,32 +68,14 @@ func named(name string) *nftables.Table {
 // Read reports the guard's state in the namespace ns (netns.None(): the
 // caller's) for label.
 func Read(ns netns.NsHandle, label uint32) (State, error) {
-	c, err := conn(ns)
+	c, err := nfttable.Conn(ns)
 	if err != nil {
 		return State{}, err
 	}
-	tables, err := c.ListTablesOfFamily(nftables.TableFamilyBridge)
-	if err != nil {
-		return State{}, fmt.Errorf("listing bridge-family nftables tables (does the kernel have nf_tables?): %w", err)
-	}
 	var st State
-	for _, t := range tables {
-		if t.Name == Table {
-			st.Present = true
-		}
-	}
-	if !st.Present {
-		return st, nil
-	}
-	chains, err := c.ListChainsOfTableFamily(nftables.TableFamilyBridge)
-	if err != nil {
-		return st, fmt.Errorf("listing bridge-family chains: %w", err)
-	}
 	var ours []*nftables.Chain
-	for _, ch := range chains {
-		if ch.Table != nil && ch.Table.Name == Table {
-			ours = append(ours, ch)
-		}
+	if st.Present, ours, err = nfttable.Chains(c, nftables.TableFamilyBridge, Table); err != nil || !st.Present {
+		return st, err
 	}
 	if len(ours) != 1 || ours[0].Name != Chain || ours[0].Hooknum == nil || *ours[0].Hooknum != *nftables.ChainHookForward {
 		return st, nil
@@ -146,19 +116,11 @@ func Probe(ns netns.NsHandle, name string) error {
 	if err := install(ns, named(name), 100, false); err != nil {
 		return err
 	}
-	c, err := conn(ns)
-	if err != nil {
-		return err
-	}
-	c.DelTable(named(name))
-	if err := c.Flush(); err != nil {
-		return fmt.Errorf("removing bridge table %s: %w", name, err)
-	}
-	return nil
+	return nfttable.Delete(ns, nftables.TableFamilyBridge, name)
 }
 
 func install(ns netns.NsHandle, t *nftables.Table, label uint32, replace bool) error {
-	c, err := conn(ns)
+	c, err := nfttable.Conn(ns)
 	if err != nil {
 		return err
 	}
@@ -186,26 +148,7 @@ func install(ns netns.NsHandle, t *nftables.Table, label uint32, replace bool) e
 }
 
 // Remove deletes the table if it is there.
-func Remove(ns netns.NsHandle) error {
-	c, err := conn(ns)
-	if err != nil {
-		return err
-	}
-	tables, err := c.ListTablesOfFamily(nftables.TableFamilyBridge)
-	if err != nil {
-		return fmt.Errorf("listing bridge-family nftables tables: %w", err)
-	}
-	for _, t := range tables {
-		if t.Name != Table {
-			continue
-		}
-		c.DelTable(table())
-		if err := c.Flush(); err != nil {
-			return fmt.Errorf("removing bridge table %s: %w", Table, err)
-		}
-	}
-	return nil
-}
+func Remove(ns netns.NsHandle) error { return nfttable.Delete(ns, nftables.TableFamilyBridge, Table) }
 
 // ruleExprs is `ether type 0x8847 @nh,0,20 == label counter drop`: the
 // top label is the first 20 bits of the MPLS header, which follows the

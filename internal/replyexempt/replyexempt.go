@@ -29,6 +29,8 @@ import (
 	"github.com/google/nftables/userdata"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/nfttable"
 )
 
 // Table is the agent's inet-family table; Chain its only chain.
@@ -83,52 +85,22 @@ type State struct {
 	Exempted uint64
 }
 
-// conn opens an nftables connection in ns; netns.None() is the caller's
-// own namespace, which needs no setns (and so no CAP_SYS_ADMIN).
-func conn(ns netns.NsHandle) (*nftables.Conn, error) {
-	var opts []nftables.ConnOption
-	if ns != netns.None() {
-		opts = append(opts, nftables.WithNetNSFd(int(ns)))
-	}
-	c, err := nftables.New(opts...)
-	if err != nil {
-		return nil, fmt.Errorf("nftables connection: %w", err)
-	}
-	return c, nil
-}
-
 func named(name string) *nftables.Table {
 	return &nftables.Table{Name: name, Family: nftables.TableFamilyINet}
 }
 
 // Read reports the table's state in the namespace ns.
 func Read(ns netns.NsHandle) (State, error) {
-	c, err := conn(ns)
+	c, err := nfttable.Conn(ns)
 	if err != nil {
 		return State{}, err
 	}
-	tables, err := c.ListTablesOfFamily(nftables.TableFamilyINet)
-	if err != nil {
-		return State{}, fmt.Errorf("listing inet-family nftables tables (does the kernel have nf_tables?): %w", err)
-	}
 	var st State
-	for _, t := range tables {
-		st.Present = st.Present || t.Name == Table
-	}
-	if !st.Present {
-		return st, nil
+	var ours []*nftables.Chain
+	if st.Present, ours, err = nfttable.Chains(c, nftables.TableFamilyINet, Table); err != nil || !st.Present {
+		return st, err
 	}
 	t := named(Table)
-	chains, err := c.ListChainsOfTableFamily(nftables.TableFamilyINet)
-	if err != nil {
-		return st, fmt.Errorf("listing inet-family chains: %w", err)
-	}
-	var ours []*nftables.Chain
-	for _, ch := range chains {
-		if ch.Table != nil && ch.Table.Name == Table {
-			ours = append(ours, ch)
-		}
-	}
 	if len(ours) != 1 || ours[0].Name != Chain || ours[0].Hooknum == nil || *ours[0].Hooknum != *nftables.ChainHookPrerouting ||
 		ours[0].Priority == nil || *ours[0].Priority != *nftables.ChainPriorityRaw {
 		return st, nil
@@ -192,11 +164,11 @@ func Probe(ns netns.NsHandle, name string) error {
 	if err := install(ns, named(name), probe, false); err != nil {
 		return err
 	}
-	return remove(ns, name)
+	return nfttable.Delete(ns, nftables.TableFamilyINet, name)
 }
 
 func install(ns netns.NsHandle, t *nftables.Table, w Want, replace bool) error {
-	c, err := conn(ns)
+	c, err := nfttable.Conn(ns)
 	if err != nil {
 		return err
 	}
@@ -273,25 +245,4 @@ func ifname(name string) []byte {
 }
 
 // Remove deletes the table if it is there.
-func Remove(ns netns.NsHandle) error { return remove(ns, Table) }
-
-func remove(ns netns.NsHandle, name string) error {
-	c, err := conn(ns)
-	if err != nil {
-		return err
-	}
-	tables, err := c.ListTablesOfFamily(nftables.TableFamilyINet)
-	if err != nil {
-		return fmt.Errorf("listing inet-family nftables tables: %w", err)
-	}
-	for _, t := range tables {
-		if t.Name != name {
-			continue
-		}
-		c.DelTable(named(name))
-		if err := c.Flush(); err != nil {
-			return fmt.Errorf("removing inet table %s: %w", name, err)
-		}
-	}
-	return nil
-}
+func Remove(ns netns.NsHandle) error { return nfttable.Delete(ns, nftables.TableFamilyINet, Table) }
