@@ -449,60 +449,49 @@ func (d *decapCollector) appendFamily(out []prometheus.Metric, pod string, ns ne
 	return out
 }
 
-// replyExemptionCollector reads the counters of the node's table that
-// exempts the pods' replies from connection tracking (package replyexempt).
-type replyExemptionCollector struct {
-	ns        netns.NsHandle
-	untracked *prometheus.Desc
-	log       logrus.FieldLogger
+// tableCounterCollector reads one counter of a node table of the agent's
+// (the bridge guard, the reply exemption) at each scrape; read reports
+// whether the table is there as the agent writes it.
+type tableCounterCollector struct {
+	desc *prometheus.Desc
+	what string
+	read func() (value uint64, current bool, err error)
+	log  logrus.FieldLogger
+}
+
+func (c *tableCounterCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c *tableCounterCollector) Collect(ch chan<- prometheus.Metric) {
+	v, current, err := c.read()
+	if err != nil {
+		c.log.WithError(err).Warn("reading " + c.what)
+		return
+	}
+	if current {
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.CounterValue, float64(v))
+	}
 }
 
 // NewReplyExemptionCollector returns the collector of the reply exemption
-// in the node namespace ns.
+// in the node namespace ns (package replyexempt).
 func NewReplyExemptionCollector(ns netns.NsHandle, log logrus.FieldLogger) prometheus.Collector {
-	return &replyExemptionCollector{ns: ns, log: log,
-		untracked: prometheus.NewDesc("kube_service_tunnel_endpoint_untracked_reply_packets_total",
-			"Packets from the served tunnel IPs, arriving on the node's interfaces towards the served pods, that the node's inet table kube-service-tunnel exempted from connection tracking (--untrack-replies); absent while the table is not there.", nil, nil)}
+	return &tableCounterCollector{log: log, what: "the reply exemption's counters",
+		desc: prometheus.NewDesc("kube_service_tunnel_endpoint_untracked_reply_packets_total",
+			"Packets from the served tunnel IPs, arriving on the node's interfaces towards the served pods, that the node's inet table kube-service-tunnel exempted from connection tracking (--untrack-replies); absent while the table is not there.", nil, nil),
+		read: func() (uint64, bool, error) {
+			st, err := replyexempt.Read(ns)
+			return st.Exempted, st.Current, err
+		}}
 }
 
-func (c *replyExemptionCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.untracked }
-
-func (c *replyExemptionCollector) Collect(ch chan<- prometheus.Metric) {
-	st, err := replyexempt.Read(c.ns)
-	if err != nil {
-		c.log.WithError(err).Warn("reading the reply exemption's counters")
-		return
-	}
-	if st.Current {
-		ch <- prometheus.MustNewConstMetric(c.untracked, prometheus.CounterValue, float64(st.Exempted))
-	}
-}
-
-// bridgeGuardCollector reads the bridge guard's drop counter (mpls mode)
-// from the node's namespace at each scrape.
-type bridgeGuardCollector struct {
-	ns      netns.NsHandle
-	dropped *prometheus.Desc
-	log     logrus.FieldLogger
-}
-
-// NewBridgeGuardCollector returns the collector of the bridge guard in the
-// node namespace ns (package bridgeguard).
+// NewBridgeGuardCollector returns the collector of the bridge guard's drop
+// counter (mpls mode) in the node namespace ns (package bridgeguard).
 func NewBridgeGuardCollector(ns netns.NsHandle, log logrus.FieldLogger) prometheus.Collector {
-	return &bridgeGuardCollector{ns: ns, log: log,
-		dropped: prometheus.NewDesc("kube_service_tunnel_endpoint_bridge_guard_dropped_packets_total",
-			"MPLS frames with the pods' label that one pod sent another across a bridge of the node (mpls mode), dropped by the node's bridge table kube-service-tunnel; absent while the table is not there.", nil, nil)}
-}
-
-func (c *bridgeGuardCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.dropped }
-
-func (c *bridgeGuardCollector) Collect(ch chan<- prometheus.Metric) {
-	st, err := bridgeguard.Read(c.ns, PodLabel)
-	if err != nil {
-		c.log.WithError(err).Warn("reading the bridge guard's counter")
-		return
-	}
-	if st.Current {
-		ch <- prometheus.MustNewConstMetric(c.dropped, prometheus.CounterValue, float64(st.Dropped))
-	}
+	return &tableCounterCollector{log: log, what: "the bridge guard's counter",
+		desc: prometheus.NewDesc("kube_service_tunnel_endpoint_bridge_guard_dropped_packets_total",
+			"MPLS frames with the pods' label that one pod sent another across a bridge of the node (mpls mode), dropped by the node's bridge table kube-service-tunnel; absent while the table is not there.", nil, nil),
+		read: func() (uint64, bool, error) {
+			st, err := bridgeguard.Read(ns, PodLabel)
+			return st.Dropped, st.Current, err
+		}}
 }

@@ -6,9 +6,13 @@ import (
 	"net/netip"
 	"testing"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/bridgeguard"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
+	"github.com/cmdnu/kube-service-tunnel/internal/replyexempt"
 	"github.com/cmdnu/kube-service-tunnel/test/support/promtest"
+	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/sirupsen/logrus"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 )
@@ -129,5 +133,29 @@ func TestDecapCountersFromKernel(t *testing.T) {
 	}
 	if n := promtest.Series(t, reg, "kube_service_tunnel_endpoint_decap_counter_errors_total")[""]; n < 1 {
 		t.Errorf("decap_counter_errors_total = %v, want at least 1", n)
+	}
+}
+
+// TestNodeTableCollectors: the node tables' counters are read from the
+// kernel at each scrape, and absent while their table is not there.
+func TestNodeTableCollectors(t *testing.T) {
+	node := testnetns.New(t)
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(NewReplyExemptionCollector(node.Handle, logrus.New()), NewBridgeGuardCollector(node.Handle, logrus.New()))
+	for _, name := range []string{"kube_service_tunnel_endpoint_untracked_reply_packets_total", "kube_service_tunnel_endpoint_bridge_guard_dropped_packets_total"} {
+		if got := promtest.Series(t, reg, name); len(got) != 0 {
+			t.Errorf("%s without its table: %v, want absent", name, got)
+		}
+	}
+	if err := replyexempt.Install(node.Handle, replyexempt.Want{Sources: []netip.Addr{netip.MustParseAddr("192.0.2.1")}, Links: []string{"lo"}}, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := bridgeguard.Install(node.Handle, PodLabel, false); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"kube_service_tunnel_endpoint_untracked_reply_packets_total", "kube_service_tunnel_endpoint_bridge_guard_dropped_packets_total"} {
+		if got := promtest.Series(t, reg, name); len(got) != 1 || got[""] != 0 {
+			t.Errorf("%s with its table, nothing counted: %v, want one series at 0", name, got)
+		}
 	}
 }
