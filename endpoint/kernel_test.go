@@ -224,20 +224,7 @@ var routerIPv6 = netip.MustParseAddr("fd00:ff::1")
 // connections, until the test ends.
 func serveTCP(t *testing.T, ns *testnetns.NS, to netip.Addr, port uint16) {
 	t.Helper()
-	var l net.Listener
-	if err := ns.Do(func() (err error) { l, err = net.Listen("tcp", netip.AddrPortFrom(to, port).String()); return err }); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			c.Close()
-		}
-	}()
+	ns.ServeTCP("tcp", netip.AddrPortFrom(to, port), func(c net.Conn) { c.Close() })
 }
 
 // connect opens a TCP connection from src to to:port inside ns.

@@ -89,21 +89,8 @@ func TestRulesOnTheKernel(t *testing.T) {
 		t.Skip("no iptables-restore")
 	}
 	// Echo servers on the tunnel IP, ports 80 and 443.
-	for _, port := range []int{80, 443} {
-		var l net.Listener
-		if err := ns.Do(func() (err error) { l, err = net.Listen("tcp4", fmt.Sprintf("%v:%d", vip, port)); return err }); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { l.Close() })
-		go func() {
-			for {
-				c, err := l.Accept()
-				if err != nil {
-					return
-				}
-				go func() { _, _ = io.Copy(c, c); c.Close() }()
-			}
-		}()
+	for _, port := range []uint16{80, 443} {
+		ns.ServeTCP("tcp4", netip.AddrPortFrom(vip, port), func(c net.Conn) { _, _ = io.Copy(c, c); c.Close() })
 	}
 
 	// Served before any policy: only connection tracking. A connection

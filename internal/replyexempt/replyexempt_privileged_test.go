@@ -12,6 +12,7 @@ import (
 
 	"github.com/vishvananda/netlink"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/nfttable"
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
@@ -78,27 +79,11 @@ func link(t *testing.T, a *testnetns.NS, an, a4, a6 string, b *testnetns.NS, bn,
 // echoOn listens on addr:7 in ns and echoes one line per connection.
 func echoOn(t *testing.T, ns *testnetns.NS, addr netip.Addr) {
 	t.Helper()
-	var l net.Listener
-	if err := ns.Do(func() (err error) {
-		l, err = net.Listen("tcp", netip.AddrPortFrom(addr, 7).String())
-		return err
-	}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				line, _ := bufio.NewReader(c).ReadString('\n')
-				_, _ = c.Write([]byte(line))
-			}()
-		}
-	}()
+	ns.ServeTCP("tcp", netip.AddrPortFrom(addr, 7), func(c net.Conn) {
+		defer c.Close()
+		line, _ := bufio.NewReader(c).ReadString('\n')
+		_, _ = c.Write([]byte(line))
+	})
 }
 
 // roundTrip connects from ns to addr:7 and checks the echo.
@@ -221,7 +206,7 @@ func TestProbeLeavesNothing(t *testing.T) {
 	if err := Probe(node.Handle, Table); err == nil {
 		t.Error("Probe accepted the agent's own table name")
 	}
-	c, err := conn(node.Handle)
+	c, err := nfttable.Conn(node.Handle)
 	if err != nil {
 		t.Fatal(err)
 	}

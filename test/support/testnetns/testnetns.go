@@ -340,3 +340,24 @@ func (w *IPTables) Restore(table string, payload []byte) error {
 		return nil
 	})
 }
+
+// ServeTCP listens on addr (network "tcp", or "tcp4"/"tcp6") inside the
+// namespace and runs handle on each accepted connection in its own
+// goroutine; handle must close it. The listener closes when the test ends.
+func (n *NS) ServeTCP(network string, addr netip.AddrPort, handle func(net.Conn)) {
+	n.tb.Helper()
+	var l net.Listener
+	if err := n.Do(func() (err error) { l, err = net.Listen(network, addr.String()); return err }); err != nil {
+		n.tb.Fatalf("listen on %v in test netns: %v", addr, err)
+	}
+	n.tb.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go handle(c)
+		}
+	}()
+}
