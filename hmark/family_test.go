@@ -35,6 +35,7 @@ const (
 	printed6RawChainN     = "-t raw -N KST-HMARK6"
 	printed6RawJump       = "-t raw -A PREROUTING -m comment --comment kube-service-tunnel -j KST-HMARK6"
 	printed6RawRule       = "-t raw -A KST-HMARK6 -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -m set --match-set KST-HMARK6 dst ! --update-counters -m comment --comment kube-service-tunnel -j KST-HMARK6-SYN"
+	printed6RawSynAck     = "-t raw -A KST-HMARK6 -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN,ACK -m set --match-set KST-HMARK6 src ! --update-counters -m comment --comment kube-service-tunnel -j CT --notrack"
 	printed6SynChainN     = "-t raw -N KST-HMARK6-SYN"
 	printed6SynRule       = "-t raw -A KST-HMARK6-SYN -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -m comment --comment kube-service-tunnel -j CT --notrack"
 	printed6OthersMark    = "-A OPERATOR -d 2001:db8:1::1/128 -j MARK --set-xmark 0x5/0xffffffff"
@@ -157,7 +158,7 @@ func TestSync6AdoptsPrintedRules(t *testing.T) {
 		{"sticky", stickyParams, true,
 			[]string{printed6ChainN, printed6Jump, printed6StickyExit, printed6RestoreTCP, printed6RestoreOther, printed6Return,
 				printed6StickyGen0, printed6StickyGen1, printed6Save,
-				printed6RawChainN, printed6SynChainN, printed6RawJump, printed6RawRule, printed6SynRule,
+				printed6RawChainN, printed6SynChainN, printed6RawJump, printed6RawRule, printed6RawSynAck, printed6SynRule,
 				"-S KST-HMARK6 2001:db8:96::10 2001:db8:96::20", "-S KST-HMARK6-0 2001:db8:96::10", "-S KST-HMARK6-1 2001:db8:96::20"},
 			[]Target{{VIP: vip6A}, {VIP: vip6B, Offset: stickyGen1}}},
 	}
@@ -200,7 +201,7 @@ func TestStickySync6(t *testing.T) {
 	}
 	want := canonical6(t, printed6ChainN, printed6Jump, printed6StickyExit, printed6RestoreTCP, printed6RestoreOther, printed6Return,
 		printed6StickyGen0, printed6StickyGen1, printed6Save,
-		printed6RawChainN, printed6SynChainN, printed6SynRule, printed6RawJump, printed6RawRule,
+		printed6RawChainN, printed6SynChainN, printed6SynRule, printed6RawJump, printed6RawRule, printed6RawSynAck,
 		"-S KST-HMARK6 2001:db8:96::10 2001:db8:96::20", "-S KST-HMARK6-0 2001:db8:96::10", "-S KST-HMARK6-1 2001:db8:96::20")
 	if got := stateOf(f); got != want {
 		t.Errorf("sticky state:\n%s\nwant:\n%s", got, want)
@@ -407,7 +408,7 @@ func TestSameRuleComparesPrefixes(t *testing.T) {
 // nothing else: neither others' rules nor the IPv4 chain's sets, which
 // share the namespace's set names.
 func TestCleanup6(t *testing.T) {
-	sticky := []string{printed6RawChainN, printed6SynChainN, printed6RawJump, printed6RawRule, printed6SynRule,
+	sticky := []string{printed6RawChainN, printed6SynChainN, printed6RawJump, printed6RawRule, printed6RawSynAck, printed6SynRule,
 		"-S KST-HMARK6-1 2001:db8:96::20", "-S KST-HMARK6-c3"}
 	f := newFakeIPTablesFamily(t, IPv6, slices.Concat(othersLines6, synced6Lines, sticky)...)
 	ipv4Sets := map[string]*fakeSet{}

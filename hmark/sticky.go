@@ -221,19 +221,34 @@ func (c *Chain) syncSynChain() (changed int, err error) {
 	return changed + missing + stale, nil
 }
 
-// rawRules is the content of c's raw chain in sticky mode: one rule that
+// rawRules is the content of c's raw chain in sticky mode: a rule that
 // sends a SYN to a tunnel IP to the SYN subchain. The TCP flags are tested
 // first: with iptables-nft they are a native match, so every other packet
 // (established flows, and traffic that is not for a tunnel IP) leaves the
 // raw table without the set's compat match. The set match does not count
 // (the mangle chain's exit counts every packet to a tunnel IP once).
+//
+// The second rule keeps a SYN-ACK from a tunnel IP untracked too: where the
+// router node is on the replies' way back (the clients' gateway, say), its
+// conntrack never saw the SYN, so the SYN-ACK would be INVALID, which
+// kube-proxy's iptables mode (and many firewalls) drop in forwarding. The
+// client's ACK is then picked up mid-stream as before, and the replies
+// after the SYN-ACK are that entry's replies.
 func (c *Chain) rawRules() [][]string {
-	return [][]string{slices.Concat(
-		[]string{"-p", "tcp", "-m", "tcp", "--tcp-flags", "FIN,SYN,RST,ACK", "SYN",
-			"-m", "set", "--match-set", c.allSetName(), "dst", "!", "--update-counters"},
-		comment,
-		[]string{"-j", c.synChainName()},
-	)}
+	return [][]string{
+		slices.Concat(
+			[]string{"-p", "tcp", "-m", "tcp", "--tcp-flags", "FIN,SYN,RST,ACK", "SYN",
+				"-m", "set", "--match-set", c.allSetName(), "dst", "!", "--update-counters"},
+			comment,
+			[]string{"-j", c.synChainName()},
+		),
+		slices.Concat(
+			[]string{"-p", "tcp", "-m", "tcp", "--tcp-flags", "FIN,SYN,RST,ACK", "SYN,ACK",
+				"-m", "set", "--match-set", c.allSetName(), "src", "!", "--update-counters"},
+			comment,
+			[]string{"-j", "CT", "--notrack"},
+		),
+	}
 }
 
 // removeRawChain, in stateless mode, removes what a sticky run left in the

@@ -78,9 +78,9 @@ func testStickySyncInNetns(t *testing.T, nf netnsFamily, binary string) {
 	counted, stays, moves := nf.vips[0], nf.vips[1], nf.vips[2]
 	targets := []Target{{VIP: moves, Offset: gen1}, {VIP: stays}, {VIP: counted, Offset: gen0}}
 	// Three sets (all, generations 0 and 1) with 3+2+1 members, both
-	// chains and jumps, the SYN subchain and its rule, the raw rule, the
-	// exit, 4 fixed and 2 HMARK rules (one per generation).
-	syncExpect("first sync", newChain(true), targets, 3+6+2+2+2+1+1+4+2)
+	// chains and jumps, the SYN subchain and its rule, the raw rules (SYN,
+	// SYN-ACK), the exit, 4 fixed and 2 HMARK rules (one per generation).
+	syncExpect("first sync", newChain(true), targets, 3+6+2+2+2+2+1+4+2)
 	t.Logf("%s prints the sticky chains as:\n%s\n%s", binary,
 		ns.Run(binary, "-t", "mangle", "-S", name), ns.Run(binary, "-t", "raw", "-S", name))
 
@@ -122,7 +122,7 @@ func testStickySyncInNetns(t *testing.T, nf netnsFamily, binary string) {
 		ns.Run(binary, "-t", "raw", "-A", name, "-d", hostPrefix(tg.VIP), "-p", "tcp", "-m", "tcp",
 			"--tcp-flags", "FIN,SYN,RST,ACK", "SYN", "-m", "comment", "--comment", RuleComment, "-j", "CT", "--notrack")
 	}
-	syncExpect("upgrade from an older version's raw rules", adopter, targets, len(targets)+1+2)
+	syncExpect("upgrade from an older version's raw rules", adopter, targets, len(targets)+2+2)
 	syncExpect("adoption after the upgrade", newChain(true), targets, 0)
 
 	// What the previous version left: a raw rule that every packet to a
@@ -137,12 +137,12 @@ func testStickySyncInNetns(t *testing.T, nf netnsFamily, binary string) {
 
 	stateless := newChain(false)
 	// Mangle: the 4 fixed rules out (the exit, which counts in both modes,
-	// stays); raw: jump, rule, chain, SYN rule and subchain.
-	syncExpect("sticky -> stateless", stateless, targets, 4+5)
+	// stays); raw: jump, two rules, chain, SYN rule and subchain.
+	syncExpect("sticky -> stateless", stateless, targets, 4+6)
 	if got := tableS("raw"); got != beforeRaw {
 		t.Errorf("raw after leaving sticky mode:\n%s\nwant:\n%s", got, beforeRaw)
 	}
-	syncExpect("stateless -> sticky", newChain(true), targets, 4+5)
+	syncExpect("stateless -> sticky", newChain(true), targets, 4+6)
 
 	if err := adopter.Cleanup(); err != nil {
 		t.Fatalf("Cleanup: %v", err)

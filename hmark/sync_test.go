@@ -20,6 +20,8 @@ const (
 	printedGen0    = "-A KST-HMARK -m set --match-set KST-HMARK-0 dst -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 256"
 	printedGen1    = "-A KST-HMARK -m set --match-set KST-HMARK-1 dst -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 272"
 	printedRawRule = "-t raw -A KST-HMARK -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -m set --match-set KST-HMARK dst ! --update-counters -m comment --comment kube-service-tunnel -j KST-HMARK-SYN"
+	// printedRawSynAck keeps the SYN-ACKs from tunnel IPs untracked.
+	printedRawSynAck = "-t raw -A KST-HMARK -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN,ACK -m set --match-set KST-HMARK src ! --update-counters -m comment --comment kube-service-tunnel -j CT --notrack"
 )
 
 // syncedLines is the fake's content once a stateless Chain with
@@ -330,7 +332,7 @@ func TestStickySync(t *testing.T) {
 	// alone to the set's lookup, and does not count them again.
 	want := canonical(t, printedChainN, printedJump, printedExit, printedRestoreTCP, printedRestoreOther, printedReturn,
 		gen(0), gen(1), printedSave,
-		printedRawJump, printedRawChainN, printedSynChainN, printedSynRule, printedRawRule,
+		printedRawJump, printedRawChainN, printedSynChainN, printedSynRule, printedRawRule, printedRawSynAck,
 		"-S KST-HMARK 10.96.0.10 10.96.0.20", "-S KST-HMARK-0 10.96.0.10", "-S KST-HMARK-1 10.96.0.20")
 	got := stateOf(f)
 	// The raw jump is inserted first in raw PREROUTING: compare without order.

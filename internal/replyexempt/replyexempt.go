@@ -25,6 +25,7 @@ import (
 	"slices"
 
 	"github.com/google/nftables"
+	"github.com/google/nftables/binaryutil"
 	"github.com/google/nftables/expr"
 	"github.com/google/nftables/userdata"
 	"github.com/vishvananda/netns"
@@ -182,6 +183,11 @@ func install(ns netns.NsHandle, t *nftables.Table, w Want, replace bool) error {
 		key  nftables.SetDatatype
 	}{{setSources4, nftables.TypeIPAddr}, {setSources6, nftables.TypeIP6Addr}, {setLinks, nftables.TypeIFName}} {
 		set := &nftables.Set{Table: t, Name: s.name, KeyType: s.key}
+		if s.name == setLinks {
+			// Interface names are strings in host order: without it, nft
+			// list shows every element as "".
+			set.KeyByteOrder = binaryutil.NativeEndian
+		}
 		var elems []nftables.SetElement
 		switch s.name {
 		case setLinks:

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -162,6 +163,13 @@ func TestRepliesPassKubeProxysInvalidDrop(t *testing.T) {
 		t.Errorf("state after Install: %+v, want current with %+v and packets exempted", st, want)
 	}
 	t.Logf("with the table: both connections worked; %d reply packets untracked", st.Exempted)
+	// What an operator reads: nft lists the interface by its name (a set
+	// without its key's byte order showed every name as "").
+	if _, err := exec.LookPath("nft"); err == nil {
+		if out := node.Run("nft", "list", "set", "inet", Table, setLinks); !strings.Contains(out, `"n-pod"`) {
+			t.Errorf("nft list set inet %s %s shows no \"n-pod\":\n%s", Table, setLinks, out)
+		}
+	}
 
 	// The table is the only exemption: replies from another address, or
 	// on another interface, are tracked as before.

@@ -430,14 +430,23 @@ func openDatapath(cfg datapath.Config, ipv6, createDevice bool, backend iptbacke
 	return families, chains, closeAll, nil
 }
 
-// closingTimeouts are the conntrack sysctls of TCP's closing states.
-var closingTimeouts = []string{"fin_wait", "close_wait", "last_ack", "time_wait", "close"}
+// closingTimeouts are the conntrack sysctls of the TCP closing states
+// whose timeout bounds the restore (closingTimeout). CLOSE_WAIT is not
+// among them: kube-proxy sets it to an hour (conntrack.tcpCloseWaitTimeout)
+// on every node, above the 300 s an established entry of the router gets
+// (unreplied, or with data unacknowledged), which made the router restore
+// no TCP flow's generation at all on a node that runs kube-proxy: every
+// established flow to a draining pod broke (the lab cluster, 120 of 120).
+var closingTimeouts = []string{"fin_wait", "last_ack", "time_wait", "close"}
 
 // closingTimeout returns the longest conntrack timeout of a closing TCP
-// state (120 s by default): a TCP flow's generation is restored only while
-// its entry has more lifetime left than that, i.e. in an established state.
-// A client that reuses a closed connection's 4-tuple then gets a fresh
-// decision for the new connection instead of the old connection's endpoint.
+// state but CLOSE_WAIT (120 s by default): a TCP flow's generation is
+// restored only while its entry has more lifetime left than that, i.e. in
+// an established state. A client that reuses a closed connection's
+// 4-tuple then gets a fresh decision for the new connection instead of the
+// old connection's endpoint, unless the old entry reached CLOSE_WAIT (the
+// client's ACK after its FIN) and its timeout is above the others
+// (kube-proxy's hour): then for that long (docs/draining.md, limits).
 func closingTimeout(sysctls procSys, log logrus.FieldLogger) uint32 {
 	longest := uint32(120)
 	for _, name := range closingTimeouts {
@@ -451,6 +460,9 @@ func closingTimeout(sysctls procSys, log logrus.FieldLogger) uint32 {
 		if v, err := sysctls.read("net/netfilter/nf_conntrack_tcp_timeout_" + name); err == nil && v <= longest {
 			log.WithField("sysctl", "net.netfilter.nf_conntrack_tcp_timeout_"+name).Warnf("is %d s, not above the longest closing-state timeout (%d s): established TCP flows will not keep their generation while draining", v, longest)
 		}
+	}
+	if v, err := sysctls.read("net/netfilter/nf_conntrack_tcp_timeout_close_wait"); err == nil && v > longest {
+		log.WithField("sysctl", "net.netfilter.nf_conntrack_tcp_timeout_close_wait").Infof("is %d s (kube-proxy's conntrack.tcpCloseWaitTimeout sets an hour): a closed connection's entry in CLOSE_WAIT keeps its generation that long, so a new connection reusing its 4-tuple within that time has its packets after the SYN sent by the old decision", v)
 	}
 	return longest
 }

@@ -65,7 +65,12 @@ var (
 const (
 	roleEnv = "KST_CLUSTER_ROLE"
 	// demoEnv set (to anything) runs make demo-cluster's steps only.
-	demoEnv           = "KST_CLUSTER_DEMO"
+	demoEnv = "KST_CLUSTER_DEMO"
+	// cniEnv names the nodes' network plugin (make cluster CNI=...):
+	// cniBridge (the default) or cniFlannel.
+	cniEnv            = "KST_CLUSTER_CNI"
+	cniFlannel        = "flannel"
+	cniBridge         = "bridge"
 	vmDir             = "/lab/cluster"
 	manifestFile      = vmDir + "/tunnel-router.yaml"
 	uninstallFile     = vmDir + "/tunnel-uninstall.yaml"
@@ -88,6 +93,8 @@ const (
 	knpLog = "/tmp/kube-network-policies.log"
 	// knpMetrics is the engine's metrics address on the worker.
 	knpMetrics = "127.0.0.1:9080"
+	// clusterCIDR holds both nodes' pod ranges (kube-proxy's clusterCIDR).
+	clusterCIDR = "10.244.0.0/16"
 )
 
 // knpVersion is the kube-network-policies that test/tools/kube-assets.sh
@@ -110,6 +117,10 @@ func TestCluster(t *testing.T) {
 		t.Skip("-short: the lab cluster takes minutes")
 	}
 	assets := lab.Require(t)
+	cni := clusterCNI()
+	if cni != cniFlannel && cni != cniBridge {
+		t.Fatalf("%s=%q: want %s or %s", cniEnv, cni, cniFlannel, cniBridge)
+	}
 	// The daemons' requests are audited: checkGrantsUsed.
 	env := kubeenv.StartWithOptions(t, kubeenv.Options{ServiceAccountAdmission: true, AuditServiceAccountsOf: daemonNamespace})
 	if err := env.StartControllers(); err != nil {
@@ -154,6 +165,18 @@ func TestCluster(t *testing.T) {
 	}
 	vmFiles[lab.GuestProgram] = program
 	apiPort := env.Port()
+	if err := lab.ServeKubernetesService(context.Background(), env.AdminConfig(), apiPort); err != nil {
+		t.Fatal(err)
+	}
+	if cni == cniFlannel {
+		// flannel's kube subnet manager takes each node's subnet from
+		// its spec.podCIDR.
+		for _, n := range []node{routerNode, workerNode} {
+			if err := lab.CreateNode(context.Background(), env.AdminConfig(), n.name, n.podCIDR); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
 	linkPorts := freeUDPPorts(t, 2)
 
 	ctx, cancel := context.WithTimeout(context.Background(), guestTimeout)
@@ -182,23 +205,44 @@ func TestCluster(t *testing.T) {
 			images = []string{built[image.Endpoint.Name].Archive, example}
 			late = []string{built[image.Router.Name].Archive}
 		}
-		files, err := lab.KubeletFiles(nodeDir, lab.KubeletOptions{NodeName: n.name, NodeIP: n.linkAddr,
-			PodCIDR: n.podCIDR, Admin: env.AdminConfig(), Images: images, LateImages: late})
+		kubelet := lab.KubeletOptions{NodeName: n.name, NodeIP: n.linkAddr,
+			PodCIDR: n.podCIDR, Admin: env.AdminConfig(), Images: images, LateImages: late}
+		hostBinaries := slices.Concat(lab.KubeletHostBinaries, lab.KubeProxyHostBinaries)
+		if cni == cniFlannel {
+			kubelet.CNIConfig = lab.FlannelCNIConfig
+			hostBinaries = append(hostBinaries, lab.FlannelHostBinaries...)
+		}
+		files, err := lab.KubeletFiles(nodeDir, kubelet)
 		if err != nil {
 			t.Fatal(err)
+		}
+		if cni == cniFlannel {
+			flannel, err := lab.FlannelFiles(nodeDir, clusterCIDR)
+			if err != nil {
+				t.Fatal(err)
+			}
+			maps.Copy(files, flannel)
 		}
 		for vmPath, p := range vmFiles {
 			files[vmPath] = p
 		}
-		modules := lab.KubeletModules
+		proxyFiles, err := lab.KubeProxyFiles(nodeDir, n.name, clusterCIDR)
+		if err != nil {
+			t.Fatal(err)
+		}
+		maps.Copy(files, proxyFiles)
+		modules := append(slices.Clone(lab.KubeletModules), lab.KubeProxyModules...)
+		if cni == cniFlannel {
+			modules = append(modules, lab.FlannelModules...)
+		}
 		if n.role == "worker" {
 			for vmPath, p := range workerFiles {
 				files[vmPath] = p
 			}
-			modules = append(slices.Clone(modules), knpModules...)
+			modules = append(modules, knpModules...)
 		}
 		ir, err := lab.BuildInitramfs(lab.InitramfsOptions{Assets: assets, Output: filepath.Join(nodeDir, "initrd.cpio"),
-			Script: nodeScript(n, apiPort), Files: files, Modules: modules, HostBinaries: lab.KubeletHostBinaries})
+			Script: nodeScript(n, apiPort, cni), Files: files, Modules: modules, HostBinaries: hostBinaries})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -298,7 +342,7 @@ func networkPolicyEngine(t *testing.T, env *kubeenv.Env, dir string) (map[string
 // nodeScript is a node's /lab/run.sh: the nodes' link, routes to the other
 // node's pods and the client's network, the kubelet node
 // (lab.KubeletScript), then the node's guest test.
-func nodeScript(n node, apiPort int) string {
+func nodeScript(n node, apiPort int, cni string) string {
 	other := workerNode
 	if n.role == "worker" {
 		other = routerNode
@@ -306,10 +350,14 @@ func nodeScript(n node, apiPort int) string {
 	var b strings.Builder
 	// The link first: the kubelet's --node-ip must be there when it starts.
 	fmt.Fprintf(&b, `/sbin/ip link set eth1 up && /sbin/ip addr add %s/24 dev eth1 || echo "FAIL eth1"
-/sbin/ip route add %s via %s
 echo 1 > /proc/sys/net/ipv4/ip_forward
 /sbin/ip netns attach %s 1
-`, n.linkAddr, other.podCIDR, other.linkAddr, nodeNS)
+`, n.linkAddr, nodeNS)
+	if cni == cniBridge {
+		// The other node's pods; flannel routes them through its VXLAN
+		// device itself.
+		fmt.Fprintf(&b, "/sbin/ip route add %s via %s\n", other.podCIDR, other.linkAddr)
+	}
 	if n.role == "router" {
 		// The client: outside the cluster, routed through lab-router (the
 		// datacenter's router and the tunnel node in one).
@@ -323,6 +371,12 @@ echo 1 > /proc/sys/net/ipv4/ip_forward
 		fmt.Fprintf(&b, "/sbin/ip route add 198.51.100.0/24 via %s\n", other.linkAddr)
 	}
 	b.WriteString(lab.KubeletScript + lab.KubernetesServiceDNAT(apiPort))
+	if cni == cniFlannel {
+		b.WriteString(lab.FlannelScript("eth1"))
+	}
+	// kube-proxy as its DaemonSet would run it, in the first mode's
+	// pairing (kubeProxyMode); TestInCluster switches it.
+	fmt.Fprintf(&b, "%s %s || echo \"FAIL kube-proxy\"\n", lab.KubeProxyStart, kubeProxyMode["gre"])
 	if n.role == "worker" {
 		// kube-network-policies, as its DaemonSet would run it: in-cluster
 		// configuration through the kubernetes Service, no NRI.
@@ -332,8 +386,8 @@ KUBERNETES_SERVICE_HOST=10.96.0.1 KUBERNETES_SERVICE_PORT=443 %[1]s/kube-network
 	}
 	// One P: on two emulated cores, Go's idle Ms spinning for work cost
 	// the test program more CPU than its own work.
-	fmt.Fprintf(&b, "cd /tmp && GOMAXPROCS=1 %s=1 %s=%s %s=%q %s -test.run '^(TestInCluster|TestNodeHelper)$' -test.v -test.count=1 -test.timeout %s\n",
-		lab.EnvGuest, roleEnv, n.role, demoEnv, os.Getenv(demoEnv), lab.GuestProgram, guestTimeout)
+	fmt.Fprintf(&b, "cd /tmp && GOMAXPROCS=1 %s=1 %s=%s %s=%q %s=%s %s -test.run '^(TestInCluster|TestNodeHelper)$' -test.v -test.count=1 -test.timeout %s\n",
+		lab.EnvGuest, roleEnv, n.role, demoEnv, os.Getenv(demoEnv), cniEnv, cni, lab.GuestProgram, guestTimeout)
 	return b.String()
 }
 
@@ -411,4 +465,12 @@ func checkGrantsUsed(t *testing.T, env *kubeenv.Env) {
 		t.Errorf("granted but never used in the lab cluster: %v", g)
 	}
 	t.Logf("grants: %d of %d (verb, API group, resource) the manifest grants used by the daemons' %d audited requests", len(grants)-len(unused), len(grants), len(events))
+}
+
+// clusterCNI is the nodes' network plugin: $KST_CLUSTER_CNI, or the bridge plugin.
+func clusterCNI() string {
+	if cni := os.Getenv(cniEnv); cni != "" {
+		return cni
+	}
+	return cniBridge
 }

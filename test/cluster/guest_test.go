@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
+	"os/exec"
 	"slices"
 	"strconv"
 	"strings"
@@ -130,6 +131,9 @@ func TestInCluster(t *testing.T) {
 		_, err := c.helperGet("/sockets")
 		return err == nil, nil
 	})
+	if clusterCNI() == cniFlannel {
+		c.waitForFlannel(t)
+	}
 	before := c.snapshots(t)
 	// The tunnel node is cordoned: a dedicated tunnel node runs no workload
 	// (the DaemonSets' pods tolerate unschedulable nodes), so the example's
@@ -148,6 +152,7 @@ func TestInCluster(t *testing.T) {
 				{"install", func(t *testing.T) { c.install(t, mode) }},
 				{"example", c.deployExample},
 				{"traffic", c.traffic},
+				{"kube_proxy_replies", func(t *testing.T) { c.kubeProxyReplies(t, mode) }},
 				{"network_policy", func(t *testing.T) { c.networkPolicy(t, mode) }},
 				{"router_pod_deleted", c.deleteRouterPod},
 				// The rollout ends once the router has drained every old
@@ -167,6 +172,9 @@ func TestInCluster(t *testing.T) {
 				if !t.Run(s.name, s.run) {
 					t.Logf("the router's log about generations:\n%s", c.routerLogLines(t, "generation"))
 					t.Logf("worker's state:\n%s", c.helperDebug())
+					nf, err := c.helperGet("/netfilter")
+					t.Logf("worker's netfilter (%v):\n%s", err, nf)
+					t.Logf("%s's netfilter:\n%s", routerNode.name, netfilterState(context.Background()))
 					return
 				}
 			}
@@ -305,6 +313,7 @@ const legacyMode = "mpls"
 
 func (c *cluster) install(t *testing.T, mode string) {
 	ctx := context.Background()
+	c.useKubeProxy(t, kubeProxyMode[mode])
 	manifest := vmFile(t, manifestFile)
 	const gre = "KST_MODE: gre\n"
 	if !strings.Contains(string(manifest), gre) {
@@ -1297,7 +1306,7 @@ func (c *cluster) uninstall(t *testing.T, before map[string]kstate.State, keepEx
 		diffs = nil
 		after := c.snapshots(t)
 		for node, st := range before {
-			if d := kstate.Diff(withoutCNIBridge(st), withoutCNIBridge(after[node])); d != "" {
+			if d := kstate.Diff(withoutKubeProxy(withoutCNIBridge(st)), withoutKubeProxy(withoutCNIBridge(after[node]))); d != "" {
 				diffs = append(diffs, fmt.Sprintf("%s's kernel state after the uninstall differs from before the install:\n%s", node, d))
 			}
 		}
@@ -1352,4 +1361,43 @@ func withoutCNIBridge(st kstate.State) kstate.State {
 		}
 	}
 	return out
+}
+
+// withoutKubeProxy drops kube-proxy's lines (its KUBE-* chains and the
+// jumps to them) from the iptables sections: kube-proxy changes them with
+// the Services and its mode, which the test switches between the tunnel
+// modes. The project's chains are KST-*; the kubelet's KUBE-* chains,
+// there before the install, are dropped alike. kube-proxy's nftables
+// tables (ip and ip6 families) are not in a snapshot.
+func withoutKubeProxy(st kstate.State) kstate.State {
+	out := kstate.State{Namespace: st.Namespace, Sections: map[string][]string{}}
+	for name, lines := range st.Sections {
+		for _, l := range lines {
+			if (strings.HasPrefix(name, "iptables") || strings.HasPrefix(name, "ip6tables")) && strings.Contains(l, "KUBE-") {
+				continue
+			}
+			out.Sections[name] = append(out.Sections[name], l)
+		}
+	}
+	return out
+}
+
+// waitForFlannel waits until flannel routes each node's pods to the other
+// through its VXLAN device, on both nodes: the kernel state recorded
+// before the install must not change under it.
+func (c *cluster) waitForFlannel(t *testing.T) {
+	t.Helper()
+	routesVia := func(st kstate.State, podCIDR string) bool {
+		return slices.ContainsFunc(st.Sections["route"], func(l string) bool {
+			return strings.HasPrefix(l, podCIDR+" ") && strings.Contains(l, " dev "+lab.FlannelDevice)
+		})
+	}
+	took := c.waitForOr(t, "flannel's routes to the other node's pods on both nodes", 3*time.Minute, func() string {
+		out, _ := exec.Command("tail", "-n", "30", lab.FlannelLog).CombinedOutput()
+		return fmt.Sprintf("%s on %s:\n%s\nthe worker:\n%s", lab.FlannelLog, routerNode.name, out, c.helperDebug())
+	}, func() (bool, error) {
+		sts := c.snapshots(t)
+		return routesVia(sts[routerNode.name], workerNode.podCIDR) && routesVia(sts[workerNode.name], routerNode.podCIDR), nil
+	})
+	t.Logf("flannel routes both nodes' pods through %s %v after both Nodes were Ready", lab.FlannelDevice, took.Round(100*time.Millisecond))
 }

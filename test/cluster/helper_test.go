@@ -38,6 +38,9 @@ import (
 //	GET  /podlogs  ?namespace=NS&pod=NAME: the pod's containers' logs, text
 //	GET  /debug    routes, MPLS routes, links, addresses and the tails of the pods' logs, text
 //	GET  /cpu      the VM's CPU time, in all and by process name, text
+//	GET  /kube-proxy  the filter table with counters (iptables-save -c) and kube-proxy's log's tail, text
+//	POST /kube-proxy  ?mode=MODE: (re)starts kube-proxy in MODE (lab.KubeProxyStart)
+//	GET  /netfilter   every iptables rule and nftables table with counters, and the sysctls that judge replies, text
 //	POST /stop     ends the helper
 func TestNodeHelper(t *testing.T) {
 	if os.Getenv(roleEnv) != "worker" {
@@ -55,7 +58,8 @@ func TestNodeHelper(t *testing.T) {
 	})
 	mux.HandleFunc("GET /debug", func(w http.ResponseWriter, r *http.Request) {
 		for _, args := range [][]string{{"/sbin/ip", "route"}, {"/sbin/ip", "-f", "mpls", "route"}, {"/sbin/ip", "-br", "link"}, {"/sbin/ip", "-br", "addr"},
-			{"sh", "-c", "for f in /var/log/pods/*/*/*.log; do echo \"== $f\"; tail -n 20 \"$f\"; done"}} {
+			{"sh", "-c", "for f in /var/log/pods/*/*/*.log; do echo \"== $f\"; tail -n 20 \"$f\"; done"},
+			{"tail", "-n", "20", lab.FlannelLog}, {"tail", "-n", "20", lab.KubeProxyLog}} {
 			out, err := exec.CommandContext(r.Context(), args[0], args[1:]...).CombinedOutput()
 			fmt.Fprintf(w, "$ %s (%v)\n%s\n", strings.Join(args, " "), err, out)
 		}
@@ -82,6 +86,24 @@ func TestNodeHelper(t *testing.T) {
 	})
 	mux.HandleFunc("GET /cpu", func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.WriteString(w, lab.CPUByProcess(15))
+	})
+	mux.HandleFunc("GET /kube-proxy", func(w http.ResponseWriter, r *http.Request) {
+		out, err := exec.CommandContext(r.Context(), "iptables-save", "-c", "-t", "filter").CombinedOutput()
+		if err != nil {
+			http.Error(w, fmt.Sprintf("iptables-save: %v: %s", err, out), http.StatusInternalServerError)
+			return
+		}
+		tail, _ := exec.CommandContext(r.Context(), "tail", "-n", "20", lab.KubeProxyLog).CombinedOutput()
+		fmt.Fprintf(w, "%s\n== %s\n%s", out, lab.KubeProxyLog, tail)
+	})
+	mux.HandleFunc("GET /netfilter", func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.WriteString(w, netfilterState(r.Context()))
+	})
+	mux.HandleFunc("POST /kube-proxy", func(w http.ResponseWriter, r *http.Request) {
+		out, err := exec.CommandContext(r.Context(), lab.KubeProxyStart, r.URL.Query().Get("mode")).CombinedOutput()
+		if err != nil {
+			http.Error(w, fmt.Sprintf("%s: %v: %s", lab.KubeProxyStart, err, out), http.StatusInternalServerError)
+		}
 	})
 	mux.HandleFunc("POST /stop", func(w http.ResponseWriter, r *http.Request) {
 		close(stop)
@@ -288,4 +310,17 @@ func parseHexAddrPort(s string) (netip.AddrPort, error) {
 	}
 	ip, _ := netip.AddrFromSlice(b)
 	return netip.AddrPortFrom(ip.Unmap(), uint16(port)), nil
+}
+
+// netfilterState is the node's netfilter rules with their counters (both
+// iptables backends and nftables), conntrack's statistics and the reverse
+// path filter's settings: where a lost packet was dropped.
+func netfilterState(ctx context.Context) string {
+	var b strings.Builder
+	for _, args := range [][]string{{"iptables-save", "-c"}, {"iptables-legacy-save", "-c"}, {"nft", "list", "ruleset"},
+		{"sh", "-c", "grep . /proc/sys/net/ipv4/conf/*/rp_filter /proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal /proc/sys/net/netfilter/nf_conntrack_tcp_loose; cat /proc/net/stat/nf_conntrack"}} {
+		out, err := exec.CommandContext(ctx, args[0], args[1:]...).CombinedOutput()
+		fmt.Fprintf(&b, "$ %s (%v)\n%s\n", strings.Join(args, " "), err, out)
+	}
+	return b.String()
 }

@@ -73,3 +73,41 @@ func TestWithoutCNIBridge(t *testing.T) {
 		t.Errorf("got %v\nwant %v", got.Sections, want)
 	}
 }
+
+// TestWithoutKubeProxy: kube-proxy's chains and jumps leave the iptables
+// sections; the project's KST-* chains and every other section stay.
+func TestWithoutKubeProxy(t *testing.T) {
+	st := kstate.State{Namespace: "node", Sections: map[string][]string{
+		"iptables/filter":        {":KUBE-FORWARD -", "-A FORWARD -m comment --comment \"kubernetes forwarding rules\" -j KUBE-FORWARD", ":KST-POLICY -", "-A KST-POLICY -j DROP"},
+		"iptables-legacy/mangle": {"-A PREROUTING -d 192.0.2.10/32 -j KST-HMARK"},
+		"ip6tables/nat":          {":KUBE-SERVICES -"},
+		"link":                   {"KUBE-weird kind=veth"},
+	}}
+	got := withoutKubeProxy(st)
+	want := map[string][]string{
+		"iptables/filter":        {":KST-POLICY -", "-A KST-POLICY -j DROP"},
+		"iptables-legacy/mangle": {"-A PREROUTING -d 192.0.2.10/32 -j KST-HMARK"},
+		"link":                   {"KUBE-weird kind=veth"},
+	}
+	if !reflect.DeepEqual(got.Sections, want) {
+		t.Errorf("got %v\nwant %v", got.Sections, want)
+	}
+}
+
+// TestInvalidDropRule reads the packet counter of kube-proxy's INVALID drop
+// from iptables-save -c, and reports a filter table without it.
+func TestInvalidDropRule(t *testing.T) {
+	save := `*filter
+:KUBE-FORWARD - [0:0]
+[12:480] -A FORWARD -m comment --comment "kubernetes forwarding rules" -j KUBE-FORWARD
+[7:420] -A KUBE-FORWARD -m conntrack --ctstate INVALID -m nfacct --nfacct-name ct_state_invalid_dropped_pkts -j DROP
+[0:0] -A KUBE-FORWARD -m comment --comment "kubernetes forwarding rules" -m mark --mark 0x4000/0x4000 -j ACCEPT
+COMMIT
+`
+	if n, found := invalidDropRule(save); !found || n != 7 {
+		t.Errorf("invalidDropRule = %d, %v; want 7, true", n, found)
+	}
+	if n, found := invalidDropRule("*filter\n[3:9] -A KUBE-FORWARD -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT\nCOMMIT\n"); found {
+		t.Errorf("invalidDropRule found %d packets in a table without the rule", n)
+	}
+}

@@ -48,6 +48,9 @@ type KubeletOptions struct {
 	NodeName, NodeIP string
 	// PodCIDR is the range the CNI bridge gives pods.
 	PodCIDR string
+	// CNIConfig is the node's CNI configuration list; empty: the bridge
+	// plugin with host-local addresses from PodCIDR.
+	CNIConfig string
 	// Admin is a configuration of the API server on the host's loopback;
 	// the kubelet reaches it through guestfwd, as admin.
 	Admin *rest.Config
@@ -191,9 +194,13 @@ func KubeletFiles(dir string, o KubeletOptions) (map[string]string, error) {
 	kc.Host = "https://" + HostForwardAddr + ":" + o.Admin.Host[strings.LastIndex(o.Admin.Host, ":")+1:]
 	kc.Insecure, kc.CAData, kc.CAFile = true, nil, ""
 	config := kubeconfigFile(kc)
+	cni := o.CNIConfig
+	if cni == "" {
+		cni = fmt.Sprintf(cniConfig, o.PodCIDR)
+	}
 	for name, data := range map[string]string{
 		"containerd.toml": fmt.Sprintf(containerdConfig, SandboxImage),
-		"10-lab.conflist": fmt.Sprintf(cniConfig, o.PodCIDR),
+		"10-lab.conflist": cni,
 		"kubelet.yaml":    kubeletConfig,
 		"node-name":       o.NodeName,
 		"node-ip":         o.NodeIP,

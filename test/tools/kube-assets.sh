@@ -86,7 +86,13 @@ build_module() {
 		# go mod tidy needs a Go file importing the package to build.
 		printf '//go:build tools\n\npackage tools\n\nimport _ "%s"\n' "$pkg" >tools.go
 		go mod tidy >&2
-		CGO_ENABLED=0 go build -trimpath -ldflags "-s -w $ldflags" -o "$ASSETS_DIR/$name.tmp" "$pkg" >&2
+		if [[ -n "${BUILD_CGO_STATIC:-}" ]]; then
+			# cgo, linked statically: the VM has no C library of its own.
+			CGO_ENABLED=1 go build -trimpath -tags netgo,osusergo \
+				-ldflags "-s -w -linkmode external -extldflags -static $ldflags" -o "$ASSETS_DIR/$name.tmp" "$pkg" >&2
+		else
+			CGO_ENABLED=0 go build -trimpath -ldflags "-s -w $ldflags" -o "$ASSETS_DIR/$name.tmp" "$pkg" >&2
+		fi
 	)
 	mv "$ASSETS_DIR/$name.tmp" "$ASSETS_DIR/$name"
 	rm -rf "$work"
@@ -108,7 +114,7 @@ kube_ldflags() {
 
 # The rest of a cluster, for the lab's real node (test/lab: TestLabKubelet,
 # TestLabInstall): a kubelet, a controller-manager and a scheduler.
-CLUSTER_BINARIES=(kubelet kube-controller-manager kube-scheduler)
+CLUSTER_BINARIES=(kubelet kube-controller-manager kube-scheduler kube-proxy)
 
 build_kube() {
 	local b
@@ -120,6 +126,36 @@ build_kube() {
 				kube_replaces "$(kube_ldflags)"
 		fi
 	done
+}
+
+# Flannel (issue 32), the lab cluster's overlay in one mode: flanneld and
+# its CNI plugin. The proxy refuses the tencentcloud vpc module version
+# flanneld requires (its tencentvpc backend), so the one it serves
+# replaces it; flanneld's udp backend needs cgo. The proxy refuses
+# github.com/flannel-io/cni-plugin at every version tried; the plugin
+# lived in containernetworking/plugins (plugins/meta/flannel) before it
+# moved there, with the same configuration and subnet.env, and that is
+# built.
+FLANNEL_VERSION="${FLANNEL_VERSION:-v0.28.10}"
+FLANNEL_CNI_VERSION="${FLANNEL_CNI_VERSION:-v1.0.1}"
+flannel_replaces() {
+	echo "replace github.com/tencentcloud/tencentcloud-sdk-go/tencentcloud/vpc => github.com/tencentcloud/tencentcloud-sdk-go/tencentcloud/vpc v1.0.1000"
+}
+
+build_flannel() {
+	local flanneld="flanneld-$FLANNEL_VERSION" cni="flannel-cni-$FLANNEL_CNI_VERSION"
+	if [[ -x "$ASSETS_DIR/$flanneld" ]]; then
+		log "$flanneld present"
+	else
+		BUILD_CGO_STATIC=1 build_module "$flanneld" github.com/flannel-io/flannel "$FLANNEL_VERSION" github.com/flannel-io/flannel \
+			flannel_replaces "-X github.com/flannel-io/flannel/pkg/version.Version=$FLANNEL_VERSION"
+	fi
+	if [[ -x "$ASSETS_DIR/$cni" ]]; then
+		log "$cni present"
+	else
+		build_module "$cni" github.com/containernetworking/plugins "$FLANNEL_CNI_VERSION" \
+			github.com/containernetworking/plugins/plugins/meta/flannel
+	fi
 }
 
 main() {
@@ -138,6 +174,7 @@ main() {
 	else
 		build_module "$knp" sigs.k8s.io/kube-network-policies "$KNP_VERSION" sigs.k8s.io/kube-network-policies/cmd
 	fi
+	build_flannel
 	echo "$ASSETS_DIR"
 }
 
