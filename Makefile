@@ -75,8 +75,10 @@ unit: ## unit tests only (no root, no API server)
 e2e: deps assets ## the end-to-end lab: 17 dual-stack scenarios x gre, mpls in the VM (KST_E2E_RUN=gre/4_ for one)
 	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 50m -run TestE2E -v ./test/e2e
 
-cluster: deps assets ## the two-node lab cluster run by real kubelets: install, example, client traffic, network policy, rollout restart, router pod deletion, uninstall, in gre and mpls
-	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 45m -run TestCluster -v ./test/cluster
+# The lab cluster's network plugin: bridge or flannel (make cluster CNI=flannel).
+CNI ?=
+cluster: deps assets ## the two-node lab cluster run by real kubelets and kube-proxy: install, example, client traffic, kube-proxy and the replies, network policy, rollout restart, router pod deletion, uninstall, in gre and mpls (CNI=bridge|flannel)
+	KST_REQUIRE_INTEGRATION=1 KST_CLUSTER_CNI=$(CNI) $(GO) test -count=1 -timeout 45m -run TestCluster -v ./test/cluster
 
 # A smoke run of every part of the benchmark, counts scaled down (about 40 s).
 BENCH_SMOKE = -tunnels 100 -forward-tunnels 1,100 -forward-duration 500ms -forward-warmup 200ms -forward-rounds 1 \

@@ -26,6 +26,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
+	"github.com/cmdnu/kube-service-tunnel/internal/carrierexempt"
 	"github.com/cmdnu/kube-service-tunnel/internal/ctmarks"
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
@@ -111,6 +112,9 @@ func Main(args []string) error {
 		if err := dp.Cleanup(); err != nil {
 			return fmt.Errorf("cleanup: %w", err)
 		}
+		if err := carrierexempt.Remove(netns.None()); err != nil {
+			return fmt.Errorf("cleanup: the carrier's conntrack exemption: %w", err)
+		}
 		entry.Info("removed everything the router owned")
 		if o.WaitAfterCleanup {
 			return daemon.WaitAfterCleanup(ctx, o.MetricsAddress, entry)
@@ -129,6 +133,9 @@ func Main(args []string) error {
 		"nexthop_ids": fmt.Sprintf("%#x-%#x", first, last),
 	}).Info("starting tunnel router: bucket routes name one nexthop object per endpoint")
 	daemon.LogPolicy(entry, o.Policy)
+	if err := exemptCarrier(o, entry); err != nil {
+		return err
+	}
 	sysctls := procSys(o.ProcSys)
 	warnIfNotForwarding(sysctls, o.IPv6, entry)
 	if o.Generations > 1 {
@@ -217,6 +224,30 @@ func Main(args []string) error {
 	// The datapath stays as it is on exit: a restarted router adopts it, and
 	// traffic keeps flowing meanwhile. Use --cleanup to remove it.
 	return ctrl.Run(ctx)
+}
+
+// exemptCarrier keeps, in gre mode, the router's GRE out of its node's
+// connection tracking, so that no NAT of the node (Flannel's masquerade)
+// rewrites the source the pods' carrier guard checks
+// (internal/carrierexempt); in mpls mode, whose carrier is not IP, it
+// removes the table of an earlier gre run.
+func exemptCarrier(o Options, log logrus.FieldLogger) error {
+	if o.Mode != encap.GRE {
+		if err := carrierexempt.Remove(netns.None()); err != nil {
+			return fmt.Errorf("removing the carrier's conntrack exemption of gre mode: %w", err)
+		}
+		return nil
+	}
+	block, mask := o.Config.Config.MarkBlock()
+	changed, err := carrierexempt.Ensure(netns.None(), block, mask)
+	if err != nil {
+		return fmt.Errorf("the carrier's conntrack exemption: %w", err)
+	}
+	if changed {
+		log.WithFields(logrus.Fields{"table": "inet " + carrierexempt.Table, "mark": fmt.Sprintf("%#x/%#x", block, mask)}).
+			Info("the router's GRE carrier is exempted from the node's connection tracking, so that no NAT of the node rewrites its source")
+	}
+	return nil
 }
 
 // seedTimeout bounds the wait for the seed Secret at start-up (the API

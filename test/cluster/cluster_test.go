@@ -1,6 +1,7 @@
 // Package cluster is the user's install path run by real Kubernetes
 // components (issue 16): two lab VMs, each a node with Debian's containerd,
-// runc and CNI plugins and a real kubelet, joined by a virtual link, and a
+// runc and CNI plugins, a real kubelet and kube-proxy, and Flannel (or the
+// bridge plugin alone: KST_CLUSTER_CNI), joined by a virtual link, and a
 // real kube-apiserver, kube-controller-manager and kube-scheduler on the
 // host. make image's images are imported into each node's containerd and
 // make manifest's tunnel-router.yaml is applied unchanged; then
@@ -67,7 +68,7 @@ const (
 	// demoEnv set (to anything) runs make demo-cluster's steps only.
 	demoEnv = "KST_CLUSTER_DEMO"
 	// cniEnv names the nodes' network plugin (make cluster CNI=...):
-	// cniBridge (the default) or cniFlannel.
+	// cniFlannel (the default) or cniBridge.
 	cniEnv            = "KST_CLUSTER_CNI"
 	cniFlannel        = "flannel"
 	cniBridge         = "bridge"
@@ -467,10 +468,10 @@ func checkGrantsUsed(t *testing.T, env *kubeenv.Env) {
 	t.Logf("grants: %d of %d (verb, API group, resource) the manifest grants used by the daemons' %d audited requests", len(grants)-len(unused), len(grants), len(events))
 }
 
-// clusterCNI is the nodes' network plugin: $KST_CLUSTER_CNI, or the bridge plugin.
+// clusterCNI is the nodes' network plugin: $KST_CLUSTER_CNI, or flannel.
 func clusterCNI() string {
 	if cni := os.Getenv(cniEnv); cni != "" {
 		return cni
 	}
-	return cniBridge
+	return cniFlannel
 }

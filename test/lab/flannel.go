@@ -25,15 +25,17 @@ import (
 // FLANNEL_CNI_VERSION).
 const (
 	FlannelVersion    = "v0.28.10"
-	FlannelCNIVersion = "v1.0.1"
+	FlannelCNIVersion = "v0.9.1"
 	// FlannelLog is flanneld's log in the VM.
 	FlannelLog = "/tmp/flanneld.log"
 	// FlannelDevice is flannel's VXLAN device.
 	FlannelDevice = "flannel.1"
 )
 
-// FlannelModules are the kernel modules flannel's VXLAN backend needs.
-var FlannelModules = []string{"vxlan"}
+// FlannelModules are the kernel modules flannel needs: its VXLAN backend's,
+// and br_netfilter, without which flanneld exits at start (it checks
+// net.bridge.bridge-nf-call-iptables, as kubeadm's preflight does).
+var FlannelModules = []string{"vxlan", "br_netfilter"}
 
 // FlannelHostBinaries are the CNI plugins kube-flannel.yml's configuration
 // names beside flannel's own (which delegates to bridge and host-local).
@@ -52,13 +54,15 @@ const flannelNetConfig = `{"Network":%q,"EnableIPv6":false,"Backend":{"Type":"vx
 // FlannelScript starts flanneld in the background once the kubelet is
 // started (source it after KubeletScript), with kube-flannel.yml's
 // arguments, on iface; it is restarted should it exit (as its pod would
-// be).
+// be). One argument differs: flanneld checks its iptables rules every 5 s
+// by default, with a few iptables processes each time, which on the lab's
+// emulated CPUs took a core's fifth; it checks every 60 s here.
 func FlannelScript(iface string) string {
 	return fmt.Sprintf(`mkdir -p /run/flannel
 (while true; do
 	NODE_NAME="$(cat /lab/kubelet/node-name)" POD_NAME=kube-flannel-lab POD_NAMESPACE=kube-flannel \
 		/usr/local/bin/flanneld --ip-masq --kube-subnet-mgr --kubeconfig-file=/lab/kubelet/kubeconfig \
-		--iface=%s --net-config-path=/lab/flannel/net-conf.json >>%s 2>&1
+		--iface=%s --net-config-path=/lab/flannel/net-conf.json --iptables-resync=60 >>%s 2>&1
 	echo "flanneld exited: $?" >>%[2]s
 	sleep 1
 done) &

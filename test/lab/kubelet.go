@@ -159,7 +159,8 @@ for a in /lab/kubelet/late-images/*.tar; do
 done
 `
 
-// KubernetesServiceDNAT stands in for kube-proxy (the lab runs none) for
+// KubernetesServiceDNAT stands in for kube-proxy (which only the lab
+// cluster runs, beside this rule) for
 // the one Service the daemons use, default/kubernetes (10.96.0.1:443, the
 // first address of kubeenv's range): a route for the Service range and a
 // DNAT rule to the API server on the host, reached through guestfwd on

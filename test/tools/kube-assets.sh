@@ -133,11 +133,11 @@ build_kube() {
 # flanneld requires (its tencentvpc backend), so the one it serves
 # replaces it; flanneld's udp backend needs cgo. The proxy refuses
 # github.com/flannel-io/cni-plugin at every version tried; the plugin
-# lived in containernetworking/plugins (plugins/meta/flannel) before it
+# lived in containernetworking/plugins (plugins/meta/flannel, until v0.9.1) before it
 # moved there, with the same configuration and subnet.env, and that is
 # built.
 FLANNEL_VERSION="${FLANNEL_VERSION:-v0.28.10}"
-FLANNEL_CNI_VERSION="${FLANNEL_CNI_VERSION:-v1.0.1}"
+FLANNEL_CNI_VERSION="${FLANNEL_CNI_VERSION:-v0.9.1}"
 flannel_replaces() {
 	echo "replace github.com/tencentcloud/tencentcloud-sdk-go/tencentcloud/vpc => github.com/tencentcloud/tencentcloud-sdk-go/tencentcloud/vpc v1.0.1000"
 }
