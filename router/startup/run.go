@@ -230,7 +230,9 @@ func Main(args []string) error {
 // connection tracking, so that no NAT of the node (Flannel's masquerade)
 // rewrites the source the pods' carrier guard checks
 // (internal/carrierexempt); in mpls mode, whose carrier is not IP, it
-// removes the table of an earlier gre run.
+// removes the table of an earlier gre run. A kernel without nf_tables (or
+// nft_ct) gets a warning, not a failure: the router worked there before,
+// and only a node that NATs its own traffic to pods needs the table.
 func exemptCarrier(o Options, log logrus.FieldLogger) error {
 	if o.Mode != encap.GRE {
 		if err := carrierexempt.Remove(netns.None()); err != nil {
@@ -241,7 +243,9 @@ func exemptCarrier(o Options, log logrus.FieldLogger) error {
 	block, mask := o.Config.Config.MarkBlock()
 	changed, err := carrierexempt.Ensure(netns.None(), block, mask)
 	if err != nil {
-		return fmt.Errorf("the carrier's conntrack exemption: %w", err)
+		log.WithError(err).WithField("table", "inet "+carrierexempt.Table).
+			Warn("the router's GRE carrier is tracked by the node's conntrack: a NAT of the node that rewrites its source (Flannel's --ip-masq) makes the pods drop it")
+		return nil
 	}
 	if changed {
 		log.WithFields(logrus.Fields{"table": "inet " + carrierexempt.Table, "mark": fmt.Sprintf("%#x/%#x", block, mask)}).
