@@ -425,6 +425,9 @@ func (c *Controller) recompute() error {
 	}
 	policy := c.live.Get()
 	desired, problems, refused := Desired(c.cfg.NodeName, policy.Pools, policy.Networks(nodes), svcs, esl, pods)
+	// A network plugin that drops the replies from the tunnel IPs is
+	// logged once per pod and reason, like every problem.
+	problems = append(problems, replyPathProblems(desired, pods)...)
 	if c.policy != nil {
 		p, err := c.policy.withPolicies(desired, pods)
 		if err != nil {
