@@ -73,29 +73,13 @@ func Read(ns netns.NsHandle, label uint32) (State, error) {
 		return State{}, err
 	}
 	var st State
-	var ours []*nftables.Chain
-	if st.Present, ours, err = nfttable.Chains(c, nftables.TableFamilyBridge, Table); err != nil || !st.Present {
+	var rules []*nftables.Rule
+	shape := nfttable.Shape{Family: nftables.TableFamilyBridge, Table: Table, Chain: Chain,
+		Hook: nftables.ChainHookForward, Rules: 1, Comment: comment(label)}
+	if st.Present, rules, err = shape.Read(c); err != nil || rules == nil {
 		return st, err
 	}
-	if len(ours) != 1 || ours[0].Name != Chain || ours[0].Hooknum == nil || *ours[0].Hooknum != *nftables.ChainHookForward {
-		return st, nil
-	}
-	rules, err := c.GetRules(table(), ours[0])
-	if err != nil {
-		return st, fmt.Errorf("listing the rules of bridge %s %s: %w", Table, Chain, err)
-	}
-	if len(rules) != 1 {
-		return st, nil
-	}
-	if got, _ := userdata.GetString(rules[0].UserData, userdata.TypeComment); got != comment(label) {
-		return st, nil
-	}
-	st.Current = true
-	for _, e := range rules[0].Exprs {
-		if ctr, ok := e.(*expr.Counter); ok {
-			st.Dropped = ctr.Packets
-		}
-	}
+	st.Current, st.Dropped = true, nfttable.Packets(rules)
 	return st, nil
 }
 

@@ -64,24 +64,13 @@ func Read(ns netns.NsHandle) (State, error) {
 		return State{}, err
 	}
 	var st State
-	var ours []*nftables.Chain
-	if st.Present, ours, err = nfttable.Chains(c, nftables.TableFamilyINet, Table); err != nil || !st.Present {
+	var rules []*nftables.Rule
+	shape := nfttable.Shape{Family: nftables.TableFamilyINet, Table: Table, Chain: Chain,
+		Hook: nftables.ChainHookOutput, Priority: nftables.ChainPriorityRaw, Rules: 1, Comment: version}
+	if st.Present, rules, err = shape.Read(c); err != nil || rules == nil {
 		return st, err
 	}
-	if len(ours) != 1 || ours[0].Name != Chain || ours[0].Hooknum == nil || *ours[0].Hooknum != *nftables.ChainHookOutput ||
-		ours[0].Priority == nil || *ours[0].Priority != *nftables.ChainPriorityRaw {
-		return st, nil
-	}
-	rules, err := c.GetRules(named(), ours[0])
-	if err != nil {
-		return st, fmt.Errorf("listing the rules of inet %s %s: %w", Table, Chain, err)
-	}
-	if len(rules) != 1 {
-		return st, nil
-	}
-	if got, _ := userdata.GetString(rules[0].UserData, userdata.TypeComment); got != version {
-		return st, nil
-	}
+	st.Exempted = nfttable.Packets(rules)
 	var blockMask []uint32
 	for _, e := range rules[0].Exprs {
 		switch e := e.(type) {
@@ -93,8 +82,6 @@ func Read(ns netns.NsHandle) (State, error) {
 			if len(e.Data) == 4 {
 				blockMask = append([]uint32{binary.NativeEndian.Uint32(e.Data)}, blockMask...)
 			}
-		case *expr.Counter:
-			st.Exempted = e.Packets
 		}
 	}
 	if len(blockMask) != 2 {

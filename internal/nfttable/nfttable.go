@@ -1,13 +1,16 @@
-// Package nfttable holds what the agent's own nftables tables (the bridge
-// guard, the reply exemption) share: a netlink connection in a network
-// namespace, finding a table of the agent's and its chains, and deleting
-// it. Each table's shape stays with its package.
+// Package nfttable holds what the daemons' own nftables tables (the
+// agent's bridge guard and reply exemption, the router's carrier
+// exemption) share: a netlink connection in a network namespace, finding a
+// table of theirs and its chains, reading it when it has the shape it
+// should, and deleting it. Each table's rules stay with its package.
 package nfttable
 
 import (
 	"fmt"
 
 	"github.com/google/nftables"
+	"github.com/google/nftables/expr"
+	"github.com/google/nftables/userdata"
 	"github.com/vishvananda/netns"
 )
 
@@ -86,4 +89,57 @@ func Delete(ns netns.NsHandle, family nftables.TableFamily, name string) error {
 		}
 	}
 	return nil
+}
+
+// Shape is one of the daemons' own tables: a single base chain on a hook
+// (at a priority, when Priority is not nil) holding Rules rules, each with
+// the comment Comment, which names the rules' version.
+type Shape struct {
+	Family       nftables.TableFamily
+	Table, Chain string
+	Hook         *nftables.ChainHook
+	Priority     *nftables.ChainPriority
+	Rules        int
+	Comment      string
+}
+
+// Read reports whether the shape's table is there and, when it has exactly
+// the shape (its chain, hook, priority, number of rules and their
+// comment), its rules; nil rules mean a table of another shape or version,
+// to be replaced.
+func (s Shape) Read(c *nftables.Conn) (present bool, rules []*nftables.Rule, err error) {
+	present, ours, err := Chains(c, s.Family, s.Table)
+	if err != nil || !present {
+		return present, nil, err
+	}
+	if len(ours) != 1 || ours[0].Name != s.Chain || ours[0].Hooknum == nil || *ours[0].Hooknum != *s.Hook ||
+		(s.Priority != nil && (ours[0].Priority == nil || *ours[0].Priority != *s.Priority)) {
+		return true, nil, nil
+	}
+	rules, err = c.GetRules(&nftables.Table{Name: s.Table, Family: s.Family}, ours[0])
+	if err != nil {
+		return true, nil, fmt.Errorf("listing the rules of %s %s %s: %w", familyName(s.Family), s.Table, s.Chain, err)
+	}
+	if len(rules) != s.Rules {
+		return true, nil, nil
+	}
+	for _, r := range rules {
+		if got, _ := userdata.GetString(r.UserData, userdata.TypeComment); got != s.Comment {
+			return true, nil, nil
+		}
+	}
+	return true, rules, nil
+}
+
+// Packets sums the packet counters of rules.
+func Packets(rules []*nftables.Rule) uint64 {
+	var n uint64
+	for _, r := range rules {
+		for _, e := range r.Exprs {
+			if ctr, ok := e.(*expr.Counter); ok {
+				n += ctr.Packets
+			}
+		}
+	}
+	return n
 }

@@ -97,33 +97,13 @@ func Read(ns netns.NsHandle) (State, error) {
 		return State{}, err
 	}
 	var st State
-	var ours []*nftables.Chain
-	if st.Present, ours, err = nfttable.Chains(c, nftables.TableFamilyINet, Table); err != nil || !st.Present {
+	var rules []*nftables.Rule
+	shape := nfttable.Shape{Family: nftables.TableFamilyINet, Table: Table, Chain: Chain,
+		Hook: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityRaw, Rules: 2, Comment: version}
+	if st.Present, rules, err = shape.Read(c); err != nil || rules == nil {
 		return st, err
 	}
 	t := named(Table)
-	if len(ours) != 1 || ours[0].Name != Chain || ours[0].Hooknum == nil || *ours[0].Hooknum != *nftables.ChainHookPrerouting ||
-		ours[0].Priority == nil || *ours[0].Priority != *nftables.ChainPriorityRaw {
-		return st, nil
-	}
-	rules, err := c.GetRules(t, ours[0])
-	if err != nil {
-		return st, fmt.Errorf("listing the rules of inet %s %s: %w", Table, Chain, err)
-	}
-	if len(rules) != 2 {
-		return st, nil
-	}
-	var exempted uint64
-	for _, r := range rules {
-		if got, _ := userdata.GetString(r.UserData, userdata.TypeComment); got != version {
-			return st, nil
-		}
-		for _, e := range r.Exprs {
-			if ctr, ok := e.(*expr.Counter); ok {
-				exempted += ctr.Packets
-			}
-		}
-	}
 	var have Want
 	for _, name := range []string{setSources4, setSources6, setLinks} {
 		set, err := c.GetSetByName(t, name)
@@ -142,7 +122,7 @@ func Read(ns netns.NsHandle) (State, error) {
 			}
 		}
 	}
-	st.Current, st.Have, st.Exempted = true, have.Normalized(), exempted
+	st.Current, st.Have, st.Exempted = true, have.Normalized(), nfttable.Packets(rules)
 	return st, nil
 }
 

@@ -1352,10 +1352,17 @@ func withoutCNIBridge(st kstate.State) kstate.State {
 			names = append(names, f[0])
 		}
 	}
+	return keepLines(st, func(_, l string) bool {
+		return !slices.ContainsFunc(strings.Fields(l), func(f string) bool { return slices.Contains(names, f) || strings.Contains(f, "cni0") })
+	})
+}
+
+// keepLines is st with only the lines keep(section, line) accepts.
+func keepLines(st kstate.State, keep func(section, line string) bool) kstate.State {
 	out := kstate.State{Namespace: st.Namespace, Sections: map[string][]string{}}
 	for name, lines := range st.Sections {
 		for _, l := range lines {
-			if !slices.ContainsFunc(strings.Fields(l), func(f string) bool { return slices.Contains(names, f) || strings.Contains(f, "cni0") }) {
+			if keep(name, l) {
 				out.Sections[name] = append(out.Sections[name], l)
 			}
 		}
@@ -1370,16 +1377,9 @@ func withoutCNIBridge(st kstate.State) kstate.State {
 // there before the install, are dropped alike. kube-proxy's nftables
 // tables (ip and ip6 families) are not in a snapshot.
 func withoutKubeProxy(st kstate.State) kstate.State {
-	out := kstate.State{Namespace: st.Namespace, Sections: map[string][]string{}}
-	for name, lines := range st.Sections {
-		for _, l := range lines {
-			if (strings.HasPrefix(name, "iptables") || strings.HasPrefix(name, "ip6tables")) && strings.Contains(l, "KUBE-") {
-				continue
-			}
-			out.Sections[name] = append(out.Sections[name], l)
-		}
-	}
-	return out
+	return keepLines(st, func(section, l string) bool {
+		return !(strings.HasPrefix(section, "iptables") || strings.HasPrefix(section, "ip6tables")) || !strings.Contains(l, "KUBE-")
+	})
 }
 
 // waitForFlannel waits until flannel routes each node's pods to the other
