@@ -276,6 +276,30 @@ func (c *Chain) syncJump(table string) (changed int, err error) {
 	return changed, nil
 }
 
+// RulesAhead returns the rules of mangle PREROUTING that come before c's
+// jump there, as iptables -S prints them without "-A PREROUTING" (none
+// when the jump is first or absent). A rule ahead that accepts a packet
+// ends the table's PREROUTING for it: the packet never reaches c's chain,
+// so it is neither marked nor given its connection's mark, and is routed
+// as if no tunnel IP were served (Calico's Felix, inserting its chain
+// first, accepts every packet of an established connection there).
+// Syncing does not move c's jump ahead of them: another agent that keeps
+// its own rule first would fight it for the place.
+func (c *Chain) RulesAhead() ([]string, error) {
+	rules, err := c.listRules(Table, ParentChain)
+	if err != nil {
+		return nil, fmt.Errorf("hmark: chain %s: %w", c.name, err)
+	}
+	var ahead []string
+	for _, r := range rules {
+		if r.targets(c.name) {
+			return ahead, nil
+		}
+		ahead = append(ahead, strings.Join(r.spec, " "))
+	}
+	return nil, nil
+}
+
 // jumpSpec is the canonical jump rule to c in PREROUTING.
 func (c *Chain) jumpSpec() []string {
 	return []string{"-m", "comment", "--comment", RuleComment, "-j", c.name}

@@ -84,3 +84,42 @@ func TestCleanupLeavesASetInUse(t *testing.T) {
 		t.Errorf("Cleanup destroyed a set in use")
 	}
 }
+
+// TestRulesAhead: the rules of mangle PREROUTING before the router's jump
+// are reported (Calico's Felix inserts its chain first and accepts
+// established connections there); none when the jump is first or absent,
+// and a sync does not move the jump.
+func TestRulesAhead(t *testing.T) {
+	const felix = `-A PREROUTING -m comment --comment "cali:6gwbT8clXdHdC1b1" -j cali-PREROUTING`
+	tests := []struct {
+		name  string
+		lines []string
+		want  []string
+	}{
+		{"first", []string{printedChainN, printedJump, "-N cali-PREROUTING", felix}, nil},
+		{"behind Felix", []string{"-N cali-PREROUTING", felix, printedChainN, printedJump},
+			[]string{"-m comment --comment cali:6gwbT8clXdHdC1b1 -j cali-PREROUTING"}},
+		{"no jump", []string{"-N cali-PREROUTING", felix}, nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := newFakeIPTables(t, tt.lines...)
+			c := newTestChain(t, f, testParams)
+			got, err := c.RulesAhead()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(got, tt.want) {
+				t.Errorf("RulesAhead() = %q, want %q", got, tt.want)
+			}
+		})
+	}
+	f := newFakeIPTables(t, "-N cali-PREROUTING", felix, printedChainN, printedJump)
+	c := newTestChain(t, f, testParams)
+	if _, err := c.Sync(nil); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := c.RulesAhead(); len(got) != 1 {
+		t.Errorf("after Sync, RulesAhead() = %q: the jump moved", got)
+	}
+}

@@ -221,9 +221,44 @@ func Main(args []string) error {
 			}
 		}, o.GenerationCheckPeriod, liberalCtx.Done())
 	}
+	go wait.Until(rulesAheadWarner(chains, entry), rulesAheadPeriod, ctx.Done())
 	// The datapath stays as it is on exit: a restarted router adopts it, and
 	// traffic keeps flowing meanwhile. Use --cleanup to remove it.
 	return ctrl.Run(ctx)
+}
+
+// rulesAheadPeriod is how often the router looks for rules ahead of its
+// jump in mangle PREROUTING.
+const rulesAheadPeriod = time.Minute
+
+// rulesAheadWarner returns a check that logs a warning, once until they
+// change, naming the rules of mangle PREROUTING ahead of a chain's jump
+// (hmark.Chain.RulesAhead): one that accepts packets (Calico's Felix in its
+// default chainInsertMode accepts every established connection's there)
+// keeps them from the router's marking, and they are routed as if no
+// tunnel IP were served: every connection breaks after its handshake.
+func rulesAheadWarner(chains []*hmark.Chain, log logrus.FieldLogger) func() {
+	last := map[string]string{}
+	return func() {
+		for _, c := range chains {
+			ahead, err := c.RulesAhead()
+			if err != nil {
+				log.WithError(err).WithField("chain", c.Name()).Warn("cannot read mangle PREROUTING")
+				continue
+			}
+			key := strings.Join(ahead, "\n")
+			if key == last[c.Name()] {
+				continue
+			}
+			last[c.Name()] = key
+			if len(ahead) == 0 {
+				log.WithField("chain", c.Name()).Info("the router's jump is the first rule of mangle PREROUTING")
+				continue
+			}
+			log.WithFields(logrus.Fields{"chain": c.Name(), "rules_ahead": ahead}).Warn("rules in mangle PREROUTING come before the router's jump: one that accepts packets keeps them from the tunnel's marking, " +
+				"and their connections break after the handshake. Under Calico, set chainInsertMode: Append in the FelixConfiguration of the tunnel nodes (docs/network-plugins.md#calico)")
+		}
+	}
 }
 
 // exemptCarrier keeps, in gre mode, the router's GRE out of its node's
