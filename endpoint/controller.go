@@ -102,11 +102,13 @@ type Controller struct {
 	nodes    corelisters.NodeLister
 	synced   []cache.InformerSynced
 	queue    workqueue.TypedRateLimitingInterface[daemon.QueueKey]
-	liveness daemon.Liveness
-	locator  runtime.Locator
-	podNet   PodSyncer
-	nodeNet  NodeSyncer
-	log      logrus.FieldLogger
+	// routeWait paces the syncs that wait for a pod's route (requeue).
+	routeWait workqueue.TypedRateLimiter[daemon.QueueKey]
+	liveness  daemon.Liveness
+	locator   runtime.Locator
+	podNet    PodSyncer
+	nodeNet   NodeSyncer
+	log       logrus.FieldLogger
 
 	mu       sync.Mutex
 	desired  map[string]PodTunnels
@@ -151,15 +153,16 @@ func NewController(cfg Config, inf Informers, locator runtime.Locator, podNet Po
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
 			workqueue.NewTypedItemExponentialFailureRateLimiter[daemon.QueueKey](500*time.Millisecond, 2*time.Minute),
 			workqueue.TypedRateLimitingQueueConfig[daemon.QueueKey]{Name: "tunnel-endpoint"}),
-		locator:  locator,
-		podNet:   podNet,
-		nodeNet:  nodeNet,
-		log:      log,
-		desired:  map[string]PodTunnels{},
-		clean:    map[string]string{},
-		problems: map[string]bool{},
-		refused:  map[string]string{},
-		live:     livepolicy.New(cfg.Policy),
+		routeWait: workqueue.NewTypedItemExponentialFailureRateLimiter[daemon.QueueKey](100*time.Millisecond, 2*time.Second),
+		locator:   locator,
+		podNet:    podNet,
+		nodeNet:   nodeNet,
+		log:       log,
+		desired:   map[string]PodTunnels{},
+		clean:     map[string]string{},
+		problems:  map[string]bool{},
+		refused:   map[string]string{},
+		live:      livepolicy.New(cfg.Policy),
 	}
 	recompute := func(any) { c.queue.Add(desiredKey) }
 	handlers := []struct {
@@ -379,13 +382,33 @@ func (c *Controller) processNext(ctx context.Context) bool {
 		return true
 	}
 	c.metrics.observeSync(kind, time.Since(start), err)
-	if err != nil {
+	c.requeue(key, err)
+	return true
+}
+
+// requeue schedules key again after its sync returned err: a failure with
+// the queue's back-off (up to 2 minutes), a pod whose route the network
+// plugin has not added yet within routeWait's (up to 2 s), so that a new
+// pod is served soon after its plugin routes it, before the router sends
+// it many flows.
+func (c *Controller) requeue(key daemon.QueueKey, err error) {
+	switch {
+	case err == nil:
+		c.queue.Forget(key)
+		c.routeWait.Forget(key)
+	case errors.Is(err, errNoPodRoute):
+		entry := c.log.WithError(err).WithField("key", key.String())
+		if c.routeWait.NumRequeues(key) == 0 {
+			entry.Info("waiting for the network plugin's route to a served pod")
+		} else {
+			entry.Debug("still waiting for the network plugin's route to a served pod")
+		}
+		c.queue.Forget(key)
+		c.queue.AddAfter(key, c.routeWait.When(key))
+	default:
 		c.log.WithError(err).WithField("key", key.String()).Warn("sync failed, will retry with back-off")
 		c.queue.AddRateLimited(key)
-		return true
 	}
-	c.queue.Forget(key)
-	return true
 }
 
 // resync forgets which pods were clean and checks every local pod again.

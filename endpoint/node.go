@@ -106,6 +106,11 @@ type nodeState struct {
 	ReplyExempt replyexempt.State
 }
 
+// errNoPodRoute: the node has no route to a served pod's address yet. Some
+// network plugins add it only after the pod runs (Calico: its CNI plugin
+// and Felix), so the controller looks again soon instead of backing off.
+var errNoPodRoute = errors.New("the node has no route to its IP")
+
 // nodeWant is the node's desired state, derived from the served pods.
 type nodeWant struct {
 	Routes map[uint32]swapRoute
@@ -283,7 +288,7 @@ func (n *NodeNetwork) want(nl *netlink.Handle, served []PodTunnels, nodeIP netip
 			}
 			routes, err := nl.RouteGet(podIP.AsSlice())
 			if err != nil || len(routes) == 0 || routes[0].LinkIndex == 0 {
-				problems = append(problems, fmt.Errorf("pod %s: the node has no route to its IP %v: %v", pt.Pod, podIP, err))
+				problems = append(problems, fmt.Errorf("pod %s: %w %v: %v", pt.Pod, errNoPodRoute, podIP, err))
 				continue
 			}
 			link, err := nl.LinkByIndex(routes[0].LinkIndex)
