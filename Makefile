@@ -32,15 +32,15 @@ manifest: ## bin/tunnel-router.yaml and bin/tunnel-uninstall.yaml naming the ima
 # static busybox for the images) for the endpoint agent's runtime lookups;
 # skopeo to check that the built images copy; nftables' nft for the lab
 # cluster's kube-proxy (its nftables mode).
-APT_PACKAGES := iptables iproute2 util-linux docker.io containerd runc containernetworking-plugins busybox-static bird2 skopeo nftables
+APT_PACKAGES := iptables iproute2 util-linux docker.io containerd runc containernetworking-plugins busybox-static bird2 skopeo nftables ipset
 
 deps: ## install the Debian packages the tests need (iptables, iproute2, docker.io, containerd, ...)
 	@if ! { command -v iptables && command -v ip && command -v nsenter && command -v dockerd && command -v containerd \
 		&& command -v runc && command -v skopeo && test -x /usr/lib/cni/loopback && dpkg -s busybox-static && command -v bird && command -v birdc \
-		&& test -x /usr/sbin/nft; } >/dev/null 2>&1; then \
+		&& test -x /usr/sbin/nft && test -x /usr/sbin/ipset; } >/dev/null 2>&1; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(APT_PACKAGES); fi
 
-assets: ## build and cache a real etcd, kube-apiserver, kubelet, kube-controller-manager, kube-scheduler and kube-network-policies, and the VM lab's kernel
+assets: ## build and cache a real etcd, kube-apiserver, kubelet, kube-controller-manager, kube-scheduler, kube-proxy, kube-network-policies, Flannel and Calico, and the VM lab's kernel
 	./test/tools/kube-assets.sh
 	./test/tools/lab-assets.sh
 
@@ -79,7 +79,7 @@ e2e: deps assets ## the end-to-end lab: 17 dual-stack scenarios x gre, mpls in t
 
 # The lab cluster's network plugin: bridge or flannel (make cluster CNI=flannel).
 CNI ?=
-cluster: deps assets ## the two-node lab cluster run by real kubelets and kube-proxy: install, example, client traffic, kube-proxy and the replies, network policy, rollout restart, router pod deletion, uninstall, in gre and mpls (CNI=bridge|flannel)
+cluster: deps assets ## the two-node lab cluster run by real kubelets and kube-proxy: install, example, client traffic, kube-proxy and the replies, network policy, rollout restart, router pod deletion, uninstall, gre mode on Flannel and mpls mode on Calico, each cluster of its own (CNI=bridge|flannel|calico: both modes on that one)
 	KST_REQUIRE_INTEGRATION=1 KST_CLUSTER_CNI=$(CNI) $(GO) test -count=1 -timeout 45m -run TestCluster -v ./test/cluster
 
 # A smoke run of every part of the benchmark, counts scaled down (about 40 s).

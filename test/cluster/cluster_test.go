@@ -68,10 +68,14 @@ const (
 	// demoEnv set (to anything) runs make demo-cluster's steps only.
 	demoEnv = "KST_CLUSTER_DEMO"
 	// cniEnv names the nodes' network plugin (make cluster CNI=...):
-	// cniFlannel (the default) or cniBridge.
-	cniEnv            = "KST_CLUSTER_CNI"
-	cniFlannel        = "flannel"
-	cniBridge         = "bridge"
+	// cniFlannel, cniCalico or cniBridge; unset: clusterPlan's pairing.
+	cniEnv     = "KST_CLUSTER_CNI"
+	cniFlannel = "flannel"
+	cniCalico  = "calico"
+	cniBridge  = "bridge"
+	// modesEnv tells TestInCluster the tunnel modes to run, in order
+	// (comma-separated).
+	modesEnv          = "KST_CLUSTER_MODES"
 	vmDir             = "/lab/cluster"
 	manifestFile      = vmDir + "/tunnel-router.yaml"
 	uninstallFile     = vmDir + "/tunnel-uninstall.yaml"
@@ -118,10 +122,85 @@ func TestCluster(t *testing.T) {
 		t.Skip("-short: the lab cluster takes minutes")
 	}
 	assets := lab.Require(t)
-	cni := clusterCNI()
-	if cni != cniFlannel && cni != cniBridge {
-		t.Fatalf("%s=%q: want %s or %s", cniEnv, cni, cniFlannel, cniBridge)
+	plan, err := clusterPlan()
+	if err != nil {
+		t.Fatal(err)
 	}
+	dir := t.TempDir()
+	version := fmt.Sprintf("lab-%d", time.Now().Unix())
+	built := testimages.Build(t, dir, image.DefaultRegistry, version)
+	example := filepath.Join(dir, "example-image.tar")
+	if err := lab.WriteBusyboxImage(example, lab.ExampleImage, nil); err != nil {
+		t.Fatal(err)
+	}
+	program := filepath.Join(dir, "cluster.test")
+	if err := lab.BuildStaticTest("./test/cluster", program); err != nil {
+		t.Fatal(err)
+	}
+	var audit []kubeenv.AuditEvent
+	var durations []string
+	for _, p := range plan {
+		ok := t.Run(p.name(), func(t *testing.T) {
+			events, report := runCluster(t, assets, p, built, example, program, version)
+			audit = append(audit, events...)
+			durations = append(durations, report)
+		})
+		if !ok {
+			break
+		}
+	}
+	if err := os.WriteFile(durationsFile, []byte(strings.Join(durations, "\n")), 0o644); err != nil {
+		t.Logf("writing %s: %v", durationsFile, err)
+	}
+	if !t.Failed() && !demo() {
+		checkGrantsUsed(t, audit)
+	}
+}
+
+// pairing is one lab cluster run: its nodes' network plugin and the tunnel
+// modes run on it, one after the other.
+type pairing struct {
+	cni   string
+	modes []string
+}
+
+func (p pairing) name() string { return p.cni + "_" + strings.Join(p.modes, "_") }
+
+// clusterPlan is what TestCluster runs: by default gre mode on Flannel and
+// mpls mode on Calico, each on a cluster of its own (issue 32: each mode
+// under a real plugin, within make test's time); make cluster CNI=X runs
+// both modes on X (or those of $KST_CLUSTER_MODES); make demo-cluster runs
+// gre mode on Flannel (or X).
+func clusterPlan() ([]pairing, error) {
+	cni := os.Getenv(cniEnv)
+	if cni != "" && !slices.Contains([]string{cniFlannel, cniCalico, cniBridge}, cni) {
+		return nil, fmt.Errorf("%s=%q: want %s, %s or %s", cniEnv, cni, cniFlannel, cniCalico, cniBridge)
+	}
+	switch {
+	case demo():
+		if cni == "" {
+			cni = cniFlannel
+		}
+		return []pairing{{cni, []string{"gre"}}}, nil
+	case cni != "":
+		modes := []string{"gre", "mpls"}
+		if m := os.Getenv(modesEnv); m != "" {
+			modes = strings.Split(m, ",")
+		}
+		return []pairing{{cni, modes}}, nil
+	}
+	return []pairing{{cniFlannel, []string{"gre"}}, {cniCalico, []string{"mpls"}}}, nil
+}
+
+// durationsFile is the lab cluster's slowest steps, every pairing's
+// (make test shows it after the cluster phase).
+var durationsFile = filepath.Join(os.TempDir(), "kst-cluster-lab-router.durations.txt")
+
+// runCluster boots the two nodes with p's plugin against an API server of
+// their own, runs TestInCluster there for p's modes, and returns the API
+// server's audit of the daemons' requests and the run's duration report.
+func runCluster(t *testing.T, assets lab.Assets, p pairing, built map[string]image.Result, example, program, version string) ([]kubeenv.AuditEvent, string) {
+	cni := p.cni
 	// The daemons' requests are audited: checkGrantsUsed.
 	env := kubeenv.StartWithOptions(t, kubeenv.Options{ServiceAccountAdmission: true, AuditServiceAccountsOf: daemonNamespace})
 	if err := env.StartControllers(); err != nil {
@@ -131,19 +210,14 @@ func TestCluster(t *testing.T) {
 		t.Skip(err)
 	}
 	dir := t.TempDir()
-	version := fmt.Sprintf("lab-%d", time.Now().Unix())
-	built := testimages.Build(t, dir, image.DefaultRegistry, version)
 	var archives []string
 	for _, r := range built {
 		archives = append(archives, r.Archive)
 	}
-	example := filepath.Join(dir, "example-image.tar")
-	if err := lab.WriteBusyboxImage(example, lab.ExampleImage, nil); err != nil {
-		t.Fatal(err)
-	}
 	vmFiles := map[string]string{
-		exampleFile: filepath.Join(lab.RepoRoot(), "examples", "echo.yaml"),
-		policyFile:  filepath.Join(lab.RepoRoot(), "examples", "allow-tunnel-routers.yaml"),
+		exampleFile:      filepath.Join(lab.RepoRoot(), "examples", "echo.yaml"),
+		policyFile:       filepath.Join(lab.RepoRoot(), "examples", "allow-tunnel-routers.yaml"),
+		lab.GuestProgram: program,
 	}
 	for vmPath, src := range map[string][]byte{manifestFile: repoFile(t, "tunnel-router.yaml"), uninstallFile: image.Uninstall} {
 		rendered, err := image.RenderManifest(src, image.DefaultRegistry, version)
@@ -156,26 +230,34 @@ func TestCluster(t *testing.T) {
 		}
 		vmFiles[vmPath] = p
 	}
-	workerFiles, err := networkPolicyEngine(t, env, dir)
-	if err != nil {
-		t.Fatal(err)
+	var workerFiles map[string]string
+	if cni != cniCalico {
+		// Calico is its own NetworkPolicy engine.
+		var err error
+		if workerFiles, err = networkPolicyEngine(t, env, dir); err != nil {
+			t.Fatal(err)
+		}
 	}
-	program := filepath.Join(dir, "cluster.test")
-	if err := lab.BuildStaticTest("./test/cluster", program); err != nil {
-		t.Fatal(err)
-	}
-	vmFiles[lab.GuestProgram] = program
 	apiPort := env.Port()
 	if err := lab.ServeKubernetesService(context.Background(), env.AdminConfig(), apiPort); err != nil {
 		t.Fatal(err)
 	}
-	if cni == cniFlannel {
+	switch cni {
+	case cniFlannel:
 		// flannel's kube subnet manager takes each node's subnet from
 		// its spec.podCIDR.
 		for _, n := range []node{routerNode, workerNode} {
 			if err := lab.CreateNode(context.Background(), env.AdminConfig(), n.name, n.podCIDR); err != nil {
 				t.Fatal(err)
 			}
+		}
+	case cniCalico:
+		crds, err := lab.CalicoCRDs()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := kubeenv.Apply(context.Background(), env.AdminConfig(), crds, false); err != nil {
+			t.Fatalf("applying Calico's CRDs: %v", err)
 		}
 	}
 	linkPorts := freeUDPPorts(t, 2)
@@ -209,46 +291,49 @@ func TestCluster(t *testing.T) {
 		kubelet := lab.KubeletOptions{NodeName: n.name, NodeIP: n.linkAddr,
 			PodCIDR: n.podCIDR, Admin: env.AdminConfig(), Images: images, LateImages: late}
 		hostBinaries := slices.Concat(lab.KubeletHostBinaries, lab.KubeProxyHostBinaries)
-		if cni == cniFlannel {
+		modules := append(slices.Clone(lab.KubeletModules), lab.KubeProxyModules...)
+		switch cni {
+		case cniFlannel:
 			kubelet.CNIConfig = lab.FlannelCNIConfig
 			hostBinaries = append(hostBinaries, lab.FlannelHostBinaries...)
+			modules = append(modules, lab.FlannelModules...)
+		case cniCalico:
+			kubelet.CNIConfig = lab.CalicoCNIConfig
+			hostBinaries = append(hostBinaries, lab.CalicoHostBinaries...)
+			modules = append(modules, lab.CalicoModules...)
 		}
 		files, err := lab.KubeletFiles(nodeDir, kubelet)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if cni == cniFlannel {
-			flannel, err := lab.FlannelFiles(nodeDir, clusterCIDR)
-			if err != nil {
-				t.Fatal(err)
-			}
-			maps.Copy(files, flannel)
+		var plugin map[string]string
+		switch cni {
+		case cniFlannel:
+			plugin, err = lab.FlannelFiles(nodeDir, clusterCIDR)
+		case cniCalico:
+			plugin, err = lab.CalicoFiles()
 		}
-		for vmPath, p := range vmFiles {
-			files[vmPath] = p
+		if err != nil {
+			t.Fatal(err)
 		}
+		maps.Copy(files, plugin)
+		maps.Copy(files, vmFiles)
 		proxyFiles, err := lab.KubeProxyFiles(nodeDir, n.name, clusterCIDR)
 		if err != nil {
 			t.Fatal(err)
 		}
 		maps.Copy(files, proxyFiles)
-		modules := append(slices.Clone(lab.KubeletModules), lab.KubeProxyModules...)
-		if cni == cniFlannel {
-			modules = append(modules, lab.FlannelModules...)
-		}
-		if n.role == "worker" {
-			for vmPath, p := range workerFiles {
-				files[vmPath] = p
-			}
+		if n.role == "worker" && workerFiles != nil {
+			maps.Copy(files, workerFiles)
 			modules = append(modules, knpModules...)
 		}
 		ir, err := lab.BuildInitramfs(lab.InitramfsOptions{Assets: assets, Output: filepath.Join(nodeDir, "initrd.cpio"),
-			Script: nodeScript(n, apiPort, cni), Files: files, Modules: modules, HostBinaries: hostBinaries})
+			Script: nodeScript(n, apiPort, p), Files: files, Modules: modules, HostBinaries: hostBinaries})
 		if err != nil {
 			t.Fatal(err)
 		}
 		local, remote := linkPorts[i], linkPorts[1-i]
-		console, err := os.Create(filepath.Join(os.TempDir(), "kst-cluster-"+n.name+".log"))
+		console, err := os.Create(consoleFile(cni, n))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -283,16 +368,24 @@ func TestCluster(t *testing.T) {
 	start := time.Now()
 	wg.Wait()
 	took := time.Since(start)
-	t.Logf("the VMs ran for %v; consoles: %s", took.Round(time.Second), filepath.Join(os.TempDir(), "kst-cluster-*.log"))
+	t.Logf("the VMs ran for %v; consoles: %s, %s", took.Round(time.Second), consoleFile(cni, routerNode), consoleFile(cni, workerNode))
 	lab.ReportGuestTests(t, results[0].out, results[0].rc, results[0].err)
-	lab.RecordDurations(t, lab.DurationsFile(filepath.Join(os.TempDir(), "kst-cluster-lab-router.log")), "./test/cluster", results[0].out, took)
-	if !t.Failed() && os.Getenv(demoEnv) == "" {
-		checkGrantsUsed(t, env)
-	}
+	report := lab.DurationReport("./test/cluster "+p.name(), results[0].out, took, 10)
+	t.Log("\n" + report)
 	if t.Failed() {
 		t.Logf("lab-worker's console tail:\n%s", lab.LastLines(results[1].out, 60))
 		t.Logf("controller-manager and scheduler logs: %v", env.ControllerLogs())
 	}
+	events, err := kubeenv.ReadAuditLog(env.AuditLog())
+	if err != nil {
+		t.Error(err)
+	}
+	return events, report
+}
+
+// consoleFile is where a node's console goes while it runs plugin cni.
+func consoleFile(cni string, n node) string {
+	return filepath.Join(os.TempDir(), "kst-cluster-"+cni+"-"+n.name+".log")
 }
 
 // networkPolicyEngine returns the worker's files for kube-network-policies
@@ -343,7 +436,8 @@ func networkPolicyEngine(t *testing.T, env *kubeenv.Env, dir string) (map[string
 // nodeScript is a node's /lab/run.sh: the nodes' link, routes to the other
 // node's pods and the client's network, the kubelet node
 // (lab.KubeletScript), then the node's guest test.
-func nodeScript(n node, apiPort int, cni string) string {
+func nodeScript(n node, apiPort int, p pairing) string {
+	cni := p.cni
 	other := workerNode
 	if n.role == "worker" {
 		other = routerNode
@@ -368,17 +462,26 @@ echo 1 > /proc/sys/net/ipv4/ip_forward
 /sbin/ip -n %[1]s addr add %[3]s/24 dev eth0 && /sbin/ip -n %[1]s link set eth0 up && /sbin/ip -n %[1]s link set lo up
 /sbin/ip -n %[1]s route add default via %[2]s
 `, clientNS, clientGatewayAddr, clientAddr)
+	} else if cni == cniCalico {
+		// A default route through lab-router (the datacenter's router in
+		// this lab, which has none itself): Calico's pods reach their
+		// gateway, 169.254.1.1, by the node's proxy ARP, which answers
+		// only for an address the node routes elsewhere.
+		fmt.Fprintf(&b, "/sbin/ip route add default via %s\n", other.linkAddr)
 	} else {
 		fmt.Fprintf(&b, "/sbin/ip route add 198.51.100.0/24 via %s\n", other.linkAddr)
 	}
 	b.WriteString(lab.KubeletScript + lab.KubernetesServiceDNAT(apiPort))
-	if cni == cniFlannel {
+	switch cni {
+	case cniFlannel:
 		b.WriteString(lab.FlannelScript("eth1"))
+	case cniCalico:
+		b.WriteString(lab.CalicoScript("eth1", clusterCIDR))
 	}
 	// kube-proxy as its DaemonSet would run it, in the first mode's
 	// pairing (kubeProxyMode); TestInCluster switches it.
-	fmt.Fprintf(&b, "%s %s || echo \"FAIL kube-proxy\"\n", lab.KubeProxyStart, kubeProxyMode["gre"])
-	if n.role == "worker" {
+	fmt.Fprintf(&b, "%s %s || echo \"FAIL kube-proxy\"\n", lab.KubeProxyStart, kubeProxyMode[p.modes[0]])
+	if n.role == "worker" && cni != cniCalico {
 		// kube-network-policies, as its DaemonSet would run it: in-cluster
 		// configuration through the kubernetes Service, no NRI.
 		fmt.Fprintf(&b, `mkdir -p /var/run/secrets/kubernetes.io/serviceaccount && cp %[1]s/token %[1]s/ca.crt /var/run/secrets/kubernetes.io/serviceaccount/
@@ -387,8 +490,8 @@ KUBERNETES_SERVICE_HOST=10.96.0.1 KUBERNETES_SERVICE_PORT=443 %[1]s/kube-network
 	}
 	// One P: on two emulated cores, Go's idle Ms spinning for work cost
 	// the test program more CPU than its own work.
-	fmt.Fprintf(&b, "cd /tmp && GOMAXPROCS=1 %s=1 %s=%s %s=%q %s=%s %s -test.run '^(TestInCluster|TestNodeHelper)$' -test.v -test.count=1 -test.timeout %s\n",
-		lab.EnvGuest, roleEnv, n.role, demoEnv, os.Getenv(demoEnv), cniEnv, cni, lab.GuestProgram, guestTimeout)
+	fmt.Fprintf(&b, "cd /tmp && GOMAXPROCS=1 %s=1 %s=%s %s=%q %s=%s %s=%s %s -test.run '^(TestInCluster|TestNodeHelper)$' -test.v -test.count=1 -test.timeout %s\n",
+		lab.EnvGuest, roleEnv, n.role, demoEnv, os.Getenv(demoEnv), cniEnv, cni, modesEnv, strings.Join(p.modes, ","), lab.GuestProgram, guestTimeout)
 	return b.String()
 }
 
@@ -440,13 +543,9 @@ var usedOutsideTheLab = map[string]string{
 // every verb of every rule the manifest grants them was used by a
 // successful request, and none of their requests was forbidden. A grant
 // that nothing uses fails the test: it is power an attacker gets for free.
-func checkGrantsUsed(t *testing.T, env *kubeenv.Env) {
+func checkGrantsUsed(t *testing.T, events []kubeenv.AuditEvent) {
 	t.Helper()
 	grants, err := kubeenv.ManifestGrants(repoFile(t, "tunnel-router.yaml"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	events, err := kubeenv.ReadAuditLog(env.AuditLog())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -468,10 +567,8 @@ func checkGrantsUsed(t *testing.T, env *kubeenv.Env) {
 	t.Logf("grants: %d of %d (verb, API group, resource) the manifest grants used by the daemons' %d audited requests", len(grants)-len(unused), len(grants), len(events))
 }
 
-// clusterCNI is the nodes' network plugin: $KST_CLUSTER_CNI, or flannel.
-func clusterCNI() string {
-	if cni := os.Getenv(cniEnv); cni != "" {
-		return cni
-	}
-	return cniFlannel
-}
+// clusterCNI is, in the VMs, the nodes' network plugin.
+func clusterCNI() string { return os.Getenv(cniEnv) }
+
+// clusterModes is, in the VMs, the tunnel modes TestInCluster runs.
+func clusterModes() []string { return strings.Split(os.Getenv(modesEnv), ",") }

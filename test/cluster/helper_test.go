@@ -40,12 +40,14 @@ import (
 //	GET  /cpu      the VM's CPU time, in all and by process name, text
 //	GET  /kube-proxy  the filter table with counters (iptables-save -c) and kube-proxy's log's tail, text
 //	POST /kube-proxy  ?mode=MODE: (re)starts kube-proxy in MODE (lab.KubeProxyStart)
+//	GET  /iptables    ?table=T: iptables-save -c -t T, text
 //	GET  /netfilter   every iptables rule and nftables table with counters, and the sysctls that judge replies, text
 //	POST /stop     ends the helper
 func TestNodeHelper(t *testing.T) {
 	if os.Getenv(roleEnv) != "worker" {
 		t.Skip("runs in the lab cluster's worker VM; TestCluster boots it")
 	}
+	quietNetlinkLog()
 	stop := make(chan struct{})
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /kstate", func(w http.ResponseWriter, r *http.Request) {
@@ -59,7 +61,9 @@ func TestNodeHelper(t *testing.T) {
 	mux.HandleFunc("GET /debug", func(w http.ResponseWriter, r *http.Request) {
 		for _, args := range [][]string{{"/sbin/ip", "route"}, {"/sbin/ip", "-f", "mpls", "route"}, {"/sbin/ip", "-br", "link"}, {"/sbin/ip", "-br", "addr"},
 			{"sh", "-c", "for f in /var/log/pods/*/*/*.log; do echo \"== $f\"; tail -n 20 \"$f\"; done"},
-			{"tail", "-n", "20", lab.FlannelLog}, {"tail", "-n", "20", lab.KubeProxyLog}} {
+			{"tail", "-n", "20", lab.FlannelLog}, {"tail", "-n", "20", lab.CalicoLog}, {"tail", "-n", "20", lab.KubeProxyLog},
+			{"/sbin/ip", "-s", "link"}, {"/sbin/ip", "neigh"},
+			{"sh", "-c", "for n in /run/netns/cni-*; do n=${n#/run/netns/}; echo \"== $n\"; /sbin/ip -n $n -br addr; /sbin/ip -n $n route; /sbin/ip -n $n -f mpls route; /sbin/ip -n $n -s link show eth0; /sbin/ip -n $n neigh; done"}} {
 			out, err := exec.CommandContext(r.Context(), args[0], args[1:]...).CombinedOutput()
 			fmt.Fprintf(w, "$ %s (%v)\n%s\n", strings.Join(args, " "), err, out)
 		}
@@ -74,6 +78,15 @@ func TestNodeHelper(t *testing.T) {
 	})
 	// The NetworkPolicy engine's packet verdicts and the tail of its log.
 	mux.HandleFunc("GET /engine", func(w http.ResponseWriter, r *http.Request) {
+		if clusterCNI() == cniCalico {
+			out, err := exec.CommandContext(r.Context(), "iptables-save", "-c", "-t", "filter").CombinedOutput()
+			if err != nil {
+				fmt.Fprintf(w, "iptables-save: %v: %s\n", err, out)
+				return
+			}
+			_, _ = io.WriteString(w, felixPolicyVerdicts(string(out)))
+			return
+		}
 		if metrics, err := engineMetrics(r.Context()); err != nil {
 			fmt.Fprintf(w, "metrics: %v\n", err)
 		} else {
@@ -95,6 +108,14 @@ func TestNodeHelper(t *testing.T) {
 		}
 		tail, _ := exec.CommandContext(r.Context(), "tail", "-n", "20", lab.KubeProxyLog).CombinedOutput()
 		fmt.Fprintf(w, "%s\n== %s\n%s", out, lab.KubeProxyLog, tail)
+	})
+	mux.HandleFunc("GET /iptables", func(w http.ResponseWriter, r *http.Request) {
+		out, err := exec.CommandContext(r.Context(), "iptables-save", "-c", "-t", r.URL.Query().Get("table")).CombinedOutput()
+		if err != nil {
+			http.Error(w, fmt.Sprintf("iptables-save: %v: %s", err, out), http.StatusInternalServerError)
+			return
+		}
+		_, _ = w.Write(out)
 	})
 	mux.HandleFunc("GET /netfilter", func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.WriteString(w, netfilterState(r.Context()))
@@ -123,6 +144,32 @@ func TestNodeHelper(t *testing.T) {
 
 // engineMetrics returns the lines of kube-network-policies' metrics that
 // count packets by verdict.
+// felixPolicyVerdicts is what Calico's Felix, the NetworkPolicy engine
+// under Calico, did to the pods' incoming packets, from iptables-save -c
+// output: each DROP of its to-workload chains (cali-tw-*, "no policy
+// passed the packet") as a line in the form of kube-network-policies'
+// metrics (verdict="drop"), which engineDrops sums, and its policy
+// chains' rules with their counters.
+func felixPolicyVerdicts(save string) string {
+	var b strings.Builder
+	for l := range strings.Lines(save) {
+		l = strings.TrimSpace(l)
+		counters, rule, ok := strings.Cut(strings.TrimPrefix(l, "["), "] ")
+		if !ok || !strings.HasPrefix(rule, "-A cali-") {
+			continue
+		}
+		chain := strings.Fields(rule)[1]
+		packets, _, _ := strings.Cut(counters, ":")
+		switch {
+		case strings.HasPrefix(chain, "cali-tw-") && strings.HasSuffix(rule, "-j DROP"):
+			fmt.Fprintf(&b, "felix_packets{chain=%q,verdict=\"drop\"} %s\n", chain, packets)
+		case strings.HasPrefix(chain, "cali-pi-"):
+			fmt.Fprintf(&b, "# %s %s\n", packets, rule)
+		}
+	}
+	return b.String()
+}
+
 func engineMetrics(ctx context.Context) (string, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+knpMetrics+"/metrics", nil)
 	if err != nil {

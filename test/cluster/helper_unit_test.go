@@ -3,6 +3,7 @@ package cluster
 import (
 	"net/netip"
 	"reflect"
+	"strings"
 	"testing"
 	"time"
 
@@ -109,5 +110,70 @@ COMMIT
 	}
 	if n, found := invalidDropRule("*filter\n[3:9] -A KUBE-FORWARD -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT\nCOMMIT\n"); found {
 		t.Errorf("invalidDropRule found %d packets in a table without the rule", n)
+	}
+}
+
+// TestClusterPlan: make test runs gre mode on Flannel and mpls mode on
+// Calico; make cluster CNI=X both modes on X, or those of
+// KST_CLUSTER_MODES; a plugin it does not know is an error.
+func TestClusterPlan(t *testing.T) {
+	t.Setenv(demoEnv, "")
+	t.Setenv(modesEnv, "")
+	t.Setenv(cniEnv, "")
+	plan, err := clusterPlan()
+	if err != nil || len(plan) != 2 || plan[0].name() != "flannel_gre" || plan[1].name() != "calico_mpls" {
+		t.Errorf("default plan: %v, %v; want flannel_gre, calico_mpls", plan, err)
+	}
+	t.Setenv(cniEnv, cniCalico)
+	if plan, err := clusterPlan(); err != nil || len(plan) != 1 || plan[0].name() != "calico_gre_mpls" {
+		t.Errorf("CNI=calico: %v, %v; want calico_gre_mpls", plan, err)
+	}
+	t.Setenv(modesEnv, "mpls")
+	if plan, err := clusterPlan(); err != nil || len(plan) != 1 || plan[0].name() != "calico_mpls" {
+		t.Errorf("CNI=calico KST_CLUSTER_MODES=mpls: %v, %v; want calico_mpls", plan, err)
+	}
+	t.Setenv(cniEnv, "weave")
+	if _, err := clusterPlan(); err == nil {
+		t.Error("CNI=weave: want an error")
+	}
+}
+
+// TestFelixCounters: Felix's reverse-path drops and its to-workload drops
+// are read from iptables-save -c output as the lab prints it.
+func TestFelixCounters(t *testing.T) {
+	raw := `*raw
+[5060:2488351] -A cali-PREROUTING -m comment --comment "cali:DQ6LK2guiBRMyrLK" -j MARK --set-xmark 0x0/0x1b0000
+[12:720] -A cali-PREROUTING -m comment --comment "cali:uvipz_NmQPrGYnTB" -m mark --mark 0x80000/0x80000 -m rpfilter --validmark --invert -j DROP
+[3:180] -A cali-PREROUTING -m comment --comment "cali:other" -m mark --mark 0x80000/0x80000 -m rpfilter --validmark --invert -j DROP
+COMMIT
+`
+	if n, found := felixRPFDrops(raw); !found || n != 15 {
+		t.Errorf("felixRPFDrops = %d, %v; want 15, true", n, found)
+	}
+	if _, found := felixRPFDrops("*raw\nCOMMIT\n"); found {
+		t.Error("felixRPFDrops found a drop in an empty table")
+	}
+	filter := `[7:420] -A cali-tw-cali58bbb0b5aab -m comment --comment "cali:mf6URJ9MHUclOLp_" -m comment --comment "Drop if no profiles matched" -j DROP
+[2:120] -A cali-pi-_abc -m comment --comment "cali:x" -s 198.51.100.0/24 -j MARK --set-xmark 0x10000/0x10000
+[1:60] -A cali-fw-cali58bbb0b5aab -m comment --comment "cali:y" -j DROP
+`
+	got := felixPolicyVerdicts(filter)
+	want := "felix_packets{chain=\"cali-tw-cali58bbb0b5aab\",verdict=\"drop\"} 7\n"
+	if !strings.HasPrefix(got, want) || strings.Contains(got, "cali-fw-") {
+		t.Errorf("felixPolicyVerdicts =\n%s\nwant it to start with\n%s\nand leave out cali-fw-", got, want)
+	}
+}
+
+// TestWithoutCalicoRoutes: Calico's routes through vxlan.calico leave the
+// comparison, other routes stay.
+func TestWithoutCalicoRoutes(t *testing.T) {
+	st := kstate.State{Sections: map[string][]string{"route": {
+		"10.244.120.128 dev vxlan.calico scope link mtu 1450",
+		"10.244.120.128/26 via 10.244.120.128 dev vxlan.calico onlink mtu 1450",
+		"198.51.100.0/24 via 172.20.0.11 dev eth1",
+	}}}
+	got := withoutCalicoRoutes(st).Sections["route"]
+	if len(got) != 1 || got[0] != "198.51.100.0/24 via 172.20.0.11 dev eth1" {
+		t.Errorf("withoutCalicoRoutes kept %q", got)
 	}
 }

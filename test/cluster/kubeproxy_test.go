@@ -216,9 +216,13 @@ func (c *cluster) kubeProxyReplies(t *testing.T, mode string) {
 	if rule != (proxyMode == "iptables") {
 		t.Fatalf("kube-proxy in %s mode: its INVALID drop in KUBE-FORWARD on the worker: %v, want %v", proxyMode, rule, proxyMode == "iptables")
 	}
+	felixBefore := c.felixInvalidDrops(t)
 	c.setAgentFlag(t, untrackOff, true)
 	without := c.handshakes(attempts)
 	dropped, _ := c.workerInvalidDrops(t)
+	if felix := c.felixInvalidDrops(t); clusterCNI() == cniCalico {
+		t.Logf("Calico: Felix's INVALID drop in its from-workload chains counted %d packets without the exemption", felix-felixBefore)
+	}
 	c.setAgentFlag(t, untrackOff, false)
 	with := c.handshakes(attempts)
 	after, _ := c.workerInvalidDrops(t)
@@ -235,6 +239,13 @@ func (c *cluster) kubeProxyReplies(t *testing.T, mode string) {
 			t.Errorf("kube-proxy's INVALID drop counted %d packets while the handshakes failed, want at least %d (a SYN-ACK each)", dropped-before, attempts)
 		}
 	case "nftables":
+		if clusterCNI() == cniCalico {
+			// Felix drops what conntrack calls INVALID leaving a pod.
+			if len(without) != attempts {
+				t.Errorf("without the reply exemption %d of %d handshakes completed under Calico, whose from-workload chains drop conntrack INVALID, want none", attempts-len(without), attempts)
+			}
+			break
+		}
 		if len(without) != 0 {
 			t.Errorf("without the reply exemption %d of %d handshakes failed under kube-proxy's nftables mode, which has no INVALID drop: %v", len(without), attempts, without)
 		}
@@ -242,4 +253,31 @@ func (c *cluster) kubeProxyReplies(t *testing.T, mode string) {
 	if len(with) != 0 {
 		t.Errorf("with the reply exemption %d of %d handshakes failed: %v", len(with), attempts, with)
 	}
+}
+
+// felixInvalidDrops is, under Calico, the packet count of Felix's drop of
+// conntrack INVALID in its from-workload chains (cali-fw-*) on the worker;
+// 0 under other plugins.
+func (c *cluster) felixInvalidDrops(t *testing.T) int64 {
+	t.Helper()
+	if clusterCNI() != cniCalico {
+		return 0
+	}
+	b, err := c.helperGet("/iptables?table=filter")
+	if err != nil {
+		t.Fatalf("the worker's filter table: %v", err)
+	}
+	var packets int64
+	for l := range strings.Lines(string(b)) {
+		l = strings.TrimSpace(l)
+		if !strings.Contains(l, "-A cali-fw-") || !strings.Contains(l, "--ctstate INVALID") || !strings.HasSuffix(l, "-j DROP") {
+			continue
+		}
+		counters, _, _ := strings.Cut(strings.TrimPrefix(l, "["), "]")
+		p, _, _ := strings.Cut(counters, ":")
+		if n, err := strconv.ParseInt(p, 10, 64); err == nil {
+			packets += n
+		}
+	}
+	return packets
 }

@@ -66,7 +66,7 @@ func (c *cluster) networkPolicy(t *testing.T, mode string) {
 	}
 	took := c.waitFor(t, "the client admitted by examples/allow-tunnel-routers.yaml", time.Minute, func() (bool, error) { return c.connects(), nil })
 	t.Logf("1. examples/allow-tunnel-routers.yaml applied: the client (in 198.51.100.0/24) connects %v after the apply", took.Round(100*time.Millisecond))
-	t.Logf("kube-network-policies:\n%s", c.engineReport())
+	t.Logf("%s:\n%s", engineName(), c.engineReport())
 	echoing("under the example's policies")
 
 	if err := policies.Delete(ctx, policyOffice, metav1.DeleteOptions{}); err != nil {
@@ -98,7 +98,7 @@ func (c *cluster) networkPolicy(t *testing.T, mode string) {
 		took = c.waitForOr(t, "the client refused once the router node is not admitted", time.Minute, c.engineReport, func() (bool, error) { return !c.connects(), nil })
 		drops := c.engineDrops(t)
 		if drops <= dropsBefore {
-			t.Errorf("kube-network-policies counted %d dropped packets before and %d after: the refusal was not the engine's\n%s", dropsBefore, drops, c.engineReport())
+			t.Errorf("%s counted %d dropped packets before and %d after: the refusal was not the engine's\n%s", engineName(), dropsBefore, drops, c.engineReport())
 		}
 		t.Logf("3. the carrier allowance deleted (gre): the engine drops the GRE packets, the client is refused after %v; the engine's drops %d -> %d", took.Round(100*time.Millisecond), dropsBefore, drops)
 	} else {
@@ -114,13 +114,21 @@ func (c *cluster) networkPolicy(t *testing.T, mode string) {
 		}
 		t.Logf("3. the carrier allowance deleted (mpls): 5 of 5 connections still answered %v after the delete (the engine never sees MPLS frames)", time.Since(start).Round(100*time.Millisecond))
 	}
-	t.Logf("kube-network-policies:\n%s", c.engineReport())
+	t.Logf("%s:\n%s", engineName(), c.engineReport())
 
 	if err := policies.DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	took = c.waitFor(t, "the client connects with no policy", time.Minute, func() (bool, error) { return c.connects(), nil })
 	t.Logf("4. no policy: the client connects after %v", took.Round(100*time.Millisecond))
+}
+
+// engineName names the NetworkPolicy engine of the run's plugin.
+func engineName() string {
+	if clusterCNI() == cniCalico {
+		return "Calico's Felix"
+	}
+	return "kube-network-policies"
 }
 
 // onlyFrom is a policy admitting clients of cidr to the echo pods' port.

@@ -35,7 +35,7 @@ var KubeProxyModes = []string{"iptables", "nftables"}
 var KubeProxyModules = []string{
 	"xt_statistic", "xt_MASQUERADE", "xt_addrtype", "xt_multiport", "xt_nfacct", "nfnetlink_acct",
 	"ipt_REJECT", "ip6t_REJECT", "ip6table_nat", "ip6table_filter",
-	"nft_nat", "nft_masq", "nft_reject", "nft_reject_inet", "nft_fib", "nft_fib_inet", "nft_fib_ipv4", "nft_fib_ipv6", "nft_numgen", "nft_limit",
+	"nft_nat", "nft_masq", "nft_reject", "nft_reject_inet", "nft_reject_ipv4", "nft_reject_ipv6", "nft_fib", "nft_fib_inet", "nft_fib_ipv4", "nft_fib_ipv6", "nft_numgen", "nft_limit",
 }
 
 // KubeProxyHostBinaries are the host programs kube-proxy needs in the VM:

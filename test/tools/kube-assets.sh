@@ -2,8 +2,9 @@
 # kube-assets.sh builds the kube-apiserver and etcd binaries used by the
 # integration tests (package test/kubeenv), the kubelet,
 # kube-controller-manager and kube-scheduler of the lab's real node
-# (test/lab), and kube-network-policies (the SIG Network NetworkPolicy
-# engine the lab cluster runs on its worker), from the Go module proxy.
+# (test/lab), kube-network-policies (the SIG Network NetworkPolicy
+# engine the lab cluster runs on its worker), Flannel and Calico (the lab
+# cluster's network plugins), from the Go module proxy.
 #
 # Output directory: ${KST_ASSETS_DIR:-$HOME/.cache/kube-service-tunnel/assets}
 # Each binary is skipped when it already exists there and answers --version.
@@ -96,7 +97,11 @@ build_module() {
 	)
 	mv "$ASSETS_DIR/$name.tmp" "$ASSETS_DIR/$name"
 	rm -rf "$work"
-	log "built $name in $((SECONDS - start))s: $("$ASSETS_DIR/$name" --version 2>&1 | head -n1)"
+	if [[ -n "${NO_VERSION_PROBE:-}" ]]; then
+		log "built $name in $((SECONDS - start))s"
+	else
+		log "built $name in $((SECONDS - start))s: $("$ASSETS_DIR/$name" --version 2>&1 | head -n1)"
+	fi
 }
 
 # kube_replaces GOMOD: the staging replaces for KUBE_VERSION (v1.Y.Z -> v0.Y.Z).
@@ -158,6 +163,57 @@ build_flannel() {
 	fi
 }
 
+# Calico (issue 32), the lab cluster's network plugin in one mode: calico-node
+# (its startup, tunnel-address allocation and Felix with the iptables
+# dataplane; CGO_ENABLED=0 is enough while BPF is off) and its CNI plugin
+# (also calico-ipam, by the name it is run under). Calico is one module with
+# no tag the proxy serves; CALICO_COMMIT is v3.31.0's commit, as the proxy's
+# pseudo-version. Its go.mod replaces its own submodules by directory; they
+# are pinned here to the same commit (the api module to its own).
+CALICO_VERSION="${CALICO_VERSION:-v3.31.0}"
+CALICO_MODULE_VERSION="${CALICO_MODULE_VERSION:-v0.0.0-20251021213802-b1f3c43f8437}"
+CALICO_API_VERSION="${CALICO_API_VERSION:-v0.0.0-20251022175904-f2ab03771208}"
+calico_replaces() {
+	# Every replace of calico's go.mod that names a version, as is.
+	awk '
+		/^replace \(/ { inblock = 1; next }
+		inblock && /^\)/ { inblock = 0; next }
+		inblock && /=>/ && $0 !~ /=> \.\// { print "replace " $0 }
+	' "$1"
+	echo "replace github.com/projectcalico/api => github.com/projectcalico/api $CALICO_API_VERSION"
+	echo "replace github.com/projectcalico/calico/lib/std => github.com/projectcalico/calico/lib/std $CALICO_MODULE_VERSION"
+	echo "replace github.com/projectcalico/calico/lib/httpmachinery => github.com/projectcalico/calico/lib/httpmachinery $CALICO_MODULE_VERSION"
+}
+
+build_calico() {
+	local node="calico-node-$CALICO_VERSION" cni="calico-cni-$CALICO_VERSION"
+	local ldflags="-X github.com/projectcalico/calico/pkg/buildinfo.Version=$CALICO_VERSION"
+	# The checksum database knows no pseudo-version of these modules.
+	export GONOSUMDB="${GONOSUMDB:+$GONOSUMDB,}github.com/projectcalico"
+	if [[ -x "$ASSETS_DIR/$node" ]]; then
+		log "$node present"
+	else
+		NO_VERSION_PROBE=1 build_module "$node" github.com/projectcalico/calico "$CALICO_MODULE_VERSION" \
+			github.com/projectcalico/calico/node/cmd/calico-node calico_replaces "$ldflags"
+	fi
+	if [[ -x "$ASSETS_DIR/$cni" ]]; then
+		log "$cni present"
+	else
+		NO_VERSION_PROBE=1 build_module "$cni" github.com/projectcalico/calico "$CALICO_MODULE_VERSION" \
+			github.com/projectcalico/calico/cni-plugin/cmd/calico calico_replaces "$ldflags"
+	fi
+	# Its CRDs (manifests/crds.yaml), which the lab cluster applies.
+	local crds="calico-crds-$CALICO_VERSION.yaml" dir
+	if [[ -f "$ASSETS_DIR/$crds" ]]; then
+		log "$crds present"
+	else
+		dir="$(cd "$ASSETS_DIR" && go mod download -json "github.com/projectcalico/calico@$CALICO_MODULE_VERSION" |
+			sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')"
+		cp "$dir/manifests/crds.yaml" "$ASSETS_DIR/$crds.tmp"
+		mv "$ASSETS_DIR/$crds.tmp" "$ASSETS_DIR/$crds"
+	fi
+}
+
 main() {
 	mkdir -p "$ASSETS_DIR"
 	ASSETS_DIR="$(cd "$ASSETS_DIR" && pwd)"
@@ -175,6 +231,7 @@ main() {
 		build_module "$knp" sigs.k8s.io/kube-network-policies "$KNP_VERSION" sigs.k8s.io/kube-network-policies/cmd
 	fi
 	build_flannel
+	build_calico
 	echo "$ASSETS_DIR"
 }
 
