@@ -3,7 +3,6 @@ package cluster
 import (
 	"context"
 	"fmt"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -186,22 +185,9 @@ func (c *cluster) felixSourceDrops(t *testing.T) int64 {
 // felixRPFDrops sums the packet counters of Felix's reverse-path drops in
 // iptables-save -c -t raw output.
 func felixRPFDrops(save string) (packets int64, found bool) {
-	for l := range strings.Lines(save) {
-		l = strings.TrimSpace(l)
-		if !strings.Contains(l, "-A cali-PREROUTING ") || !strings.Contains(l, "-m rpfilter") || !strings.HasSuffix(l, "-j DROP") {
-			continue
-		}
-		found = true
-		counters, _, ok := strings.Cut(strings.TrimPrefix(l, "["), "]")
-		if !ok {
-			continue
-		}
-		p, _, _ := strings.Cut(counters, ":")
-		if n, err := strconv.ParseInt(p, 10, 64); err == nil {
-			packets += n
-		}
-	}
-	return packets, found
+	return rulePackets(save, func(rule string) bool {
+		return strings.Contains(rule, "-A cali-PREROUTING ") && strings.Contains(rule, "-m rpfilter") && strings.HasSuffix(rule, "-j DROP")
+	})
 }
 
 // echoes opens n connections from the client, one after the other, each

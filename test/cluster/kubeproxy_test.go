@@ -100,23 +100,31 @@ func (c *cluster) useKubeProxy(t *testing.T, mode string) {
 // conntrack state INVALID in iptables-save -c output, and returns its
 // packet counter.
 func invalidDropRule(save string) (packets int64, found bool) {
+	return rulePackets(save, func(rule string) bool {
+		return strings.Contains(rule, "-A KUBE-FORWARD ") && strings.Contains(rule, "--ctstate INVALID") && strings.HasSuffix(rule, "-j DROP")
+	})
+}
+
+// rulePackets sums the packet counters of the rules in iptables-save -c
+// output ("[packets:bytes] -A CHAIN ...") that match selects; found: some
+// rule matched.
+func rulePackets(save string, match func(rule string) bool) (packets int64, found bool) {
 	for l := range strings.Lines(save) {
 		l = strings.TrimSpace(l)
-		if !strings.Contains(l, "-A KUBE-FORWARD ") || !strings.Contains(l, "--ctstate INVALID") || !strings.HasSuffix(l, "-j DROP") {
+		if !match(l) {
 			continue
 		}
+		found = true
 		counters, _, ok := strings.Cut(strings.TrimPrefix(l, "["), "]")
 		if !ok {
-			return 0, true
+			continue
 		}
 		p, _, _ := strings.Cut(counters, ":")
-		n, err := strconv.ParseInt(p, 10, 64)
-		if err != nil {
-			return 0, true
+		if n, err := strconv.ParseInt(p, 10, 64); err == nil {
+			packets += n
 		}
-		return n, true
 	}
-	return 0, false
+	return packets, found
 }
 
 // workerInvalidDrops is the packet count of kube-proxy's INVALID drop on the
@@ -267,17 +275,8 @@ func (c *cluster) felixInvalidDrops(t *testing.T) int64 {
 	if err != nil {
 		t.Fatalf("the worker's filter table: %v", err)
 	}
-	var packets int64
-	for l := range strings.Lines(string(b)) {
-		l = strings.TrimSpace(l)
-		if !strings.Contains(l, "-A cali-fw-") || !strings.Contains(l, "--ctstate INVALID") || !strings.HasSuffix(l, "-j DROP") {
-			continue
-		}
-		counters, _, _ := strings.Cut(strings.TrimPrefix(l, "["), "]")
-		p, _, _ := strings.Cut(counters, ":")
-		if n, err := strconv.ParseInt(p, 10, 64); err == nil {
-			packets += n
-		}
-	}
+	packets, _ := rulePackets(string(b), func(rule string) bool {
+		return strings.Contains(rule, "-A cali-fw-") && strings.Contains(rule, "--ctstate INVALID") && strings.HasSuffix(rule, "-j DROP")
+	})
 	return packets
 }
