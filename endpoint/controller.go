@@ -122,6 +122,14 @@ type Controller struct {
 	nodeSynced bool
 	ready      atomic.Bool
 	metrics    *Metrics
+	// Readiness gates (readiness.go): the writer of the pods' condition
+	// (nil: gates are left alone); the desired state each pod's namespace
+	// and the node's last converged to; the tunnel IPs of matching tunnel
+	// Services that no EndpointSlice lists a gated pod for yet.
+	conditions PodConditionWriter
+	podDone    map[string]PodTunnels
+	nodeDone   map[string]PodTunnels
+	unlisted   map[string][]netip.Addr
 	// policy reads what network policy needs; nil when it is off.
 	policy *policyWatch
 }
@@ -162,6 +170,8 @@ func NewController(cfg Config, inf Informers, locator runtime.Locator, podNet Po
 		clean:     map[string]string{},
 		problems:  map[string]bool{},
 		refused:   map[string]string{},
+		podDone:   map[string]PodTunnels{},
+		nodeDone:  map[string]PodTunnels{},
 		live:      livepolicy.New(cfg.Policy),
 	}
 	recompute := func(any) { c.queue.Add(desiredKey) }
@@ -370,7 +380,7 @@ func (c *Controller) processNext(ctx context.Context) bool {
 	case desiredKey:
 		kind, err = syncKindDesired, c.recompute()
 	case nodeKey:
-		kind, err = syncKindNode, c.syncNode()
+		kind, err = syncKindNode, c.syncNode(ctx)
 	default:
 		kind, err = syncKindPod, c.syncPod(ctx, key.Object)
 		if err == nil {
@@ -448,6 +458,10 @@ func (c *Controller) recompute() error {
 	}
 	policy := c.live.Get()
 	desired, problems, refused := Desired(c.cfg.NodeName, policy.Pools, policy.Networks(nodes), svcs, esl, pods)
+	var unlisted map[string][]netip.Addr
+	if c.conditions != nil {
+		unlisted = Unlisted(c.cfg.NodeName, policy.Pools, policy.Networks(nodes), svcs, pods, desired)
+	}
 	// A network plugin that drops the replies from the tunnel IPs is
 	// logged once per pod and reason, like every problem.
 	problems = append(problems, replyPathProblems(desired, pods)...)
@@ -478,6 +492,8 @@ func (c *Controller) recompute() error {
 	c.refused = logged
 	old := c.desired
 	c.desired = desired
+	oldUnlisted := c.unlisted
+	c.unlisted = unlisted
 	c.metrics.desiredState(desired, refused)
 	seen := map[string]bool{}
 	for _, p := range problems {
@@ -494,6 +510,12 @@ func (c *Controller) recompute() error {
 		if !old[key].Equal(desired[key]) {
 			c.queue.Add(daemon.ObjectKey(key))
 			changed = true
+		}
+	}
+	// A gated pod that no longer waits for a slice may open its gate.
+	for key := range oldUnlisted {
+		if len(unlisted[key]) == 0 {
+			c.queue.Add(daemon.ObjectKey(key))
 		}
 	}
 	if changed {
@@ -524,6 +546,7 @@ func (c *Controller) syncPod(ctx context.Context, key string) error {
 		// Its namespace went with it: nothing to remove, nothing to report.
 		c.mu.Lock()
 		delete(c.clean, key)
+		delete(c.podDone, key)
 		c.mu.Unlock()
 		c.metrics.forgetPod(key)
 		return nil
@@ -547,7 +570,7 @@ func (c *Controller) syncPod(ctx context.Context, key string) error {
 	if !served {
 		c.metrics.forgetPod(key)
 		if wasClean {
-			return nil
+			return c.podConvergedTo(ctx, pod, PodTunnels{Pod: podNow})
 		}
 		want = PodTunnels{Pod: podNow}
 	}
@@ -562,7 +585,8 @@ func (c *Controller) syncPod(ctx context.Context, key string) error {
 	podNS, err := c.locator.Locate(lctx, want.Pod)
 	if err != nil {
 		if errors.Is(err, runtime.ErrNotFound) && len(want.TunnelIPs) == 0 {
-			return nil // no sandbox, so nothing of ours in it either
+			// No sandbox, so nothing of ours in it either.
+			return c.podConvergedTo(ctx, pod, want)
 		}
 		return fmt.Errorf("pod %s: finding its network namespace (runtime %s): %w", key, c.locator.Name(), err)
 	}
@@ -597,11 +621,20 @@ func (c *Controller) syncPod(ctx context.Context, key string) error {
 		delete(c.clean, key)
 	}
 	c.mu.Unlock()
-	return nil
+	return c.podConvergedTo(ctx, pod, want)
+}
+
+// podConvergedTo records that pod's namespace holds want, and opens the
+// pod's readiness gate if that was all it waited for.
+func (c *Controller) podConvergedTo(ctx context.Context, pod *corev1.Pod, want PodTunnels) error {
+	c.mu.Lock()
+	c.podDone[pod.Namespace+"/"+pod.Name] = want
+	c.mu.Unlock()
+	return c.openGate(ctx, pod)
 }
 
 // syncNode converges the node's namespace for the pods served now.
-func (c *Controller) syncNode() error {
+func (c *Controller) syncNode(ctx context.Context) error {
 	c.mu.Lock()
 	served := slices.Collect(maps.Values(c.desired))
 	c.mu.Unlock()
@@ -622,8 +655,13 @@ func (c *Controller) syncNode() error {
 	}
 	c.mu.Lock()
 	c.nodeSynced = true
+	c.nodeDone = make(map[string]PodTunnels, len(served))
+	for _, pt := range served {
+		c.nodeDone[pt.Pod.Namespace+"/"+pt.Pod.Name] = pt
+	}
 	c.mu.Unlock()
 	c.updateReady()
+	c.openNodeGates(ctx, served)
 	return nil
 }
 

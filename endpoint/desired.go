@@ -226,6 +226,56 @@ func Desired(node string, pools tunnelclaim.Pools, known tunnelclaim.Networks, s
 	return desired, problems, decision.With(tunnelclaim.Refused)
 }
 
+// Unlisted returns, for each local pod that lists the readiness gate
+// ReadinessGate, the tunnel IPs it will serve but is not served yet: those
+// of the tunnel Services whose selector matches its labels, of a family it
+// has an address of, that desired (Desired's result) does not give it.
+// The EndpointSlice controller lists a pod that is not ready yet; until it
+// has, the agent cannot know the pod's tunnel IPs from the slices alone,
+// and must not open the gate of a pod it is about to serve.
+func Unlisted(node string, pools tunnelclaim.Pools, known tunnelclaim.Networks, services []*corev1.Service, pods []*corev1.Pod, desired map[string]PodTunnels) map[string][]netip.Addr {
+	var gated []*corev1.Pod
+	for _, pod := range pods {
+		if pod.Spec.NodeName == node && !pod.Spec.HostNetwork && HasReadinessGate(pod) {
+			gated = append(gated, pod)
+		}
+	}
+	if len(gated) == 0 {
+		return nil
+	}
+	// Decide again over the annotated Services only: the winners are the
+	// same (only those claim), and only a node with gated pods pays it.
+	var tunnelServices []*corev1.Service
+	for _, svc := range services {
+		if _, ok := svc.Annotations[tunnelclaim.Annotation]; ok {
+			tunnelServices = append(tunnelServices, svc)
+		}
+	}
+	if len(tunnelServices) == 0 {
+		return nil
+	}
+	winners := tunnelclaim.Decide(tunnelServices, pools, known).Winners
+	out := map[string][]netip.Addr{}
+	for _, pod := range gated {
+		key := pod.Namespace + "/" + pod.Name
+		v4, v6 := podAddrs(pod)
+		for vip, svc := range winners {
+			if svc.Namespace != pod.Namespace || len(svc.Spec.Selector) == 0 ||
+				!labels.SelectorFromSet(svc.Spec.Selector).Matches(labels.Set(pod.Labels)) {
+				continue
+			}
+			if (vip.Is4() && !v4.IsValid()) || (vip.Is6() && !v6.IsValid()) {
+				continue
+			}
+			if !slices.Contains(desired[key].TunnelIPs, vip) {
+				out[key] = append(out[key], vip)
+			}
+		}
+		slices.SortFunc(out[key], netip.Addr.Compare)
+	}
+	return out
+}
+
 // desiredOf is Desired given the claim decision's winners: every served
 // tunnel IP, of either family, and the Service that has it.
 func desiredOf(node string, winnerOf map[netip.Addr]*corev1.Service, endpointSlices []*kubeobj.EndpointSlice, pods []*corev1.Pod) (desired map[string]PodTunnels, problems []string) {

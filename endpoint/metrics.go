@@ -66,6 +66,7 @@ type Metrics struct {
 	syncDuration *prometheus.HistogramVec
 	syncErrors   *prometheus.CounterVec
 	kernelOps    *prometheus.CounterVec
+	gatesOpened  prometheus.Counter
 	decap        *decapCollector
 
 	mu sync.Mutex
@@ -110,6 +111,10 @@ func NewMetrics(reg prometheus.Registerer, decap DecapCounterReader, drops RuleC
 			Name: "kube_service_tunnel_endpoint_kernel_operations_total",
 			Help: "Kernel changes the agent made, by network namespace (pod, node), object (decap_device, tunnel_ip, sysctl, mpls_route, default_route, bridge_guard, reply_exemption) and operation.",
 		}, []string{"netns", "object", "operation"}),
+		gatesOpened: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kube_service_tunnel_endpoint_readiness_gates_opened_total",
+			Help: "Readiness gates (the pod condition cmd.nu/tunnel-ready) this agent set to True, once a pod listing the gate had its tunnel IPs in place.",
+		}),
 		vips: map[netip.Addr]bool{},
 	}
 	m.decap = newDecapCollector(decap, drops)
@@ -118,7 +123,7 @@ func NewMetrics(reg prometheus.Registerer, decap DecapCounterReader, drops RuleC
 		m.syncErrors.WithLabelValues(kind)
 	}
 	if reg != nil {
-		reg.MustRegister(m.tunnelIPs, m.refused, m.isolated, m.endpoints, m.syncDuration, m.syncErrors, m.kernelOps, m.decap.errors)
+		reg.MustRegister(m.tunnelIPs, m.refused, m.isolated, m.endpoints, m.syncDuration, m.syncErrors, m.kernelOps, m.gatesOpened, m.decap.errors)
 		if decap != nil || drops != nil {
 			reg.MustRegister(m.decap)
 		}
@@ -135,6 +140,14 @@ func (m *Metrics) observeSync(kind string, d time.Duration, err error) {
 	if err != nil {
 		m.syncErrors.WithLabelValues(kind).Inc()
 	}
+}
+
+// gateOpened counts a readiness gate set to True.
+func (m *Metrics) gateOpened() {
+	if m == nil {
+		return
+	}
+	m.gatesOpened.Inc()
 }
 
 // podChanges counts the changes made in a pod's namespace.

@@ -77,6 +77,9 @@ func Main(args []string) error {
 	if err != nil {
 		return err
 	}
+	// Pods that list the readiness gate cmd.nu/tunnel-ready become ready
+	// once their tunnel IPs are in place (pods/status, patch).
+	ctrl.SetConditionWriter(APIConditionWriter{Client: client})
 	if o.ConfigMap.Name != "" {
 		// The pools change without a restart.
 		stopWatch, err := livepolicy.Start(ctx, client, livepolicy.Ref(o.ConfigMap), ctrl, o.CommandLine, entry.WithField("component", "config"))

@@ -30,8 +30,11 @@ const AnnotationPrefix = "cmd.nu/"
 // annotations, the fields of its spec they read (type and
 // loadBalancerClass, for the status they publish; sessionAffinity, for the
 // hash; each port's protocol, port and targetPort, for the router's port
-// filter) and its status.loadBalancer. A daemon that starts reading another field of the
-// spec adds it here (TestSlimServiceKeepsWhatTheDaemonsRead lists them).
+// filter), the selector of a Service that carries one of the daemons'
+// annotations (the agent's readiness gate: which tunnel Services a new pod
+// will be listed for), and its status.loadBalancer. A daemon that starts
+// reading another field of the spec adds it here
+// (TestSlimServiceKeepsWhatTheDaemonsRead lists them).
 func SlimService(obj any) (any, error) {
 	svc, ok := obj.(*corev1.Service)
 	if !ok {
@@ -43,6 +46,9 @@ func SlimService(obj any) (any, error) {
 	slim.Spec.SessionAffinity = corev1.ServiceAffinity(sharedStrings.intern(string(svc.Spec.SessionAffinity)))
 	for _, p := range svc.Spec.Ports {
 		slim.Spec.Ports = append(slim.Spec.Ports, corev1.ServicePort{Protocol: p.Protocol, Port: p.Port, TargetPort: p.TargetPort})
+	}
+	if len(slim.Annotations) > 0 {
+		slim.Spec.Selector = svc.Spec.Selector
 	}
 	slim.Status.LoadBalancer = svc.Status.LoadBalancer
 	return slim, nil

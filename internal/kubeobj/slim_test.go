@@ -37,6 +37,7 @@ func TestSlimServiceKeepsWhatTheDaemonsRead(t *testing.T) {
 	full := &corev1.Service{
 		ObjectMeta: fullMeta,
 		Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeLoadBalancer, LoadBalancerClass: ptr("cmd.nu/tunnel"),
+			Selector:        map[string]string{"app": "web"},
 			Ports:           []corev1.ServicePort{{Name: "http", Protocol: corev1.ProtocolTCP, Port: 80, TargetPort: intstr.FromInt32(8080), NodePort: 30080, AppProtocol: ptr("http")}},
 			SessionAffinity: corev1.ServiceAffinityClientIP, SessionAffinityConfig: &corev1.SessionAffinityConfig{ClientIP: &corev1.ClientIPConfig{TimeoutSeconds: ptr(int32(60))}}},
 		Status: corev1.ServiceStatus{
@@ -49,11 +50,23 @@ func TestSlimServiceKeepsWhatTheDaemonsRead(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := &corev1.Service{ObjectMeta: wantMeta, Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeLoadBalancer, LoadBalancerClass: ptr("cmd.nu/tunnel"), SessionAffinity: corev1.ServiceAffinityClientIP,
-		Ports: []corev1.ServicePort{{Protocol: corev1.ProtocolTCP, Port: 80, TargetPort: intstr.FromInt32(8080)}}}}
+		Selector: map[string]string{"app": "web"},
+		Ports:    []corev1.ServicePort{{Protocol: corev1.ProtocolTCP, Port: 80, TargetPort: intstr.FromInt32(8080)}}}}
 	want.Labels = nil
 	want.Status.LoadBalancer = full.Status.LoadBalancer
 	if !equality.Semantic.DeepEqual(got, want) {
 		t.Errorf("SlimService:\n got %+v\nwant %+v", got, want)
+	}
+	// A Service without the daemons' annotations is never a tunnel
+	// Service: its selector is not kept.
+	plain := full.DeepCopy()
+	plain.Annotations = nil
+	got, err = SlimService(plain)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sel := got.(*corev1.Service).Spec.Selector; sel != nil {
+		t.Errorf("SlimService kept the selector %v of a Service without the daemons' annotations", sel)
 	}
 }
 

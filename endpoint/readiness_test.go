@@ -1,0 +1,170 @@
+package endpoint
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net/netip"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/fake"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
+	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
+)
+
+// flakyNode fails every node sync while failing is set.
+type flakyNode struct{ failing atomic.Bool }
+
+func (f *flakyNode) Sync([]PodTunnels, netip.Addr) ([]NodeChange, error) {
+	if f.failing.Load() {
+		return nil, errors.New("the node's namespace cannot be written")
+	}
+	return nil, nil
+}
+
+// gatedPod is a pod of the Service web (app=web) that lists the gate.
+func gatedPod(name, ip string, app string) *corev1.Pod {
+	p := testPod("a", name, "n1", ip)
+	p.Labels = map[string]string{"app": app}
+	p.Spec.ReadinessGates = []corev1.PodReadinessGate{{ConditionType: ReadinessGate}}
+	return p
+}
+
+// condition returns the pod's gate condition as the API has it (nil: none).
+func condition(t *testing.T, client *fake.Clientset, name string) *corev1.PodCondition {
+	t.Helper()
+	p, err := client.CoreV1().Pods("a").Get(context.Background(), name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, c := range p.Status.Conditions {
+		if c.Type == ReadinessGate {
+			return &p.Status.Conditions[i]
+		}
+	}
+	return nil
+}
+
+// A pod that lists the readiness gate becomes ready only once its tunnel
+// IPs are in place: not while no EndpointSlice lists it for a tunnel
+// Service that selects it, not while its namespace cannot be found, not
+// while the node's namespace fails; a gated pod that no tunnel Service
+// selects opens at once, and a pod without the gate is never written.
+func TestReadinessGateOpensOnceTheTunnelIPsAreInPlace(t *testing.T) {
+	svc := tunnelService("a", "web", "192.0.2.10", time.Hour)
+	svc.Spec.Selector = map[string]string{"app": "web"}
+	fresh := gatedPod("fresh", "10.1.0.11", "web")
+	other := gatedPod("other", "10.1.0.12", "other")
+	plain := testPod("a", "plain", "n1", "10.1.0.13")
+	plain.Labels = map[string]string{"app": "web"}
+	loc := &fakeLocator{found: map[netip.Addr]bool{netip.MustParseAddr("10.1.0.12"): true, netip.MustParseAddr("10.1.0.13"): true}, lookups: map[string]int{}}
+	pods := &fakePods{wants: map[string][]PodTunnels{}}
+	node := &flakyNode{}
+	node.failing.Store(true)
+	client := fake.NewClientset(svc, fresh, other, plain)
+	startGated(t, client, loc, pods, node)
+	ctx := context.Background()
+
+	// other: no tunnel Service selects it, so nothing waits.
+	waitFor(t, "the gate of a pod no tunnel Service selects", func() bool { return condition(t, client, "other") != nil })
+	if c := condition(t, client, "other"); c.Status != corev1.ConditionTrue || c.Reason != reasonTunnelIPsInPlace {
+		t.Fatalf("other's condition: %+v", c)
+	}
+
+	// fresh: selected by web, not listed by any slice yet.
+	waitFor(t, "fresh looked up", func() bool { return loc.count("fresh") > 0 || len(pods.history("fresh")) > 0 })
+	time.Sleep(300 * time.Millisecond)
+	if c := condition(t, client, "fresh"); c != nil {
+		t.Fatalf("fresh's gate opened before any EndpointSlice listed it: %+v", c)
+	}
+	// Listed, but its namespace is not found yet.
+	es := slice("a", "web", ep{"10.1.0.11", "n1", "fresh", false})
+	if _, err := client.DiscoveryV1().EndpointSlices("a").Create(ctx, es, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "fresh retried", func() bool { return loc.count("fresh") >= 2 })
+	if c := condition(t, client, "fresh"); c != nil {
+		t.Fatalf("fresh's gate opened before its namespace held the tunnel IP: %+v", c)
+	}
+	// Its namespace appears; the node's still fails.
+	loc.setFound(netip.MustParseAddr("10.1.0.11"))
+	waitFor(t, "fresh configured", func() bool {
+		h := pods.history("fresh")
+		return len(h) > 0 && len(h[len(h)-1].TunnelIPs) == 1
+	})
+	time.Sleep(300 * time.Millisecond)
+	if c := condition(t, client, "fresh"); c != nil {
+		t.Fatalf("fresh's gate opened while the node's namespace was not converged: %+v", c)
+	}
+	node.failing.Store(false)
+	waitFor(t, "fresh's gate", func() bool { return condition(t, client, "fresh") != nil })
+	c := condition(t, client, "fresh")
+	if c.Status != corev1.ConditionTrue || !strings.Contains(c.Message, "192.0.2.10") {
+		t.Fatalf("fresh's condition: %+v", c)
+	}
+	// The pod without the gate is served but never written.
+	if c := condition(t, client, "plain"); c != nil {
+		t.Fatalf("a pod without the gate got the condition %+v", c)
+	}
+}
+
+// Unlisted names the tunnel IPs a gated pod waits for: only of Services
+// that select it, in its namespace, of a family it has an address of.
+func TestUnlisted(t *testing.T) {
+	web := tunnelService("a", "web", "192.0.2.10", time.Hour)
+	web.Spec.Selector = map[string]string{"app": "web"}
+	web6 := tunnelService("a", "web6", "2001:db8::10", time.Hour)
+	web6.Spec.Selector = map[string]string{"app": "web"}
+	elsewhere := tunnelService("b", "web", "192.0.2.11", time.Hour)
+	elsewhere.Spec.Selector = map[string]string{"app": "web"}
+	pod := gatedPod("fresh", "10.1.0.11", "web")
+	remote := gatedPod("remote", "10.1.0.12", "web")
+	remote.Spec.NodeName = "n2"
+	services := []*corev1.Service{web, web6, elsewhere}
+	pods := []*corev1.Pod{pod, remote}
+
+	got := Unlisted("n1", testPools, tunnelclaim.Networks{}, services, pods, nil)
+	if want := []netip.Addr{vip1}; len(got) != 1 || !slices.Equal(got["a/fresh"], want) {
+		t.Fatalf("Unlisted with nothing served = %v, want a/fresh: %v (no IPv6 address: not web6's)", got, want)
+	}
+	served := map[string]PodTunnels{"a/fresh": {Pod: runtimePod(pod), TunnelIPs: []netip.Addr{vip1}}}
+	if got := Unlisted("n1", testPools, tunnelclaim.Networks{}, services, pods, served); len(got["a/fresh"]) != 0 {
+		t.Fatalf("Unlisted once served = %v, want nothing", got)
+	}
+	pod.Spec.ReadinessGates = nil
+	if got := Unlisted("n1", testPools, tunnelclaim.Networks{}, services, pods, nil); len(got) != 0 {
+		t.Fatalf("Unlisted without the gate = %v, want nothing", got)
+	}
+}
+
+// startGated runs a controller that writes the readiness gates through
+// client.
+func startGated(t *testing.T, client *fake.Clientset, loc *fakeLocator, pods PodSyncer, node NodeSyncer) *Controller {
+	t.Helper()
+	inf := NewInformers(client, "n1")
+	log := logrus.New()
+	log.Out = io.Discard
+	c, err := NewController(testConfig(encap.GRE), inf, loc, pods, node, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.SetConditionWriter(APIConditionWriter{Client: client})
+	ctx, cancel := context.WithCancel(context.Background())
+	inf.Start(ctx.Done())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+		inf.Shutdown()
+	})
+	return c
+}
