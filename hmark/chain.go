@@ -133,6 +133,10 @@ type Chain struct {
 	// last is what the last successful Sync or Update wrote (see Update);
 	// nil when unknown.
 	last *lastSync
+	// synSetsReady: the SYN sets of the handshake memory exist (sticky
+	// mode; see ensureSynSets); synSetsRemoved: a stateless Sync removed
+	// any a sticky run left.
+	synSetsReady, synSetsRemoved bool
 }
 
 // NewChain returns the router's IPv4 chain named name (DefaultChainName
@@ -336,6 +340,7 @@ func (c *Chain) listRules(table, chain string) ([]rule, error) {
 // touches those.
 func (c *Chain) Cleanup() error {
 	c.last = nil
+	c.synSetsReady, c.synSetsRemoved = false, false
 	err := c.cleanup(Table)
 	if err == nil {
 		err = c.cleanup(RawTable)
@@ -354,7 +359,7 @@ func (c *Chain) Cleanup() error {
 func (c *Chain) cleanupSets() error {
 	sets := []ipset{{name: c.allSetName()}, {name: c.filteredSetName()}, {name: c.portSetName()}}
 	for k := range classes {
-		sets = append(sets, ipset{name: c.classSetName(k)})
+		sets = append(sets, ipset{name: c.classSetName(k)}, ipset{name: c.synSetName(k)})
 	}
 	for _, s := range sets {
 		// Destroying a set that does not exist is no error; no need to

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -119,6 +120,9 @@ func newFakeIPTablesFamily(t *testing.T, family Family, lines ...string) *fakeIP
 		case "-S":
 			// "-S NAME [ADDR...]": a set like the router's, with members.
 			set := &fakeSet{typ: SetType, family: family.setFamily(), counters: true, members: map[netip.Addr]Counter{}}
+			if synSetPattern.MatchString(words[1]) {
+				set.typ, set.counters = SynSetType, false
+			}
 			for _, a := range words[2:] {
 				set.members[netip.MustParseAddr(a)] = Counter{}
 			}
@@ -135,6 +139,10 @@ func newFakeIPTablesFamily(t *testing.T, family Family, lines ...string) *fakeIP
 	}
 	return f
 }
+
+// synSetPattern names the SYN sets of the handshake memory (NAME-sG,
+// NAME-scG): a seed line "-S" of such a name makes one.
+var synSetPattern = regexp.MustCompile(`-sc?[0-9]+$`)
 
 func (f *fakeIPTables) addChain(key string) {
 	f.chains[key] = []fakeRule{}

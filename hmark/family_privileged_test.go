@@ -210,8 +210,8 @@ func testDualStackChainsInNetns(t *testing.T, binaries [2]string, first Family) 
 		lines := setLines(s.chain.Name())
 		wantAF := fmt.Sprintf(" family %d ", fam.setFamily())
 		sets := slices.DeleteFunc(slices.Clone(lines), func(l string) bool { return !strings.HasPrefix(l, "set ") })
-		if len(sets) != 4 || slices.ContainsFunc(sets, func(l string) bool { return !strings.Contains(l, wantAF) }) {
-			t.Errorf("%s sets:\n%s\nwant 4 sets (all, generations 0 and 1, affinity 0), each of%s", fam, strings.Join(lines, "\n"), wantAF)
+		if len(sets) != 8 || slices.ContainsFunc(sets, func(l string) bool { return !strings.Contains(l, wantAF) }) {
+			t.Errorf("%s sets:\n%s\nwant 8 sets (all, generations 0 and 1, affinity 0, the SYN sets of both generations and tuples), each of%s", fam, strings.Join(lines, "\n"), wantAF)
 		}
 	}
 	// unchanged checks that each family's rules and sets are as synced,

@@ -156,10 +156,10 @@ func TestSync6AdoptsPrintedRules(t *testing.T) {
 				"-S KST-HMARK6 2001:db8:96::10 2001:db8:96::20", "-S KST-HMARK6-0 2001:db8:96::10", "-S KST-HMARK6-c1 2001:db8:96::20"},
 			[]Target{{VIP: vip6A}, {VIP: vip6B, Offset: gen1, ClientAffinity: true}}},
 		{"sticky", stickyParams, true,
-			[]string{printed6ChainN, printed6Jump, printed6StickyExit, printed6RestoreTCP, printed6RestoreOther, printed6Return,
-				printed6StickyGen0, printed6StickyGen1, printed6Save,
+			slices.Concat([]string{printed6ChainN, printed6Jump, printed6StickyExit, printed6RestoreTCP, printed6RestoreOther, printed6Return,
+				printed6StickyGen0, printed6StickyGen1}, handshakeLines6("0", "1"), []string{printed6Save,
 				printed6RawChainN, printed6SynChainN, printed6RawJump, printed6RawRule, printed6RawSynAck, printed6SynRule,
-				"-S KST-HMARK6 2001:db8:96::10 2001:db8:96::20", "-S KST-HMARK6-0 2001:db8:96::10", "-S KST-HMARK6-1 2001:db8:96::20"},
+				"-S KST-HMARK6 2001:db8:96::10 2001:db8:96::20", "-S KST-HMARK6-0 2001:db8:96::10", "-S KST-HMARK6-1 2001:db8:96::20"}),
 			[]Target{{VIP: vip6A}, {VIP: vip6B, Offset: stickyGen1}}},
 	}
 	for _, tt := range tests {
@@ -199,10 +199,10 @@ func TestStickySync6(t *testing.T) {
 	if _, err := c.Sync(targets); err != nil {
 		t.Fatalf("Sync: %v", err)
 	}
-	want := canonical6(t, printed6ChainN, printed6Jump, printed6StickyExit, printed6RestoreTCP, printed6RestoreOther, printed6Return,
-		printed6StickyGen0, printed6StickyGen1, printed6Save,
+	want := canonical6(t, slices.Concat([]string{printed6ChainN, printed6Jump, printed6StickyExit, printed6RestoreTCP, printed6RestoreOther, printed6Return,
+		printed6StickyGen0, printed6StickyGen1}, handshakeLines6("0", "1"), []string{printed6Save,
 		printed6RawChainN, printed6SynChainN, printed6SynRule, printed6RawJump, printed6RawRule, printed6RawSynAck,
-		"-S KST-HMARK6 2001:db8:96::10 2001:db8:96::20", "-S KST-HMARK6-0 2001:db8:96::10", "-S KST-HMARK6-1 2001:db8:96::20")
+		"-S KST-HMARK6 2001:db8:96::10 2001:db8:96::20", "-S KST-HMARK6-0 2001:db8:96::10", "-S KST-HMARK6-1 2001:db8:96::20"})...)
 	if got := stateOf(f); got != want {
 		t.Errorf("sticky state:\n%s\nwant:\n%s", got, want)
 	}
@@ -459,4 +459,16 @@ func TestSync6ErrorsRedactSeed(t *testing.T) {
 	if err := newTestChain6(t, f, testParams).Cleanup(); !errors.Is(err, errFake) || !strings.Contains(err.Error(), "KST-HMARK6") {
 		t.Errorf("Cleanup with a failing set destroy = %v, want it wrapped, naming the set", err)
 	}
+}
+
+// handshakeLines6 is handshakeLines for the IPv6 chain: its name, its
+// sets' and 128-bit prefixes, as ip6tables prints them.
+func handshakeLines6(record ...string) []string {
+	r := strings.NewReplacer("-A KST-HMARK ", "-A KST-HMARK6 ", "KST-HMARK-", "KST-HMARK6-",
+		"--hmark-src-prefix 32 --hmark-dst-prefix 32", "--hmark-src-prefix 128 --hmark-dst-prefix 128")
+	var out []string
+	for _, l := range handshakeLines(record...) {
+		out = append(out, r.Replace(l))
+	}
+	return out
 }

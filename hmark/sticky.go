@@ -60,6 +60,11 @@ type Sticky struct {
 	// (nf_conntrack_tcp_timeout_established or, for the router's unreplied
 	// flows, _unacknowledged: 300 by default).
 	TCPMinExpire uint32
+	// Generations is the number of routing generations the router uses (0
+	// means MaxGenerations): the chain remembers the SYNs of each, so that
+	// a handshake keeps the generation its SYN was hashed into (see
+	// handshake.go).
+	Generations int
 }
 
 // DefaultTCPMinExpire is the longest default closing-state timeout of
@@ -77,6 +82,8 @@ func (s *Sticky) validate(params Params) error {
 		return fmt.Errorf("sticky mark block %#x has bits outside mask %#x", s.Block, s.Mask)
 	case s.TCPMinExpire == math.MaxUint32:
 		return fmt.Errorf("sticky TCP minimum expiry must be below %d", uint32(math.MaxUint32))
+	case s.Generations < 0 || s.Generations > MaxGenerations:
+		return fmt.Errorf("sticky generations %d is not between 1 and %d", s.Generations, MaxGenerations)
 	}
 	return s.checkOffset(params.Offset, params.Buckets)
 }
@@ -143,6 +150,10 @@ func (c *Chain) Sticky() *Sticky {
 //	! -p tcp -m connmark --mark BLOCK/MASK -j CONNMARK --restore-mark
 //	-m mark --mark BLOCK/MASK -j RETURN
 //	-m set --match-set NAME-g dst -j HMARK ...   (one per generation in use, with its offset)
+//	-p tcp --syn -m set --match-set NAME-g dst -j SET --add-set NAME-sg src,src,dst --exist
+//	                                             (one per generation in use: its SYNs remembered)
+//	-p tcp ! --syn -m set --match-set NAME-sg src,src,dst -j HMARK ...
+//	                                             (one per generation below Generations, both tuples)
 //	-m connmark --mark 0x0 -m mark --mark BLOCK/MASK -j CONNMARK --save-mark
 //
 // (each with the comment RuleComment): a packet not to a tunnel IP leaves
@@ -173,6 +184,7 @@ func (c *Chain) Sticky() *Sticky {
 // back into its stateless content and removes the raw chains and the jump.
 func (c *Chain) SetSticky(s *Sticky) error {
 	c.last = nil
+	c.synSetsReady, c.synSetsRemoved = false, false
 	if s == nil {
 		c.sticky = nil
 		return nil

@@ -13,6 +13,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"syscall"
 	"testing"
 	"time"
@@ -79,8 +80,11 @@ func testStickySyncInNetns(t *testing.T, nf netnsFamily, binary string) {
 	targets := []Target{{VIP: moves, Offset: gen1}, {VIP: stays}, {VIP: counted, Offset: gen0}}
 	// Three sets (all, generations 0 and 1) with 3+2+1 members, both
 	// chains and jumps, the SYN subchain and its rule, the raw rules (SYN,
-	// SYN-ACK), the exit, 4 fixed and 2 HMARK rules (one per generation).
-	syncExpect("first sync", newChain(true), targets, 3+6+2+2+2+2+1+4+2)
+	// SYN-ACK), the exit, 4 fixed and 2 HMARK rules (one per generation);
+	// the handshake memory: 4 SYN sets (both tuples of testSticky's 2
+	// generations), 2 record rules (one per generation in use) and 4
+	// re-hash rules.
+	syncExpect("first sync", newChain(true), targets, 3+6+2+2+2+2+1+4+2+4+2+4)
 	t.Logf("%s prints the sticky chains as:\n%s\n%s", binary,
 		ns.Run(binary, "-t", "mangle", "-S", name), ns.Run(binary, "-t", "raw", "-S", name))
 
@@ -99,9 +103,9 @@ func testStickySyncInNetns(t *testing.T, nf netnsFamily, binary string) {
 	sent := Counter{Packets: 3, Bytes: 3 * (nf.headers + 8)}
 	assertCounter(t, "3 datagrams sent", adopter, counted, sent)
 	targets[0].Offset = gen0
-	// Added to generation 0's set, generation 1's rule removed, then the
-	// element and its set.
-	syncExpect("one tunnel IP to generation 0", adopter, targets, 4)
+	// Added to generation 0's set, generation 1's HMARK and SYN record
+	// rules removed, then the element and its set.
+	syncExpect("one tunnel IP to generation 0", adopter, targets, 5)
 	ns.Run(binary, "-t", "mangle", "-D", name, "1")
 	syncExpect("fixed rule deleted by hand", adopter, targets, 1)
 	syncExpect("a tunnel IP removed", adopter, targets[1:], 2)
@@ -137,12 +141,13 @@ func testStickySyncInNetns(t *testing.T, nf netnsFamily, binary string) {
 
 	stateless := newChain(false)
 	// Mangle: the 4 fixed rules out (the exit, which counts in both modes,
-	// stays); raw: jump, two rules, chain, SYN rule and subchain.
-	syncExpect("sticky -> stateless", stateless, targets, 4+6)
+	// stays), and the handshake memory's record rule and 4 re-hash rules;
+	// raw: jump, two rules, chain, SYN rule and subchain; the 4 SYN sets.
+	syncExpect("sticky -> stateless", stateless, targets, 4+5+6+4)
 	if got := tableS("raw"); got != beforeRaw {
 		t.Errorf("raw after leaving sticky mode:\n%s\nwant:\n%s", got, beforeRaw)
 	}
-	syncExpect("stateless -> sticky", newChain(true), targets, 4+6)
+	syncExpect("stateless -> sticky", newChain(true), targets, 4+5+6+4)
 
 	if err := adopter.Cleanup(); err != nil {
 		t.Fatalf("Cleanup: %v", err)
@@ -179,6 +184,7 @@ const (
 	portB = 40002 // TCP, opened after it
 	portU = 40003 // UDP, started before it
 	portF = 40004 // TCP, closed with FIN before it, reopened after it
+	portH = 40005 // TCP, its SYN before the change, every later packet after it
 )
 
 // TestStickyDrainingInNetns proves stickiness on the real kernel with
@@ -193,6 +199,11 @@ const (
 //   - TCP connection B, opened after the change, is on generation 1 for all
 //     its packets, its (untracked) SYN included.
 //   - A UDP flow started before the change stays on generation 0.
+//   - TCP connection H straddles the change: its SYN goes through before
+//     it, and its client's ACK is held back (dropped in c) until after
+//     it. Its conntrack entry, made by that ACK, still takes generation
+//     0, the SYN's (the handshake memory), so all its packets are on
+//     generation 0.
 //   - A TCP connection closed with FIN before the change and reopened on
 //     the same 4-tuple right after it hits the stale conntrack entry: all
 //     its packets take generation 1, because a closing entry's remaining
@@ -230,6 +241,11 @@ func testStickyDrainingInNetns(t *testing.T, binary string) {
 	closeFromServer(t, connF)
 	connU := dialUDP(t, c, portU)
 	roundTrips(t, "U", connU, 3)
+	// H's handshake: the SYN passes, the client's ACK (and anything after
+	// it) is dropped in c until after the change.
+	holdH := []string{"-t", "filter", "OUTPUT", "-p", "tcp", "--sport", fmt.Sprint(portH), "!", "--syn", "-j", "DROP"}
+	c.Run(binary, slices.Insert(slices.Clone(holdH), 2, "-A")...)
+	connH := dialVIP(t, c, portH)
 
 	ct := conntrackOf(t, r)
 	// The FIN went through r once its entry is closing (FIN_WAIT or later).
@@ -247,11 +263,13 @@ func testStickyDrainingInNetns(t *testing.T, binary string) {
 
 	changed, err := chain.Sync([]Target{{VIP: labVIP, Offset: 0x1040}})
 	// Generation 1's set created with the tunnel IP, generation 0's HMARK
-	// rule replaced by generation 1's, then the tunnel IP deleted from
-	// generation 0's set and the set destroyed.
-	if err != nil || changed != 6 {
-		t.Fatalf("Sync generation 1 = %d, %v; want 6, nil", changed, err)
+	// rule and SYN record rule replaced by generation 1's, then the tunnel
+	// IP deleted from generation 0's set and the set destroyed.
+	if err != nil || changed != 8 {
+		t.Fatalf("Sync generation 1 = %d, %v; want 8, nil", changed, err)
 	}
+	c.Run(binary, slices.Insert(slices.Clone(holdH), 2, "-D")...)
+	roundTrips(t, "H", connH, 3)
 
 	roundTrips(t, "A", connA, 3)
 	roundTrips(t, "U", connU, 3)
@@ -282,6 +300,10 @@ func testStickyDrainingInNetns(t *testing.T, binary string) {
 		t.Errorf("F reopened: %d packets, %d in generation 1 (SYN: %d), %d in generation 0; want all in generation 1, its SYN too",
 			delta("F all"), delta("F gen1"), delta("F syn gen1"), delta("F gen0"))
 	}
+	if after["H all"] < 4 || after["H gen0"] != after["H all"] || after["H gen1"] != 0 || after["H syn gen0"] != 1 {
+		t.Errorf("H (SYN before the change, the rest after): %d packets, %d in generation 0 (SYN: %d), %d in generation 1; want all in generation 0, the SYN's",
+			after["H all"], after["H gen0"], after["H syn gen0"], after["H gen1"])
+	}
 	if after["unmarked"] != 0 {
 		t.Errorf("%d packets to %s forwarded without a mark in %s, want none", after["unmarked"], labVIP, labBlock)
 	}
@@ -291,7 +313,7 @@ func testStickyDrainingInNetns(t *testing.T, binary string) {
 		proto uint8
 		port  int
 		gen   uint32
-	}{{"A", unix.IPPROTO_TCP, portA, 0x1000}, {"B", unix.IPPROTO_TCP, portB, 0x1040}, {"U", unix.IPPROTO_UDP, portU, 0x1000}} {
+	}{{"A", unix.IPPROTO_TCP, portA, 0x1000}, {"B", unix.IPPROTO_TCP, portB, 0x1040}, {"U", unix.IPPROTO_UDP, portU, 0x1000}, {"H", unix.IPPROTO_TCP, portH, 0x1000}} {
 		flow := ct.flow(t, tc.proto, tc.port)
 		if flow == nil || flow.Mark&0xffffffc0 != tc.gen {
 			t.Errorf("conntrack of %s: %v, want mark in the generation at %#x", tc.name, flow, tc.gen)
@@ -308,7 +330,7 @@ func testStickyDrainingInNetns(t *testing.T, binary string) {
 		t.Fatalf("Counters: %v", err)
 	}
 	forwardedAfter := readCounters(t, ipt)["to vip"]
-	if got := counters[labVIP].Packets; got < forwardedBefore || got > forwardedAfter || forwardedBefore < after["A all"]+after["B all"]+after["U all"]+after["F all"] {
+	if got := counters[labVIP].Packets; got < forwardedBefore || got > forwardedAfter || forwardedBefore < after["A all"]+after["B all"]+after["U all"]+after["F all"]+after["H all"] {
 		t.Errorf("Counters[%s] = %+v, want between the %d and %d packets forwarded to it", labVIP, counters[labVIP], forwardedBefore, forwardedAfter)
 	}
 	t.Logf("tunnel IP counters (every packet): %v; forwarded to the tunnel IP: %d, then %d", counters, forwardedBefore, forwardedAfter)
@@ -405,13 +427,14 @@ func addCountingRules(r *testnetns.NS, binary string) {
 	flows := []struct {
 		name, proto string
 		port        int
-	}{{"A", "tcp", portA}, {"B", "tcp", portB}, {"U", "udp", portU}, {"F", "tcp", portF}}
+	}{{"A", "tcp", portA}, {"B", "tcp", portB}, {"U", "udp", portU}, {"F", "tcp", portF}, {"H", "tcp", portH}}
 	for _, f := range flows {
 		flow := []string{"-p", f.proto, "--sport", fmt.Sprint(f.port)}
 		add(f.name+" all", flow...)
 		add(f.name+" gen0", append(flow, "-m", "mark", "--mark", labGen0Match)...)
 		add(f.name+" gen1", append(flow, "-m", "mark", "--mark", labGen1Match)...)
 		if f.proto == "tcp" {
+			add(f.name+" syn gen0", append(flow, "--syn", "-m", "mark", "--mark", labGen0Match)...)
 			add(f.name+" syn gen1", append(flow, "--syn", "-m", "mark", "--mark", labGen1Match)...)
 		}
 	}

@@ -2,6 +2,7 @@ package hmark
 
 import (
 	"math"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -11,7 +12,7 @@ import (
 // generation 1 at 0x1010.
 var (
 	stickyParams = Params{Buckets: 16, Offset: 0x1000, Seed: 0xc0ffee}
-	testSticky   = Sticky{Block: 0x1000, Mask: 0xffffff00, TCPMinExpire: 120}
+	testSticky   = Sticky{Block: 0x1000, Mask: 0xffffff00, TCPMinExpire: 120, Generations: 2}
 )
 
 const (
@@ -26,10 +27,16 @@ const (
 	printedRestoreOther = "-A KST-HMARK ! -p tcp -m connmark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff"
 	printedReturn       = "-A KST-HMARK -m mark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j RETURN"
 	printedSave         = "-A KST-HMARK -m connmark --mark 0x0 -m mark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j CONNMARK --save-mark --nfmask 0xffffffff --ctmask 0xffffffff"
-	printedRawChainN    = "-t raw -N KST-HMARK"
-	printedRawJump      = "-t raw -A PREROUTING -m comment --comment kube-service-tunnel -j KST-HMARK"
-	printedSynChainN    = "-t raw -N KST-HMARK-SYN"
-	printedSynRule      = "-t raw -A KST-HMARK-SYN -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -m comment --comment kube-service-tunnel -j CT --notrack"
+	// The handshake memory of generation 0: the rule that remembers its
+	// SYNs, and the rule that hashes the packets after a remembered SYN
+	// (and the same for client affinity).
+	printedSynRecord  = "-A KST-HMARK -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -m set --match-set KST-HMARK-0 dst -m comment --comment kube-service-tunnel -j SET --add-set KST-HMARK-s0 src,src,dst --exist"
+	printedHandshake  = "-A KST-HMARK -p tcp -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m set --match-set KST-HMARK-s0 src,src,dst -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 4096"
+	printedHandshakeC = "-A KST-HMARK -p tcp -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m set --match-set KST-HMARK-sc0 src,src,dst -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0x0 --hmark-dport-mask 0x0 --hmark-proto-mask 0x0 --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 4096"
+	printedRawChainN  = "-t raw -N KST-HMARK"
+	printedRawJump    = "-t raw -A PREROUTING -m comment --comment kube-service-tunnel -j KST-HMARK"
+	printedSynChainN  = "-t raw -N KST-HMARK-SYN"
+	printedSynRule    = "-t raw -A KST-HMARK-SYN -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -m comment --comment kube-service-tunnel -j CT --notrack"
 )
 
 func TestSetStickyValidates(t *testing.T) {
@@ -85,4 +92,22 @@ func TestStickyNeedsRoomForSynChain(t *testing.T) {
 			t.Errorf("Cleanup of chain %q: %v", tt.name, err)
 		}
 	}
+}
+
+// handshakeLines are the handshake memory's rules and sets for testSticky
+// (2 generations of 16 buckets) when the classes record hold tunnel IPs
+// (generations 0 and 1; "c0", "c1" with client affinity): a record rule
+// per class in use, the re-hash rules of all four classes, the SYN sets.
+func handshakeLines(record ...string) []string {
+	var lines []string
+	for _, k := range record {
+		lines = append(lines, strings.NewReplacer("KST-HMARK-0 ", "KST-HMARK-"+k+" ", "KST-HMARK-s0 ", "KST-HMARK-s"+k+" ").Replace(printedSynRecord))
+	}
+	for _, printed := range []string{printedHandshake, printedHandshakeC} {
+		for g, offset := range []string{"4096", "4112"} {
+			lines = append(lines, strings.NewReplacer("KST-HMARK-s0 ", "KST-HMARK-s"+strconv.Itoa(g)+" ", "KST-HMARK-sc0 ", "KST-HMARK-sc"+strconv.Itoa(g)+" ",
+				"--hmark-offset 4096", "--hmark-offset "+offset).Replace(printed))
+		}
+	}
+	return append(lines, "-S KST-HMARK-s0", "-S KST-HMARK-s1", "-S KST-HMARK-sc0", "-S KST-HMARK-sc1")
 }

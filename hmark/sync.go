@@ -61,7 +61,9 @@ type Target struct {
 //     (ICMP passes), counting it in NAME-f (see PortDrops).
 //
 // A packet therefore walks at most 1 + 2×MaxGenerations rules (sticky: 5
-// more), whatever the number of tunnel IPs. Targets must not repeat a
+// more, and a packet without a saved decision up to 2×MaxGenerations +
+// 2×Sticky.Generations more: the handshake memory, handshake.go), whatever
+// the number of tunnel IPs. Targets must not repeat a
 // tunnel IP.
 //
 // Sync reads what is there (each set of NAME, one `iptables -S` of each
@@ -239,6 +241,11 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 		}
 	}
 
+	if c.sticky != nil {
+		if err := count(c.ensureSynSets()); err != nil {
+			return changed, err
+		}
+	}
 	if err := count(c.syncRules(Table, c.name, c.mangleRules(inUse, filtering))); err != nil {
 		return changed, err
 	}
@@ -285,6 +292,9 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 	}
 	if c.sticky == nil {
 		if err = count(c.removeRawChain()); err != nil {
+			return changed, err
+		}
+		if err = count(c.removeSynSets()); err != nil {
 			return changed, err
 		}
 	}
@@ -523,6 +533,9 @@ func (c *Chain) mangleRules(inUse []int, filtering bool) [][]string {
 	for _, k := range inUse {
 		rules = append(rules, c.classRuleSpec(k))
 	}
+	if c.sticky != nil {
+		rules = append(rules, c.handshakeRules(inUse)...)
+	}
 	return append(rules, tail...)
 }
 
@@ -536,6 +549,14 @@ var (
 // classRuleSpec is the HMARK rule of class k, as iptables (or ip6tables,
 // with /128 prefixes) prints it.
 func (c *Chain) classRuleSpec(k int) []string {
+	return slices.Concat(
+		[]string{"-m", "set", "--match-set", c.classSetName(k), "dst"},
+		comment,
+		c.hmarkTarget(k))
+}
+
+// hmarkTarget is the HMARK target of class k: its offset and tuple.
+func (c *Chain) hmarkTarget(k int) []string {
 	g, affinity := classGeneration(k)
 	// The whole address, of either family: what Params.Mark predicts.
 	prefix := strconv.Itoa(c.family.bits())
@@ -544,8 +565,6 @@ func (c *Chain) classRuleSpec(k int) []string {
 		masks = clientMasks
 	}
 	return slices.Concat(
-		[]string{"-m", "set", "--match-set", c.classSetName(k), "dst"},
-		comment,
 		[]string{"-j", "HMARK", "--hmark-src-prefix", prefix, "--hmark-dst-prefix", prefix},
 		masks,
 		[]string{

@@ -330,10 +330,10 @@ func TestStickySync(t *testing.T) {
 	}
 	// The exit counts every packet in both modes; the raw rule sends SYNs
 	// alone to the set's lookup, and does not count them again.
-	want := canonical(t, printedChainN, printedJump, printedExit, printedRestoreTCP, printedRestoreOther, printedReturn,
-		gen(0), gen(1), printedSave,
+	want := canonical(t, slices.Concat([]string{printedChainN, printedJump, printedExit, printedRestoreTCP, printedRestoreOther, printedReturn,
+		gen(0), gen(1)}, handshakeLines("0", "1"), []string{printedSave,
 		printedRawJump, printedRawChainN, printedSynChainN, printedSynRule, printedRawRule, printedRawSynAck,
-		"-S KST-HMARK 10.96.0.10 10.96.0.20", "-S KST-HMARK-0 10.96.0.10", "-S KST-HMARK-1 10.96.0.20")
+		"-S KST-HMARK 10.96.0.10 10.96.0.20", "-S KST-HMARK-0 10.96.0.10", "-S KST-HMARK-1 10.96.0.20"})...)
 	got := stateOf(f)
 	// The raw jump is inserted first in raw PREROUTING: compare without order.
 	if !sameIgnoringOrder(got, want, "-A PREROUTING ") {

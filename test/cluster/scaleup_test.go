@@ -71,6 +71,7 @@ func (c *cluster) scaleUp(t *testing.T, mode string) {
 	c.scaleExample(t, scaleTo)
 	scaled := time.Now()
 	var failed []failedFlow
+	var retransmitted []string // the flows whose SYN was sent again
 	perPod := map[string]int{}
 	opened := 0
 	var allIn time.Duration // from the scale-up to every pod ready and in the router's table
@@ -82,6 +83,10 @@ func (c *cluster) scaleUp(t *testing.T, mode string) {
 			failed = append(failed, failedFlow{began: began, ended: time.Now(), err: err})
 		} else {
 			perPod[greetedPod(s)]++
+			if took, n := s.Handshake(); n > 0 {
+				retransmitted = append(retransmitted, fmt.Sprintf("  %6.2fs after the scale-up: %d SYN(s) sent again, connected in %v, greeted by %s",
+					began.Sub(scaled).Seconds(), n, took.Round(time.Millisecond), greetedPod(s)))
+			}
 			if _, err := s.Stop(ctx); err != nil {
 				failed = append(failed, failedFlow{began: began, ended: time.Now(), err: fmt.Errorf("the flow greeted by %s: %w", greetedPod(s), err)})
 			}
@@ -116,6 +121,9 @@ func (c *cluster) scaleUp(t *testing.T, mode string) {
 	c.judgeFailedFlows(t, failed, scaled, "scale-up")
 	t.Logf("scale_up %s: %d -> %d pods, all ready and in the router's table %v after the scale-up; %d new flows, %d failed, %d SYN retransmissions; flows per pod: %v",
 		mode, scaleFrom, scaleTo, allIn.Round(100*time.Millisecond), opened, len(failed), after-before, perPod)
+	if len(retransmitted) > 0 {
+		t.Logf("the flows whose SYN the client sent again (TCP_INFO):\n%s", strings.Join(retransmitted, "\n"))
+	}
 	if after != before {
 		if clusterCNI() == cniCalico {
 			// Felix drops a new workload's packets until it has programmed

@@ -379,8 +379,8 @@ func parseHMARKOffset(rules string, inSet func(set string) (bool, error)) (uint3
 	for _, line := range strings.Split(rules, "\n") {
 		f := strings.Fields(line)
 		i := slices.Index(f, "--match-set")
-		if i < 1 || i+1 >= len(f) {
-			continue
+		if i < 1 || i+2 >= len(f) || f[i+2] != "dst" {
+			continue // not a match of the tunnel IP (a SYN set's: src,src,dst)
 		}
 		in, err := inSet(f[i+1])
 		if err != nil {

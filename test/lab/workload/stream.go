@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"golang.org/x/sys/unix"
 	"io"
 	"net"
 	"net/netip"
@@ -48,6 +49,10 @@ type Stream struct {
 	dst      netip.AddrPort
 	opts     StreamOptions
 	greeting string
+	// connectTook and synRetransmits describe the handshake: how long the
+	// connect took, and how many SYNs the kernel sent again meanwhile.
+	connectTook    time.Duration
+	synRetransmits uint32
 
 	stop     chan struct{}
 	stopOnce sync.Once
@@ -80,9 +85,13 @@ func StartStreamFrom(ns netns.NsHandle, dst, src netip.AddrPort, opts StreamOpti
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), opts.DialTimeout)
 	defer cancel()
+	dialed := time.Now()
 	c, err := dialTCPFrom(ctx, ns, dst, src)
+	connectTook := time.Since(dialed)
+	var synRetransmits uint32
 	var greeting string
 	if err == nil {
+		synRetransmits = retransmits(c)
 		if opts.Greeted {
 			greeting, err = readLine(ctx, c)
 		} else {
@@ -96,7 +105,7 @@ func StartStreamFrom(ns netns.NsHandle, dst, src netip.AddrPort, opts StreamOpti
 		return nil, fmt.Errorf("stream to %s from %v port %d: %w", dst, ns, srcPort, err)
 	}
 	s := &Stream{
-		conn: c, dst: dst, opts: opts, greeting: greeting,
+		conn: c, dst: dst, opts: opts, greeting: greeting, connectTook: connectTook, synRetransmits: synRetransmits,
 		stop: make(chan struct{}), sendDone: make(chan struct{}), recvDone: make(chan struct{}),
 		stats: StreamStats{LastVerified: time.Now()},
 	}
@@ -128,6 +137,30 @@ func readLine(ctx context.Context, c *net.TCPConn) (string, error) {
 
 // Greeting is the greeted server's first line, without its newline.
 func (s *Stream) Greeting() string { return s.greeting }
+
+// Handshake returns how long the connect took and how many SYNs the
+// client's kernel retransmitted for it (a lost SYN or SYN-ACK costs one,
+// and at least a second).
+func (s *Stream) Handshake() (took time.Duration, synRetransmits uint32) {
+	return s.connectTook, s.synRetransmits
+}
+
+// retransmits reads the connection's retransmission count (TCP_INFO's
+// tcpi_total_retrans); right after the connect, before any data, it
+// counts the SYNs sent again. 0 when it cannot be read.
+func retransmits(c *net.TCPConn) uint32 {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return 0
+	}
+	var n uint32
+	_ = raw.Control(func(fd uintptr) {
+		if info, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
+			n = info.Total_retrans
+		}
+	})
+	return n
+}
 
 // LocalPort is the client's port of the connection.
 func (s *Stream) LocalPort() uint16 { return uint16(s.conn.LocalAddr().(*net.TCPAddr).Port) }

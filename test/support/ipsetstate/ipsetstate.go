@@ -18,19 +18,32 @@ import (
 )
 
 // Lines lists every set that h (a NETLINK_NETFILTER handle) sees: "set
-// NAME TYPE family F counters BOOL" and "member NAME ADDR", sorted.
+// NAME TYPE family F counters BOOL" (and " timeout T" for a set whose
+// members expire) and "member NAME ADDR", sorted. The members of a set
+// with a timeout are left out: they come and go with the traffic (the
+// router's SYN sets remember each SYN for seconds), and are no state a
+// daemon owns.
 func Lines(h *netlink.Handle) ([]string, error) {
 	sets, err := h.IpsetListAll()
 	if err != nil {
 		return nil, fmt.Errorf("list ipsets: %w", err)
 	}
 	var lines []string
+	expiring := map[string]bool{}
 	for _, s := range sets {
 		// A set with many members comes in several messages; only the
 		// first carries the type.
 		if s.TypeName != "" {
-			lines = append(lines, fmt.Sprintf("set %s %s family %d counters %t",
-				s.SetName, s.TypeName, s.Family, s.CadtFlags&nl.IPSET_FLAG_WITH_COUNTERS != 0))
+			line := fmt.Sprintf("set %s %s family %d counters %t",
+				s.SetName, s.TypeName, s.Family, s.CadtFlags&nl.IPSET_FLAG_WITH_COUNTERS != 0)
+			if s.Timeout != nil {
+				line += fmt.Sprintf(" timeout %d", *s.Timeout)
+				expiring[s.SetName] = true
+			}
+			lines = append(lines, line)
+		}
+		if expiring[s.SetName] {
+			continue
 		}
 		for _, e := range s.Entries {
 			a, _ := netip.AddrFromSlice(e.IP)
