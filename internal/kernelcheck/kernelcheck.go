@@ -98,6 +98,10 @@ var (
 	// PortSets hold the ports of the tunnel IPs whose Service's ports
 	// are filtered (hash:ip,port).
 	PortSets = Feature{Name: "hash:ip,port ipsets", Option: "CONFIG_IP_SET_HASH_IPPORT", Module: "ip_set_hash_ipport"}
+	// SynSets remember each SYN's generation (hash:ip,port,ip with a
+	// timeout), with several generations; the SET target that fills them
+	// is SetMatch's module.
+	SynSets = Feature{Name: "hash:ip,port,ip ipsets with a timeout", Option: "CONFIG_IP_SET_HASH_IPPORTIP", Module: "ip_set_hash_ipportip"}
 	// NextHopObjects ("ip nexthop") carry the routers' encapsulations: one
 	// per endpoint, named by every bucket route to it. They are part of
 	// IPv4 since Linux 5.3, lightweight-tunnel encapsulations included.
@@ -129,6 +133,7 @@ var (
 	IPSets6             = Feature{Name: "hash:ip ipsets of family inet6", Option: "CONFIG_IP_SET_HASH_IP", Module: "ip_set_hash_ip"}
 	SetMatch6           = Feature{Name: "the ip6tables set match", Option: "CONFIG_NETFILTER_XT_SET", Module: "xt_set"}
 	PortSets6           = Feature{Name: "hash:ip,port ipsets of family inet6", Option: "CONFIG_IP_SET_HASH_IPPORT", Module: "ip_set_hash_ipport"}
+	SynSets6            = Feature{Name: "hash:ip,port,ip ipsets of family inet6 with a timeout", Option: "CONFIG_IP_SET_HASH_IPPORTIP", Module: "ip_set_hash_ipportip"}
 	NextHopObjects6     = Feature{Name: "IPv6 nexthop objects", Since: "Linux 5.3"}
 )
 
@@ -188,6 +193,9 @@ type Kernel interface {
 	IPSetRule(table string) error
 	// PortSet creates and destroys a hash:ip,port set of the family.
 	PortSet() error
+	// SynSet creates and destroys a hash:ip,port,ip set of the family
+	// with a timeout.
+	SynSet() error
 	// BridgeFilter writes a bridge-family nftables table with the bridge
 	// guard's chain and rule under a probe's name, and deletes it.
 	BridgeFilter() error
@@ -379,7 +387,7 @@ type family struct {
 	policyRouting, lightweightTunnels, nextHopObjects, flowBasedGRE, gre, mplsEncap Feature
 	iptablesCommand, mangleTable, rawTable, filterTable                             Feature
 	hmark, commentMatch, conntrackMatch, connmark, markMatch, ctTarget              Feature
-	ipsets, setMatch, portSets                                                      Feature
+	ipsets, setMatch, portSets, synSets                                             Feature
 }
 
 var (
@@ -388,7 +396,7 @@ var (
 		flowBasedGRE: FlowBasedGRE, gre: GRE, mplsEncap: MPLSEncap,
 		iptablesCommand: IPTablesCommand, mangleTable: MangleTable, rawTable: RawTable, filterTable: FilterTable,
 		hmark: HMARK, commentMatch: CommentMatch, conntrackMatch: ConntrackMatch, connmark: Connmark,
-		markMatch: MarkMatch, ctTarget: CTTarget, ipsets: IPSets, setMatch: SetMatch, portSets: PortSets,
+		markMatch: MarkMatch, ctTarget: CTTarget, ipsets: IPSets, setMatch: SetMatch, portSets: PortSets, synSets: SynSets,
 	}
 	ipv6 = family{
 		ipv6: true, requires: []Feature{IPv6Protocol},
@@ -396,7 +404,7 @@ var (
 		flowBasedGRE: FlowBasedGRE6, gre: GRE6, mplsEncap: MPLSEncap6,
 		iptablesCommand: IP6TablesCommand, mangleTable: MangleTable6, rawTable: RawTable6, filterTable: FilterTable6,
 		hmark: HMARK6, commentMatch: CommentMatch6, conntrackMatch: ConntrackMatch6, connmark: Connmark6,
-		markMatch: MarkMatch6, ctTarget: CTTarget6, ipsets: IPSets6, setMatch: SetMatch6, portSets: PortSets6,
+		markMatch: MarkMatch6, ctTarget: CTTarget6, ipsets: IPSets6, setMatch: SetMatch6, portSets: PortSets6, synSets: SynSets6,
 	}
 )
 
@@ -480,7 +488,8 @@ func routerChecks(p RouterParams, f family) []Check {
 			f.ruleCheck(f.connmark, f.mangleTable, "mangle", connmarkRule),
 			f.ruleCheck(f.markMatch, f.mangleTable, "mangle", markRule),
 			f.chainCheck(f.rawTable, "raw"),
-			f.ruleCheck(f.ctTarget, f.rawTable, "raw", notrackRule))
+			f.ruleCheck(f.ctTarget, f.rawTable, "raw", notrackRule),
+			f.check(f.synSets, nil, Kernel.SynSet))
 	}
 	return checks
 }

@@ -56,6 +56,7 @@ func (f *fakeKernel) IPTablesChain(table string) error { return f.probe("chain:"
 func (f *fakeKernel) IPSet() error                     { return f.probe("ipset") }
 func (f *fakeKernel) IPSetRule(table string) error     { return f.probe("rule:" + table + ":set") }
 func (f *fakeKernel) PortSet() error                   { return f.probe("portset") }
+func (f *fakeKernel) SynSet() error                    { return f.probe("synset") }
 func (f *fakeKernel) BridgeFilter() error              { return f.probe("bridge-filter") }
 func (f *fakeKernel) ReplyNotrack() error              { return f.probe("reply-notrack") }
 func (f *fakeKernel) IPTablesRule(table string, rule ...string) error {
@@ -115,7 +116,7 @@ func features(checks []Check) []string {
 
 func TestRouterChecksFollowModeAndFlags(t *testing.T) {
 	base := []string{"", "", "iptables", "iptable_mangle", "xt_HMARK", "xt_comment", "ip_set_hash_ip", "xt_set", "ip_set_hash_ipport"}
-	sticky := []string{"xt_conntrack", "xt_connmark", "xt_mark", "iptable_raw", "xt_CT"}
+	sticky := []string{"xt_conntrack", "xt_connmark", "xt_mark", "iptable_raw", "xt_CT", "ip_set_hash_ipportip"}
 	// Nexthop objects have neither module nor package: "".
 	greBase := slices.Concat(base[:2], []string{""}, base[2:])
 	mpls := []string{"mpls_router", "mpls_iptunnel"} // and no nexthop objects
@@ -157,7 +158,7 @@ func featuresOf(checks []Check) []Feature {
 
 func TestRouterIPv6ChecksFollowTheIPv4Ones(t *testing.T) {
 	tables := []Feature{IP6TablesCommand, MangleTable6, HMARK6, CommentMatch6, IPSets6, SetMatch6, PortSets6}
-	sticky := []Feature{ConntrackMatch6, Connmark6, MarkMatch6, RawTable6, CTTarget6}
+	sticky := []Feature{ConntrackMatch6, Connmark6, MarkMatch6, RawTable6, CTTarget6, SynSets6}
 	for _, tc := range []struct {
 		name string
 		p    RouterParams
@@ -213,7 +214,7 @@ func TestIPv6FeaturesAreTheirOwn(t *testing.T) {
 			v6 = append(v6, f)
 		}
 	}
-	if want := 20; len(v6) != want { // MPLS routing is of no family
+	if want := 21; len(v6) != want { // MPLS routing is of no family
 		t.Errorf("%d IPv6 features, want %d: %v", len(v6), want, v6)
 	}
 	for _, f := range v6 {
@@ -289,7 +290,7 @@ func TestEveryCheckProbesWhatItNames(t *testing.T) {
 		MangleTable: {"chain:mangle"}, RawTable: {"chain:raw"}, FilterTable: {"chain:filter"}, HMARK: {"rule:mangle:HMARK"},
 		CommentMatch: {"rule:mangle:comment", "rule:filter:comment"}, ConntrackMatch: {"rule:mangle:conntrack", "rule:filter:conntrack"},
 		Connmark: {"rule:mangle:connmark"}, MarkMatch: {"rule:mangle:mark"}, CTTarget: {"rule:raw:CT"},
-		IPSets: {"ipset"}, SetMatch: {"rule:mangle:set"}, PortSets: {"portset"}, BridgeFilter: {"bridge-filter"},
+		IPSets: {"ipset"}, SetMatch: {"rule:mangle:set"}, PortSets: {"portset"}, SynSets: {"synset"}, BridgeFilter: {"bridge-filter"},
 		// Probed in gre mode only: mpls mode keeps inline routes.
 		NextHopObjects: {"nexthop-ip"},
 
@@ -299,7 +300,7 @@ func TestEveryCheckProbesWhatItNames(t *testing.T) {
 		FilterTable6: {"6:chain:filter"}, HMARK6: {"6:rule:mangle:HMARK"},
 		CommentMatch6: {"6:rule:mangle:comment", "6:rule:filter:comment"}, ConntrackMatch6: {"6:rule:mangle:conntrack", "6:rule:filter:conntrack"},
 		Connmark6: {"6:rule:mangle:connmark"}, MarkMatch6: {"6:rule:mangle:mark"}, CTTarget6: {"6:rule:raw:CT"},
-		IPSets6: {"6:ipset"}, SetMatch6: {"6:rule:mangle:set"}, PortSets6: {"6:portset"},
+		IPSets6: {"6:ipset"}, SetMatch6: {"6:rule:mangle:set"}, PortSets6: {"6:portset"}, SynSets6: {"6:synset"},
 	}
 	failing := func(names []string) *fakeKernel {
 		k := &fakeKernel{fail: map[string]error{}}

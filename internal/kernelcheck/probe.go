@@ -724,6 +724,22 @@ func (p *Probes) PortSet() error {
 	})
 }
 
+// SynSet implements Kernel.
+func (p *Probes) SynSet() error {
+	return p.in(func() error {
+		af, of := uint8(unix.AF_INET), ""
+		if p.ipv6 {
+			af, of = unix.AF_INET6, " of family inet6"
+		}
+		timeout := uint32(10)
+		if err := netlink.IpsetCreate(p.setName(), "hash:ip,port,ip", netlink.IpsetCreateOptions{Family: af, Timeout: &timeout}); err != nil {
+			return fmt.Errorf("creating hash:ip,port,ip set %s%s with a timeout: %w", p.setName(), of, err)
+		}
+		p.leftover("ipset "+p.setName(), netlink.IpsetDestroy(p.setName()))
+		return nil
+	})
+}
+
 // IPSetRule implements Kernel.
 func (p *Probes) IPSetRule(table string) error {
 	var err error

@@ -127,6 +127,9 @@ func groundTruth(t *testing.T, f Feature) error {
 		return ns.IPSets().IpsetCreate("GROUND-TRUTH", "hash:ip", netlink.IpsetCreateOptions{})
 	case PortSets:
 		return ns.IPSets().IpsetCreate("GROUND-TRUTH-P", "hash:ip,port", netlink.IpsetCreateOptions{})
+	case SynSets:
+		timeout := uint32(10)
+		return ns.IPSets().IpsetCreate("GROUND-TRUTH-S", "hash:ip,port,ip", netlink.IpsetCreateOptions{Timeout: &timeout})
 	case SetMatch:
 		if err := ns.IPSets().IpsetCreate("GROUND-TRUTH", "hash:ip", netlink.IpsetCreateOptions{}); err != nil {
 			return err
@@ -173,6 +176,9 @@ func groundTruth(t *testing.T, f Feature) error {
 		return ns.IPSets().IpsetCreate("GROUND-TRUTH6", "hash:ip", netlink.IpsetCreateOptions{Family: unix.AF_INET6})
 	case PortSets6:
 		return ns.IPSets().IpsetCreate("GROUND-TRUTH6-P", "hash:ip,port", netlink.IpsetCreateOptions{Family: unix.AF_INET6})
+	case SynSets6:
+		timeout := uint32(10)
+		return ns.IPSets().IpsetCreate("GROUND-TRUTH6-S", "hash:ip,port,ip", netlink.IpsetCreateOptions{Family: unix.AF_INET6, Timeout: &timeout})
 	case SetMatch6:
 		// ip6tables refuses a set of family inet.
 		if err := ns.IPSets().IpsetCreate("GROUND-TRUTH6", "hash:ip", netlink.IpsetCreateOptions{Family: unix.AF_INET6}); err != nil {

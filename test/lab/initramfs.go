@@ -34,7 +34,7 @@ var DefaultModules = []string{
 	"x_tables", "xt_HMARK", "xt_mark", "xt_tcpudp", "xt_comment", "ip_tables", "iptable_mangle",
 	"ip6_tables", "ip6table_mangle", "ip6table_raw",
 	"nf_conntrack", "nf_conntrack_netlink", "xt_conntrack", "xt_connmark", "xt_CT", "iptable_raw",
-	"ip_set", "ip_set_hash_ip", "ip_set_hash_ipport", "xt_set",
+	"ip_set", "ip_set_hash_ip", "ip_set_hash_ipport", "ip_set_hash_ipportip", "xt_set",
 	"nf_tables", "nft_compat", "nft_ct", "virtio_pci", "virtio_net",
 }
 
