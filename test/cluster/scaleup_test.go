@@ -18,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/cmdnu/kube-service-tunnel/endpoint"
+	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
 )
 
@@ -107,10 +108,12 @@ func (c *cluster) scaleUp(t *testing.T, mode string) {
 		t.Fatal(err)
 	}
 	var gates []string
+	var newPods []corev1.Pod
 	for _, p := range c.examplePods(t) {
 		if oldPods[p.Name] || p.DeletionTimestamp != nil {
 			continue
 		}
+		newPods = append(newPods, p)
 		gates = append(gates, podReadiness(p))
 		if cond := podCondition(p, endpoint.ReadinessGate); cond == nil || cond.Status != corev1.ConditionTrue {
 			t.Errorf("pod %s: the agent did not open its readiness gate %s: %+v", p.Name, endpoint.ReadinessGate, cond)
@@ -118,6 +121,7 @@ func (c *cluster) scaleUp(t *testing.T, mode string) {
 	}
 	slices.Sort(gates)
 	t.Logf("the new pods, from creation (s; the API's times are whole seconds):\n%s", strings.Join(gates, "\n"))
+	t.Logf("what the agent logged of each new pod, from its creation:\n%s", c.agentTimeline(t, newPods))
 	c.judgeFailedFlows(t, failed, scaled, "scale-up")
 	t.Logf("scale_up %s: %d -> %d pods, all ready and in the router's table %v after the scale-up; %d new flows, %d failed, %d SYN retransmissions; flows per pod: %v",
 		mode, scaleFrom, scaleTo, allIn.Round(100*time.Millisecond), opened, len(failed), after-before, perPod)
@@ -250,4 +254,52 @@ func TestNetstatCounter(t *testing.T) {
 	if _, err := netstatCounter("TcpExt: A B\nTcpExt: 1\n", "TcpExt", "B"); err == nil {
 		t.Error("a short line of values was read")
 	}
+}
+
+// agentSteps are the agent's log messages that tell where a new pod's
+// readiness gate waited.
+var agentSteps = []string{"waiting for the network plugin's route", "pod namespace changed", "pod converged", "readiness gate opened", "sync failed"}
+
+// agentTimeline lists, for each pod, the agent's log lines about it among
+// agentSteps, with their times from the pod's creation (the API's, in
+// whole seconds; the log's, in milliseconds).
+func (c *cluster) agentTimeline(t *testing.T, pods []corev1.Pod) string {
+	t.Helper()
+	var logs []string
+	for _, p := range c.daemonPods(t, "tunnel-endpoint") {
+		logs = append(logs, strings.Split(c.podLogs(t, p), "\n")...)
+	}
+	var out []string
+	for _, p := range pods {
+		key := "pod=" + p.Namespace + "/" + p.Name
+		out = append(out, "  "+p.Name+":")
+		for _, l := range logs {
+			if !strings.Contains(l, key+" ") && !strings.HasSuffix(l, key) {
+				continue
+			}
+			step := slices.IndexFunc(agentSteps, func(s string) bool { return strings.Contains(l, s) })
+			if step < 0 {
+				continue
+			}
+			at := "?"
+			if _, rest, ok := strings.Cut(l, `time="`); ok {
+				if ts, _, ok := strings.Cut(rest, `"`); ok {
+					if when, err := time.Parse(daemon.LogTimeFormat, ts); err == nil {
+						at = fmt.Sprintf("%.1fs", when.Sub(p.CreationTimestamp.Time).Seconds())
+					}
+				}
+			}
+			detail := ""
+			if _, rest, ok := strings.Cut(l, "change="); ok {
+				if quoted, ok := strings.CutPrefix(rest, `"`); ok {
+					rest, _, _ = strings.Cut(quoted, `"`)
+				} else if f := strings.Fields(rest); len(f) > 0 {
+					rest = f[0]
+				}
+				detail = ": " + rest
+			}
+			out = append(out, fmt.Sprintf("    %7s %s%s", at, agentSteps[step], detail))
+		}
+	}
+	return strings.Join(out, "\n")
 }
