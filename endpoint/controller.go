@@ -19,6 +19,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
@@ -130,6 +131,9 @@ type Controller struct {
 	podDone    map[string]PodTunnels
 	nodeDone   map[string]PodTunnels
 	unlisted   map[string][]netip.Addr
+	// opened are the pods (by UID) whose gate this agent opened: the
+	// informer may not show the condition yet, and it is written once.
+	opened map[string]types.UID
 	// policy reads what network policy needs; nil when it is off.
 	policy *policyWatch
 }
@@ -172,6 +176,7 @@ func NewController(cfg Config, inf Informers, locator runtime.Locator, podNet Po
 		refused:   map[string]string{},
 		podDone:   map[string]PodTunnels{},
 		nodeDone:  map[string]PodTunnels{},
+		opened:    map[string]types.UID{},
 		live:      livepolicy.New(cfg.Policy),
 	}
 	recompute := func(any) { c.queue.Add(desiredKey) }
@@ -547,6 +552,7 @@ func (c *Controller) syncPod(ctx context.Context, key string) error {
 		c.mu.Lock()
 		delete(c.clean, key)
 		delete(c.podDone, key)
+		delete(c.opened, key)
 		c.mu.Unlock()
 		c.metrics.forgetPod(key)
 		return nil

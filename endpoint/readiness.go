@@ -111,6 +111,12 @@ func (c *Controller) openGate(ctx context.Context, pod *corev1.Pod) error {
 		return nil
 	}
 	key := pod.Namespace + "/" + pod.Name
+	c.mu.Lock()
+	done := c.opened[key] == pod.UID
+	c.mu.Unlock()
+	if done {
+		return nil
+	}
 	if why := c.gateBlocker(key, PodTunnels{Pod: podNow}); why != "" {
 		c.log.WithFields(logrus.Fields{"pod": key, "condition": string(ReadinessGate)}).Debug("readiness gate stays closed: " + why)
 		return nil
@@ -127,6 +133,9 @@ func (c *Controller) openGate(ctx context.Context, pod *corev1.Pod) error {
 	if err := c.conditions.SetPodCondition(ctx, pod, cond); err != nil {
 		return fmt.Errorf("pod %s: setting its condition %s: %w", key, ReadinessGate, err)
 	}
+	c.mu.Lock()
+	c.opened[key] = pod.UID
+	c.mu.Unlock()
 	c.log.WithFields(logrus.Fields{"pod": key, "condition": string(ReadinessGate), "tunnel_ips": vips}).Info("readiness gate opened")
 	c.metrics.gateOpened()
 	return nil

@@ -3,6 +3,7 @@ package endpoint
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net/netip"
 	"slices"
@@ -15,6 +16,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/internal/tunnelclaim"
@@ -113,6 +115,27 @@ func TestReadinessGateOpensOnceTheTunnelIPsAreInPlace(t *testing.T) {
 	// The pod without the gate is served but never written.
 	if c := condition(t, client, "plain"); c != nil {
 		t.Fatalf("a pod without the gate got the condition %+v", c)
+	}
+	// Each gate is written once, whatever syncs the pod again.
+	for i := range 3 {
+		p, err := client.CoreV1().Pods("a").Get(ctx, "other", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.Annotations = map[string]string{"touched": fmt.Sprint(i)}
+		if _, err := client.CoreV1().Pods("a").Update(ctx, p, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(300 * time.Millisecond)
+	patches := map[string]int{}
+	for _, a := range client.Actions() {
+		if p, ok := a.(k8stesting.PatchAction); ok && a.GetSubresource() == "status" {
+			patches[p.GetName()]++
+		}
+	}
+	if patches["other"] != 1 || patches["fresh"] != 1 || patches["plain"] != 0 {
+		t.Errorf("status patches by pod %v, want one each of other and fresh, none of plain", patches)
 	}
 }
 
