@@ -25,10 +25,15 @@ import (
 // entry like any other: the connection stays on the endpoint that answered
 // its SYN, and keeps the generation it began in.
 //
+// A SYN first deletes its tuple from every SYN set, so that a client that
+// reuses its port is hashed by its latest SYN, not by an earlier
+// connection's remembered in another class.
+//
 // A packet walks the SYN sets only after every restore has failed: an
 // established flow returns before them, other traffic never reaches the
-// chain's second rule, a SYN tests its flags and one set of its class. A
-// client's first packet after its SYN tests the flags and each SYN set.
+// chain's second rule, a SYN is deleted from each set and tests one set of
+// its class. A client's first packet after its SYN tests the flags and
+// each SYN set.
 const (
 	// SynSetType is the type of the SYN sets: client address, client port
 	// (with its protocol, TCP) and tunnel IP.
@@ -74,6 +79,15 @@ var (
 	notSynFlags = []string{"-p", "tcp", "-m", "tcp", "!", "--tcp-flags", "FIN,SYN,RST,ACK", "SYN"}
 )
 
+// synForgetRule deletes a SYN's tuple from class k's SYN set: every SYN
+// passes one per remembered class before its own class records it, so
+// that a client that reuses its port within SynMemorySeconds is not
+// hashed by its previous connection's SYN, remembered in another class.
+func (c *Chain) synForgetRule(k int) []string {
+	return slices.Concat(synFlags, comment,
+		[]string{"-j", "SET", "--del-set", c.synSetName(k), "src,src,dst"})
+}
+
 // synRecordRule remembers a SYN to a tunnel IP of class k in k's SYN set.
 func (c *Chain) synRecordRule(k int) []string {
 	return slices.Concat(synFlags,
@@ -92,11 +106,15 @@ func (c *Chain) handshakeRule(k int) []string {
 }
 
 // handshakeRules are the rules of the handshake memory in the mangle
-// chain, after the classes' HMARK rules: one that remembers the SYNs of
-// each class in use, then one per remembered class that re-hashes the
-// packets following a remembered SYN.
+// chain, after the classes' HMARK rules: one per remembered class that
+// makes a SYN forget its tuple there, one that remembers the SYNs of each
+// class in use, then one per remembered class that re-hashes the packets
+// following a remembered SYN.
 func (c *Chain) handshakeRules(inUse []int) [][]string {
 	var rules [][]string
+	for _, k := range c.synClasses() {
+		rules = append(rules, c.synForgetRule(k))
+	}
 	for _, k := range inUse {
 		rules = append(rules, c.synRecordRule(k))
 	}

@@ -82,9 +82,9 @@ func testStickySyncInNetns(t *testing.T, nf netnsFamily, binary string) {
 	// chains and jumps, the SYN subchain and its rule, the raw rules (SYN,
 	// SYN-ACK), the exit, 4 fixed and 2 HMARK rules (one per generation);
 	// the handshake memory: 4 SYN sets (both tuples of testSticky's 2
-	// generations), 2 record rules (one per generation in use) and 4
-	// re-hash rules.
-	syncExpect("first sync", newChain(true), targets, 3+6+2+2+2+2+1+4+2+4+2+4)
+	// generations), 4 forget rules, 2 record rules (one per generation in
+	// use) and 4 re-hash rules.
+	syncExpect("first sync", newChain(true), targets, 3+6+2+2+2+2+1+4+2+4+4+2+4)
 	t.Logf("%s prints the sticky chains as:\n%s\n%s", binary,
 		ns.Run(binary, "-t", "mangle", "-S", name), ns.Run(binary, "-t", "raw", "-S", name))
 
@@ -141,13 +141,14 @@ func testStickySyncInNetns(t *testing.T, nf netnsFamily, binary string) {
 
 	stateless := newChain(false)
 	// Mangle: the 4 fixed rules out (the exit, which counts in both modes,
-	// stays), and the handshake memory's record rule and 4 re-hash rules;
-	// raw: jump, two rules, chain, SYN rule and subchain; the 4 SYN sets.
-	syncExpect("sticky -> stateless", stateless, targets, 4+5+6+4)
+	// stays), and the handshake memory's 4 forget rules, record rule and 4
+	// re-hash rules; raw: jump, two rules, chain, SYN rule and subchain;
+	// the 4 SYN sets.
+	syncExpect("sticky -> stateless", stateless, targets, 4+9+6+4)
 	if got := tableS("raw"); got != beforeRaw {
 		t.Errorf("raw after leaving sticky mode:\n%s\nwant:\n%s", got, beforeRaw)
 	}
-	syncExpect("stateless -> sticky", newChain(true), targets, 4+5+6+4)
+	syncExpect("stateless -> sticky", newChain(true), targets, 4+9+6+4)
 
 	if err := adopter.Cleanup(); err != nil {
 		t.Fatalf("Cleanup: %v", err)
@@ -185,6 +186,7 @@ const (
 	portU = 40003 // UDP, started before it
 	portF = 40004 // TCP, closed with FIN before it, reopened after it
 	portH = 40005 // TCP, its SYN before the change, every later packet after it
+	portR = 40006 // TCP, opened and closed after the change, reopened after a change back
 )
 
 // TestStickyDrainingInNetns proves stickiness on the real kernel with
@@ -334,6 +336,29 @@ func testStickyDrainingInNetns(t *testing.T, binary string) {
 		t.Errorf("Counters[%s] = %+v, want between the %d and %d packets forwarded to it", labVIP, counters[labVIP], forwardedBefore, forwardedAfter)
 	}
 	t.Logf("tunnel IP counters (every packet): %v; forwarded to the tunnel IP: %d, then %d", counters, forwardedBefore, forwardedAfter)
+
+	// R reuses its port across a change back to generation 0, within the
+	// handshake memory's 10 s: its first connection's SYN is remembered in
+	// generation 1's SYN set, the reopened connection's SYN in generation
+	// 0's, which must be the only one left (the later rule, generation
+	// 1's, would otherwise hash every packet after the SYN, its stale
+	// closing conntrack entry restoring nothing).
+	connR := dialVIP(t, c, portR)
+	roundTrips(t, "R", connR, 2)
+	closeFromServer(t, connR)
+	ct.waitTCPState(t, portR, func(state uint8) bool { return state > tcpConntrackEstablished })
+	if _, err := chain.Sync([]Target{{VIP: labVIP, Offset: 0x1000}}); err != nil {
+		t.Fatalf("Sync back to generation 0: %v", err)
+	}
+	beforeR := readCounters(t, ipt)
+	connR = dialVIP(t, c, portR) // same 4-tuple as before
+	roundTrips(t, "R reopened", connR, 3)
+	afterR := readCounters(t, ipt)
+	deltaR := func(name string) uint64 { return afterR[name] - beforeR[name] }
+	if deltaR("R all") < 4 || deltaR("R gen0") != deltaR("R all") || deltaR("R gen1") != 0 || deltaR("R syn gen0") != 1 {
+		t.Errorf("R reopened after the change back: %d packets, %d in generation 0 (SYN: %d), %d in generation 1; want all in generation 0, its SYN's",
+			deltaR("R all"), deltaR("R gen0"), deltaR("R syn gen0"), deltaR("R gen1"))
+	}
 }
 
 // newDrainingLab creates the namespaces c, r and s, linked in a triangle,
@@ -427,7 +452,7 @@ func addCountingRules(r *testnetns.NS, binary string) {
 	flows := []struct {
 		name, proto string
 		port        int
-	}{{"A", "tcp", portA}, {"B", "tcp", portB}, {"U", "udp", portU}, {"F", "tcp", portF}, {"H", "tcp", portH}}
+	}{{"A", "tcp", portA}, {"B", "tcp", portB}, {"U", "udp", portU}, {"F", "tcp", portF}, {"H", "tcp", portH}, {"R", "tcp", portR}}
 	for _, f := range flows {
 		flow := []string{"-p", f.proto, "--sport", fmt.Sprint(f.port)}
 		add(f.name+" all", flow...)

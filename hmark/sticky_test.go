@@ -30,6 +30,7 @@ const (
 	// The handshake memory of generation 0: the rule that remembers its
 	// SYNs, and the rule that hashes the packets after a remembered SYN
 	// (and the same for client affinity).
+	printedSynForget  = "-A KST-HMARK -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -m comment --comment kube-service-tunnel -j SET --del-set KST-HMARK-s0 src,src,dst"
 	printedSynRecord  = "-A KST-HMARK -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -m set --match-set KST-HMARK-0 dst -m comment --comment kube-service-tunnel -j SET --add-set KST-HMARK-s0 src,src,dst --exist"
 	printedHandshake  = "-A KST-HMARK -p tcp -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m set --match-set KST-HMARK-s0 src,src,dst -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 4096"
 	printedHandshakeC = "-A KST-HMARK -p tcp -m tcp ! --tcp-flags FIN,SYN,RST,ACK SYN -m set --match-set KST-HMARK-sc0 src,src,dst -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 32 --hmark-dst-prefix 32 --hmark-sport-mask 0x0 --hmark-dport-mask 0x0 --hmark-proto-mask 0x0 --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 4096"
@@ -100,6 +101,9 @@ func TestStickyNeedsRoomForSynChain(t *testing.T) {
 // per class in use, the re-hash rules of all four classes, the SYN sets.
 func handshakeLines(record ...string) []string {
 	var lines []string
+	for _, k := range []string{"0", "1", "c0", "c1"} {
+		lines = append(lines, strings.Replace(printedSynForget, "KST-HMARK-s0 ", "KST-HMARK-s"+k+" ", 1))
+	}
 	for _, k := range record {
 		lines = append(lines, strings.NewReplacer("KST-HMARK-0 ", "KST-HMARK-"+k+" ", "KST-HMARK-s0 ", "KST-HMARK-s"+k+" ").Replace(printedSynRecord))
 	}
