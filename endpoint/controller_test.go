@@ -108,6 +108,13 @@ func startControllerWith(t *testing.T, loc *fakeLocator, pods PodSyncer, node No
 func startControllerConfig(t *testing.T, cfg Config, loc *fakeLocator, pods PodSyncer, node NodeSyncer, metrics *Metrics, objects ...k8sruntime.Object) (*fake.Clientset, *Controller) {
 	t.Helper()
 	client := fake.NewClientset(objects...)
+	return client, runController(t, client, cfg, loc, pods, node, func(c *Controller) { c.SetMetrics(metrics) })
+}
+
+// runController builds a controller on client's informers, lets setup
+// configure it, and runs it until the test ends.
+func runController(t *testing.T, client *fake.Clientset, cfg Config, loc *fakeLocator, pods PodSyncer, node NodeSyncer, setup func(*Controller)) *Controller {
+	t.Helper()
 	inf := NewInformers(client, "n1")
 	log := logrus.New()
 	log.Out = io.Discard
@@ -115,7 +122,7 @@ func startControllerConfig(t *testing.T, cfg Config, loc *fakeLocator, pods PodS
 	if err != nil {
 		t.Fatal(err)
 	}
-	c.SetMetrics(metrics)
+	setup(c)
 	ctx, cancel := context.WithCancel(context.Background())
 	inf.Start(ctx.Done())
 	done := make(chan error, 1)
@@ -125,7 +132,7 @@ func startControllerConfig(t *testing.T, cfg Config, loc *fakeLocator, pods PodS
 		<-done
 		inf.Shutdown()
 	})
-	return client, c
+	return c
 }
 
 func TestControllerPodStates(t *testing.T) {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net/netip"
 	"slices"
 	"strings"
@@ -12,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/sirupsen/logrus"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
@@ -172,22 +170,7 @@ func TestUnlisted(t *testing.T) {
 // client.
 func startGated(t *testing.T, client *fake.Clientset, loc *fakeLocator, pods PodSyncer, node NodeSyncer) *Controller {
 	t.Helper()
-	inf := NewInformers(client, "n1")
-	log := logrus.New()
-	log.Out = io.Discard
-	c, err := NewController(testConfig(encap.GRE), inf, loc, pods, node, log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c.SetConditionWriter(APIConditionWriter{Client: client})
-	ctx, cancel := context.WithCancel(context.Background())
-	inf.Start(ctx.Done())
-	done := make(chan error, 1)
-	go func() { done <- c.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		<-done
-		inf.Shutdown()
+	return runController(t, client, testConfig(encap.GRE), loc, pods, node, func(c *Controller) {
+		c.SetConditionWriter(APIConditionWriter{Client: client})
 	})
-	return c
 }

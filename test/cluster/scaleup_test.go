@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -19,6 +18,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/endpoint"
 	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
+	"github.com/cmdnu/kube-service-tunnel/internal/nsexec"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
 )
 
@@ -198,29 +198,16 @@ func podReadiness(p corev1.Pod) string {
 // synRetransmits reads the TcpExt counter TCPSynRetrans (SYNs the kernel
 // retransmitted) of the network namespace ns.
 func synRetransmits(ns netns.NsHandle) (uint64, error) {
-	type result struct {
-		n   uint64
-		err error
-	}
-	done := make(chan result, 1)
-	go func() {
-		// The thread is thrown away afterwards (never unlocked), so no
-		// goroutine runs in the client's namespace by accident.
-		runtime.LockOSThread()
-		if err := netns.Set(ns); err != nil {
-			done <- result{err: err}
-			return
-		}
+	var n uint64
+	err := nsexec.Do(ns, func() error {
 		b, err := os.ReadFile("/proc/thread-self/net/netstat")
 		if err != nil {
-			done <- result{err: err}
-			return
+			return err
 		}
-		n, err := netstatCounter(string(b), "TcpExt", "TCPSynRetrans")
-		done <- result{n, err}
-	}()
-	r := <-done
-	return r.n, r.err
+		n, err = netstatCounter(string(b), "TcpExt", "TCPSynRetrans")
+		return err
+	})
+	return n, err
 }
 
 // netstatCounter reads one counter of /proc/net/netstat or /proc/net/snmp:
