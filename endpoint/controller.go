@@ -131,6 +131,9 @@ type Controller struct {
 	podDone    map[string]PodTunnels
 	nodeDone   map[string]PodTunnels
 	unlisted   map[string][]netip.Addr
+	// gateViews are the local gated pods as the last recompute saw them
+	// (gateView): a pod whose addresses came later waits for the next.
+	gateViews map[string]string
 	// opened are the pods (by UID) whose gate this agent opened: the
 	// informer may not show the condition yet, and it is written once.
 	opened map[string]types.UID
@@ -464,8 +467,10 @@ func (c *Controller) recompute() error {
 	policy := c.live.Get()
 	desired, problems, refused := Desired(c.cfg.NodeName, policy.Pools, policy.Networks(nodes), svcs, esl, pods)
 	var unlisted map[string][]netip.Addr
+	var views map[string]string
 	if c.conditions != nil {
 		unlisted = Unlisted(c.cfg.NodeName, policy.Pools, policy.Networks(nodes), svcs, pods, desired)
+		views = gateViews(c.cfg.NodeName, pods)
 	}
 	// A network plugin that drops the replies from the tunnel IPs is
 	// logged once per pod and reason, like every problem.
@@ -499,6 +504,8 @@ func (c *Controller) recompute() error {
 	c.desired = desired
 	oldUnlisted := c.unlisted
 	c.unlisted = unlisted
+	oldViews := c.gateViews
+	c.gateViews = views
 	c.metrics.desiredState(desired, refused)
 	seen := map[string]bool{}
 	for _, p := range problems {
@@ -520,6 +527,12 @@ func (c *Controller) recompute() error {
 	// A gated pod that no longer waits for a slice may open its gate.
 	for key := range oldUnlisted {
 		if len(unlisted[key]) == 0 {
+			c.queue.Add(daemon.ObjectKey(key))
+		}
+	}
+	// So may a gated pod this recompute saw first, or with new addresses.
+	for key, view := range views {
+		if oldViews[key] != view {
 			c.queue.Add(daemon.ObjectKey(key))
 		}
 	}

@@ -77,13 +77,37 @@ func (w APIConditionWriter) SetPodCondition(ctx context.Context, pod *corev1.Pod
 // the agent leaves the gates alone (and such pods never become ready).
 func (c *Controller) SetConditionWriter(w PodConditionWriter) { c.conditions = w }
 
-// gateBlocker returns why the ReadinessGate of the local pod key, whose
-// addresses are now podNow, cannot open yet, or "" when it can: the pod
-// and the node hold the pod's desired state, and no tunnel Service whose
+// gateView is what the desired state of a gated pod was computed from:
+// the pod (by UID) and its addresses.
+func gateView(pod *corev1.Pod) string {
+	v4, v6 := podAddrs(pod)
+	return fmt.Sprintf("%s %v %v", pod.UID, v4, v6)
+}
+
+// gateViews returns the gateView of every local pod that lists the gate.
+func gateViews(node string, pods []*corev1.Pod) map[string]string {
+	views := map[string]string{}
+	for _, pod := range pods {
+		if pod.Spec.NodeName == node && !pod.Spec.HostNetwork && HasReadinessGate(pod) {
+			views[pod.Namespace+"/"+pod.Name] = gateView(pod)
+		}
+	}
+	return views
+}
+
+// gateBlocker returns why the ReadinessGate of the local pod, whose
+// addresses are now podNow, cannot open yet, or "" when it can: the last
+// recompute saw the pod with these addresses (a pod whose address came
+// after it would look as if no tunnel Service selected it), the pod and
+// the node hold the pod's desired state, and no tunnel Service whose
 // selector matches the pod waits for its EndpointSlice to list it.
-func (c *Controller) gateBlocker(key string, podNow PodTunnels) string {
+func (c *Controller) gateBlocker(pod *corev1.Pod, podNow PodTunnels) string {
+	key := pod.Namespace + "/" + pod.Name
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	if c.gateViews[key] != gateView(pod) {
+		return "the agent has not computed its tunnel IPs for its current addresses yet"
+	}
 	if vips := c.unlisted[key]; len(vips) > 0 {
 		return fmt.Sprintf("tunnel IPs %v wait for the EndpointSlices to list the pod", vips)
 	}
@@ -117,7 +141,7 @@ func (c *Controller) openGate(ctx context.Context, pod *corev1.Pod) error {
 	if done {
 		return nil
 	}
-	if why := c.gateBlocker(key, PodTunnels{Pod: podNow}); why != "" {
+	if why := c.gateBlocker(pod, PodTunnels{Pod: podNow}); why != "" {
 		c.log.WithFields(logrus.Fields{"pod": key, "condition": string(ReadinessGate)}).Debug("readiness gate stays closed: " + why)
 		return nil
 	}

@@ -174,3 +174,80 @@ func startGated(t *testing.T, client *fake.Clientset, loc *fakeLocator, pods Pod
 		c.SetConditionWriter(APIConditionWriter{Client: client})
 	})
 }
+
+// A gated pod's address may come after the agent last computed the
+// desired state: that computation saw no address, so no tunnel Service
+// seemed to select it. The gate stays closed until a computation has seen
+// the pod as it is now (found in the lab cluster: gates opened 7-8 s
+// before the pods' tunnel IPs were in place, and SYNs were lost).
+func TestReadinessGateWaitsForTheComputationThatSawThePodsAddress(t *testing.T) {
+	noAddress := gatedPod("late", "", "web")
+	addressed := gatedPod("late", "10.1.0.11", "web")
+	key := "a/late"
+	c := &Controller{
+		gateViews: map[string]string{key: gateView(noAddress)},
+		podDone:   map[string]PodTunnels{key: {Pod: runtimePod(addressed)}},
+		nodeDone:  map[string]PodTunnels{},
+		desired:   map[string]PodTunnels{},
+	}
+	if why := c.gateBlocker(addressed, PodTunnels{Pod: runtimePod(addressed)}); !strings.Contains(why, "current addresses") {
+		t.Fatalf("gate blocker for a pod the computation saw without an address = %q, want it to wait", why)
+	}
+	// The next computation sees the address and a Service selecting it.
+	c.gateViews[key] = gateView(addressed)
+	c.unlisted = map[string][]netip.Addr{key: {vip1}}
+	if why := c.gateBlocker(addressed, PodTunnels{Pod: runtimePod(addressed)}); !strings.Contains(why, "EndpointSlices") {
+		t.Fatalf("gate blocker once seen = %q, want it to wait for the slices", why)
+	}
+	// A pod of the same name but another UID is another pod.
+	c.unlisted = nil
+	if why := c.gateBlocker(addressed, PodTunnels{Pod: runtimePod(addressed)}); why != "" {
+		t.Fatalf("gate blocker with nothing left to wait for = %q", why)
+	}
+	recreated := addressed.DeepCopy()
+	recreated.UID = "uid-late-2"
+	if why := c.gateBlocker(recreated, PodTunnels{Pod: runtimePod(recreated)}); why == "" {
+		t.Fatal("the gate of a recreated pod opened on what the computation saw of its predecessor")
+	}
+}
+
+// The same through the controller: a gated pod created before its address,
+// selected by a tunnel Service, keeps its gate closed once the address
+// arrives, until an EndpointSlice lists it.
+func TestReadinessGateOfAPodAddressedLate(t *testing.T) {
+	svc := tunnelService("a", "web", "192.0.2.10", time.Hour)
+	svc.Spec.Selector = map[string]string{"app": "web"}
+	late := gatedPod("late", "", "web")
+	late.Status.Phase = corev1.PodPending
+	loc := &fakeLocator{found: map[netip.Addr]bool{netip.MustParseAddr("10.1.0.11"): true}, lookups: map[string]int{}}
+	pods := &fakePods{wants: map[string][]PodTunnels{}}
+	client := fake.NewClientset(svc, late)
+	startGated(t, client, loc, pods, &flakyNode{})
+	ctx := context.Background()
+	time.Sleep(200 * time.Millisecond)
+	for i := range 5 {
+		p, err := client.CoreV1().Pods("a").Get(ctx, "late", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.Status.Phase = corev1.PodRunning
+		p.Status.PodIP = "10.1.0.11"
+		p.Annotations = map[string]string{"touched": fmt.Sprint(i)}
+		if _, err := client.CoreV1().Pods("a").UpdateStatus(ctx, p, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	time.Sleep(300 * time.Millisecond)
+	if c := condition(t, client, "late"); c != nil {
+		t.Fatalf("late's gate opened before any EndpointSlice listed it: %+v", c)
+	}
+	es := slice("a", "web", ep{"10.1.0.11", "n1", "late", false})
+	if _, err := client.DiscoveryV1().EndpointSlices("a").Create(ctx, es, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "late's gate", func() bool { return condition(t, client, "late") != nil })
+	if c := condition(t, client, "late"); c.Status != corev1.ConditionTrue || !strings.Contains(c.Message, "192.0.2.10") {
+		t.Fatalf("late's condition: %+v", c)
+	}
+}
