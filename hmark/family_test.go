@@ -26,12 +26,8 @@ const (
 	printed6RuleA = "-A KST-HMARK6 -d 2001:db8:96::10/128 -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 128 --hmark-dst-prefix 128 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 256"
 
 	printed6StickyExit    = "-A KST-HMARK6 -m set ! --match-set KST-HMARK6 dst -m comment --comment kube-service-tunnel -j RETURN"
-	printed6RestoreTCP    = "-A KST-HMARK6 -p tcp -m connmark --mark 0x1000/0xffffff00 -m conntrack --ctexpire 121:4294967295 -m comment --comment kube-service-tunnel -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff"
-	printed6RestoreOther  = "-A KST-HMARK6 ! -p tcp -m connmark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff"
-	printed6Return        = "-A KST-HMARK6 -m mark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j RETURN"
 	printed6StickyGen0    = "-A KST-HMARK6 -m set --match-set KST-HMARK6-0 dst -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 128 --hmark-dst-prefix 128 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 4096"
 	printed6StickyGen1    = "-A KST-HMARK6 -m set --match-set KST-HMARK6-1 dst -m comment --comment kube-service-tunnel -j HMARK --hmark-src-prefix 128 --hmark-dst-prefix 128 --hmark-sport-mask 0xffff --hmark-dport-mask 0xffff --hmark-proto-mask 0xffff --hmark-rnd 0x00c0ffee --hmark-mod 16 --hmark-offset 4112"
-	printed6Save          = "-A KST-HMARK6 -m connmark --mark 0x0 -m mark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j CONNMARK --save-mark --nfmask 0xffffffff --ctmask 0xffffffff"
 	printed6RawChainN     = "-t raw -N KST-HMARK6"
 	printed6RawJump       = "-t raw -A PREROUTING -m comment --comment kube-service-tunnel -j KST-HMARK6"
 	printed6RawRule       = "-t raw -A KST-HMARK6 -p tcp -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -m set --match-set KST-HMARK6 dst ! --update-counters -m comment --comment kube-service-tunnel -j KST-HMARK6-SYN"
@@ -156,8 +152,8 @@ func TestSync6AdoptsPrintedRules(t *testing.T) {
 				"-S KST-HMARK6 2001:db8:96::10 2001:db8:96::20", "-S KST-HMARK6-0 2001:db8:96::10", "-S KST-HMARK6-c1 2001:db8:96::20"},
 			[]Target{{VIP: vip6A}, {VIP: vip6B, Offset: gen1, ClientAffinity: true}}},
 		{"sticky", stickyParams, true,
-			slices.Concat([]string{printed6ChainN, printed6Jump, printed6StickyExit, printed6RestoreTCP, printed6RestoreOther, printed6Return,
-				printed6StickyGen0, printed6StickyGen1}, handshakeLines6("0", "1"), []string{printed6Save,
+			slices.Concat([]string{printed6ChainN, printed6Jump, printed6StickyExit}, to6(stickyHeadLines()), []string{
+				printed6StickyGen0, printed6StickyGen1}, handshakeLines6("0", "1"), to6(stickyTailLines), []string{
 				printed6RawChainN, printed6SynChainN, printed6RawJump, printed6RawRule, printed6RawSynAck, printed6SynRule,
 				"-S KST-HMARK6 2001:db8:96::10 2001:db8:96::20", "-S KST-HMARK6-0 2001:db8:96::10", "-S KST-HMARK6-1 2001:db8:96::20"}),
 			[]Target{{VIP: vip6A}, {VIP: vip6B, Offset: stickyGen1}}},
@@ -199,8 +195,8 @@ func TestStickySync6(t *testing.T) {
 	if _, err := c.Sync(targets); err != nil {
 		t.Fatalf("Sync: %v", err)
 	}
-	want := canonical6(t, slices.Concat([]string{printed6ChainN, printed6Jump, printed6StickyExit, printed6RestoreTCP, printed6RestoreOther, printed6Return,
-		printed6StickyGen0, printed6StickyGen1}, handshakeLines6("0", "1"), []string{printed6Save,
+	want := canonical6(t, slices.Concat([]string{printed6ChainN, printed6Jump, printed6StickyExit}, to6(stickyHeadLines()), []string{
+		printed6StickyGen0, printed6StickyGen1}, handshakeLines6("0", "1"), to6(stickyTailLines), []string{
 		printed6RawChainN, printed6SynChainN, printed6SynRule, printed6RawJump, printed6RawRule, printed6RawSynAck,
 		"-S KST-HMARK6 2001:db8:96::10 2001:db8:96::20", "-S KST-HMARK6-0 2001:db8:96::10", "-S KST-HMARK6-1 2001:db8:96::20"})...)
 	if got := stateOf(f); got != want {
@@ -463,11 +459,14 @@ func TestSync6ErrorsRedactSeed(t *testing.T) {
 
 // handshakeLines6 is handshakeLines for the IPv6 chain: its name, its
 // sets' and 128-bit prefixes, as ip6tables prints them.
-func handshakeLines6(record ...string) []string {
+func handshakeLines6(record ...string) []string { return to6(handshakeLines(record...)) }
+
+// to6 turns lines of the IPv4 chain KST-HMARK into the IPv6 chain's.
+func to6(lines []string) []string {
 	r := strings.NewReplacer("-A KST-HMARK ", "-A KST-HMARK6 ", "KST-HMARK-", "KST-HMARK6-",
 		"--hmark-src-prefix 32 --hmark-dst-prefix 32", "--hmark-src-prefix 128 --hmark-dst-prefix 128")
 	var out []string
-	for _, l := range handshakeLines(record...) {
+	for _, l := range lines {
 		out = append(out, r.Replace(l))
 	}
 	return out

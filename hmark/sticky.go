@@ -6,7 +6,6 @@ import (
 	"math"
 	"math/bits"
 	"slices"
-	"strconv"
 )
 
 // Sticky turns on connection stickiness: a flow keeps the HMARK decision
@@ -32,16 +31,18 @@ import (
 //     (a window of one round trip, which only that connection's handshake
 //     can fall into).
 //   - A client FIN moves the entry to FIN_WAIT, CLOSE_WAIT or TIME_WAIT
-//     (at most 120 s). A new connection on the same 4-tuple within that
-//     time would hit the stale entry: its (untracked) SYN would take the
-//     current generation and its ACK restore the old one. So a TCP mark
-//     is restored only while the entry's remaining lifetime, after
-//     conntrack refreshed it for this packet (-m conntrack --ctexpire), is
-//     above TCPMinExpire, the longest closing-state timeout: only in the
-//     established state. Such a connection keeps taking fresh decisions
-//     (of the current generation) until the stale entry expires. A client
-//     RST removes an unreplied entry at once. UDP, ICMP and other
-//     protocols always restore.
+//     (120 s; CLOSE_WAIT an hour where kube-proxy runs), and every later
+//     packet on its 4-tuple refreshes it, those of a new connection that
+//     reuses the 4-tuple too (its SYN is untracked: conntrack never
+//     replaces the entry). So the FIN marks the saved decision closing (a
+//     connmark bit, closingBit) and makes the handshake memory forget the
+//     tuple; a closing decision is restored only while the tuple has no
+//     newer SYN in the handshake memory (the old connection's last
+//     packets); a packet that follows a newer SYN is hashed as that SYN
+//     was and its decision saved over the closing one, which the new
+//     connection then keeps like any other. An open decision is restored
+//     whatever the entry's lifetime. A client RST removes an unreplied
+//     entry at once. UDP, ICMP and other protocols always restore.
 //   - HMARK sets the whole skb mark. Block and Mask reserve a block of
 //     marks for the router: every mark HMARK gives (every generation's
 //     Offset .. Offset+Buckets-1) lies in it, a packet whose mark is in it
@@ -53,23 +54,12 @@ type Sticky struct {
 	Block uint32
 	// Mask selects the bits of a mark that Block fixes.
 	Mask uint32
-	// TCPMinExpire is the remaining conntrack lifetime, in seconds, at or
-	// below which a TCP flow's saved decision is not restored: the longest
-	// timeout of the closing states (nf_conntrack_tcp_timeout_fin_wait,
-	// _close_wait, _time_wait: 120 by default), below the established one
-	// (nf_conntrack_tcp_timeout_established or, for the router's unreplied
-	// flows, _unacknowledged: 300 by default).
-	TCPMinExpire uint32
 	// Generations is the number of routing generations the router uses (0
 	// means MaxGenerations): the chain remembers the SYNs of each, so that
 	// a handshake keeps the generation its SYN was hashed into (see
 	// handshake.go).
 	Generations int
 }
-
-// DefaultTCPMinExpire is the longest default closing-state timeout of
-// TCP conntrack (TIME_WAIT and FIN_WAIT, 120 s).
-const DefaultTCPMinExpire = 120
 
 // validate checks s for the chain's params (see SetSticky).
 func (s *Sticky) validate(params Params) error {
@@ -80,8 +70,8 @@ func (s *Sticky) validate(params Params) error {
 		return errors.New("sticky mark block is 0 (connmark 0 means no decision saved)")
 	case s.Block&^s.Mask != 0:
 		return fmt.Errorf("sticky mark block %#x has bits outside mask %#x", s.Block, s.Mask)
-	case s.TCPMinExpire == math.MaxUint32:
-		return fmt.Errorf("sticky TCP minimum expiry must be below %d", uint32(math.MaxUint32))
+	case s.closingBit() == 0:
+		return fmt.Errorf("sticky mark block %#x fills mask %#x: no bit is left for the closing connmark", s.Block, s.Mask)
 	case s.Generations < 0 || s.Generations > MaxGenerations:
 		return fmt.Errorf("sticky generations %d is not between 1 and %d", s.Generations, MaxGenerations)
 	}
@@ -112,14 +102,27 @@ func (s *Sticky) markArg() string {
 	return fmt.Sprintf("%#x/%#x", s.Block, s.Mask)
 }
 
-// ctexpireArg is the --ctexpire range above TCPMinExpire, as iptables
-// prints it (one number when the range has one).
-func (s *Sticky) ctexpireArg() string {
-	lo := uint64(s.TCPMinExpire) + 1
-	if lo == math.MaxUint32 {
-		return strconv.FormatUint(lo, 10)
+// ClosingBit is the connmark bit that marks a closing decision (the
+// client sent its FIN): an entry with it is none of the router's flows.
+func (s *Sticky) ClosingBit() uint32 { return s.closingBit() }
+
+// closingBit is the connmark bit that says the client closed the
+// connection whose decision the entry holds: the lowest bit of Mask that
+// Block leaves 0, so that a closing entry's connmark is not in the block
+// (the open entries' restore rule leaves it alone) and no mark HMARK gives
+// has it. It is a connmark bit only; packet marks never carry it.
+func (s *Sticky) closingBit() uint32 {
+	free := s.Mask &^ s.Block
+	return free & -free
+}
+
+// closingMarkArg is the connmark of a closing entry, Block with the
+// closing bit under Mask, as iptables prints the match.
+func (s *Sticky) closingMarkArg() string {
+	if s.Mask == math.MaxUint32 {
+		return fmt.Sprintf("%#x", s.Block|s.closingBit())
 	}
-	return fmt.Sprintf("%d:%d", lo, uint32(math.MaxUint32))
+	return fmt.Sprintf("%#x/%#x", s.Block|s.closingBit(), s.Mask)
 }
 
 // Sticky returns a copy of the chain's sticky settings, nil in stateless
@@ -142,24 +145,32 @@ func (c *Chain) Sticky() *Sticky {
 // 4294967295. Sync checks the same of every Target's offset.
 //
 // In sticky mode the mangle chain holds, in this order (BLOCK/MASK the
-// block, N = TCPMinExpire+1, NAME the chain and its set of all tunnel IPs,
-// NAME-g the set of generation g's):
+// block, C the closing bit, NAME the chain and its set of all tunnel IPs,
+// NAME-g the set of generation g's, NAME-sg its SYN set):
 //
 //	-m set ! --match-set NAME dst -j RETURN
-//	-p tcp -m connmark --mark BLOCK/MASK -m conntrack --ctexpire N:4294967295 -j CONNMARK --restore-mark
-//	! -p tcp -m connmark --mark BLOCK/MASK -j CONNMARK --restore-mark
+//	-m connmark --mark BLOCK/MASK -j CONNMARK --restore-mark
+//	-p tcp -m connmark --mark BLOCK|C/MASK -m set ! --match-set NAME-sg src,src,dst ... -j CONNMARK --restore-mark --ctmask ~C
+//	                                             (a closing decision, unless a SYN came since: every SYN set)
+//	! -p tcp -m mark --mark BLOCK/MASK -j RETURN
+//	-p tcp ! --tcp-flags FIN FIN -m mark --mark BLOCK/MASK -j RETURN
+//	-p tcp --tcp-flags FIN FIN -m connmark --mark BLOCK/MASK -j CONNMARK --set-xmark C/C
+//	-p tcp --tcp-flags FIN FIN -j SET --del-set NAME-sg src,src,dst   (one per SYN set)
 //	-m mark --mark BLOCK/MASK -j RETURN
 //	-m set --match-set NAME-g dst -j HMARK ...   (one per generation in use, with its offset)
+//	-p tcp --syn -j SET --del-set NAME-sg src,src,dst  (one per SYN set: a SYN forgets its tuple)
 //	-p tcp --syn -m set --match-set NAME-g dst -j SET --add-set NAME-sg src,src,dst --exist
 //	                                             (one per generation in use: its SYNs remembered)
 //	-p tcp ! --syn -m set --match-set NAME-sg src,src,dst -j HMARK ...
-//	                                             (one per generation below Generations, both tuples)
+//	                                             (one per SYN set: the packets after a remembered SYN)
 //	-m connmark --mark 0x0 -m mark --mark BLOCK/MASK -j CONNMARK --save-mark
+//	-m connmark --mark BLOCK|C/MASK -m mark --mark BLOCK/MASK -j CONNMARK --save-mark
 //
 // (each with the comment RuleComment): a packet not to a tunnel IP leaves
 // at once; a tracked flow with a saved decision gets it back and leaves
-// the chain; any other packet to a tunnel IP is hashed, and the decision
-// saved if its flow has none yet. Untracked packets (the SYNs) match no
+// the chain (a client's FIN after marking the decision closing); any
+// other packet to a tunnel IP is hashed, and the decision saved if its
+// flow has none yet or a closing one. Untracked packets (the SYNs) match no
 // connmark, so they are hashed and nothing is saved. The first rule's set
 // match counts every packet to a tunnel IP (see Counters). The raw chain
 // (NAME) holds one rule that sends the SYNs to a tunnel IP to the SYN
@@ -329,27 +340,50 @@ func (c *Chain) removeRawNamedChain(chain string) (changed int, err error) {
 
 // fixedMangleRules are the rules of the mangle chain before (head) and
 // after (tail) the HMARK rules: none in stateless mode; in sticky mode
-// the restore rules and the RETURN, and the save rule (see SetSticky).
-// They are written exactly as iptables 1.8 (nft and legacy) prints them,
-// so that Sync compares them word for word.
+// (see SetSticky) the restore rules, the RETURNs and the client FIN's
+// rules, and the save rules. They are written exactly as iptables 1.8 (nft
+// and legacy) prints them, so that Sync compares them word for word.
 func (c *Chain) fixedMangleRules() (head, tail [][]string) {
 	s := c.sticky
 	if s == nil {
 		return nil, nil
 	}
 	fullMasks := []string{"--nfmask", "0xffffffff", "--ctmask", "0xffffffff"}
-	restoreTCP := slices.Concat(
-		[]string{"-p", "tcp", "-m", "connmark", "--mark", s.markArg(), "-m", "conntrack", "--ctexpire", s.ctexpireArg()},
+	closing := s.closingBit()
+	restoreOpen := slices.Concat(
+		[]string{"-m", "connmark", "--mark", s.markArg()},
 		comment, []string{"-j", "CONNMARK", "--restore-mark"}, fullMasks)
-	restoreOther := slices.Concat(
-		[]string{"!", "-p", "tcp", "-m", "connmark", "--mark", s.markArg()},
-		comment, []string{"-j", "CONNMARK", "--restore-mark"}, fullMasks)
+	restoreClosing := []string{"-p", "tcp", "-m", "connmark", "--mark", s.closingMarkArg()}
+	for _, k := range c.synClasses() {
+		restoreClosing = append(restoreClosing, "-m", "set", "!", "--match-set", c.synSetName(k), "src,src,dst")
+	}
+	restoreClosing = slices.Concat(restoreClosing, comment,
+		[]string{"-j", "CONNMARK", "--restore-mark", "--nfmask", "0xffffffff", "--ctmask", fmt.Sprintf("%#x", ^closing)})
+	returnOther := slices.Concat([]string{"!", "-p", "tcp", "-m", "mark", "--mark", s.markArg()}, comment, []string{"-j", "RETURN"})
+	returnNotFIN := slices.Concat(notFINFlags, []string{"-m", "mark", "--mark", s.markArg()}, comment, []string{"-j", "RETURN"})
+	closeOnFIN := slices.Concat(finFlags, []string{"-m", "connmark", "--mark", s.markArg()}, comment,
+		[]string{"-j", "CONNMARK", "--set-xmark", fmt.Sprintf("%#x/%#x", closing, closing)})
+	head = [][]string{restoreOpen, restoreClosing, returnOther, returnNotFIN, closeOnFIN}
+	for _, k := range c.synClasses() {
+		head = append(head, slices.Concat(finFlags, comment, []string{"-j", "SET", "--del-set", c.synSetName(k), "src,src,dst"}))
+	}
 	skipDecided := slices.Concat([]string{"-m", "mark", "--mark", s.markArg()}, comment, []string{"-j", "RETURN"})
+	head = append(head, skipDecided)
 	save := slices.Concat(
 		[]string{"-m", "connmark", "--mark", "0x0", "-m", "mark", "--mark", s.markArg()},
 		comment, []string{"-j", "CONNMARK", "--save-mark"}, fullMasks)
-	return [][]string{restoreTCP, restoreOther, skipDecided}, [][]string{save}
+	saveOverClosing := slices.Concat(
+		[]string{"-m", "connmark", "--mark", s.closingMarkArg(), "-m", "mark", "--mark", s.markArg()},
+		comment, []string{"-j", "CONNMARK", "--save-mark"}, fullMasks)
+	return head, [][]string{save, saveOverClosing}
 }
+
+// The TCP flags of a client's FIN, and of every other TCP packet, as
+// iptables prints the match.
+var (
+	finFlags    = []string{"-p", "tcp", "-m", "tcp", "--tcp-flags", "FIN", "FIN"}
+	notFINFlags = []string{"-p", "tcp", "-m", "tcp", "!", "--tcp-flags", "FIN", "FIN"}
+)
 
 // synRuleSpec is the one rule of the SYN subchain, which keeps SYNs
 // untracked, as it is written and as iptables prints it.

@@ -80,11 +80,12 @@ func testStickySyncInNetns(t *testing.T, nf netnsFamily, binary string) {
 	targets := []Target{{VIP: moves, Offset: gen1}, {VIP: stays}, {VIP: counted, Offset: gen0}}
 	// Three sets (all, generations 0 and 1) with 3+2+1 members, both
 	// chains and jumps, the SYN subchain and its rule, the raw rules (SYN,
-	// SYN-ACK), the exit, 4 fixed and 2 HMARK rules (one per generation);
+	// SYN-ACK), the exit, 12 fixed (among them 4 that forget a FIN's tuple)
+	// and 2 HMARK rules (one per generation);
 	// the handshake memory: 4 SYN sets (both tuples of testSticky's 2
 	// generations), 4 forget rules, 2 record rules (one per generation in
 	// use) and 4 re-hash rules.
-	syncExpect("first sync", newChain(true), targets, 3+6+2+2+2+2+1+4+2+4+4+2+4)
+	syncExpect("first sync", newChain(true), targets, 3+6+2+2+2+2+1+12+2+4+4+2+4)
 	t.Logf("%s prints the sticky chains as:\n%s\n%s", binary,
 		ns.Run(binary, "-t", "mangle", "-S", name), ns.Run(binary, "-t", "raw", "-S", name))
 
@@ -140,15 +141,15 @@ func testStickySyncInNetns(t *testing.T, nf netnsFamily, binary string) {
 	syncExpect("adoption after that upgrade", newChain(true), targets, 0)
 
 	stateless := newChain(false)
-	// Mangle: the 4 fixed rules out (the exit, which counts in both modes,
+	// Mangle: the 12 fixed rules out (the exit, which counts in both modes,
 	// stays), and the handshake memory's 4 forget rules, record rule and 4
 	// re-hash rules; raw: jump, two rules, chain, SYN rule and subchain;
 	// the 4 SYN sets.
-	syncExpect("sticky -> stateless", stateless, targets, 4+9+6+4)
+	syncExpect("sticky -> stateless", stateless, targets, 12+9+6+4)
 	if got := tableS("raw"); got != beforeRaw {
 		t.Errorf("raw after leaving sticky mode:\n%s\nwant:\n%s", got, beforeRaw)
 	}
-	syncExpect("stateless -> sticky", newChain(true), targets, 4+9+6+4)
+	syncExpect("stateless -> sticky", newChain(true), targets, 12+9+6+4)
 
 	if err := adopter.Cleanup(); err != nil {
 		t.Fatalf("Cleanup: %v", err)
@@ -177,6 +178,8 @@ var (
 	labGen0Match = "0x1000/0xffffffc0" // marks 0x1000-0x103f
 	labGen1Match = "0x1040/0xffffffc0" // marks 0x1040-0x107f
 	labBlock     = "0x1000/0xffffff00"
+	// labClosingBit is the connmark bit of a closing decision in that block.
+	labClosingBit = 0x100
 )
 
 // Client source ports, one per flow the test follows.
@@ -206,10 +209,14 @@ const (
 //     it. Its conntrack entry, made by that ACK, still takes generation
 //     0, the SYN's (the handshake memory), so all its packets are on
 //     generation 0.
-//   - A TCP connection closed with FIN before the change and reopened on
-//     the same 4-tuple right after it hits the stale conntrack entry: all
-//     its packets take generation 1, because a closing entry's remaining
-//     lifetime is below TCPMinExpire and its saved mark is not restored.
+//   - TCP connection F, closed with FIN before the change (its conntrack
+//     mark gets the closing bit) and reopened on the same 4-tuple right
+//     after it, hits the stale closing conntrack entry: all its packets
+//     take generation 1, its SYN's (the handshake memory), and the entry's
+//     mark becomes generation 1's without the closing bit; so, once the
+//     handshake memory has forgotten its SYN, and after a change back to
+//     generation 0, it stays on generation 1 (a client that reuses its
+//     ports, as NAT gateways do, is as sticky as any other).
 //   - No packet to the tunnel IP is forwarded without a mark of the block.
 func TestStickyDrainingInNetns(t *testing.T) {
 	for _, binary := range iptablesBinaries {
@@ -224,7 +231,7 @@ func testStickyDrainingInNetns(t *testing.T, binary string) {
 	if err != nil {
 		t.Fatalf("NewChain: %v", err)
 	}
-	if err := chain.SetSticky(&Sticky{Block: 0x1000, Mask: 0xffffff00, TCPMinExpire: DefaultTCPMinExpire}); err != nil {
+	if err := chain.SetSticky(&Sticky{Block: 0x1000, Mask: 0xffffff00}); err != nil {
 		t.Fatalf("SetSticky: %v", err)
 	}
 	if _, err := chain.Sync([]Target{{VIP: labVIP, Offset: 0x1000}}); err != nil {
@@ -254,6 +261,9 @@ func testStickyDrainingInNetns(t *testing.T, binary string) {
 	ct.waitTCPState(t, portF, func(state uint8) bool { return state > tcpConntrackEstablished })
 	if flow := ct.flow(t, unix.IPPROTO_TCP, portA); flow == nil || flow.Mark&0xffffffc0 != 0x1000 {
 		t.Fatalf("conntrack of A before the change: %v, want mark in generation 0", flow)
+	}
+	if flow := ct.flow(t, unix.IPPROTO_TCP, portF); flow == nil || flow.Mark&0xffffffc0 != 0x1000|uint32(labClosingBit) {
+		t.Fatalf("conntrack of F after its FIN: %v, want mark in generation 0 with the closing bit %#x", flow, labClosingBit)
 	}
 	before := readCounters(t, ipt)
 	for _, f := range []string{"A", "F", "U"} {
@@ -315,7 +325,8 @@ func testStickyDrainingInNetns(t *testing.T, binary string) {
 		proto uint8
 		port  int
 		gen   uint32
-	}{{"A", unix.IPPROTO_TCP, portA, 0x1000}, {"B", unix.IPPROTO_TCP, portB, 0x1040}, {"U", unix.IPPROTO_UDP, portU, 0x1000}, {"H", unix.IPPROTO_TCP, portH, 0x1000}} {
+	}{{"A", unix.IPPROTO_TCP, portA, 0x1000}, {"B", unix.IPPROTO_TCP, portB, 0x1040}, {"U", unix.IPPROTO_UDP, portU, 0x1000}, {"H", unix.IPPROTO_TCP, portH, 0x1000},
+		{"F reopened (no closing bit)", unix.IPPROTO_TCP, portF, 0x1040}} {
 		flow := ct.flow(t, tc.proto, tc.port)
 		if flow == nil || flow.Mark&0xffffffc0 != tc.gen {
 			t.Errorf("conntrack of %s: %v, want mark in the generation at %#x", tc.name, flow, tc.gen)
@@ -358,6 +369,23 @@ func testStickyDrainingInNetns(t *testing.T, binary string) {
 	if deltaR("R all") < 4 || deltaR("R gen0") != deltaR("R all") || deltaR("R gen1") != 0 || deltaR("R syn gen0") != 1 {
 		t.Errorf("R reopened after the change back: %d packets, %d in generation 0 (SYN: %d), %d in generation 1; want all in generation 0, its SYN's",
 			deltaR("R all"), deltaR("R gen0"), deltaR("R syn gen0"), deltaR("R gen1"))
+	}
+
+	// F, reopened on a closing entry's 4-tuple in generation 1, once the
+	// handshake memory has forgotten its SYN (flushed here rather than
+	// waited for) and after the change back to generation 0: generation 1
+	// still, restored from its entry. Before the closing bit, a closing
+	// entry's mark was not restored, and F followed the current generation.
+	for _, k := range chain.synClasses() {
+		r.Run("ipset", "flush", chain.synSetName(k))
+	}
+	beforeF := readCounters(t, ipt)
+	roundTrips(t, "F reopened, its SYN forgotten, after the change back", connF, 3)
+	afterF := readCounters(t, ipt)
+	deltaF := func(name string) uint64 { return afterF[name] - beforeF[name] }
+	if deltaF("F all") < 3 || deltaF("F gen1") != deltaF("F all") || deltaF("F gen0") != 0 {
+		t.Errorf("F (reopened on a reused 4-tuple in generation 1), after the change back to generation 0: %d packets, %d in generation 1, %d in generation 0; want all in generation 1",
+			deltaF("F all"), deltaF("F gen1"), deltaF("F gen0"))
 	}
 }
 

@@ -12,7 +12,7 @@ import (
 // generation 1 at 0x1010.
 var (
 	stickyParams = Params{Buckets: 16, Offset: 0x1000, Seed: 0xc0ffee}
-	testSticky   = Sticky{Block: 0x1000, Mask: 0xffffff00, TCPMinExpire: 120, Generations: 2}
+	testSticky   = Sticky{Block: 0x1000, Mask: 0xffffff00, Generations: 2}
 )
 
 const (
@@ -23,10 +23,15 @@ const (
 // Lines as iptables v1.8.9 (nft and legacy alike, Linux 6.18) printed the
 // sticky rules for stickyParams and testSticky.
 const (
-	printedRestoreTCP   = "-A KST-HMARK -p tcp -m connmark --mark 0x1000/0xffffff00 -m conntrack --ctexpire 121:4294967295 -m comment --comment kube-service-tunnel -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff"
-	printedRestoreOther = "-A KST-HMARK ! -p tcp -m connmark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff"
-	printedReturn       = "-A KST-HMARK -m mark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j RETURN"
-	printedSave         = "-A KST-HMARK -m connmark --mark 0x0 -m mark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j CONNMARK --save-mark --nfmask 0xffffffff --ctmask 0xffffffff"
+	printedRestoreOpen     = "-A KST-HMARK -m connmark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff"
+	printedRestoreClosing  = "-A KST-HMARK -p tcp -m connmark --mark 0x1100/0xffffff00 -m set ! --match-set KST-HMARK-s0 src,src,dst -m set ! --match-set KST-HMARK-s1 src,src,dst -m set ! --match-set KST-HMARK-sc0 src,src,dst -m set ! --match-set KST-HMARK-sc1 src,src,dst -m comment --comment kube-service-tunnel -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xfffffeff"
+	printedReturnOther     = "-A KST-HMARK ! -p tcp -m mark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j RETURN"
+	printedReturnNotFIN    = "-A KST-HMARK -p tcp -m tcp ! --tcp-flags FIN FIN -m mark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j RETURN"
+	printedCloseOnFIN      = "-A KST-HMARK -p tcp -m tcp --tcp-flags FIN FIN -m connmark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j CONNMARK --set-xmark 0x100/0x100"
+	printedFINForget       = "-A KST-HMARK -p tcp -m tcp --tcp-flags FIN FIN -m comment --comment kube-service-tunnel -j SET --del-set KST-HMARK-s0 src,src,dst"
+	printedReturn          = "-A KST-HMARK -m mark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j RETURN"
+	printedSaveOverClosing = "-A KST-HMARK -m connmark --mark 0x1100/0xffffff00 -m mark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j CONNMARK --save-mark --nfmask 0xffffffff --ctmask 0xffffffff"
+	printedSave            = "-A KST-HMARK -m connmark --mark 0x0 -m mark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j CONNMARK --save-mark --nfmask 0xffffffff --ctmask 0xffffffff"
 	// The handshake memory of generation 0: the rule that remembers its
 	// SYNs, and the rule that hashes the packets after a remembered SYN
 	// (and the same for client affinity).
@@ -49,16 +54,15 @@ func TestSetStickyValidates(t *testing.T) {
 	}{
 		{"valid", stickyParams, testSticky, ""},
 		{"full mask, one bucket", Params{Buckets: 1, Offset: 0x1000, Seed: 1}, Sticky{Block: 0x1000, Mask: math.MaxUint32}, ""},
-		{"one-bit mask", Params{Buckets: 16, Offset: 0x10, Seed: 1}, Sticky{Block: 0x10, Mask: 0x10}, ""},
-		{"max expiry", stickyParams, Sticky{Block: 0x1000, Mask: 0xffffff00, TCPMinExpire: math.MaxUint32 - 1}, ""},
+		{"two-bit mask", Params{Buckets: 16, Offset: 0x10, Seed: 1}, Sticky{Block: 0x10, Mask: 0x30}, ""},
+		{"one-bit mask: no bit left for closing", Params{Buckets: 16, Offset: 0x10, Seed: 1}, Sticky{Block: 0x10, Mask: 0x10}, "no bit is left"},
 		{"zero mask", stickyParams, Sticky{Block: 0x1000}, "mask is 0"},
 		{"zero block", Params{Buckets: 16, Offset: 1, Seed: 1}, Sticky{Mask: 0xff000000}, "block is 0"},
 		{"block outside mask", stickyParams, Sticky{Block: 0x1001, Mask: 0xffffff00}, "outside mask"},
-		{"expiry too large", stickyParams, Sticky{Block: 0x1000, Mask: 0xffffff00, TCPMinExpire: math.MaxUint32}, "below 4294967295"},
 		{"offset outside block", Params{Buckets: 16, Offset: 0x2000, Seed: 1}, testSticky, "not all in the sticky block"},
 		{"marks run past block", Params{Buckets: 0x200, Offset: 0x1000, Seed: 1}, testSticky, "not all in the sticky block"},
 		{"last mark leaves block", Params{Buckets: 16, Offset: 0x10f8, Seed: 1}, testSticky, "not all in the sticky block"},
-		{"one-bit mask, range crosses it", Params{Buckets: 16, Offset: 0x18, Seed: 1}, Sticky{Block: 0x10, Mask: 0x10}, "not all in the sticky block"},
+		{"two-bit mask, range crosses it", Params{Buckets: 16, Offset: 0x18, Seed: 1}, Sticky{Block: 0x10, Mask: 0x30}, "not all in the sticky block"},
 		{"full mask, two buckets", Params{Buckets: 2, Offset: 0x1000, Seed: 1}, Sticky{Block: 0x1000, Mask: math.MaxUint32}, "not all in the sticky block"},
 	}
 	for _, tt := range tests {
@@ -94,6 +98,19 @@ func TestStickyNeedsRoomForSynChain(t *testing.T) {
 		}
 	}
 }
+
+// stickyHeadLines are the sticky rules before the HMARK rules, for
+// testSticky (classes 0, 1, c0, c1); stickyTailLines those after the
+// handshake memory's.
+func stickyHeadLines() []string {
+	lines := []string{printedRestoreOpen, printedRestoreClosing, printedReturnOther, printedReturnNotFIN, printedCloseOnFIN}
+	for _, k := range []string{"0", "1", "c0", "c1"} {
+		lines = append(lines, strings.Replace(printedFINForget, "KST-HMARK-s0 ", "KST-HMARK-s"+k+" ", 1))
+	}
+	return append(lines, printedReturn)
+}
+
+var stickyTailLines = []string{printedSave, printedSaveOverClosing}
 
 // handshakeLines are the handshake memory's rules and sets for testSticky
 // (2 generations of 16 buckets) when the classes record hold tunnel IPs

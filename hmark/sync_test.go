@@ -243,11 +243,11 @@ func TestSyncRejectsTargets(t *testing.T) {
 		if tt.sticky {
 			// A block of 0x80 marks: generations 0-7 of 16 buckets, but
 			// the test's narrower block only holds 0-6.
-			if err := c.SetSticky(&Sticky{Block: 0x1000, Mask: 0xffffff80, TCPMinExpire: 120}); err != nil {
+			if err := c.SetSticky(&Sticky{Block: 0x1000, Mask: 0xffffff80}); err != nil {
 				t.Fatal(err)
 			}
 			if tt.name == "offset outside block" {
-				if err := c.SetSticky(&Sticky{Block: 0x1000, Mask: 0xffffffc0, TCPMinExpire: 120}); err != nil {
+				if err := c.SetSticky(&Sticky{Block: 0x1000, Mask: 0xffffffc0}); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -330,8 +330,8 @@ func TestStickySync(t *testing.T) {
 	}
 	// The exit counts every packet in both modes; the raw rule sends SYNs
 	// alone to the set's lookup, and does not count them again.
-	want := canonical(t, slices.Concat([]string{printedChainN, printedJump, printedExit, printedRestoreTCP, printedRestoreOther, printedReturn,
-		gen(0), gen(1)}, handshakeLines("0", "1"), []string{printedSave,
+	want := canonical(t, slices.Concat([]string{printedChainN, printedJump, printedExit}, stickyHeadLines(), []string{
+		gen(0), gen(1)}, handshakeLines("0", "1"), stickyTailLines, []string{
 		printedRawJump, printedRawChainN, printedSynChainN, printedSynRule, printedRawRule, printedRawSynAck,
 		"-S KST-HMARK 10.96.0.10 10.96.0.20", "-S KST-HMARK-0 10.96.0.10", "-S KST-HMARK-1 10.96.0.20"})...)
 	got := stateOf(f)

@@ -484,7 +484,6 @@ func routerChecks(p RouterParams, f family) []Check {
 		f.check(f.portSets, nil, Kernel.PortSet))
 	if p.Generations > 1 {
 		checks = append(checks,
-			f.ruleCheck(f.conntrackMatch, f.mangleTable, "mangle", conntrackRule),
 			f.ruleCheck(f.connmark, f.mangleTable, "mangle", connmarkRule),
 			f.ruleCheck(f.markMatch, f.mangleTable, "mangle", markRule),
 			f.chainCheck(f.rawTable, "raw"),

@@ -116,7 +116,7 @@ func features(checks []Check) []string {
 
 func TestRouterChecksFollowModeAndFlags(t *testing.T) {
 	base := []string{"", "", "iptables", "iptable_mangle", "xt_HMARK", "xt_comment", "ip_set_hash_ip", "xt_set", "ip_set_hash_ipport"}
-	sticky := []string{"xt_conntrack", "xt_connmark", "xt_mark", "iptable_raw", "xt_CT", "ip_set_hash_ipportip"}
+	sticky := []string{"xt_connmark", "xt_mark", "iptable_raw", "xt_CT", "ip_set_hash_ipportip"}
 	// Nexthop objects have neither module nor package: "".
 	greBase := slices.Concat(base[:2], []string{""}, base[2:])
 	mpls := []string{"mpls_router", "mpls_iptunnel"} // and no nexthop objects
@@ -130,7 +130,7 @@ func TestRouterChecksFollowModeAndFlags(t *testing.T) {
 		{"gre over an existing device", RouterParams{Mode: encap.GRE, Generations: 1}, greBase},
 		{"mpls ignores --gre-device-create", RouterParams{Mode: encap.MPLS, CreateGREDevice: true, Generations: 1},
 			slices.Concat(base[:2], mpls, base[2:])},
-		{"generations use conntrack", RouterParams{Mode: encap.GRE, Generations: 4}, slices.Concat(greBase, sticky)},
+		{"generations use connmarks", RouterParams{Mode: encap.GRE, Generations: 4}, slices.Concat(greBase, sticky)},
 		{"mpls with generations", RouterParams{Mode: encap.MPLS, Generations: 2},
 			slices.Concat(base[:2], mpls, base[2:], sticky)},
 	} {
@@ -158,7 +158,7 @@ func featuresOf(checks []Check) []Feature {
 
 func TestRouterIPv6ChecksFollowTheIPv4Ones(t *testing.T) {
 	tables := []Feature{IP6TablesCommand, MangleTable6, HMARK6, CommentMatch6, IPSets6, SetMatch6, PortSets6}
-	sticky := []Feature{ConntrackMatch6, Connmark6, MarkMatch6, RawTable6, CTTarget6, SynSets6}
+	sticky := []Feature{Connmark6, MarkMatch6, RawTable6, CTTarget6, SynSets6}
 	for _, tc := range []struct {
 		name string
 		p    RouterParams
@@ -440,7 +440,7 @@ func TestRunSkipsChecksWhosePrerequisiteIsMissing(t *testing.T) {
 	if slices.Contains(k.calls, "rule:raw:CT") {
 		t.Errorf("CT probed without the raw table: %v", k.calls)
 	}
-	if !slices.Contains(k.calls, "rule:mangle:conntrack") {
+	if !slices.Contains(k.calls, "rule:mangle:connmark") {
 		t.Errorf("mangle rules skipped although only raw is missing: %v", k.calls)
 	}
 }

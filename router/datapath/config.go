@@ -330,12 +330,11 @@ func (c Config) HMARKParams() hmark.Params {
 }
 
 // Sticky is the chain's sticky mode with several generations: conntrack
-// saves and restores the router's marks (MarkBlock), TCP marks only while
-// an entry has more than tcpMinExpire seconds to live, and a handshake
-// keeps the generation of its SYN in each of the Generations.
-func (c Config) Sticky(tcpMinExpire uint32) *hmark.Sticky {
+// saves and restores the router's marks (MarkBlock), and a handshake keeps
+// the generation of its SYN in each of the Generations.
+func (c Config) Sticky() *hmark.Sticky {
 	block, mask := c.MarkBlock()
-	return &hmark.Sticky{Block: block, Mask: mask, TCPMinExpire: tcpMinExpire, Generations: c.Generations}
+	return &hmark.Sticky{Block: block, Mask: mask, Generations: c.Generations}
 }
 
 // MarkBlock returns the value and mask that every mark of the router matches

@@ -82,9 +82,6 @@ type Datapath struct {
 
 	// flows lists conntrack entries (generation collection); nil disables it.
 	flows flowLister
-	// tcpMinExpire: a TCP conntrack entry counts as a flow of its generation
-	// only while its remaining lifetime exceeds it (see hmark.Sticky).
-	tcpMinExpire uint32
 
 	mu      sync.Mutex
 	greLink int
@@ -165,12 +162,11 @@ func (d *Datapath) compactAddrs() {
 }
 
 // EnableGenerationCollection gives the datapath the conntrack table, in which
-// CollectGenerations looks for flows of older generations. tcpMinExpire is
-// the chain's hmark.Sticky.TCPMinExpire.
-func (d *Datapath) EnableGenerationCollection(flows flowLister, tcpMinExpire uint32) {
+// CollectGenerations looks for flows of older generations.
+func (d *Datapath) EnableGenerationCollection(flows flowLister) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	d.flows, d.tcpMinExpire = flows, tcpMinExpire
+	d.flows = flows
 }
 
 // Ops returns the number of kernel write operations done so far: routes

@@ -10,7 +10,6 @@ import (
 
 	"github.com/sirupsen/logrus"
 	"github.com/vishvananda/netlink"
-	"golang.org/x/sys/unix"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/ctmarks"
 	"github.com/cmdnu/kube-service-tunnel/internal/rtnl"
@@ -182,17 +181,16 @@ func (c Config) slotOfMark(mark uint32) (slot int, ok bool) {
 
 // restoredFlow returns the tunnel IP and slot of a conntrack entry whose
 // mark conntrack restores: of the datapath's family, one of the router's
-// marks (both families' entries carry the same marks), and for TCP more
-// than tcpMinExpire left (a closing entry's mark is never restored). ok is
-// false for any other entry.
+// marks (both families' entries carry the same marks). A TCP connection
+// the client closed has the closing bit in its connmark, which is none of
+// the router's marks: its last packets still get the decision back until a
+// new connection takes the 4-tuple (hmark.Sticky), but it keeps no
+// generation. ok is false for any other entry.
 func (d *Datapath) restoredFlow(f *netlink.ConntrackFlow) (vip netip.Addr, slot int, ok bool) {
 	if vip, ok = flowAddr(f.Forward.DstIP); !ok || !d.cfg.Family.has(vip) {
 		return vip, 0, false
 	}
 	if slot, ok = d.cfg.slotOfMark(f.Mark); !ok {
-		return vip, 0, false
-	}
-	if f.Forward.Protocol == unix.IPPROTO_TCP && f.TimeOut <= d.tcpMinExpire {
 		return vip, 0, false
 	}
 	return vip, slot, true
@@ -232,8 +230,8 @@ func (c Config) generationOfOffset(offset uint32) (gen int, ok bool) {
 }
 
 // liveFlowsBySlot counts, per slot, the conntrack entries of tunnel IP vip
-// whose mark conntrack would restore (for TCP: those with more than
-// tcpMinExpire left). nil when conntrack is not available.
+// whose mark conntrack would restore (restoredFlow). nil when conntrack is
+// not available.
 func (d *Datapath) liveFlowsBySlot(vip netip.Addr) []int {
 	if d.flows == nil {
 		return nil

@@ -113,7 +113,7 @@ func TestDrainingKeepsOldGenerationUntilItsFlowsEnd(t *testing.T) {
 	k := seamtest.NewKernel()
 	d := newTestDatapath(cfg, k)
 	flows := &fakeFlows{}
-	d.EnableGenerationCollection(flows, 120)
+	d.EnableGenerationCollection(flows)
 	vip := netip.MustParseAddr("192.0.2.1")
 	pods := []string{"10.244.1.11", "10.244.1.12", "10.244.2.11", "10.244.2.12"}
 	all := drainTunnel(cfg, vip.String(), pods)
@@ -152,6 +152,11 @@ func TestDrainingKeepsOldGenerationUntilItsFlowsEnd(t *testing.T) {
 	if n, err := d.CollectGenerations(); err != nil || n != 0 {
 		t.Fatalf("collected %d generations (%v) while an established TCP flow uses generation 0", n, err)
 	}
+	// An open connection idle for minutes still has its decision restored.
+	flows.entries = []*netlink.ConntrackFlow{flow(unix.IPPROTO_TCP, vip, gen0, 60)}
+	if n, err := d.CollectGenerations(); err != nil || n != 0 {
+		t.Fatalf("collected %d generations (%v) while an idle TCP flow (60 s left) uses generation 0", n, err)
+	}
 	// Only the older generation's marks are listed: new flows (a flood)
 	// have the current generation's.
 	if last := flows.asked[len(flows.asked)-1]; len(last) != 1 || last[0] != (ctmarks.Range{First: cfg.GenerationOffset(0), Count: uint32(cfg.Buckets)}) {
@@ -161,7 +166,7 @@ func TestDrainingKeepsOldGenerationUntilItsFlowsEnd(t *testing.T) {
 	// Restart while both generations are in use: nothing is written.
 	writes := k.Writes
 	restarted := newTestDatapath(cfg, k)
-	restarted.EnableGenerationCollection(flows, 120)
+	restarted.EnableGenerationCollection(flows)
 	if err := restarted.Resync([]Tunnel{drained}); err != nil {
 		t.Fatal(err)
 	}
@@ -170,7 +175,7 @@ func TestDrainingKeepsOldGenerationUntilItsFlowsEnd(t *testing.T) {
 	}
 
 	flows.entries = []*netlink.ConntrackFlow{
-		flow(unix.IPPROTO_TCP, vip, gen0, 120),                               // closing
+		flow(unix.IPPROTO_TCP, vip, gen0|cfg.Sticky().ClosingBit(), 3600),    // closing (kube-proxy's CLOSE_WAIT hour)
 		flow(unix.IPPROTO_TCP, vip, cfg.Mark(cfg.Slot(1, 0)), 299),           // current generation
 		flow(unix.IPPROTO_TCP, netip.MustParseAddr("192.0.2.99"), gen0, 299), // another tunnel IP
 		flow(unix.IPPROTO_TCP, vip, 0x8000, 299),                             // a foreign mark
@@ -326,7 +331,7 @@ func TestPlanGenerations(t *testing.T) {
 
 // The conntrack entries that count as a slot's live flows are the ones
 // whose mark conntrack restores: the router's marks, of this tunnel IP, and
-// for TCP not closing. CollectGenerations counts the same ones.
+// not closing (no closing bit). CollectGenerations counts the same ones.
 func TestLiveFlowsBySlot(t *testing.T) {
 	cfg := testConfig()
 	d := newTestDatapath(cfg, seamtest.NewKernel())
@@ -335,15 +340,15 @@ func TestLiveFlowsBySlot(t *testing.T) {
 		t.Fatalf("without conntrack: %v, want nil", live)
 	}
 	flows := &fakeFlows{}
-	d.EnableGenerationCollection(flows, 120)
+	d.EnableGenerationCollection(flows)
 	s1, s2 := cfg.Slot(1, 2), cfg.Slot(0, 5)
 	flows.entries = []*netlink.ConntrackFlow{
 		flow(unix.IPPROTO_TCP, vip, cfg.Mark(s1), 299),
 		flow(unix.IPPROTO_TCP, vip, cfg.Mark(s1), 299),
 		flow(unix.IPPROTO_UDP, vip, cfg.Mark(s2), 30),
-		flow(unix.IPPROTO_TCP, vip, cfg.Mark(s2), 120),                       // closing
-		flow(unix.IPPROTO_TCP, other, cfg.Mark(s2), 299),                     // another tunnel IP
-		flow(unix.IPPROTO_TCP, vip, cfg.MarkOffset+uint32(cfg.Slots()), 299), // not the router's mark
+		flow(unix.IPPROTO_TCP, vip, cfg.Mark(s2)|cfg.Sticky().ClosingBit(), 120), // closing
+		flow(unix.IPPROTO_TCP, other, cfg.Mark(s2), 299),                         // another tunnel IP
+		flow(unix.IPPROTO_TCP, vip, cfg.MarkOffset+uint32(cfg.Slots()), 299),     // not the router's mark
 		flow(unix.IPPROTO_TCP, vip, 0, 299),
 	}
 	live := d.liveFlowsBySlot(vip)

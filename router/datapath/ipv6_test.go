@@ -215,7 +215,7 @@ func TestIPv6GenerationsCountIPv6Flows(t *testing.T) {
 	k := seamtest.NewKernel()
 	d := newTestDatapath(cfg, k)
 	flows := &familyFlows{}
-	d.EnableGenerationCollection(flows, 120)
+	d.EnableGenerationCollection(flows)
 	vip := netip.MustParseAddr("2001:db8::1")
 	pods := []string{"fd00:244::11", "fd00:244::12", "fd00:244:1::11", "fd00:244:1::12"}
 	all := drainTunnel(cfg, vip.String(), pods)

@@ -27,7 +27,7 @@ func TestRulesDoNotGrowWithTunnelIPs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := chain.SetSticky(cfg.Sticky(hmark.DefaultTCPMinExpire)); err != nil {
+	if err := chain.SetSticky(cfg.Sticky()); err != nil {
 		t.Fatal(err)
 	}
 	dp := NewDatapath(cfg, ns.Routes(), nl, chain, &ExistingDevice{Name: "veth0", Links: nl}, nil, seamtest.QuietLog())

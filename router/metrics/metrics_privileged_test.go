@@ -64,7 +64,7 @@ func meteredKernelRouter(t *testing.T, ns *testnetns.NS, cfg datapath.Config, m 
 		t.Fatal(err)
 	}
 	if cfg.Generations > 1 {
-		if err := chain.SetSticky(cfg.Sticky(hmark.DefaultTCPMinExpire)); err != nil {
+		if err := chain.SetSticky(cfg.Sticky()); err != nil {
 			t.Fatal(err)
 		}
 	}

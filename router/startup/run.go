@@ -427,7 +427,6 @@ func openDatapath(cfg datapath.Config, ipv6, createDevice bool, backend iptbacke
 	// The router's own conntrack entries, filtered by mark in the kernel
 	// (one netlink socket per listing).
 	var conntrack *ctmarks.Lister
-	tcpMinExpire := closingTimeout(sysctls, log)
 	if cfg.Generations > 1 {
 		conntrack = &ctmarks.Lister{}
 	}
@@ -460,7 +459,7 @@ func openDatapath(cfg datapath.Config, ipv6, createDevice bool, backend iptbacke
 			return nil, nil, err
 		}
 		if fcfg.Generations > 1 {
-			if err := chain.SetSticky(fcfg.Sticky(tcpMinExpire)); err != nil {
+			if err := chain.SetSticky(fcfg.Sticky()); err != nil {
 				return nil, nil, err
 			}
 		}
@@ -473,7 +472,7 @@ func openDatapath(cfg datapath.Config, ipv6, createDevice bool, backend iptbacke
 		}
 		dp := datapath.NewDatapath(fcfg, meter.Routes(routes), meter.Rules(handle), chain, device, nodeLink, log.WithField("family", family.String()))
 		if conntrack != nil {
-			dp.EnableGenerationCollection(conntrack, tcpMinExpire)
+			dp.EnableGenerationCollection(conntrack)
 		}
 		return dp, chain, nil
 	}
@@ -498,43 +497,6 @@ func openDatapath(cfg datapath.Config, ipv6, createDevice bool, backend iptbacke
 		return nil, nil, nil, err
 	}
 	return families, chains, closeAll, nil
-}
-
-// closingTimeouts are the conntrack sysctls of the TCP closing states
-// whose timeout bounds the restore (closingTimeout). CLOSE_WAIT is not
-// among them: kube-proxy sets it to an hour (conntrack.tcpCloseWaitTimeout)
-// on every node, above the 300 s an established entry of the router gets
-// (unreplied, or with data unacknowledged), which made the router restore
-// no TCP flow's generation at all on a node that runs kube-proxy: every
-// established flow to a draining pod broke (the lab cluster, 120 of 120).
-var closingTimeouts = []string{"fin_wait", "last_ack", "time_wait", "close"}
-
-// closingTimeout returns the longest conntrack timeout of a closing TCP
-// state but CLOSE_WAIT (120 s by default): a TCP flow's generation is
-// restored only while its entry has more lifetime left than that, i.e. in
-// an established state. A client that reuses a closed connection's
-// 4-tuple then gets a fresh decision for the new connection instead of the
-// old connection's endpoint, unless the old entry reached CLOSE_WAIT (the
-// client's ACK after its FIN) and its timeout is above the others
-// (kube-proxy's hour): then for that long (docs/draining.md, limits).
-func closingTimeout(sysctls procSys, log logrus.FieldLogger) uint32 {
-	longest := uint32(120)
-	for _, name := range closingTimeouts {
-		v, err := sysctls.read("net/netfilter/nf_conntrack_tcp_timeout_" + name)
-		if err != nil {
-			continue // conntrack not loaded yet: the kernel defaults apply
-		}
-		longest = max(longest, v)
-	}
-	for _, name := range []string{"unacknowledged", "max_retrans"} {
-		if v, err := sysctls.read("net/netfilter/nf_conntrack_tcp_timeout_" + name); err == nil && v <= longest {
-			log.WithField("sysctl", "net.netfilter.nf_conntrack_tcp_timeout_"+name).Warnf("is %d s, not above the longest closing-state timeout (%d s): established TCP flows will not keep their generation while draining", v, longest)
-		}
-	}
-	if v, err := sysctls.read("net/netfilter/nf_conntrack_tcp_timeout_close_wait"); err == nil && v > longest {
-		log.WithField("sysctl", "net.netfilter.nf_conntrack_tcp_timeout_close_wait").Infof("is %d s (kube-proxy's conntrack.tcpCloseWaitTimeout sets an hour): a closed connection's entry in CLOSE_WAIT keeps its generation that long, so a new connection reusing its 4-tuple within that time has its packets after the SYN sent by the old decision", v)
-	}
-	return longest
 }
 
 // procSys is the directory of the sysctls the router reads and sets

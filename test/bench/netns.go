@@ -168,7 +168,7 @@ func openRouterDatapathWith(cfg datapath.Config, iptablesBinary string) (*router
 		return nil, err
 	}
 	if cfg.Generations > 1 {
-		if err := chain.SetSticky(cfg.Sticky(hmark.DefaultTCPMinExpire)); err != nil {
+		if err := chain.SetSticky(cfg.Sticky()); err != nil {
 			closeAll()
 			return nil, err
 		}

@@ -32,6 +32,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
 	"github.com/cmdnu/kube-service-tunnel/test/lab"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/kstate"
@@ -77,13 +78,11 @@ type cluster struct {
 // 4-tuple of one closed a moment before (see clientPort).
 const firstClientPort = 20000
 
-// clientPort is a client port no flow of this test used yet. A new
-// connection on the 4-tuple of one closed less than 120 s before finds the
-// old connection's closing conntrack entry on the router, which every
-// packet refreshes: it is never sticky (docs/draining.md#limits). The
-// kernel picks such ports for a client that opens and resets connections
-// to one service as fast as this test does; this test measures the
-// rollout's effect on flows, so it gives each flow its own tuple.
+// clientPort is a client port no flow of this test used yet, so that each
+// step measures what it means to (the scale-up reuses ports on purpose:
+// closedWithFIN). A new connection on the 4-tuple of a closed one finds
+// its closing conntrack entry on the router (docs/draining.md, "Closed
+// connections and reused 4-tuples").
 func (c *cluster) clientPort() uint16 {
 	if c.lastPort < firstClientPort {
 		c.lastPort = firstClientPort - 1
@@ -888,8 +887,8 @@ func (c *cluster) rolloutRestart(t *testing.T) {
 	ctx := context.Background()
 	streams := c.openStreams(t, flows)
 	time.Sleep(time.Second)
-	// Each flow is sticky: the router's conntrack entry holds its mark and
-	// has more than the closing states' 120 s to live.
+	// Each flow is sticky: the router's conntrack entry holds its mark, not
+	// marked closing.
 	if sticky, odd := conntrackOf(streams); len(odd) > 0 {
 		t.Errorf("%d of %d established flows have a sticky conntrack entry on the router; the others: %v", sticky, len(streams), odd)
 	}
@@ -1110,7 +1109,7 @@ func conntrackOf(streams []*workload.Stream) (sticky int, odd []string) {
 		switch {
 		case !ok:
 			odd = append(odd, fmt.Sprintf("%d: none", s.LocalPort()))
-		case f.TimeOut > 121 && f.Mark != 0:
+		case f.Mark != 0 && f.Mark&datapath.DefaultConfig().Sticky().ClosingBit() == 0:
 			sticky++
 		default:
 			odd = append(odd, fmt.Sprintf("%d: timeout %d mark %#x", s.LocalPort(), f.TimeOut, f.Mark))

@@ -249,12 +249,11 @@ func drainTerminating(t *testing.T, e *env, vips []netip.Addr, full [][]netip.Ad
 		disrupted, _ := disruptedFlows(t, rests[i].flows, rests[i].echoed, removedAt)
 		t.Logf("%d of the %d flows to %s on the other pods disrupted when %s left the slice", disrupted, len(rests[i].flows), vip, x.Name)
 
-		// The routers count a TCP entry as a flow while its remaining
-		// lifetime is above the closing states' 120 s; an entry no RST
-		// removed (one that broke, say) lasts 300 s after its last packet:
-		// up to 3 minutes then.
+		// The routers count a TCP entry as a flow until the client's FIN
+		// or RST; an entry neither ended (one that broke, say) lasts 300 s
+		// after its last packet: up to 5 minutes then.
 		lastFlowAt := time.Now()
-		err := e.poll(4*time.Minute, func() (bool, string) {
+		err := e.poll(6*time.Minute, func() (bool, string) {
 			for _, r := range e.Routers {
 				if old := e.oldGenerations(t, r, vip); len(old) > 0 {
 					return false, fmt.Sprintf("%s still holds generations %v of %s", r.Name, old, vip)

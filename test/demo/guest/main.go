@@ -275,10 +275,10 @@ func run(ctx context.Context) (err error) {
 const conntrackUnackTimeout = 300 * time.Second
 
 // oldGenerationBound is how long after the last packet of an old
-// generation's connections the routers may keep it: a TCP entry counts as a
-// flow while it has more than the closing states' 120 s to live, and the
-// routers look every 10 s; plus slack for a slow VM.
-const oldGenerationBound = conntrackUnackTimeout - hmark.DefaultTCPMinExpire*time.Second + datapath.DefaultGenerationCheckPeriod + 20*time.Second
+// generation's connections the routers may keep it: an open TCP entry (no
+// FIN seen) counts as a flow until it expires, and the routers look every
+// 10 s; plus slack for a slow VM.
+const oldGenerationBound = conntrackUnackTimeout + datapath.DefaultGenerationCheckPeriod + 20*time.Second
 
 // drain shows a terminating pod keeping its open connection while new
 // connections avoid it, and the two generations of bucket tables that make
@@ -424,7 +424,7 @@ func drain(ctx context.Context, l *topology.Lab, client netns.NsHandle, service 
 				say("each of these entries saw one packet: one that reached the router after its connection's")
 				say("RST (packets of one connection can overtake each other, here between the VM's two CPUs), so")
 				say("conntrack picked the connection up again, ESTABLISHED for %v. The router cannot tell that", conntrackUnackTimeout)
-				say("from a live flow: the generation stays until such an entry has %d s or less left, at most", hmark.DefaultTCPMinExpire)
+				say("from a live flow: the generation stays until such an entry expires, at most")
 				say("%v after the connection ended", oldGenerationBound)
 			}
 		}
@@ -464,18 +464,15 @@ func showOldGenerationEntries(ctx context.Context, l *topology.Lab, vip netip.Ad
 			say("  none")
 		}
 		for _, e := range entries {
+			// A closing entry's connmark has the closing bit: it is in
+			// no generation, so every entry listed is a flow.
 			gen, _ := l.GenerationOfMark(e.Mark)
-			what := fmt.Sprintf("keeps generation %d: the router counts it as a flow", gen)
-			if e.CountsAsFlow(hmark.DefaultTCPMinExpire) {
-				counted++
-				if e.HasCounters && e.Packets == 1 {
-					single++
-				}
-			} else {
-				what = fmt.Sprintf("generation %d; closing (%d s or less left): not a flow", gen, hmark.DefaultTCPMinExpire)
+			counted++
+			if e.HasCounters && e.Packets == 1 {
+				single++
 			}
 			say("  %v", e)
-			say("    %s", what)
+			say("    keeps generation %d: the router counts it as a flow", gen)
 		}
 	}
 	return counted > 0 && single == counted

@@ -118,18 +118,10 @@ func parseConntrack(table string) []ConntrackEntry {
 	return out
 }
 
-// CountsAsFlow tells whether a router counts the entry as a flow of the
-// generation its mark names, as datapath.Datapath.CollectGenerations does: a TCP entry
-// only while its remaining lifetime is above tcpMinExpire, the longest
-// closing-state timeout (hmark.DefaultTCPMinExpire), any other protocol's
-// always.
-func (e ConntrackEntry) CountsAsFlow(tcpMinExpire int) bool {
-	return e.Proto != "tcp" || e.Timeout > tcpMinExpire
-}
-
 // OldGenerationEntries returns router r's conntrack entries towards vip
 // whose mark belongs to a routing generation other than cur: the entries
-// that can keep an older generation alive.
+// that keep an older generation alive (a closing entry's connmark has the
+// closing bit, so it is in no generation).
 func (l *Lab) OldGenerationEntries(ctx context.Context, r *Node, vip netip.Addr, cur int) ([]ConntrackEntry, error) {
 	all, err := l.Conntrack(ctx, r)
 	if err != nil {

@@ -38,23 +38,6 @@ garbage
 	}
 }
 
-func TestCountsAsFlow(t *testing.T) {
-	for _, c := range []struct {
-		e    ConntrackEntry
-		want bool
-	}{
-		{ConntrackEntry{Proto: "tcp", State: "ESTABLISHED", Timeout: 299}, true},
-		{ConntrackEntry{Proto: "tcp", State: "ESTABLISHED", Timeout: 121}, true},
-		{ConntrackEntry{Proto: "tcp", State: "ESTABLISHED", Timeout: 120}, false},
-		{ConntrackEntry{Proto: "tcp", State: "FIN_WAIT", Timeout: 118}, false},
-		{ConntrackEntry{Proto: "udp", Timeout: 5}, true},
-	} {
-		if got := c.e.CountsAsFlow(120); got != c.want {
-			t.Errorf("%v: CountsAsFlow(120) = %v, want %v", c.e, got, c.want)
-		}
-	}
-}
-
 func TestGenerationOfMark(t *testing.T) {
 	l := &Lab{Opts: Options{Buckets: 64}}
 	for _, c := range []struct {

@@ -254,6 +254,21 @@ func (s *Stream) receive() {
 // and closes the connection. It fails if the connection broke, data came
 // back wrong, or not all bytes came back.
 func (s *Stream) Stop(ctx context.Context) (StreamStats, error) {
+	return s.finish(ctx, false)
+}
+
+// StopWithFIN is Stop, but the client ends the connection cleanly: once
+// every byte is back it sends its FIN (shutting its side down) and waits,
+// until ctx ends, for the server's, then closes. The client's kernel then
+// keeps the 4-tuple in TIME_WAIT; a new connection from the same bound
+// port takes it over at once all the same (Linux allows it for a bound
+// port when TCP timestamps are on), as a client behind a NAT gateway that
+// hands the port out again does.
+func (s *Stream) StopWithFIN(ctx context.Context) (StreamStats, error) {
+	return s.finish(ctx, true)
+}
+
+func (s *Stream) finish(ctx context.Context, fin bool) (StreamStats, error) {
 	s.stopOnce.Do(func() { close(s.stop) })
 	_ = s.conn.SetWriteDeadline(time.Now())
 	<-s.sendDone
@@ -275,12 +290,21 @@ func (s *Stream) Stop(ctx context.Context) (StreamStats, error) {
 	s.mu.Lock()
 	s.stopping = true
 	s.mu.Unlock()
+	var finErr error
+	if fin && waitErr == nil {
+		finErr = s.conn.CloseWrite()
+		select {
+		case <-s.recvDone: // the server's FIN (or an error, ignored now)
+		case <-ctx.Done():
+			finErr = fmt.Errorf("no FIN from the server after ours: %w", ctx.Err())
+		}
+	}
 	// Every byte is back, so the RST of a linger-0 close loses nothing (see
-	// dialTCP).
+	// dialTCP); after both FINs the socket is closed and sends nothing.
 	closeErr := s.conn.Close()
 	<-s.recvDone
 	st := s.Stats()
-	if err := errors.Join(st.Err, waitErr, closeErr); err != nil {
+	if err := errors.Join(st.Err, waitErr, finErr, closeErr); err != nil {
 		return st, fmt.Errorf("stream to %s: %w", s.dst, err)
 	}
 	return st, nil

@@ -5,6 +5,8 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"os"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -328,4 +330,36 @@ func TestStreamFailsWhenServerCloses(t *testing.T) {
 		t.Fatalf("Stop succeeded after the server closed: %+v", st)
 	}
 	t.Logf("%v", err)
+}
+
+// StopWithFIN ends the connection with both FINs, no RST: the client is
+// left with a TIME_WAIT socket for the 4-tuple (a RST leaves none), and a
+// connection from the same bound port opens again at once all the same.
+func TestStreamStopWithFINLeavesTimeWaitAndThePortReusable(t *testing.T) {
+	l := newLab(t)
+	l.serve(t, "pod-a")
+	dst := netip.AddrPortFrom(tunnelIP, tcpPort)
+	for i := range 3 {
+		s, err := StartStream(l.client.Handle, dst, 40002, StreamOptions{})
+		if err != nil {
+			t.Fatalf("connection %d on the same 4-tuple: %v", i, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+		st, err := s.StopWithFIN(timeout(t, 5*time.Second))
+		if err != nil || st.Verified == 0 || st.Verified != st.Sent {
+			t.Fatalf("connection %d: StopWithFIN = %+v, %v", i, st, err)
+		}
+		var table []byte
+		if err := l.client.Do(func() error {
+			var err error
+			table, err = os.ReadFile("/proc/thread-self/net/tcp")
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		// local_address :9C42 (40002), st 06 (TIME_WAIT).
+		if !regexp.MustCompile(`(?m)^\s*\d+: [0-9A-F]{8}:9C42 [0-9A-F]{8}:[0-9A-F]{4} 06 `).Match(table) {
+			t.Fatalf("connection %d: no TIME_WAIT socket from port 40002 after StopWithFIN:\n%s", i, table)
+		}
+	}
 }
