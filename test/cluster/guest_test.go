@@ -9,6 +9,7 @@ import (
 	"io"
 	"io/fs"
 	"log"
+	"maps"
 	"net/http"
 	"net/netip"
 	"os"
@@ -915,48 +916,29 @@ func (c *cluster) rolloutRestart(t *testing.T) {
 	}
 	var newFlows []newFlow
 	var failedNew []failedFlow
-	drainedAt := map[string]time.Duration{} // pod -> from terminating to 0 buckets
 	established := streams
 	var establishedFailed int
 	var establishedErrs []error
 	var servedWhileTerminating map[string]bool
-	// Every change of an endpoint's conditions in the real EndpointSlice
-	// controller's slices, for the record when a flow breaks.
-	var sliceLog []string
-	lastConds := map[string]string{}
 	icmp, err := watchICMPErrors(c.client)
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The pods, the EndpointSlices and the router's buckets are watched by
+	// a poller of their own, every 200 ms, so that a flow whose dial hangs
+	// (up to its 10 s timeout) does not hold up the drain's figures.
+	drain := c.watchDrain(t, w, restarted)
 	defer func() {
+		drain.stop()
 		if seen := icmp.stop(); len(seen) > 0 {
 			t.Errorf("the client got %d ICMP errors about its packets to the tunnel IP during the rollout:\n%s", len(seen), strings.Join(seen, "\n"))
 		}
 		if t.Failed() {
-			t.Logf("the EndpointSlices' conditions during the rollout:\n%s", strings.Join(sliceLog, "\n"))
+			t.Logf("the EndpointSlices' conditions during the rollout:\n%s", strings.Join(drain.sliceLog(), "\n"))
 		}
 	}()
 	for {
-		w.update(c.examplePods(t))
-		for addr, conds := range c.endpointConditions(t) {
-			if lastConds[addr] != conds {
-				lastConds[addr] = conds
-				sliceLog = append(sliceLog, fmt.Sprintf("%7.2fs %s %s", time.Since(restarted).Seconds(), addr, conds))
-			}
-		}
-		buckets, err := routerBuckets()
-		if err != nil {
-			t.Errorf("scraping the router: %v", err)
-		}
-		termAddr := map[string]netip.Addr{}
-		for name, since := range w.terminating {
-			termAddr[name] = w.addr[name]
-			if buckets[w.addr[name]] == 0 {
-				if _, ok := drainedAt[name]; !ok {
-					drainedAt[name] = time.Since(since)
-				}
-			}
-		}
+		termAddr, buckets := drain.snapshot()
 		began := time.Now()
 		s, err := workload.StartStream(c.client, service, c.clientPort(), streamOpt)
 		if err != nil {
@@ -972,7 +954,7 @@ func (c *cluster) rolloutRestart(t *testing.T) {
 		if established != nil && time.Since(restarted) > 20*time.Second {
 			servedWhileTerminating = map[string]bool{}
 			for _, s := range established {
-				if _, ok := w.terminating[greetedPod(s)]; ok {
+				if drain.isTerminating(greetedPod(s)) {
 					servedWhileTerminating[greetedPod(s)] = true
 				}
 			}
@@ -984,7 +966,7 @@ func (c *cluster) rolloutRestart(t *testing.T) {
 		// nothing left to prove, and lives out the rest of its grace
 		// period while the next step runs.
 		d, err := c.kube.AppsV1().Deployments(exampleNamespace).Get(ctx, exampleName, metav1.GetOptions{})
-		if established == nil && err == nil && deploymentDone(d) && allDrainedOrGone(initial, drainedAt, w) {
+		if established == nil && err == nil && deploymentDone(d) && drain.allDrainedOrGone(initial) {
 			break
 		}
 		if time.Since(restarted) > 5*time.Minute {
@@ -993,8 +975,10 @@ func (c *cluster) rolloutRestart(t *testing.T) {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
+	drain.stop()
 	c.judgeFailedFlows(t, failedNew, restarted, "restart")
 	t.Logf("rollout restart done in %v; the pods' states since the restart:\n%s", time.Since(restarted).Round(100*time.Millisecond), strings.Join(w.timeline, "\n"))
+	drainedAt := drain.drainedAt()
 	t.Logf("%d established flows (to %d old pods) ran 20 s into the rollout: %d broke; %d of their pods were terminating meanwhile",
 		flows, len(oldPods), establishedFailed, len(servedWhileTerminating))
 	if establishedFailed > 0 {
@@ -1013,7 +997,7 @@ func (c *cluster) rolloutRestart(t *testing.T) {
 		}
 	}
 	t.Logf("%d new flows during the rollout: %d reached a pod marked terminating before the router had drained it, %d a drained pod", len(newFlows), toTerminating, toDrained)
-	t.Logf("from a pod marked terminating (as this test saw it) to 0 buckets in the router's metrics: %v", drainedAt)
+	t.Logf("each old pod's drain, from the moment this test saw it marked terminating (polled every 200 ms; the API's times are whole seconds):\n%s", strings.Join(drain.drainSplit(initial), "\n"))
 	if toDrained > 0 {
 		t.Errorf("%d new flows reached a terminating pod that the router had already drained", toDrained)
 	}
@@ -1077,17 +1061,6 @@ func generationSwitches(log string) []time.Time {
 		}
 	}
 	return out
-}
-
-// allDrainedOrGone says whether every pod named was seen with 0 buckets
-// in the router since it began terminating, or is gone.
-func allDrainedOrGone(names []string, drainedAt map[string]time.Duration, w *podWatch) bool {
-	for _, name := range names {
-		if _, ok := drainedAt[name]; !ok && w.state[name] != "gone" {
-			return false
-		}
-	}
-	return true
 }
 
 // conntrackOf counts the streams whose conntrack entry on the router node
@@ -1491,3 +1464,175 @@ func (c *cluster) waitForCalico(t *testing.T) {
 // here: vishvananda/netlink logs a line for every ipset attribute it does
 // not know, and Felix's ipsets carry some (hundreds of lines a snapshot).
 func quietNetlinkLog() { log.SetOutput(io.Discard) }
+
+// drainWatch polls, every 200 ms until stopped, the example's pods (into
+// a podWatch), its EndpointSlices and the router's buckets, so that the
+// rollout's figures are this poller's, not held up by the flows the test
+// opens meanwhile. For each pod it records when it was first seen
+// terminating (podWatch), when its endpoint in the slices first showed
+// ready=false, and when the router first showed 0 buckets for it while it
+// was terminating.
+type drainWatch struct {
+	c     *cluster
+	t     *testing.T
+	start time.Time
+
+	mu        sync.Mutex
+	w         *podWatch
+	buckets   map[netip.Addr]int
+	unreadyAt map[string]time.Time
+	drained   map[string]time.Time
+	log       []string
+	lastConds map[string]string
+
+	done, stopped chan struct{}
+	once          sync.Once
+}
+
+func (c *cluster) watchDrain(t *testing.T, w *podWatch, start time.Time) *drainWatch {
+	d := &drainWatch{c: c, t: t, start: start, w: w, buckets: map[netip.Addr]int{},
+		unreadyAt: map[string]time.Time{}, drained: map[string]time.Time{}, lastConds: map[string]string{},
+		done: make(chan struct{}), stopped: make(chan struct{})}
+	d.poll()
+	go func() {
+		defer close(d.stopped)
+		tick := time.NewTicker(200 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			select {
+			case <-d.done:
+				return
+			case <-tick.C:
+				d.poll()
+			}
+		}
+	}()
+	return d
+}
+
+// poll reads the pods, the slices and the buckets once.
+func (d *drainWatch) poll() {
+	pods, err := d.c.kube.CoreV1().Pods(exampleNamespace).List(context.Background(), metav1.ListOptions{LabelSelector: "app=" + exampleName})
+	if err != nil {
+		d.t.Errorf("listing the example's pods: %v", err)
+		return
+	}
+	conds := d.c.endpointConditions(d.t)
+	buckets, err := routerBuckets()
+	if err != nil {
+		d.t.Errorf("scraping the router: %v", err)
+	}
+	now := time.Now()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.w.update(pods.Items)
+	for addr, cond := range conds {
+		if d.lastConds[addr] == cond {
+			continue
+		}
+		d.lastConds[addr] = cond
+		d.log = append(d.log, fmt.Sprintf("%7.2fs %s %s", now.Sub(d.start).Seconds(), addr, cond))
+		if pod, _, _ := strings.Cut(cond, " "); strings.Contains(cond, " ready=false ") {
+			if _, ok := d.unreadyAt[pod]; !ok {
+				d.unreadyAt[pod] = now
+			}
+		}
+	}
+	if buckets != nil {
+		d.buckets = buckets
+	}
+	for name := range d.w.terminating {
+		if _, ok := d.drained[name]; !ok && buckets != nil && buckets[d.w.addr[name]] == 0 {
+			d.drained[name] = now
+		}
+	}
+}
+
+// stop ends the polling and waits for the poller.
+func (d *drainWatch) stop() {
+	d.once.Do(func() { close(d.done) })
+	<-d.stopped
+}
+
+// snapshot is the terminating pods' addresses and the router's buckets as
+// last polled.
+func (d *drainWatch) snapshot() (terminating map[string]netip.Addr, buckets map[netip.Addr]int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	terminating = map[string]netip.Addr{}
+	for name := range d.w.terminating {
+		terminating[name] = d.w.addr[name]
+	}
+	return terminating, maps.Clone(d.buckets)
+}
+
+func (d *drainWatch) isTerminating(pod string) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	_, ok := d.w.terminating[pod]
+	return ok
+}
+
+// allDrainedOrGone reports whether each of names was drained by the
+// router or is gone.
+func (d *drainWatch) allDrainedOrGone(names []string) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, name := range names {
+		if _, ok := d.drained[name]; !ok && d.w.state[name] != "gone" {
+			return false
+		}
+	}
+	return true
+}
+
+// drainedAt is, per drained pod, the time from its being seen terminating
+// to 0 buckets in the router.
+func (d *drainWatch) drainedAt() map[string]time.Duration {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	out := map[string]time.Duration{}
+	for name, at := range d.drained {
+		out[name] = at.Sub(d.w.terminating[name])
+	}
+	return out
+}
+
+// drainSplit describes each of names' drain in two parts: from terminating
+// to its endpoint not ready in the slices (the kubelet's and the
+// EndpointSlice controller's part), and from there to 0 buckets in the
+// router's metrics (the router's part: its watch, its kernel write, and up
+// to one poll).
+func (d *drainWatch) drainSplit(names []string) []string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var out []string
+	for _, name := range names {
+		term, ok := d.w.terminating[name]
+		if !ok {
+			out = append(out, fmt.Sprintf("  %s: not seen terminating", name))
+			continue
+		}
+		line := fmt.Sprintf("  %s: terminating at %.2fs", name, term.Sub(d.start).Seconds())
+		if at, ok := d.unreadyAt[name]; ok {
+			line += fmt.Sprintf(", not ready in the slices %v later", at.Sub(term).Round(10*time.Millisecond))
+			if drained, ok := d.drained[name]; ok {
+				line += fmt.Sprintf(", 0 buckets in the router %v after that", drained.Sub(at).Round(10*time.Millisecond))
+			}
+		}
+		if drained, ok := d.drained[name]; ok {
+			line += fmt.Sprintf(" (in all %v)", drained.Sub(term).Round(10*time.Millisecond))
+		} else {
+			line += ", never 0 buckets (gone first)"
+		}
+		out = append(out, line)
+	}
+	return out
+}
+
+// sliceLog is every change of an endpoint's conditions in the slices.
+func (d *drainWatch) sliceLog() []string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return slices.Clone(d.log)
+}
