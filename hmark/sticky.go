@@ -36,7 +36,9 @@ import (
 //     reuses the 4-tuple too (its SYN is untracked: conntrack never
 //     replaces the entry). So the FIN marks the saved decision closing (a
 //     connmark bit, closingBit) and makes the handshake memory forget the
-//     tuple; a closing decision is restored only while the tuple has no
+//     tuple (only a FIN with a decision saved: a FIN that is the first
+//     packet after the SYN, of a request sent with it, has no conntrack
+//     entry and still needs its SYN remembered); a closing decision is restored only while the tuple has no
 //     newer SYN in the handshake memory (the old connection's last
 //     packets); a packet that follows a newer SYN is hashed as that SYN
 //     was and its decision saved over the closing one, which the new
@@ -155,7 +157,8 @@ func (c *Chain) Sticky() *Sticky {
 //	! -p tcp -m mark --mark BLOCK/MASK -j RETURN
 //	-p tcp ! --tcp-flags FIN FIN -m mark --mark BLOCK/MASK -j RETURN
 //	-p tcp --tcp-flags FIN FIN -m connmark --mark BLOCK/MASK -j CONNMARK --set-xmark C/C
-//	-p tcp --tcp-flags FIN FIN -j SET --del-set NAME-sg src,src,dst   (one per SYN set)
+//	-p tcp --tcp-flags FIN FIN -m connmark --mark BLOCK|C/MASK -j SET --del-set NAME-sg src,src,dst
+//	                                             (one per SYN set: the closed connection's SYN forgotten)
 //	-m mark --mark BLOCK/MASK -j RETURN
 //	-m set --match-set NAME-g dst -j HMARK ...   (one per generation in use, with its offset)
 //	-p tcp --syn -j SET --del-set NAME-sg src,src,dst  (one per SYN set: a SYN forgets its tuple)
@@ -365,7 +368,8 @@ func (c *Chain) fixedMangleRules() (head, tail [][]string) {
 		[]string{"-j", "CONNMARK", "--set-xmark", fmt.Sprintf("%#x/%#x", closing, closing)})
 	head = [][]string{restoreOpen, restoreClosing, returnOther, returnNotFIN, closeOnFIN}
 	for _, k := range c.synClasses() {
-		head = append(head, slices.Concat(finFlags, comment, []string{"-j", "SET", "--del-set", c.synSetName(k), "src,src,dst"}))
+		head = append(head, slices.Concat(finFlags, []string{"-m", "connmark", "--mark", s.closingMarkArg()}, comment,
+			[]string{"-j", "SET", "--del-set", c.synSetName(k), "src,src,dst"}))
 	}
 	skipDecided := slices.Concat([]string{"-m", "mark", "--mark", s.markArg()}, comment, []string{"-j", "RETURN"})
 	head = append(head, skipDecided)

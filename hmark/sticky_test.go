@@ -28,7 +28,7 @@ const (
 	printedReturnOther     = "-A KST-HMARK ! -p tcp -m mark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j RETURN"
 	printedReturnNotFIN    = "-A KST-HMARK -p tcp -m tcp ! --tcp-flags FIN FIN -m mark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j RETURN"
 	printedCloseOnFIN      = "-A KST-HMARK -p tcp -m tcp --tcp-flags FIN FIN -m connmark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j CONNMARK --set-xmark 0x100/0x100"
-	printedFINForget       = "-A KST-HMARK -p tcp -m tcp --tcp-flags FIN FIN -m comment --comment kube-service-tunnel -j SET --del-set KST-HMARK-s0 src,src,dst"
+	printedFINForget       = "-A KST-HMARK -p tcp -m tcp --tcp-flags FIN FIN -m connmark --mark 0x1100/0xffffff00 -m comment --comment kube-service-tunnel -j SET --del-set KST-HMARK-s0 src,src,dst"
 	printedReturn          = "-A KST-HMARK -m mark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j RETURN"
 	printedSaveOverClosing = "-A KST-HMARK -m connmark --mark 0x1100/0xffffff00 -m mark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j CONNMARK --save-mark --nfmask 0xffffffff --ctmask 0xffffffff"
 	printedSave            = "-A KST-HMARK -m connmark --mark 0x0 -m mark --mark 0x1000/0xffffff00 -m comment --comment kube-service-tunnel -j CONNMARK --save-mark --nfmask 0xffffffff --ctmask 0xffffffff"
