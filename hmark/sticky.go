@@ -142,9 +142,9 @@ func (c *Chain) Sticky() *Sticky {
 // Sticky keeps each flow on the decision it started with (see Sticky for
 // why). Call it once, before the first Sync; nothing is written until
 // Sync. It fails, changing nothing, unless Mask and Block are not 0, Block
-// lies within Mask, every mark of the chain's Params (Offset ..
-// Offset+Buckets-1) is in the block, and TCPMinExpire is below
-// 4294967295. Sync checks the same of every Target's offset.
+// lies within Mask and leaves a bit of Mask 0 (the closing bit), and every
+// mark of the chain's Params (Offset .. Offset+Buckets-1) is in the block.
+// Sync checks the same of every Target's offset.
 //
 // In sticky mode the mangle chain holds, in this order (BLOCK/MASK the
 // block, C the closing bit, NAME the chain and its set of all tunnel IPs,
