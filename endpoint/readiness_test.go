@@ -199,11 +199,11 @@ func TestReadinessGateWaitsForTheComputationThatSawThePodsAddress(t *testing.T) 
 	if why := c.gateBlocker(addressed, PodTunnels{Pod: runtimePod(addressed)}); !strings.Contains(why, "EndpointSlices") {
 		t.Fatalf("gate blocker once seen = %q, want it to wait for the slices", why)
 	}
-	// A pod of the same name but another UID is another pod.
 	c.unlisted = nil
 	if why := c.gateBlocker(addressed, PodTunnels{Pod: runtimePod(addressed)}); why != "" {
 		t.Fatalf("gate blocker with nothing left to wait for = %q", why)
 	}
+	// A pod of the same name but another UID is another pod.
 	recreated := addressed.DeepCopy()
 	recreated.UID = "uid-late-2"
 	if why := c.gateBlocker(recreated, PodTunnels{Pod: runtimePod(recreated)}); why == "" {

@@ -38,13 +38,14 @@ import (
 //     connmark bit, closingBit) and makes the handshake memory forget the
 //     tuple (only a FIN with a decision saved: a FIN that is the first
 //     packet after the SYN, of a request sent with it, has no conntrack
-//     entry and still needs its SYN remembered); a closing decision is restored only while the tuple has no
-//     newer SYN in the handshake memory (the old connection's last
-//     packets); a packet that follows a newer SYN is hashed as that SYN
-//     was and its decision saved over the closing one, which the new
-//     connection then keeps like any other. An open decision is restored
-//     whatever the entry's lifetime. A client RST removes an unreplied
-//     entry at once. UDP, ICMP and other protocols always restore.
+//     entry and still needs its SYN remembered). A closing decision is
+//     restored only while the tuple has no newer SYN in the handshake
+//     memory (the old connection's last packets); a packet that follows a
+//     newer SYN is hashed as that SYN was and its decision saved over the
+//     closing one, which the new connection then keeps like any other. An
+//     open decision is restored whatever the entry's lifetime. A client
+//     RST removes an unreplied entry at once. UDP, ICMP and other
+//     protocols always restore.
 //   - HMARK sets the whole skb mark. Block and Mask reserve a block of
 //     marks for the router: every mark HMARK gives (every generation's
 //     Offset .. Offset+Buckets-1) lies in it, a packet whose mark is in it
