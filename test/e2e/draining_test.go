@@ -16,6 +16,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/ctmarks"
+	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/router/bucket"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/attack"
@@ -34,7 +35,7 @@ const drainAnnotation = "cmd.nu/tunnel-drain"
 // started in, also across a router restart; an old generation is deleted
 // once no flow uses it. A router failover while an endpoint drains breaks
 // the flows to it that crossed the dead router (the known limit): that
-// share is measured, not asserted. The pod drains in both families' slices
+// share is measured, not asserted, in gre mode. The pod drains in both families' slices
 // at once, and each family's flows are checked.
 func drainingEndpoint(t *testing.T, e *env) {
 	vips := tunnelIPs(9)
@@ -51,7 +52,13 @@ func drainingEndpoint(t *testing.T, e *env) {
 	if !t.Run("annotated", func(t *testing.T) { drainAnnotated(t, e, vips, y) }) {
 		return
 	}
-	t.Run("router_failover", func(t *testing.T) { drainFailover(t, e, vips, x) })
+	// The failover measures the known limit (issue 35 part 1), asserting
+	// only that no other flow breaks: it runs in gre mode alone until that
+	// limit is closed (make test's budget; its mpls figures, 2026-11-28:
+	// docs/draining.md#limits).
+	if e.Opts.Mode == string(encap.GRE) {
+		t.Run("router_failover", func(t *testing.T) { drainFailover(t, e, vips, x) })
+	}
 }
 
 // drainingFlows are one family's flows through a drain: lightFlows, the
