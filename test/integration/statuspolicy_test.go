@@ -117,6 +117,7 @@ func TestStatusPolicyExample(t *testing.T) {
 // binding is cluster-wide) holding tunnel-router.yaml, applied as users
 // apply it, and an example admission policy.
 type policyServer struct {
+	env    *kubeenv.Env
 	admin  kubernetes.Interface
 	router kubernetes.Interface
 	// routerCfg authenticates as the router's ServiceAccount with a token
@@ -145,5 +146,5 @@ func startPolicyServer(t *testing.T, example string) policyServer {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return policyServer{admin: admin, router: router, routerCfg: routerCfg}
+	return policyServer{env: env, admin: admin, router: router, routerCfg: routerCfg}
 }
