@@ -447,9 +447,14 @@ func TestBGPAnnouncesServedTunnelIPs(t *testing.T) {
 	start = time.Now()
 	lab.setEndpoint(t, "10.244.1.5", true)
 	t.Logf("bgp: endpoint ready -> peer's kernel route via router a took %v", lab.peer.WaitKernelNextHops(t, vip, start, 20*time.Second, bgpRouterA))
-	if m := a.metrics(t); metric(m, "kube_service_tunnel_bgp_announced_prefixes") != "1" {
-		t.Fatalf("router a announces 1 prefix, metrics say:\n%s", grepLines(m, "kube_service_tunnel_bgp"))
-	}
+	// The speaker sets the gauge once its whole batch is handed over, a
+	// moment after the peer may have the route (CI caught it at 0 once).
+	eventually(t, 5*time.Second, "router a's metrics count the announced prefix", func() error {
+		if m := a.metrics(t); metric(m, "kube_service_tunnel_bgp_announced_prefixes") != "1" {
+			return fmt.Errorf("router a announces 1 prefix, metrics say:\n%s", grepLines(m, "kube_service_tunnel_bgp"))
+		}
+		return nil
+	})
 
 	start = time.Now()
 	lab.startRouterProcess(t, "b", routerBGPConfig(""))
