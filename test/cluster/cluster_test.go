@@ -75,20 +75,17 @@ const (
 	cniBridge  = "bridge"
 	// modesEnv tells TestInCluster the tunnel modes to run, in order
 	// (comma-separated).
-	modesEnv      = "KST_CLUSTER_MODES"
-	vmDir         = "/lab/cluster"
-	manifestFile  = vmDir + "/tunnel-router.yaml"
-	uninstallFile = vmDir + "/tunnel-uninstall.yaml"
-	exampleFile   = vmDir + "/echo.yaml"
-	policyFile    = vmDir + "/allow-tunnel-routers.yaml"
-	// podStatusPolicyFile is the opt-in admission policy that holds the
-	// endpoint agent to the readiness gate of its own node's pods.
-	podStatusPolicyFile = vmDir + "/tunnel-endpoint-pod-status-policy.yaml"
-	adminKubeconfig     = "/lab/kubelet/kubeconfig"
-	clientNS            = "client"
-	clientAddr          = "198.51.100.10"
-	clientGatewayAddr   = "198.51.100.1"
-	helperPort          = 9700
+	modesEnv          = "KST_CLUSTER_MODES"
+	vmDir             = "/lab/cluster"
+	manifestFile      = vmDir + "/tunnel-router.yaml"
+	uninstallFile     = vmDir + "/tunnel-uninstall.yaml"
+	exampleFile       = vmDir + "/echo.yaml"
+	policyFile        = vmDir + "/allow-tunnel-routers.yaml"
+	adminKubeconfig   = "/lab/kubelet/kubeconfig"
+	clientNS          = "client"
+	clientAddr        = "198.51.100.10"
+	clientGatewayAddr = "198.51.100.1"
+	helperPort        = 9700
 	// nodeNS names each node's root network namespace ("ip netns attach"),
 	// for kstate's snapshots.
 	nodeNS = "node"
@@ -218,10 +215,9 @@ func runCluster(t *testing.T, assets lab.Assets, p pairing, built map[string]ima
 		archives = append(archives, r.Archive)
 	}
 	vmFiles := map[string]string{
-		exampleFile:         filepath.Join(lab.RepoRoot(), "examples", "echo.yaml"),
-		policyFile:          filepath.Join(lab.RepoRoot(), "examples", "allow-tunnel-routers.yaml"),
-		podStatusPolicyFile: filepath.Join(lab.RepoRoot(), "examples", "tunnel-endpoint-pod-status-policy.yaml"),
-		lab.GuestProgram:    program,
+		exampleFile:      filepath.Join(lab.RepoRoot(), "examples", "echo.yaml"),
+		policyFile:       filepath.Join(lab.RepoRoot(), "examples", "allow-tunnel-routers.yaml"),
+		lab.GuestProgram: program,
 	}
 	for vmPath, src := range map[string][]byte{manifestFile: repoFile(t, "tunnel-router.yaml"), uninstallFile: image.Uninstall} {
 		rendered, err := image.RenderManifest(src, image.DefaultRegistry, version)

@@ -360,13 +360,6 @@ func (c *cluster) install(t *testing.T, mode string) {
 	if err := kubeenv.Apply(ctx, c.cfg, manifest, false); err != nil {
 		t.Fatal(err)
 	}
-	// The opt-in hardening of the agent's pods/status grant, as a careful
-	// operator applies it: every readiness gate the steps below wait for is
-	// opened through it (by the kubelet-mounted token, bound to the agent's
-	// pod and so to its node).
-	if err := kubeenv.Apply(ctx, c.cfg, vmFile(t, podStatusPolicyFile), false); err != nil {
-		t.Fatal(err)
-	}
 	c.waitFor(t, "both DaemonSets counted", time.Minute, func() (bool, error) {
 		endpoint, err := c.kube.AppsV1().DaemonSets(daemonNamespace).Get(ctx, "tunnel-endpoint", metav1.GetOptions{})
 		if err != nil {
@@ -1271,7 +1264,7 @@ func (c *cluster) uninstall(t *testing.T, before map[string]kstate.State, keepEx
 	t.Logf("kubectl apply -f tunnel-uninstall.yaml to Ready on both nodes: %v; its pods' states:\n%s",
 		time.Since(applied).Round(100*time.Millisecond), strings.Join(uninstalling.timeline, "\n"))
 	manifest := vmFile(t, manifestFile)
-	for _, m := range [][]byte{uninstall, manifest, vmFile(t, podStatusPolicyFile)} {
+	for _, m := range [][]byte{uninstall, manifest} {
 		if err := kubeenv.Delete(ctx, c.cfg, m); err != nil {
 			t.Fatal(err)
 		}
