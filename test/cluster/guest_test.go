@@ -1064,8 +1064,8 @@ func generationSwitches(log string) []time.Time {
 }
 
 // conntrackOf counts the streams whose conntrack entry on the router node
-// has a mark and more than 121 s to live (sticky), and describes the
-// others: client port, timeout, mark.
+// has a mark without the closing bit (sticky), and describes the others:
+// client port, timeout, mark.
 func conntrackOf(streams []*workload.Stream) (sticky int, odd []string) {
 	entries, err := netlink.ConntrackTableList(netlink.ConntrackTable, unix.AF_INET)
 	if err != nil {
