@@ -12,7 +12,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/rest"
 
 	"github.com/cmdnu/kube-service-tunnel/internal/routerstatus"
 )
@@ -33,26 +32,7 @@ func TestRouterConfigMapPolicyExample(t *testing.T) {
 	if _, err := admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "router-1"}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	pod, err := admin.CoreV1().Pods(manifestNamespace).Create(ctx, &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: "tunnel-router-abcde"},
-		Spec: corev1.PodSpec{NodeName: "router-1", ServiceAccountName: "tunnel-router", AutomountServiceAccountToken: ptr(false),
-			Containers: []corev1.Container{{Name: "tunnel-router", Image: "kube-service-tunnel/tunnel-router:test"}}},
-	}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	tr, err := admin.CoreV1().ServiceAccounts(manifestNamespace).CreateToken(ctx, "tunnel-router", &authenticationv1.TokenRequest{
-		Spec: authenticationv1.TokenRequestSpec{BoundObjectRef: &authenticationv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: pod.Name, UID: pod.UID}},
-	}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	boundCfg := rest.CopyConfig(srv.routerCfg)
-	boundCfg.BearerToken = tr.Status.Token
-	bound, err := kubernetes.NewForConfig(boundCfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	bound := srv.podBoundClient(t, "tunnel-router", "tunnel-router-abcde", "router-1")
 	review, err := bound.AuthenticationV1().SelfSubjectReviews().Create(ctx, &authenticationv1.SelfSubjectReview{}, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatal(err)

@@ -7,13 +7,11 @@ import (
 	"testing"
 	"time"
 
-	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/rest"
 
 	"github.com/cmdnu/kube-service-tunnel/endpoint"
 )
@@ -60,28 +58,10 @@ func TestEndpointPodStatusPolicyExample(t *testing.T) {
 		}
 		served[node] = pod
 	}
-	// The agent's pod on node-1, and the token the kubelet would mount in it.
-	agentPod, err := admin.CoreV1().Pods(manifestNamespace).Create(ctx, &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: "tunnel-endpoint-abcde"},
-		Spec: corev1.PodSpec{NodeName: "node-1", ServiceAccountName: "tunnel-endpoint", AutomountServiceAccountToken: ptr(false),
-			Containers: []corev1.Container{{Name: "tunnel-endpoint", Image: "kube-service-tunnel/tunnel-endpoint:test"}}},
-	}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	// The agent's pod on node-1, and the token the kubelet would mount in it;
+	// and the agent's ServiceAccount with a token bound to no pod.
+	bound := srv.podBoundClient(t, "tunnel-endpoint", "tunnel-endpoint-abcde", "node-1")
 	unboundCfg, err := srv.env.ServiceAccountConfig(ctx, manifestNamespace, "tunnel-endpoint")
-	if err != nil {
-		t.Fatal(err)
-	}
-	tr, err := admin.CoreV1().ServiceAccounts(manifestNamespace).CreateToken(ctx, "tunnel-endpoint", &authenticationv1.TokenRequest{
-		Spec: authenticationv1.TokenRequestSpec{BoundObjectRef: &authenticationv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: agentPod.Name, UID: agentPod.UID}},
-	}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	boundCfg := rest.CopyConfig(unboundCfg)
-	boundCfg.BearerToken = tr.Status.Token
-	bound, err := kubernetes.NewForConfig(boundCfg)
 	if err != nil {
 		t.Fatal(err)
 	}

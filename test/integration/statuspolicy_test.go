@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -147,4 +148,38 @@ func startPolicyServer(t *testing.T, example string) policyServer {
 		t.Fatal(err)
 	}
 	return policyServer{env: env, admin: admin, router: router, routerCfg: routerCfg}
+}
+
+// podBoundClient is a client of ServiceAccount sa with the token the
+// kubelet would mount in a pod of sa on node (the API server names the
+// node in such a token): it creates that pod, named pod, in the manifest's
+// namespace, and returns the client.
+func (srv policyServer) podBoundClient(t *testing.T, sa, pod, node string) kubernetes.Interface {
+	t.Helper()
+	ctx := context.Background()
+	p, err := srv.admin.CoreV1().Pods(manifestNamespace).Create(ctx, &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: pod},
+		Spec: corev1.PodSpec{NodeName: node, ServiceAccountName: sa, AutomountServiceAccountToken: ptr(false),
+			Containers: []corev1.Container{{Name: sa, Image: "kube-service-tunnel/" + sa + ":test"}}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr, err := srv.admin.CoreV1().ServiceAccounts(manifestNamespace).CreateToken(ctx, sa, &authenticationv1.TokenRequest{
+		Spec: authenticationv1.TokenRequestSpec{BoundObjectRef: &authenticationv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: p.Name, UID: p.UID}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The ServiceAccount's own config, with the pod-bound token instead.
+	cfg, err := srv.env.ServiceAccountConfig(ctx, manifestNamespace, sa)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.BearerToken = tr.Status.Token
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cs
 }
