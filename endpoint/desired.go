@@ -234,12 +234,7 @@ func Desired(node string, pools tunnelclaim.Pools, known tunnelclaim.Networks, s
 // has, the agent cannot know the pod's tunnel IPs from the slices alone,
 // and must not open the gate of a pod it is about to serve.
 func Unlisted(node string, pools tunnelclaim.Pools, known tunnelclaim.Networks, services []*corev1.Service, pods []*corev1.Pod, desired map[string]PodTunnels) map[string][]netip.Addr {
-	var gated []*corev1.Pod
-	for _, pod := range pods {
-		if pod.Spec.NodeName == node && !pod.Spec.HostNetwork && HasReadinessGate(pod) {
-			gated = append(gated, pod)
-		}
-	}
+	gated := localGatedPods(node, pods)
 	if len(gated) == 0 {
 		return nil
 	}

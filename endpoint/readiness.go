@@ -84,13 +84,23 @@ func gateView(pod *corev1.Pod) string {
 	return fmt.Sprintf("%s %v %v", pod.UID, v4, v6)
 }
 
+// localGatedPods are the pods of node, in its pod network, that list the
+// gate.
+func localGatedPods(node string, pods []*corev1.Pod) []*corev1.Pod {
+	var gated []*corev1.Pod
+	for _, pod := range pods {
+		if pod.Spec.NodeName == node && !pod.Spec.HostNetwork && HasReadinessGate(pod) {
+			gated = append(gated, pod)
+		}
+	}
+	return gated
+}
+
 // gateViews returns the gateView of every local pod that lists the gate.
 func gateViews(node string, pods []*corev1.Pod) map[string]string {
 	views := map[string]string{}
-	for _, pod := range pods {
-		if pod.Spec.NodeName == node && !pod.Spec.HostNetwork && HasReadinessGate(pod) {
-			views[pod.Namespace+"/"+pod.Name] = gateView(pod)
-		}
+	for _, pod := range localGatedPods(node, pods) {
+		views[pod.Namespace+"/"+pod.Name] = gateView(pod)
 	}
 	return views
 }
