@@ -315,7 +315,17 @@ func (e *env) flowsHeldBy(t testing.TB, vip netip.Addr, ports []uint16, r *topol
 		}
 		return len(odd) == 0, fmt.Sprintf("%d flows are not in exactly one router's conntrack table: %v", len(odd), odd)
 	}); err != nil {
-		t.Error(err)
+		// Conntrack's per-CPU counters (hex; "invalid" counts packets it
+		// could not track) tell a flow it never tracked from one it lost.
+		var stats []string
+		for _, router := range e.Routers {
+			out, serr := topology.InNS(ctx, router.Name, "cat", "/proc/net/stat/nf_conntrack")
+			if serr != nil {
+				out = serr.Error()
+			}
+			stats = append(stats, router.Name+":\n"+out)
+		}
+		t.Errorf("%v\n%s", err, strings.Join(stats, "\n"))
 	}
 	via := make([]bool, len(ports))
 	for i, p := range ports {

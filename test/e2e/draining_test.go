@@ -640,15 +640,19 @@ func brokenFlows(flows []*workload.Stream, before []int64, since time.Time) []in
 // conntrackOf returns the router's conntrack entries towards vip, for a
 // failure report.
 func conntrackOf(r *topology.Node, vip netip.Addr) string {
-	out, err := topology.InNS(context.Background(), r.Name, "cat", "/proc/net/nf_conntrack")
+	ns, err := r.NS()
+	if err != nil {
+		return err.Error()
+	}
+	defer ns.Close()
+	entries, err := topology.ConntrackIn(context.Background(), ns)
 	if err != nil {
 		return err.Error()
 	}
 	var lines []string
-	for _, l := range strings.Split(out, "\n") {
-		// The table writes IPv6 addresses in full.
-		if strings.Contains(l, "dst="+vip.String()+" ") || strings.Contains(l, "dst="+vip.StringExpanded()+" ") {
-			lines = append(lines, l)
+	for _, e := range entries {
+		if e.Dst == vip {
+			lines = append(lines, e.String())
 		}
 	}
 	return strings.Join(lines, "\n")

@@ -407,18 +407,18 @@ func parseRouteGets(out string, vip netip.Addr, srcPorts []uint16) (map[uint16]n
 // that router r's conntrack table holds: the flows whose packets it has
 // forwarded (in the last 5 minutes, the lifetime of an established entry).
 func (l *Lab) RouterFlows(ctx context.Context, r *Node, vip netip.Addr) (map[uint16]bool, error) {
-	out, err := InNS(ctx, r.Name, "cat", "/proc/net/nf_conntrack")
+	entries, err := l.Conntrack(ctx, r)
 	if err != nil {
 		return nil, err
 	}
-	return parseConntrackFlows(out, ClientAddrFor(vip), vip), nil
+	return flowsFrom(entries, ClientAddrFor(vip), vip), nil
 }
 
-// parseConntrackFlows returns the source ports of the TCP entries from
-// client to vip (their original direction) in /proc/net/nf_conntrack.
-func parseConntrackFlows(table string, client, vip netip.Addr) map[uint16]bool {
+// flowsFrom returns the source ports of the TCP entries from client to vip
+// (their original direction).
+func flowsFrom(entries []ConntrackEntry, client, vip netip.Addr) map[uint16]bool {
 	ports := map[uint16]bool{}
-	for _, e := range parseConntrack(table) {
+	for _, e := range entries {
 		if e.Proto == "tcp" && e.Src == client && e.Dst == vip {
 			ports[e.SrcPort] = true
 		}

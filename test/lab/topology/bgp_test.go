@@ -77,23 +77,17 @@ func TestParseRouteGets(t *testing.T) {
 	}
 }
 
-func TestParseConntrackFlows(t *testing.T) {
-	const table = `ipv4     2 tcp      6 299 ESTABLISHED src=198.51.100.10 dst=192.0.2.10 sport=48301 dport=80 [UNREPLIED] src=192.0.2.10 dst=198.51.100.10 sport=80 dport=48301 mark=4127 zone=0 use=2
-ipv4     2 tcp      6 299 ESTABLISHED src=198.51.100.10 dst=192.0.2.11 sport=48302 dport=80 [UNREPLIED] src=192.0.2.11 dst=198.51.100.10 sport=80 dport=48302 mark=4127 zone=0 use=2
-ipv4     2 udp      17 29 src=198.51.100.10 dst=192.0.2.10 sport=48303 dport=53 [UNREPLIED] src=192.0.2.10 dst=198.51.100.10 sport=53 dport=48303 mark=0 zone=0 use=2
-ipv4     2 tcp      6 299 ESTABLISHED src=198.51.100.10 dst=192.0.2.10 sport=48304 dport=80 [UNREPLIED] src=192.0.2.10 dst=198.51.100.10 sport=80 dport=48304 mark=4100 zone=0 use=2
-`
-	got := parseConntrackFlows(table, ClientAddr, netip.MustParseAddr("192.0.2.10"))
+func TestFlowsFrom(t *testing.T) {
+	vip, other := netip.MustParseAddr("192.0.2.10"), netip.MustParseAddr("192.0.2.11")
+	entries := []ConntrackEntry{
+		{Proto: "tcp", Src: ClientAddr, Dst: vip, SrcPort: 48301, DstPort: 80},
+		{Proto: "tcp", Src: ClientAddr, Dst: other, SrcPort: 48302, DstPort: 80},
+		{Proto: "udp", Src: ClientAddr, Dst: vip, SrcPort: 48303, DstPort: 53},
+		{Proto: "tcp", Src: vip, Dst: ClientAddr, SrcPort: 80, DstPort: 48305},
+		{Proto: "tcp", Src: ClientAddr, Dst: vip, SrcPort: 48304, DstPort: 80},
+	}
+	got := flowsFrom(entries, ClientAddr, vip)
 	if len(got) != 2 || !got[48301] || !got[48304] {
 		t.Errorf("got %v, want ports 48301 and 48304", got)
-	}
-
-	// The kernel prints IPv6 addresses in full.
-	const table6 = `ipv6     10 tcp      6 299 ESTABLISHED src=2001:0db8:0100:0000:0000:0000:0000:0010 dst=2001:0db8:0002:0000:0000:0000:0000:0010 sport=48001 dport=80 src=2001:0db8:0002:0000:0000:0000:0000:0010 dst=2001:0db8:0100:0000:0000:0000:0000:0010 sport=80 dport=48001 [ASSURED] mark=4127 zone=0 use=2
-ipv6     10 tcp      6 299 ESTABLISHED src=2001:0db8:0100:0000:0000:0000:0000:0010 dst=2001:0db8:0002:0000:0000:0000:0000:0011 sport=48002 dport=80 src=2001:0db8:0002:0000:0000:0000:0000:0011 dst=2001:0db8:0100:0000:0000:0000:0000:0010 sport=80 dport=48002 [ASSURED] mark=4127 zone=0 use=2
-`
-	got = parseConntrackFlows(table6, ClientAddr6, netip.MustParseAddr("2001:db8:2::10"))
-	if len(got) != 1 || !got[48001] {
-		t.Errorf("IPv6: got %v, want port 48001", got)
 	}
 }

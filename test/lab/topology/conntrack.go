@@ -2,16 +2,21 @@ package topology
 
 import (
 	"context"
+	"encoding/binary"
 	"fmt"
 	"net/netip"
 	"strconv"
 	"strings"
 
+	"github.com/mdlayher/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 )
 
 // ConntrackEntry is one entry of a namespace's conntrack table, as
-// /proc/net/nf_conntrack shows it (the same fields as `conntrack -L`).
+// ctnetlink gives it (the fields `conntrack -L` prints).
 type ConntrackEntry struct {
 	// Proto is the protocol's name (tcp, udp, icmp, ...).
 	Proto string
@@ -31,8 +36,6 @@ type ConntrackEntry struct {
 	HasCounters    bool
 	// Mark is the connmark.
 	Mark uint32
-	// Line is the entry as the kernel printed it.
-	Line string
 }
 
 // String is the entry in a form for failure reports.
@@ -52,70 +55,216 @@ func (e ConntrackEntry) String() string {
 	return s
 }
 
-// Conntrack returns the conntrack table of node n's namespace.
+// Conntrack returns the conntrack table of node n's namespace, both
+// families, as a ctnetlink dump gives it. Not /proc/net/nf_conntrack: the
+// kernel prints that file a page per read, each read finding its place
+// again by counting entries from the start of the (all namespaces') hash
+// table, so an entry removed before that place between two reads makes the
+// next read skip one live entry. A dump resumes at the hash bucket it
+// stopped in, so entries that come and go elsewhere skip none.
 func (l *Lab) Conntrack(ctx context.Context, n *Node) ([]ConntrackEntry, error) {
-	out, err := InNS(ctx, n.Name, "cat", "/proc/net/nf_conntrack")
+	ns, err := n.NS()
 	if err != nil {
 		return nil, err
 	}
-	return parseConntrack(out), nil
+	defer ns.Close()
+	entries, err := ConntrackIn(ctx, ns)
+	if err != nil {
+		return nil, fmt.Errorf("conntrack of %s: %w", n.Name, err)
+	}
+	return entries, nil
 }
 
-// parseConntrack reads /proc/net/nf_conntrack: "ipv4 2 tcp 6 299
-// ESTABLISHED src=C dst=V sport=P dport=80 [UNREPLIED] src=V dst=C sport=80
-// dport=P mark=4127 zone=0 use=2" (with "packets=N bytes=N" after each
-// direction's ports when accounting is on); "ipv4 2 udp 17 29 src=... ".
-// Lines it cannot read are skipped.
-func parseConntrack(table string) []ConntrackEntry {
-	var out []ConntrackEntry
-	for _, line := range strings.Split(table, "\n") {
-		f := strings.Fields(line)
-		if len(f) < 6 {
+// ConntrackIn returns the conntrack table of namespace ns, both families.
+func ConntrackIn(ctx context.Context, ns netns.NsHandle) ([]ConntrackEntry, error) {
+	conn, err := netlink.Dial(unix.NETLINK_NETFILTER, &netlink.Config{NetNS: int(ns)})
+	if err != nil {
+		return nil, fmt.Errorf("netlink: %w", err)
+	}
+	defer conn.Close()
+	if deadline, ok := ctx.Deadline(); ok {
+		if err := conn.SetDeadline(deadline); err != nil {
+			return nil, err
+		}
+	}
+	msgs, err := conn.Execute(netlink.Message{
+		Header: netlink.Header{
+			Type:  netlink.HeaderType(unix.NFNL_SUBSYS_CTNETLINK<<8 | ipctnlMsgCtGet),
+			Flags: netlink.Request | netlink.Dump,
+		},
+		// nfgenmsg: every family, version 0, resource id 0.
+		Data: []byte{unix.AF_UNSPEC, unix.NFNETLINK_V0, 0, 0},
+	})
+	if err != nil {
+		return nil, fmt.Errorf("dump: %w", err)
+	}
+	out := make([]ConntrackEntry, 0, len(msgs))
+	for _, m := range msgs {
+		if len(m.Data) < 4 {
 			continue
 		}
-		timeout, err := strconv.Atoi(f[4])
+		e, err := decodeConntrack(m.Data[4:])
 		if err != nil {
-			continue
-		}
-		e := ConntrackEntry{Proto: f[2], Timeout: timeout, Line: line}
-		rest := f[5:]
-		if e.Proto == "tcp" {
-			e.State, rest = f[5], f[6:]
-		}
-		seen := map[string]bool{} // the first of each key is the original direction's
-		for _, w := range rest {
-			k, v, ok := strings.Cut(w, "=")
-			if !ok {
-				if strings.HasPrefix(w, "[") && strings.HasSuffix(w, "]") {
-					e.Flags = append(e.Flags, strings.Trim(w, "[]"))
-				}
-				continue
-			}
-			if seen[k] {
-				continue
-			}
-			seen[k] = true
-			n, _ := strconv.ParseUint(v, 10, 64)
-			switch k {
-			case "src":
-				e.Src, _ = netip.ParseAddr(v)
-			case "dst":
-				e.Dst, _ = netip.ParseAddr(v)
-			case "sport":
-				e.SrcPort = uint16(n)
-			case "dport":
-				e.DstPort = uint16(n)
-			case "packets":
-				e.Packets, e.HasCounters = n, true
-			case "bytes":
-				e.Bytes = n
-			case "mark":
-				e.Mark = uint32(n)
-			}
+			return nil, err
 		}
 		out = append(out, e)
 	}
-	return out
+	return out, nil
+}
+
+// ctnetlink's message type and the attributes decodeConntrack reads
+// (linux/netfilter/nfnetlink_conntrack.h).
+const (
+	ipctnlMsgCtGet = 1
+
+	ctaTupleOrig         = 1
+	ctaStatus            = 3
+	ctaProtoinfo         = 4
+	ctaTimeout           = 7
+	ctaMark              = 8
+	ctaCountersOrig      = 9
+	ctaTupleIP           = 1
+	ctaTupleProto        = 2
+	ctaIPv4Src           = 1
+	ctaIPv4Dst           = 2
+	ctaIPv6Src           = 3
+	ctaIPv6Dst           = 4
+	ctaProtoNum          = 1
+	ctaProtoSrcPort      = 2
+	ctaProtoDstPort      = 3
+	ctaProtoinfoTCP      = 1
+	ctaProtoinfoTCPState = 1
+	ctaCountersPackets   = 1
+	ctaCountersBytes     = 2
+
+	ipsSeenReply = 1 << 1
+	ipsAssured   = 1 << 2
+)
+
+// tcpStates are conntrack's TCP state names, by number, as
+// /proc/net/nf_conntrack and `conntrack -L` print them.
+var tcpStates = []string{"NONE", "SYN_SENT", "SYN_RECV", "ESTABLISHED", "FIN_WAIT", "CLOSE_WAIT", "LAST_ACK", "TIME_WAIT", "CLOSE", "SYN_SENT2"}
+
+// decodeConntrack reads the attributes of one entry of a ctnetlink dump.
+func decodeConntrack(data []byte) (ConntrackEntry, error) {
+	var e ConntrackEntry
+	ad, err := netlink.NewAttributeDecoder(data)
+	if err != nil {
+		return e, err
+	}
+	ad.ByteOrder = binary.BigEndian
+	var proto uint8
+	for ad.Next() {
+		switch ad.Type() {
+		case ctaTupleOrig:
+			ad.Nested(func(tuple *netlink.AttributeDecoder) error {
+				for tuple.Next() {
+					switch tuple.Type() {
+					case ctaTupleIP:
+						tuple.Nested(func(ip *netlink.AttributeDecoder) error {
+							for ip.Next() {
+								a, _ := netip.AddrFromSlice(ip.Bytes())
+								switch ip.Type() {
+								case ctaIPv4Src, ctaIPv6Src:
+									e.Src = a
+								case ctaIPv4Dst, ctaIPv6Dst:
+									e.Dst = a
+								}
+							}
+							return nil
+						})
+					case ctaTupleProto:
+						tuple.Nested(func(p *netlink.AttributeDecoder) error {
+							p.ByteOrder = binary.BigEndian
+							for p.Next() {
+								switch p.Type() {
+								case ctaProtoNum:
+									proto = p.Uint8()
+								case ctaProtoSrcPort:
+									e.SrcPort = p.Uint16()
+								case ctaProtoDstPort:
+									e.DstPort = p.Uint16()
+								}
+							}
+							return nil
+						})
+					}
+				}
+				return nil
+			})
+		case ctaStatus:
+			status := ad.Uint32()
+			if status&ipsSeenReply == 0 {
+				e.Flags = append(e.Flags, "UNREPLIED")
+			}
+			if status&ipsAssured != 0 {
+				e.Flags = append(e.Flags, "ASSURED")
+			}
+		case ctaProtoinfo:
+			ad.Nested(func(info *netlink.AttributeDecoder) error {
+				for info.Next() {
+					if info.Type() != ctaProtoinfoTCP {
+						continue
+					}
+					info.Nested(func(tcp *netlink.AttributeDecoder) error {
+						for tcp.Next() {
+							if tcp.Type() == ctaProtoinfoTCPState {
+								if s := int(tcp.Uint8()); s < len(tcpStates) {
+									e.State = tcpStates[s]
+								} else {
+									e.State = strconv.Itoa(s)
+								}
+							}
+						}
+						return nil
+					})
+				}
+				return nil
+			})
+		case ctaTimeout:
+			e.Timeout = int(ad.Uint32())
+		case ctaMark:
+			e.Mark = ad.Uint32()
+		case ctaCountersOrig:
+			e.HasCounters = true
+			ad.Nested(func(c *netlink.AttributeDecoder) error {
+				c.ByteOrder = binary.BigEndian
+				for c.Next() {
+					switch c.Type() {
+					case ctaCountersPackets:
+						e.Packets = c.Uint64()
+					case ctaCountersBytes:
+						e.Bytes = c.Uint64()
+					}
+				}
+				return nil
+			})
+		}
+	}
+	if err := ad.Err(); err != nil {
+		return e, fmt.Errorf("decoding an entry: %w", err)
+	}
+	e.Proto = protoName(proto)
+	return e, nil
+}
+
+// protoName names an IP protocol as conntrack prints it.
+func protoName(p uint8) string {
+	switch p {
+	case unix.IPPROTO_TCP:
+		return "tcp"
+	case unix.IPPROTO_UDP:
+		return "udp"
+	case unix.IPPROTO_ICMP:
+		return "icmp"
+	case unix.IPPROTO_ICMPV6:
+		return "icmpv6"
+	case unix.IPPROTO_GRE:
+		return "gre"
+	case unix.IPPROTO_SCTP:
+		return "sctp"
+	}
+	return "unknown"
 }
 
 // OldGenerationEntries returns router r's conntrack entries towards vip
