@@ -41,13 +41,27 @@ func UDP(src, dst netip.AddrPort, payload []byte) []byte {
 // mid-stream packet that conntrack picks up as a new ESTABLISHED entry)
 // with sequence number seq.
 func TCPAck(src, dst netip.AddrPort, seq uint32) []byte {
+	return tcpSegment(src, dst, seq, 0x10)
+}
+
+// TCPSyn returns an IP packet carrying a TCP SYN with sequence number seq,
+// the first packet of a connection.
+func TCPSyn(src, dst netip.AddrPort, seq uint32) []byte {
+	return tcpSegment(src, dst, seq, 0x02)
+}
+
+// tcpSegment returns an IP packet carrying a TCP segment without payload
+// or options, with the given flags.
+func tcpSegment(src, dst netip.AddrPort, seq uint32, flags byte) []byte {
 	tcp := make([]byte, 20)
 	binary.BigEndian.PutUint16(tcp[0:], src.Port())
 	binary.BigEndian.PutUint16(tcp[2:], dst.Port())
 	binary.BigEndian.PutUint32(tcp[4:], seq)
-	binary.BigEndian.PutUint32(tcp[8:], seq^0x5a5a5a5a)
+	if flags&0x10 != 0 {
+		binary.BigEndian.PutUint32(tcp[8:], seq^0x5a5a5a5a)
+	}
 	tcp[12] = 5 << 4 // data offset: 5 words
-	tcp[13] = 0x10   // ACK
+	tcp[13] = flags
 	binary.BigEndian.PutUint16(tcp[14:], 64240)
 	binary.BigEndian.PutUint16(tcp[16:], l4Checksum(src.Addr(), dst.Addr(), unix.IPPROTO_TCP, tcp))
 	return ipPacket(src.Addr(), dst.Addr(), unix.IPPROTO_TCP, tcp)
