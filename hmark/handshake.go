@@ -43,11 +43,15 @@ const (
 	// trip and a client's ACK that is lost and sent again after the
 	// endpoint's SYN-ACK retransmission (1 s, then 3 s).
 	SynMemorySeconds = 10
-	// SynSetMaxElements bounds each SYN set: a SYN flood of more than
-	// SynSetMaxElements/SynMemorySeconds SYNs a second to the tunnel IPs of
-	// one class fills it; further SYNs are then not remembered (their
-	// connections are hashed as without the memory) until entries expire,
-	// and the set's memory stays bounded (about 5 MiB when full).
+	// SynSetMaxElements bounds each SYN set. It is not what fills it
+	// first: the kernel grows a hash set only when userspace adds to it,
+	// never from the packet path (the SET target), so a SYN set keeps the
+	// 1024 buckets of 12 it is created with and fills at 12288 entries
+	// (TestStickySYNFloodInNetns): more than about 1200 SYNs a second to
+	// the tunnel IPs of one class fill it; further SYNs are then not
+	// remembered (their connections are hashed as without the memory)
+	// until entries expire, and the set's memory stays bounded (about
+	// 0.5 MiB when full).
 	SynSetMaxElements = 1 << 17
 )
 
