@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -131,6 +132,13 @@ type Controller struct {
 	// (see add).
 	listing  atomic.Bool
 	liveness daemon.Liveness
+	// queuedAt is when each key was first queued by an informer event
+	// since its last sync began (the informers' goroutines write it, the
+	// worker takes it); syncQueued and syncStart are the current sync's.
+	// The "tunnel programmed" log line splits a change's time with them.
+	queuedMu              sync.Mutex
+	queuedAt              map[daemon.QueueKey]time.Time
+	syncQueued, syncStart time.Time
 
 	announcer Announcer
 	announce  map[netip.Addr]bool // tunnel IPs programmed with a ready endpoint
@@ -286,6 +294,7 @@ func NewController(cfg Config, client kubernetes.Interface, factory informers.Sh
 		claims:   map[string][]netip.Addr{},
 		byVIP:    map[netip.Addr][]string{},
 		reported: map[string]reported{},
+		queuedAt: map[daemon.QueueKey]time.Time{},
 		refused:  map[string][]string{},
 		announce: map[netip.Addr]bool{},
 		live:     livepolicy.New(cfg.Policy),
@@ -360,6 +369,11 @@ func NewEventRecorder(ctx context.Context, client kubernetes.Interface, componen
 // after the resync (10,000 redundant syncs at 10,000 Services).
 func (c *Controller) add(key daemon.QueueKey) {
 	if c.listing.Load() {
+		c.queuedMu.Lock()
+		if _, ok := c.queuedAt[key]; !ok {
+			c.queuedAt[key] = time.Now()
+		}
+		c.queuedMu.Unlock()
 		c.queue.Add(key)
 	}
 }
@@ -511,6 +525,10 @@ func (c *Controller) processNext() bool {
 	defer c.liveness.Begin(key.String())()
 	// The policy of this reconcile (a live change is followed by a resync).
 	c.policy = c.live.Get()
+	c.queuedMu.Lock()
+	c.syncQueued, c.syncStart = c.queuedAt[key], time.Now()
+	delete(c.queuedAt, key)
+	c.queuedMu.Unlock()
 	var err error
 	switch key {
 	case resyncKey:
@@ -1069,8 +1087,24 @@ func WithNodeIPs(eps []datapath.Endpoint, problems []string, getNode func(name s
 // record reports each notice on its Service.
 func (c *Controller) record(notices []notice) {
 	for _, n := range notices {
-		c.report(n.svc, n.vip, n.eventType, n.reason, n.message)
+		if c.report(n.svc, n.vip, n.eventType, n.reason, n.message) && n.reason == ReasonProgrammed && !c.syncQueued.IsZero() {
+			c.logProgrammed(n)
+		}
 	}
+}
+
+// logProgrammed logs, for a tunnel IP's new table that an informer event
+// led to, where its time went: from the event to the start of its sync
+// (queued: the worker busy with other keys), and from there to the kernel
+// holding the table (sync). event is the TunnelProgrammed event's message.
+func (c *Controller) logProgrammed(n notice) {
+	c.log.WithFields(logrus.Fields{
+		"vip":       n.vip,
+		"service":   n.svc.Namespace + "/" + n.svc.Name,
+		"queued_ms": c.syncStart.Sub(c.syncQueued).Milliseconds(),
+		"sync_ms":   time.Since(c.syncStart).Milliseconds(),
+		"event":     n.message,
+	}).Info("table written")
 }
 
 // reportSeed hashes the reported states.

@@ -33,6 +33,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/cmdnu/kube-service-tunnel/internal/daemon"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/test/kubeenv"
 	"github.com/cmdnu/kube-service-tunnel/test/lab"
@@ -998,6 +999,7 @@ func (c *cluster) rolloutRestart(t *testing.T) {
 	}
 	t.Logf("%d new flows during the rollout: %d reached a pod marked terminating before the router had drained it, %d a drained pod", len(newFlows), toTerminating, toDrained)
 	t.Logf("each old pod's drain, from the moment this test saw it marked terminating (polled every 200 ms; the API's times are whole seconds):\n%s", strings.Join(drain.drainSplit(initial), "\n"))
+	t.Logf("each table the router wrote for %v during the rollout (s since the restart; queued: from the informer event to the sync's start; sync: from there to the kernel write):\n%s", tunnelIP, c.routerTimeline(t, drain.start))
 	if toDrained > 0 {
 		t.Errorf("%d new flows reached a terminating pod that the router had already drained", toDrained)
 	}
@@ -1635,4 +1637,46 @@ func (d *drainWatch) sliceLog() []string {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return slices.Clone(d.log)
+}
+
+// routerTimeline lists the tables the router logged writing for tunnelIP
+// since start ("table written", with queued_ms, sync_ms and event), a
+// line each, timed from start by the router's own log times (the router
+// runs on the node this test runs on: one clock).
+func (c *cluster) routerTimeline(t *testing.T, start time.Time) string {
+	t.Helper()
+	var out []string
+	for _, p := range c.daemonPods(t, "tunnel-router") {
+		for _, l := range strings.Split(c.podLogs(t, p), "\n") {
+			field := func(name string) string {
+				_, rest, ok := strings.Cut(l, " "+name+"=")
+				if !ok {
+					return "?"
+				}
+				if quoted, ok := strings.CutPrefix(rest, `"`); ok {
+					v, _, _ := strings.Cut(quoted, `"`)
+					return v
+				}
+				v, _, _ := strings.Cut(rest, " ")
+				return v
+			}
+			if field("msg") != "table written" || field("vip") != tunnelIP.String() {
+				continue
+			}
+			_, rest, ok := strings.Cut(l, `time="`)
+			if !ok {
+				continue
+			}
+			ts, _, _ := strings.Cut(rest, `"`)
+			when, err := time.Parse(daemon.LogTimeFormat, ts)
+			if err != nil || when.Before(start) {
+				continue
+			}
+			out = append(out, fmt.Sprintf("  %6.2fs queued %s ms, sync %s ms: %s", when.Sub(start).Seconds(), field("queued_ms"), field("sync_ms"), field("event")))
+		}
+	}
+	if len(out) == 0 {
+		return "  none logged"
+	}
+	return strings.Join(out, "\n")
 }
