@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/sirupsen/logrus"
 	"github.com/vishvananda/netlink"
@@ -291,13 +292,16 @@ func (d *Datapath) SetTunnel(t Tunnel) error {
 		// Not programmed by this process yet: adopt what the kernel has.
 		have, cur = d.observed[t.VIP], d.current[t.VIP]
 	}
+	start := time.Now()
 	if err := d.plan(t, have, cur); err != nil {
 		return err
 	}
+	planned := time.Now()
 	ops, err := d.diffVIP(t.VIP, nil)
 	if err == nil {
 		err = d.applyRoutes(ops)
 	}
+	routed := time.Now()
 	if err != nil {
 		// A new tunnel IP must not get its HMARK rule without its routes.
 		if existed {
@@ -312,8 +316,20 @@ func (d *Datapath) SetTunnel(t Tunnel) error {
 		}
 		return err
 	}
-	return errors.Join(d.syncMarks(false), d.collectNextHops())
+	err = errors.Join(d.syncMarks(false), d.collectNextHops())
+	if took := time.Since(start); took > slowWrite {
+		d.log.WithFields(logrus.Fields{"vip": t.VIP, "took_ms": took.Milliseconds(),
+			"plan_ms":   planned.Sub(start).Milliseconds(),  // the generation's choice (a conntrack listing)
+			"routes_ms": routed.Sub(planned).Milliseconds(), // the bucket routes
+			"rules_ms":  time.Since(routed).Milliseconds(),  // the HMARK chain and sets, unused nexthops
+			"route_ops": len(ops)}).Info("slow table write")
+	}
+	return err
 }
+
+// slowWrite is how long a SetTunnel may take before it logs where its
+// time went ("slow table write").
+const slowWrite = time.Second
 
 // CurrentGeneration returns the routing generation new flows to vip are
 // hashed into, as last programmed (0 for a tunnel IP it does not hold).

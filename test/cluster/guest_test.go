@@ -1639,17 +1639,18 @@ func (d *drainWatch) sliceLog() []string {
 	return slices.Clone(d.log)
 }
 
-// routerTimeline lists the tables the router logged writing for tunnelIP
-// since start ("table written", with queued_ms, sync_ms and event), a
+// routerTimeline lists what the router logged of tunnelIP since start, a
 // line each, timed from start by the router's own log times (the router
-// runs on the node this test runs on: one clock).
+// runs on the node this test runs on: one clock): each table it wrote
+// ("table written", with queued_ms, sync_ms and the event), each slow
+// write's parts, and its generation changes.
 func (c *cluster) routerTimeline(t *testing.T, start time.Time) string {
 	t.Helper()
 	var out []string
 	for _, p := range c.daemonPods(t, "tunnel-router") {
 		for _, l := range strings.Split(c.podLogs(t, p), "\n") {
 			field := func(name string) string {
-				_, rest, ok := strings.Cut(l, " "+name+"=")
+				_, rest, ok := strings.Cut(" "+l, " "+name+"=")
 				if !ok {
 					return "?"
 				}
@@ -1660,19 +1661,30 @@ func (c *cluster) routerTimeline(t *testing.T, start time.Time) string {
 				v, _, _ := strings.Cut(rest, " ")
 				return v
 			}
-			if field("msg") != "table written" || field("vip") != tunnelIP.String() {
+			if field("vip") != tunnelIP.String() {
 				continue
 			}
-			_, rest, ok := strings.Cut(l, `time="`)
-			if !ok {
-				continue
-			}
-			ts, _, _ := strings.Cut(rest, `"`)
-			when, err := time.Parse(daemon.LogTimeFormat, ts)
+			when, err := time.Parse(daemon.LogTimeFormat, field("time"))
 			if err != nil || when.Before(start) {
 				continue
 			}
-			out = append(out, fmt.Sprintf("  %6.2fs queued %s ms, sync %s ms: %s", when.Sub(start).Seconds(), field("queued_ms"), field("sync_ms"), field("event")))
+			var what string
+			switch msg := field("msg"); {
+			case msg == "table written":
+				what = fmt.Sprintf("queued %s ms, sync %s ms: %s", field("queued_ms"), field("sync_ms"), field("event"))
+			case msg == "slow table write":
+				what = fmt.Sprintf("slow write, %s ms: choosing the generation %s ms, %s route changes %s ms, HMARK chain and sets %s ms",
+					field("took_ms"), field("plan_ms"), field("route_ops"), field("routes_ms"), field("rules_ms"))
+			case strings.HasPrefix(msg, "new flows go to a new generation"):
+				what = fmt.Sprintf("new flows to generation %s (was %s; in use: %s)", field("to_generation"), field("from_generation"), field("generations_in_use"))
+			case strings.HasPrefix(msg, "every routing generation holds established flows"):
+				what = fmt.Sprintf("WARNING generation %s overwritten: %s established flows moved", field("generation"), field("established_flows_moved"))
+			case strings.HasPrefix(msg, "older generation unused"):
+				what = fmt.Sprintf("generation %s removed (current %s)", field("generation"), field("current_generation"))
+			default:
+				continue
+			}
+			out = append(out, fmt.Sprintf("  %6.2fs %s", when.Sub(start).Seconds(), what))
 		}
 	}
 	if len(out) == 0 {

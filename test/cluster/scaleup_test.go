@@ -58,6 +58,12 @@ const (
 // the end.
 func (c *cluster) scaleUp(t *testing.T, mode string) {
 	ctx := context.Background()
+	began := time.Now()
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("what the router logged of %v since the step began (s):\n%s", tunnelIP, c.routerTimeline(t, began))
+		}
+	})
 	c.scaleExample(t, scaleFrom)
 	var kept []netip.Addr
 	c.waitFor(t, fmt.Sprintf("the router's table on the %d remaining pods alone", scaleFrom), 3*time.Minute, func() (bool, error) {
