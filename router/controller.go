@@ -135,7 +135,7 @@ type Controller struct {
 	// queuedAt is when each key was first queued by an informer event
 	// since its last sync began (the informers' goroutines write it, the
 	// worker takes it); syncQueued and syncStart are the current sync's.
-	// The "tunnel programmed" log line splits a change's time with them.
+	// The "table written" log line splits a change's time with them.
 	queuedMu              sync.Mutex
 	queuedAt              map[daemon.QueueKey]time.Time
 	syncQueued, syncStart time.Time
