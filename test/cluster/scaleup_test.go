@@ -33,6 +33,9 @@ const (
 	scaleTo        = 8
 	scaleFlowEvery = 100 * time.Millisecond
 	scaleReused    = 40
+	// closeWithFINAtOnce is how many of the scaleReused connections are
+	// open at once before the scale-up.
+	closeWithFINAtOnce = 4
 )
 
 // scaleUp scales the example down to scaleFrom pods and waits until the
@@ -244,10 +247,16 @@ func (c *cluster) closedWithFIN(t *testing.T, n int) []uint16 {
 	}
 	errs := make([]error, n)
 	var wg sync.WaitGroup
+	// At most closeWithFINAtOnce at a time: the echo pods' busybox nc
+	// forks a shell per connection, and on the emulated worker 40 at once
+	// (20 per pod) left some greetings later than the 10 s dial timeout.
+	busy := make(chan struct{}, closeWithFINAtOnce)
 	for i, port := range ports {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			busy <- struct{}{}
+			defer func() { <-busy }()
 			s, err := workload.StartStream(c.client, service, port, streamOpt)
 			if err == nil {
 				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
