@@ -225,20 +225,7 @@ func TestStickyDrainingInNetns(t *testing.T) {
 }
 
 func testStickyDrainingInNetns(t *testing.T, binary string) {
-	c, r, s := newDrainingLab(t)
-	ipt := r.IPTables(binary)
-	chain, err := NewChain(ipt, r.IPSets(), "", Params{Buckets: 64, Offset: 0x1000, Seed: 0x5eed}, newNSRestorer(r, binary))
-	if err != nil {
-		t.Fatalf("NewChain: %v", err)
-	}
-	if err := chain.SetSticky(&Sticky{Block: 0x1000, Mask: 0xffffff00}); err != nil {
-		t.Fatalf("SetSticky: %v", err)
-	}
-	if _, err := chain.Sync([]Target{{VIP: labVIP, Offset: 0x1000}}); err != nil {
-		t.Fatalf("Sync generation 0: %v", err)
-	}
-	addCountingRules(r, binary)
-	startEchoServers(t, s)
+	c, r, chain, ipt := newStickyDrainingLab(t, binary)
 
 	// Before the change: A and F open, F closed with FIN (the server closes
 	// first, so that the client ends in CLOSED, not TIME_WAIT, and can
@@ -393,6 +380,28 @@ func testStickyDrainingInNetns(t *testing.T, binary string) {
 // with the tunnel IP on s's lo: c routes it via r, r forwards it to s, s
 // answers c directly. Reverse-path filtering is off everywhere, since each
 // of c and s receives from an address it would not route back to that way.
+// newStickyDrainingLab is the draining lab with a sticky Chain in r
+// (written with binary) serving the tunnel IP in generation 0 (offset
+// 0x1000), r's counting rules, and the echo servers in s.
+func newStickyDrainingLab(t *testing.T, binary string) (c, r *testnetns.NS, chain *Chain, ipt *testnetns.IPTables) {
+	t.Helper()
+	c, r, s := newDrainingLab(t)
+	ipt = r.IPTables(binary)
+	chain, err := NewChain(ipt, r.IPSets(), "", Params{Buckets: 64, Offset: 0x1000, Seed: 0x5eed}, newNSRestorer(r, binary))
+	if err != nil {
+		t.Fatalf("NewChain: %v", err)
+	}
+	if err := chain.SetSticky(&Sticky{Block: 0x1000, Mask: 0xffffff00}); err != nil {
+		t.Fatalf("SetSticky: %v", err)
+	}
+	if _, err := chain.Sync([]Target{{VIP: labVIP, Offset: 0x1000}}); err != nil {
+		t.Fatalf("Sync generation 0: %v", err)
+	}
+	addCountingRules(r, binary)
+	startEchoServers(t, s)
+	return c, r, chain, ipt
+}
+
 func newDrainingLab(t *testing.T) (c, r, s *testnetns.NS) {
 	t.Helper()
 	c = testnetns.New(t)

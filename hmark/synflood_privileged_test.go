@@ -36,20 +36,7 @@ import (
 // It logs how long the flood took and the set's size in memory.
 func TestStickySYNFloodInNetns(t *testing.T) {
 	const binary = "iptables"
-	c, r, s := newDrainingLab(t)
-	ipt := r.IPTables(binary)
-	chain, err := NewChain(ipt, r.IPSets(), "", Params{Buckets: 64, Offset: 0x1000, Seed: 0x5eed}, newNSRestorer(r, binary))
-	if err != nil {
-		t.Fatalf("NewChain: %v", err)
-	}
-	if err := chain.SetSticky(&Sticky{Block: 0x1000, Mask: 0xffffff00}); err != nil {
-		t.Fatalf("SetSticky: %v", err)
-	}
-	if _, err := chain.Sync([]Target{{VIP: labVIP, Offset: 0x1000}}); err != nil {
-		t.Fatalf("Sync generation 0: %v", err)
-	}
-	addCountingRules(r, binary)
-	startEchoServers(t, s)
+	c, r, chain, ipt := newStickyDrainingLab(t, binary)
 	synSet := chain.synSetName(0)
 
 	connA := dialVIP(t, c, portA)

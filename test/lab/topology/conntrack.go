@@ -9,6 +9,7 @@ import (
 	"strings"
 
 	"github.com/mdlayher/netlink"
+	"github.com/vishvananda/netlink/nl"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
@@ -89,7 +90,7 @@ func ConntrackIn(ctx context.Context, ns netns.NsHandle) ([]ConntrackEntry, erro
 	}
 	msgs, err := conn.Execute(netlink.Message{
 		Header: netlink.Header{
-			Type:  netlink.HeaderType(unix.NFNL_SUBSYS_CTNETLINK<<8 | ipctnlMsgCtGet),
+			Type:  netlink.HeaderType(unix.NFNL_SUBSYS_CTNETLINK<<8 | nl.IPCTNL_MSG_CT_GET),
 			Flags: netlink.Request | netlink.Dump,
 		},
 		// nfgenmsg: every family, version 0, resource id 0.
@@ -112,31 +113,9 @@ func ConntrackIn(ctx context.Context, ns netns.NsHandle) ([]ConntrackEntry, erro
 	return out, nil
 }
 
-// ctnetlink's message type and the attributes decodeConntrack reads
-// (linux/netfilter/nfnetlink_conntrack.h).
+// The status bits decodeConntrack reads (linux/netfilter/nf_conntrack_common.h;
+// the attributes are vishvananda/netlink's nl constants).
 const (
-	ipctnlMsgCtGet = 1
-
-	ctaTupleOrig         = 1
-	ctaStatus            = 3
-	ctaProtoinfo         = 4
-	ctaTimeout           = 7
-	ctaMark              = 8
-	ctaCountersOrig      = 9
-	ctaTupleIP           = 1
-	ctaTupleProto        = 2
-	ctaIPv4Src           = 1
-	ctaIPv4Dst           = 2
-	ctaIPv6Src           = 3
-	ctaIPv6Dst           = 4
-	ctaProtoNum          = 1
-	ctaProtoSrcPort      = 2
-	ctaProtoDstPort      = 3
-	ctaProtoinfoTCP      = 1
-	ctaProtoinfoTCPState = 1
-	ctaCountersPackets   = 1
-	ctaCountersBytes     = 2
-
 	ipsSeenReply = 1 << 1
 	ipsAssured   = 1 << 2
 )
@@ -156,33 +135,33 @@ func decodeConntrack(data []byte) (ConntrackEntry, error) {
 	var proto uint8
 	for ad.Next() {
 		switch ad.Type() {
-		case ctaTupleOrig:
+		case nl.CTA_TUPLE_ORIG:
 			ad.Nested(func(tuple *netlink.AttributeDecoder) error {
 				for tuple.Next() {
 					switch tuple.Type() {
-					case ctaTupleIP:
+					case nl.CTA_TUPLE_IP:
 						tuple.Nested(func(ip *netlink.AttributeDecoder) error {
 							for ip.Next() {
 								a, _ := netip.AddrFromSlice(ip.Bytes())
 								switch ip.Type() {
-								case ctaIPv4Src, ctaIPv6Src:
+								case nl.CTA_IP_V4_SRC, nl.CTA_IP_V6_SRC:
 									e.Src = a
-								case ctaIPv4Dst, ctaIPv6Dst:
+								case nl.CTA_IP_V4_DST, nl.CTA_IP_V6_DST:
 									e.Dst = a
 								}
 							}
 							return nil
 						})
-					case ctaTupleProto:
+					case nl.CTA_TUPLE_PROTO:
 						tuple.Nested(func(p *netlink.AttributeDecoder) error {
 							p.ByteOrder = binary.BigEndian
 							for p.Next() {
 								switch p.Type() {
-								case ctaProtoNum:
+								case nl.CTA_PROTO_NUM:
 									proto = p.Uint8()
-								case ctaProtoSrcPort:
+								case nl.CTA_PROTO_SRC_PORT:
 									e.SrcPort = p.Uint16()
-								case ctaProtoDstPort:
+								case nl.CTA_PROTO_DST_PORT:
 									e.DstPort = p.Uint16()
 								}
 							}
@@ -192,7 +171,7 @@ func decodeConntrack(data []byte) (ConntrackEntry, error) {
 				}
 				return nil
 			})
-		case ctaStatus:
+		case nl.CTA_STATUS:
 			status := ad.Uint32()
 			if status&ipsSeenReply == 0 {
 				e.Flags = append(e.Flags, "UNREPLIED")
@@ -200,15 +179,15 @@ func decodeConntrack(data []byte) (ConntrackEntry, error) {
 			if status&ipsAssured != 0 {
 				e.Flags = append(e.Flags, "ASSURED")
 			}
-		case ctaProtoinfo:
+		case nl.CTA_PROTOINFO:
 			ad.Nested(func(info *netlink.AttributeDecoder) error {
 				for info.Next() {
-					if info.Type() != ctaProtoinfoTCP {
+					if info.Type() != nl.CTA_PROTOINFO_TCP {
 						continue
 					}
 					info.Nested(func(tcp *netlink.AttributeDecoder) error {
 						for tcp.Next() {
-							if tcp.Type() == ctaProtoinfoTCPState {
+							if tcp.Type() == nl.CTA_PROTOINFO_TCP_STATE {
 								if s := int(tcp.Uint8()); s < len(tcpStates) {
 									e.State = tcpStates[s]
 								} else {
@@ -221,19 +200,19 @@ func decodeConntrack(data []byte) (ConntrackEntry, error) {
 				}
 				return nil
 			})
-		case ctaTimeout:
+		case nl.CTA_TIMEOUT:
 			e.Timeout = int(ad.Uint32())
-		case ctaMark:
+		case nl.CTA_MARK:
 			e.Mark = ad.Uint32()
-		case ctaCountersOrig:
+		case nl.CTA_COUNTERS_ORIG:
 			e.HasCounters = true
 			ad.Nested(func(c *netlink.AttributeDecoder) error {
 				c.ByteOrder = binary.BigEndian
 				for c.Next() {
 					switch c.Type() {
-					case ctaCountersPackets:
+					case nl.CTA_COUNTERS_PACKETS:
 						e.Packets = c.Uint64()
-					case ctaCountersBytes:
+					case nl.CTA_COUNTERS_BYTES:
 						e.Bytes = c.Uint64()
 					}
 				}

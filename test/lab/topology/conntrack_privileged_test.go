@@ -16,6 +16,18 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/test/support/testnetns"
 )
 
+// netfilterHandle opens a NETLINK_NETFILTER handle in ns, closed when the
+// test ends.
+func netfilterHandle(t *testing.T, ns *testnetns.NS) *vnl.Handle {
+	t.Helper()
+	h, err := vnl.NewHandleAt(ns.Handle, unix.NETLINK_NETFILTER)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(h.Close)
+	return h
+}
+
 // createEntry adds a conntrack entry through ctnetlink, as the kernel makes
 // one for a flow's first packet.
 func createEntry(t *testing.T, h *vnl.Handle, proto uint8, src, dst netip.Addr, sport, dport uint16, mark, timeout uint32) {
@@ -40,16 +52,7 @@ func createEntry(t *testing.T, h *vnl.Handle, proto uint8, src, dst netip.Addr, 
 // and status, both families, and no entry of another namespace.
 func TestConntrackInReadsTheKernelsEntries(t *testing.T) {
 	ns, other := testnetns.New(t), testnetns.New(t)
-	h, err := vnl.NewHandleAt(ns.Handle, unix.NETLINK_NETFILTER)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.Close()
-	hOther, err := vnl.NewHandleAt(other.Handle, unix.NETLINK_NETFILTER)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer hOther.Close()
+	h, hOther := netfilterHandle(t, ns), netfilterHandle(t, other)
 	client, vip := netip.MustParseAddr("198.51.100.10"), netip.MustParseAddr("192.0.2.10")
 	client6, vip6 := netip.MustParseAddr("2001:db8:100::10"), netip.MustParseAddr("2001:db8:2::10")
 	createEntry(t, h, unix.IPPROTO_TCP, client, vip, 21284, 7, 4141, 296)
@@ -86,17 +89,9 @@ func TestConntrackInReadsTheKernelsEntries(t *testing.T) {
 // scenario, which read that file, once saw 3 of 200 live flows in neither
 // router's table for 5 s.
 func TestConntrackInSkipsNoEntryWhileOthersComeAndGo(t *testing.T) {
-	ns, _ := testnetns.New(t), testnetns.New(t)
-	h, err := vnl.NewHandleAt(ns.Handle, unix.NETLINK_NETFILTER)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.Close()
-	hChurn, err := vnl.NewHandleAt(ns.Handle, unix.NETLINK_NETFILTER)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer hChurn.Close()
+	ns := testnetns.New(t)
+	// The churn has a handle of its own: it writes from another goroutine.
+	h, hChurn := netfilterHandle(t, ns), netfilterHandle(t, ns)
 	client, vip := netip.MustParseAddr("198.51.100.10"), netip.MustParseAddr("192.0.2.10")
 	const flows = 300
 	for i := range flows {
