@@ -31,13 +31,14 @@ manifest: ## bin/tunnel-router.yaml and bin/tunnel-uninstall.yaml naming the ima
 # real Docker engine and containerd (with runc, the CNI loopback plugin and a
 # static busybox for the images) for the endpoint agent's runtime lookups;
 # skopeo to check that the built images copy; nftables' nft for the lab
-# cluster's kube-proxy (its nftables mode).
-APT_PACKAGES := iptables iproute2 util-linux docker.io containerd runc containernetworking-plugins busybox-static bird2 skopeo nftables ipset
+# cluster's kube-proxy (its nftables mode); conntrackd, which the router runs
+# to share its conntrack entries (router/ctsync).
+APT_PACKAGES := iptables iproute2 util-linux docker.io containerd runc containernetworking-plugins busybox-static bird2 skopeo nftables ipset conntrackd
 
 deps: ## install the Debian packages the tests need (iptables, iproute2, docker.io, containerd, ...)
 	@if ! { command -v iptables && command -v ip && command -v nsenter && command -v dockerd && command -v containerd \
 		&& command -v runc && command -v skopeo && test -x /usr/lib/cni/loopback && dpkg -s busybox-static && command -v bird && command -v birdc \
-		&& test -x /usr/sbin/nft && test -x /usr/sbin/ipset; } >/dev/null 2>&1; then \
+		&& test -x /usr/sbin/nft && test -x /usr/sbin/ipset && test -x /usr/sbin/conntrackd; } >/dev/null 2>&1; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(APT_PACKAGES); fi
 
 assets: ## build and cache a real etcd, kube-apiserver, kubelet, kube-controller-manager, kube-scheduler, kube-proxy, kube-network-policies, Flannel and Calico, and the VM lab's kernel

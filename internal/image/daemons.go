@@ -1,5 +1,7 @@
 package image
 
+import "slices"
+
 // Daemon is what one daemon's image holds besides its binary: the Debian
 // packages to take files from, and the paths it executes (each with what
 // it loads, see Closure).
@@ -17,15 +19,25 @@ var (
 	modprobePaths    = []string{"/sbin/modprobe"}
 )
 
+// iptablesPackages are iptables with the libraries it links, and
+// /etc/protocols (netbase), which lets iptables name protocols.
+var iptablesPackages = []string{"iptables", "libxtables12", "libip4tc2", "libip6tc2", "libnftnl11", "libmnl0",
+	"libnetfilter-conntrack3", "libnfnetlink0", "netbase"}
+
+// conntrackdPackages are conntrackd (--conntrack-sync-interface) and the
+// libraries it links that iptables does not.
+var conntrackdPackages = []string{"conntrackd", "libnetfilter-cthelper0", "libnetfilter-queue1", "libsystemd0",
+	"libcap2", "libgcrypt20", "libgpg-error0", "liblz4-1"}
+
 // Router is the tunnel router's image: iptables (IPv4 and IPv6, nft and
 // legacy, each with save and restore, since the router writes rules with
-// the backend the node uses) with its match and target extensions, and
-// modprobe. /etc/protocols lets iptables name protocols.
+// the backend the node uses) with its match and target extensions,
+// conntrackd, which it runs to share its conntrack entries with the other
+// routers, and modprobe.
 var Router = Daemon{
-	Name: "tunnel-router",
-	Packages: append([]string{"iptables", "libxtables12", "libip4tc2", "libip6tc2", "libnftnl11", "libmnl0",
-		"libnetfilter-conntrack3", "libnfnetlink0", "netbase"}, modprobePackages...),
-	Paths: append(iptablesPaths(), append([]string{"/usr/lib/x86_64-linux-gnu/xtables", "/etc/protocols"}, modprobePaths...)...),
+	Name:     "tunnel-router",
+	Packages: slices.Concat(iptablesPackages, conntrackdPackages, modprobePackages),
+	Paths:    slices.Concat(iptablesPaths(), []string{"/usr/lib/x86_64-linux-gnu/xtables", "/etc/protocols", "/usr/sbin/conntrackd"}, modprobePaths),
 }
 
 // Endpoint is the endpoint agent's image: iptables, as the router's (it
@@ -34,8 +46,8 @@ var Router = Daemon{
 // the runtimes through their sockets.
 var Endpoint = Daemon{
 	Name:     "tunnel-endpoint",
-	Packages: Router.Packages,
-	Paths:    Router.Paths,
+	Packages: slices.Concat(iptablesPackages, modprobePackages),
+	Paths:    slices.Concat(iptablesPaths(), []string{"/usr/lib/x86_64-linux-gnu/xtables", "/etc/protocols"}, modprobePaths),
 }
 
 func iptablesPaths() []string {

@@ -14,6 +14,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/routerstatus"
 	"github.com/cmdnu/kube-service-tunnel/internal/seedsecret"
 	"github.com/cmdnu/kube-service-tunnel/router"
+	"github.com/cmdnu/kube-service-tunnel/router/ctsync"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 )
 
@@ -55,10 +56,25 @@ type Options struct {
 	// datapath beside the IPv4 one. Without it IPv6 tunnel IPs are
 	// refused with a TunnelProgramFailed Warning.
 	IPv6 bool
+	// ConntrackSync shares the tunnel IPs' conntrack entries with the other
+	// routers (conntrackd); off without an interface.
+	ConntrackSync ConntrackSyncOptions
 	// SeedGiven is true when --seed (or KST_SEED) set Seed.
 	SeedGiven bool
 	seed      string
 }
+
+// ConntrackSyncOptions are the --conntrack-sync-* flags.
+type ConntrackSyncOptions struct {
+	Interface string
+	Group     int
+	Refresh   time.Duration
+	Dir       string
+	Binary    string
+}
+
+// DefaultConntrackSyncDir is where the router keeps conntrackd's files.
+const DefaultConntrackSyncDir = "/run/kube-service-tunnel/conntrackd"
 
 // DefaultMetricsAddress is the router's default --metrics-address.
 const DefaultMetricsAddress = ":9641"
@@ -98,6 +114,11 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.BoolVar(&o.IPv6, "ipv6", true, "serve IPv6 tunnel IPs as well: ip6tables chain --chain6, IPv6 rules and routes and, in gre mode, the flow-based ip6gre device --gre6-device; false serves IPv4 tunnel IPs only (for nodes without IPv6)")
 	fs.StringVar(&o.Chain6, "chain6", o.Chain6, "ip6tables chain in the mangle table holding the IPv6 HMARK rules; also the name of its ipsets, so it must differ from --chain")
 	fs.StringVar(&o.GRE6Device, "gre6-device", o.GRE6Device, "name of the flow-based ip6gre device carrying IPv6 tunnel IPs (gre mode)")
+	fs.StringVar(&o.ConntrackSync.Interface, "conntrack-sync-interface", "", "link every router shares (its IPv4 address sends): run conntrackd, which copies each router's conntrack entries for the pools' tunnel IPs, marks included, into the other routers' tables, so that a flow moved to another router (failover) keeps its generation and a draining pod keeps its flows; empty: off (needs --generations > 1 and conntrackd on PATH or --conntrackd)")
+	fs.IntVar(&o.ConntrackSync.Group, "conntrack-sync-group", ctsync.DefaultGroup, "UDP port of conntrackd's multicast group "+ctsync.DefaultMulticastAddress.String()+": the same on every router of a cluster, another for another cluster on the same link")
+	fs.DurationVar(&o.ConntrackSync.Refresh, "conntrack-sync-refresh", ctsync.DefaultRefresh, "how often conntrackd sends its whole cache to the other routers (their copies expire 300 s after a send), and the pools are checked for a change of its filter")
+	fs.StringVar(&o.ConntrackSync.Dir, "conntrack-sync-dir", DefaultConntrackSyncDir, "directory of conntrackd's configuration, lock file and control socket")
+	fs.StringVar(&o.ConntrackSync.Binary, "conntrackd", "conntrackd", "conntrackd's path (the router's image has it)")
 	fs.DurationVar(&o.ResyncPeriod, "resync-period", o.ResyncPeriod, "how often the whole kernel state is compared and repaired (0 disables)")
 	daemon.AddPolicyFlags(fs, &o.Policy)
 	o.Common.AddFlags(fs)
@@ -138,6 +159,12 @@ func (o *Options) Parse(fs *flag.FlagSet, args []string) error {
 		// One device the operator made may carry both families; two the
 		// router creates are of two kinds (gre, ip6gre).
 		return fmt.Errorf("--gre6-device %q: --gre-device has that name, and the router creates a device of each kind", o.GRE6Device)
+	}
+	if o.ConntrackSync.Interface != "" && o.Generations < 2 {
+		return fmt.Errorf("--conntrack-sync-interface %s: needs --generations > 1 (with %d the router keeps no conntrack state to share)", o.ConntrackSync.Interface, o.Generations)
+	}
+	if o.ConntrackSync.Refresh <= 0 || o.ConntrackSync.Refresh > 4*time.Minute {
+		return fmt.Errorf("--conntrack-sync-refresh %v: want more than 0 and at most 4m (the copies expire 300 s after a send)", o.ConntrackSync.Refresh)
 	}
 	return o.Validate()
 }

@@ -40,6 +40,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/internal/version"
 	"github.com/cmdnu/kube-service-tunnel/router"
 	"github.com/cmdnu/kube-service-tunnel/router/bgp"
+	"github.com/cmdnu/kube-service-tunnel/router/ctsync"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/router/metrics"
 )
@@ -170,6 +171,13 @@ func Main(args []string) error {
 		}
 		defer stopWatch()
 	}
+	if o.ConntrackSync.Interface != "" {
+		stopSync, err := startConntrackSync(ctx, o.ConntrackSync, ctrl.Policy(), entry.WithField("component", "conntrack-sync"))
+		if err != nil {
+			return err
+		}
+		defer stopSync()
+	}
 	ctrl.SetMetrics(meter)
 	ctrl.SetAfterResync(debug.FreeOSMemory)
 	meter.CollectVIPTraffic(metrics.CounterReaders[*hmark.Chain](chains), entry.WithField("component", "metrics"))
@@ -225,6 +233,41 @@ func Main(args []string) error {
 	// The datapath stays as it is on exit: a restarted router adopts it, and
 	// traffic keeps flowing meanwhile. Use --cleanup to remove it.
 	return ctrl.Run(ctx)
+}
+
+// startConntrackSync runs conntrackd (router/ctsync) with the pools of the
+// live policy; the returned function stops it.
+func startConntrackSync(ctx context.Context, o ConntrackSyncOptions, policy *livepolicy.Policy, log logrus.FieldLogger) (stop func(), err error) {
+	addr, err := ctsync.InterfaceAddress(o.Interface)
+	if err != nil {
+		return nil, err
+	}
+	d := &ctsync.Daemon{
+		Binary: o.Binary,
+		Config: ctsync.Config{Interface: o.Interface, Address: addr, Group: o.Group, Dir: o.Dir},
+		Pools: func() []netip.Prefix {
+			pools := policy.Get().Pools
+			out := make([]netip.Prefix, len(pools))
+			for i, p := range pools {
+				out[i] = p.Prefix
+			}
+			return out
+		},
+		Refresh: o.Refresh,
+		Log:     log,
+	}
+	if err := d.Config.Validate(); err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := d.Run(ctx); err != nil {
+			log.WithError(err).Error("conntrack sync stopped")
+		}
+	}()
+	return func() { cancel(); <-done }, nil
 }
 
 // rulesAheadPeriod is how often the router looks for rules ahead of its

@@ -16,7 +16,6 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/ctmarks"
-	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/router/bucket"
 	"github.com/cmdnu/kube-service-tunnel/router/datapath"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/attack"
@@ -32,11 +31,10 @@ const drainAnnotation = "cmd.nu/tunnel-drain"
 // 9. A draining endpoint (terminating in its EndpointSlice, or its Pod
 // annotated cmd.nu/tunnel-drain) gets no new flow, while the flows it
 // already serves keep reaching it through the routing generation they
-// started in, also across a router restart; an old generation is deleted
-// once no flow uses it. A router failover while an endpoint drains breaks
-// the flows to it that crossed the dead router (the known limit): that
-// share is measured, not asserted, in gre mode. The pod drains in both families' slices
-// at once, and each family's flows are checked.
+// started in, also across a router restart and across a router failover
+// (the routers share their conntrack entries: router/ctsync); an old
+// generation is deleted once no flow uses it. The pod drains in both
+// families' slices at once, and each family's flows are checked.
 func drainingEndpoint(t *testing.T, e *env) {
 	vips := tunnelIPs(9)
 	full := e.deploy(t, "draining", vips, e.Pods...)
@@ -52,13 +50,7 @@ func drainingEndpoint(t *testing.T, e *env) {
 	if !t.Run("annotated", func(t *testing.T) { drainAnnotated(t, e, vips, y) }) {
 		return
 	}
-	// The failover measures the known limit (issue 35 part 1), asserting
-	// only that no other flow breaks: it runs in gre mode alone until that
-	// limit is closed (make test's budget; its mpls figures, 2026-11-28:
-	// docs/draining.md#limits).
-	if e.Opts.Mode == string(encap.GRE) {
-		t.Run("router_failover", func(t *testing.T) { drainFailover(t, e, vips, x) })
-	}
+	t.Run("router_failover", func(t *testing.T) { drainFailover(t, e, vips, x) })
 }
 
 // drainingFlows are one family's flows through a drain: lightFlows, the
@@ -413,17 +405,22 @@ func drainFailover(t *testing.T, e *env, vips []netip.Addr, x *topology.Pod) {
 			case !isBroken[i][j]:
 			case f.onX[j]:
 				brokenOnX++
+				errs.Errorf("flow from port %d to the draining %s broke in the failover: %v", port, x.Name, f.flows[j].Stats().Err)
 			case bucketMoved:
 				brokenMoved++
+				errs.Errorf("flow from port %d to %s, whose bucket %d moved to %s, broke in the failover: %v", port, e.PodByAddr(full[i][b]).Name, b, e.PodByAddr(f.drained[b]).Name, f.flows[j].Stats().Err)
 			default:
 				brokenKept++
 				errs.Errorf("flow from port %d to %s, whose bucket %d did not move, broke in the failover: %v", port, e.PodByAddr(full[i][b]).Name, b, f.flows[j].Stats().Err)
 			}
 		}
-		errs.Done("flows broke")
 		nX := count(f.onX)
-		t.Logf("router failover while %s drains (the known limit): %d of the %d flows to %s on %s broke (%.0f%%; those that crossed %s); of the %d other flows, %d broke (%d of the %d whose bucket moved)",
-			x.Name, brokenOnX, nX, vip, x.Name, percent(brokenOnX, nX), dead.Name, len(f.flows)-nX, brokenKept+brokenMoved, brokenMoved, moved)
+		t.Logf("router failover while %s drains: %d of the %d flows to %s on %s broke (those that crossed %s reached %s through the survivor's copy of their conntrack entry); of the %d other flows, %d broke (%d of the %d whose bucket moved)",
+			x.Name, brokenOnX, nX, vip, x.Name, dead.Name, survivor.Name, len(f.flows)-nX, brokenKept+brokenMoved, brokenMoved, moved)
+		if errs.n > 0 {
+			t.Logf("%s's conntrack for %s:\n%s", survivor.Name, vip, conntrackOf(survivor, vip))
+		}
+		errs.Done("flows broke")
 	})
 
 	// router-a comes back (restarted, its link up, the gateway's route over

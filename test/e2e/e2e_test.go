@@ -216,7 +216,10 @@ func up(t *testing.T, mode string) *env {
 	t.Helper()
 	ctx := context.Background()
 	start := time.Now()
-	l, err := topology.Up(ctx, topology.Options{Mode: mode, Log: testWriter{t}})
+	// The routers share their conntrack entries (conntrackd on a link of
+	// their own), as docs/draining.md advises for a failover while a pod
+	// drains (scenario 9).
+	l, err := topology.Up(ctx, topology.Options{Mode: mode, Log: testWriter{t}, ConntrackSync: true})
 	t.Cleanup(func() {
 		if err := l.Down(context.Background()); err != nil {
 			t.Errorf("tearing the lab down: %v", err)

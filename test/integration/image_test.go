@@ -90,6 +90,7 @@ func TestImages(t *testing.T) {
 					runs["/usr/sbin/"+cmd+"-nft-save"] = "v1.8"
 					runs["/usr/sbin/"+cmd+"-legacy-restore"] = "v1.8"
 				}
+				runs["/usr/sbin/conntrackd"] = "userspace daemon v1.4"
 			}
 			for entrypoint, want := range runs {
 				args := []string{"run", "--rm", "--network", "none"}

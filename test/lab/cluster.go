@@ -31,8 +31,9 @@ const (
 
 // ClusterHostBinaries are the host programs RunCluster puts into the VM with
 // their shared libraries: BIRD 2 (Debian's bird2), the gateway's BGP daemon
-// (topology.EnableBGP), and its control client.
-var ClusterHostBinaries = []string{"bird", "birdc"}
+// (topology.EnableBGP), and its control client; conntrackd, which the
+// routers run to share their conntrack entries (--conntrack-sync-interface).
+var ClusterHostBinaries = []string{"bird", "birdc", "conntrackd"}
 
 // ManifestNamespace is the namespace of tunnel-router.yaml's ServiceAccounts.
 const ManifestNamespace = "kube-service-tunnel"
@@ -77,10 +78,11 @@ func RunCluster(ctx context.Context, opts ClusterOptions) (output string, exitCo
 
 	for _, b := range ClusterHostBinaries {
 		if _, err := exec.LookPath(b); err != nil {
-			return "", -1, fmt.Errorf("lab: %w (apt-get install bird2, or make deps)", err)
+			return "", -1, fmt.Errorf("lab: %w (apt-get install bird2 conntrackd, or make deps)", err)
 		}
 	}
-	files := map[string]string{GuestProgram: opts.Program}
+	// conntrackd names the protocols of its filter through /etc/protocols.
+	files := map[string]string{GuestProgram: opts.Program, "/etc/protocols": "/etc/protocols"}
 	for vmPath, hostPath := range opts.Files {
 		files[vmPath] = hostPath
 	}

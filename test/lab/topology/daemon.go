@@ -89,6 +89,10 @@ func (l *Lab) routerDaemon(n *Node) *Daemon {
 		// The lab's tunnel IPs; without a pool nothing would be served.
 		"--pools", labPools(),
 	}, common...)
+	if l.Opts.ConntrackSync {
+		args = append(args, "--conntrack-sync-interface", SyncLink,
+			"--conntrack-sync-dir", filepath.Join(l.Opts.WorkDir, "conntrackd@"+n.Name))
+	}
 	return l.daemon("tunnel-router", n, append(args, l.Opts.RouterArgs...), common)
 }
 

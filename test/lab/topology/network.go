@@ -158,6 +158,11 @@ func (l *Lab) buildNetwork(ctx context.Context) error {
 			return err
 		}
 	}
+	if l.Opts.ConntrackSync {
+		if err := l.buildSyncLink(ctx); err != nil {
+			return err
+		}
+	}
 	// Pod CIDRs are routed to their workers, as a CNI in host-gateway mode
 	// (or BGP) would do, on the gateway and on the routers.
 	for _, w := range l.Workers {
@@ -232,6 +237,36 @@ func (l *Lab) buildNetwork(ctx context.Context) error {
 	return l.RouteTunnelsVia(ctx, l.Routers...)
 }
 
+// buildSyncLink joins the routers on a bridge of their own, each on
+// SyncLink with an address of syncNet (conntrackd's multicast needs one
+// segment). The bridge does not snoop multicast: nothing in the lab
+// queries IGMP.
+func (l *Lab) buildSyncLink(ctx context.Context) error {
+	gw := GatewayNS
+	if err := script(ctx,
+		fmt.Sprintf("-n %s link add %s type bridge mcast_snooping 0", gw, SyncBridge),
+		fmt.Sprintf("-n %s link set %s up", gw, SyncBridge),
+	); err != nil {
+		return err
+	}
+	for i, r := range l.Routers {
+		addr := syncNet.Addr().As4()
+		addr[3] = byte(i + 1)
+		if err := script(ctx,
+			fmt.Sprintf("-n %s link add %s type veth peer name %s netns %s", r.Name, SyncLink, syncPort(r), gw),
+			fmt.Sprintf("-n %s link set %s master %s up", gw, syncPort(r), SyncBridge),
+			fmt.Sprintf("-n %s addr add %s/%d dev %s", r.Name, netip.AddrFrom4(addr), syncNet.Bits(), SyncLink),
+			fmt.Sprintf("-n %s link set %s up", r.Name, SyncLink),
+		); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// syncPort is the gateway's end of a router's SyncLink.
+func syncPort(n *Node) string { return "sync-" + n.Name }
+
 // RouteTunnelsVia points the gateway's routes for TunnelNet and TunnelNet6
 // at the given routers: one is a plain route, several an ECMP route hashed
 // per flow. It is what BGP would do when routers come and go.
@@ -267,15 +302,23 @@ func tunnelRouteArgs(network netip.Prefix, routers []*Node, addr func(*Node) net
 	return args
 }
 
-// SetNodeLink sets the node's fabric link up or down from the gateway side,
-// which is what a node losing power looks like to the rest of the network.
+// SetNodeLink sets the node's fabric link (and a router's sync link) up or
+// down from the gateway side, which is what a node losing power looks like
+// to the rest of the network.
 func (l *Lab) SetNodeLink(ctx context.Context, n *Node, up bool) error {
 	state := "down"
 	if up {
 		state = "up"
 	}
-	_, err := IP(ctx, "-n", GatewayNS, "link", "set", n.Name, state)
-	return err
+	if _, err := IP(ctx, "-n", GatewayNS, "link", "set", n.Name, state); err != nil {
+		return err
+	}
+	if l.Opts.ConntrackSync && n.Tunnel {
+		if _, err := IP(ctx, "-n", GatewayNS, "link", "set", syncPort(n), state); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // deleteNamespaces deletes the lab's namespaces that exist.

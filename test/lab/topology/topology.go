@@ -71,6 +71,9 @@ var (
 	TunnelNet6   = netip.MustParsePrefix("2001:db8:2::/64")
 	clientNet6   = netip.MustParsePrefix("2001:db8:100::/64")
 	fabricNet6   = netip.MustParsePrefix("fd00:172:20::/64")
+
+	// syncNet is the routers' own link for conntrackd (Options.ConntrackSync).
+	syncNet = netip.MustParsePrefix("172.21.0.0/24")
 )
 
 // Names of the lab's namespaces that are not nodes or pods.
@@ -79,6 +82,10 @@ const (
 	GatewayNS = "gateway"
 	// FabricBridge is the gateway's bridge that every node's eth0 joins.
 	FabricBridge = "fabric"
+	// SyncBridge is the gateway's bridge that every router's SyncLink joins
+	// (Options.ConntrackSync): the routers' dedicated link for conntrackd.
+	SyncBridge = "ctsync"
+	SyncLink   = "sync0"
 	// PodBridge is each worker's bridge to its pods.
 	PodBridge = "cni0"
 )
@@ -109,6 +116,10 @@ type Options struct {
 	PodLabels map[string]string
 	// RouterArgs and EndpointArgs are appended to the daemons' flags.
 	RouterArgs, EndpointArgs []string
+	// ConntrackSync gives the routers a link of their own (SyncLink, on the
+	// gateway's SyncBridge) and runs them with --conntrack-sync-interface
+	// on it: conntrackd shares their entries.
+	ConntrackSync bool
 	// Log receives one line per step (nil: discarded).
 	Log io.Writer
 }

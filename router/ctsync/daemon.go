@@ -1,0 +1,280 @@
+package ctsync
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+	"os"
+	"os/exec"
+	"regexp"
+	"runtime"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/sirupsen/logrus"
+)
+
+// DefaultRefresh is how often the router makes conntrackd send its whole
+// cache. The router's entries for flows it sees only one way live
+// nf_conntrack_tcp_timeout_unacknowledged (300 s) after their last packet,
+// and a copy gets the timeout its entry had when it was sent, so the
+// refresh must come well within that.
+const DefaultRefresh = 60 * time.Second
+
+// Restart back-off after conntrackd exits on its own.
+const (
+	minBackoff = time.Second
+	maxBackoff = 30 * time.Second
+)
+
+// stopTimeout is how long Stop waits after SIGTERM before SIGKILL.
+const stopTimeout = 5 * time.Second
+
+// Daemon keeps conntrackd running with the configuration of the current
+// pools.
+type Daemon struct {
+	// Binary is conntrackd's path or name.
+	Binary string
+	// Config is the sync link and directory; its Prefixes are replaced by
+	// Pools at every start and refresh.
+	Config Config
+	// Pools returns the current address pools.
+	Pools func() []netip.Prefix
+	// Refresh is the period of the bulk send and of the pools' check.
+	Refresh time.Duration
+	Log     logrus.FieldLogger
+
+	// start and command are the process seams (exec by default).
+	start   func(binary string, args []string, log func(string)) (process, error)
+	command func(ctx context.Context, binary string, args ...string) ([]byte, error)
+	// enter, when set, runs on the thread that forks conntrackd before it
+	// does (tests: enter a network namespace); that thread is then thrown
+	// away with the process.
+	enter func() error
+}
+
+// process is a started conntrackd.
+type process interface {
+	// Exited receives Wait's result once.
+	Exited() <-chan error
+	// Stop ends the process (SIGTERM, then SIGKILL) and waits for it.
+	Stop()
+}
+
+// Run keeps conntrackd running until ctx ends, then stops it. It returns
+// at once, with an error, if the configuration can never run.
+func (d *Daemon) Run(ctx context.Context) error {
+	if err := d.Config.Validate(); err != nil {
+		return err
+	}
+	if d.Refresh <= 0 {
+		d.Refresh = DefaultRefresh
+	}
+	if d.start == nil {
+		d.start = func(binary string, args []string, log func(string)) (process, error) {
+			return startExec(binary, args, log, d.enter)
+		}
+	}
+	if d.command == nil {
+		d.command = runExec
+	}
+	if err := os.MkdirAll(d.Config.Dir, 0o700); err != nil {
+		return fmt.Errorf("ctsync: %w", err)
+	}
+	var (
+		proc     process
+		exited   <-chan error
+		running  string // the configuration proc runs with
+		backoff  = minBackoff
+		retry    = time.NewTimer(0) // start at once
+		refresh  = time.NewTicker(d.Refresh)
+		noPoolAt string
+	)
+	defer refresh.Stop()
+	defer retry.Stop()
+	stop := func() {
+		if proc != nil {
+			proc.Stop()
+			proc, exited, running = nil, nil, ""
+		}
+	}
+	defer stop()
+	// launch starts conntrackd with conf, or explains why not and when it
+	// tries again.
+	launch := func(conf string) {
+		if err := d.prepare(conf); err != nil {
+			d.Log.WithError(err).WithField("retry_in", backoff).Error("conntrackd not started: flows will not survive a router failover")
+			retry.Reset(backoff)
+			backoff = min(2*backoff, maxBackoff)
+			return
+		}
+		p, err := d.start(d.Binary, []string{"-C", d.Config.ConfigFile()}, func(line string) {
+			d.Log.WithField("conntrackd", line).Info("conntrackd")
+		})
+		if err != nil {
+			d.Log.WithError(err).WithField("retry_in", backoff).Error("conntrackd not started: flows will not survive a router failover")
+			retry.Reset(backoff)
+			backoff = min(2*backoff, maxBackoff)
+			return
+		}
+		proc, exited, running = p, p.Exited(), conf
+		d.Log.WithFields(logrus.Fields{"interface": d.Config.Interface, "address": d.Config.Address, "group": d.Config.Group,
+			"pools": d.prefixes()}).Info("conntrackd started: sharing the tunnel IPs' conntrack entries with the other routers")
+	}
+	// converge starts, restarts or stops conntrackd for the current pools.
+	converge := func() {
+		conf, err := d.render()
+		if err != nil {
+			if msg := err.Error(); msg != noPoolAt {
+				d.Log.WithError(err).Warn("conntrackd not running")
+				noPoolAt = msg
+			}
+			stop()
+			return
+		}
+		noPoolAt = ""
+		switch {
+		case proc == nil:
+			launch(conf)
+		case conf != running:
+			d.Log.Info("the pools changed: restarting conntrackd with the new filter")
+			stop()
+			launch(conf)
+		default:
+			ctx, cancel := context.WithTimeout(ctx, d.Refresh)
+			out, err := d.command(ctx, d.Binary, "-C", d.Config.ConfigFile(), "-B")
+			cancel()
+			if err != nil {
+				d.Log.WithError(err).WithField("output", strings.TrimSpace(string(out))).Warn("conntrackd bulk send failed: the other routers' copies may expire")
+			}
+		}
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-retry.C:
+			if proc == nil {
+				converge()
+			}
+		case <-refresh.C:
+			converge()
+			if proc != nil {
+				backoff = minBackoff // it ran a whole period
+			}
+		case err := <-exited:
+			proc, exited, running = nil, nil, ""
+			d.Log.WithError(err).WithField("retry_in", backoff).Error("conntrackd exited: restarting it")
+			retry.Reset(backoff)
+			backoff = min(2*backoff, maxBackoff)
+		}
+	}
+}
+
+func (d *Daemon) prefixes() []netip.Prefix {
+	if d.Pools == nil {
+		return nil
+	}
+	return d.Pools()
+}
+
+func (d *Daemon) render() (string, error) {
+	c := d.Config
+	c.Prefixes = d.prefixes()
+	return Render(c)
+}
+
+// prepare writes the configuration and removes what a conntrackd that was
+// killed left behind: its lock file would keep the next one from starting.
+func (d *Daemon) prepare(conf string) error {
+	if err := os.WriteFile(d.Config.ConfigFile(), []byte(conf), 0o600); err != nil {
+		return fmt.Errorf("ctsync: write the configuration: %w", err)
+	}
+	for _, f := range []string{d.Config.LockFile(), d.Config.SocketPath()} {
+		if err := os.Remove(f); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("ctsync: remove %s: %w", f, err)
+		}
+	}
+	return nil
+}
+
+// execProcess is conntrackd run by exec.
+type execProcess struct {
+	cmd    *exec.Cmd
+	exited chan error
+	done   chan struct{} // closed once Wait returned
+}
+
+func (p *execProcess) Exited() <-chan error { return p.exited }
+
+func (p *execProcess) Stop() {
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(stopTimeout):
+		_ = p.cmd.Process.Kill()
+		<-p.done
+	}
+}
+
+// startExec starts conntrackd in the foreground (its console mode logs to
+// stdout), each line of its output passed to log. The thread that forks it
+// stays locked until it exits: Pdeathsig fires when that thread ends, and
+// then conntrackd dies with the router instead of lingering (a restarted
+// router starts its own).
+func startExec(binary string, args []string, log func(string), enter func() error) (process, error) {
+	cmd := exec.Command(binary, args...)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	cmd.Stderr = cmd.Stdout
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	p := &execProcess{cmd: cmd, exited: make(chan error, 1), done: make(chan struct{})}
+	started := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		if enter == nil {
+			defer runtime.UnlockOSThread()
+		} else if err := enter(); err != nil {
+			started <- fmt.Errorf("ctsync: start %s: %w", binary, err)
+			return
+		}
+		if err := cmd.Start(); err != nil {
+			started <- fmt.Errorf("ctsync: start %s: %w", binary, err)
+			return
+		}
+		started <- nil
+		logLines(out, log)
+		err := cmd.Wait()
+		close(p.done)
+		p.exited <- err
+	}()
+	if err := <-started; err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// conntrackdPrefix is the timestamp and pid conntrackd starts its lines
+// with; the structured log has both.
+var conntrackdPrefix = regexp.MustCompile(`^\[[^]]*\] \(pid=\d+\) `)
+
+// logLines passes each line of r to log, without conntrackd's own
+// timestamp and pid, until r ends.
+func logLines(r io.Reader, log func(string)) {
+	s := bufio.NewScanner(r)
+	for s.Scan() {
+		if line := strings.TrimSpace(conntrackdPrefix.ReplaceAllString(s.Text(), "")); line != "" {
+			log(line)
+		}
+	}
+}
+
+func runExec(ctx context.Context, binary string, args ...string) ([]byte, error) {
+	return exec.CommandContext(ctx, binary, args...).CombinedOutput()
+}

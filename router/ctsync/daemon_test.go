@@ -1,0 +1,196 @@
+package ctsync
+
+import (
+	"context"
+	"errors"
+	"net/netip"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/sirupsen/logrus"
+	"github.com/sirupsen/logrus/hooks/test"
+)
+
+// fakeProcess is a conntrackd that runs until the test ends it or Stop.
+type fakeProcess struct {
+	exited  chan error
+	stopped chan struct{}
+	once    sync.Once
+}
+
+func (p *fakeProcess) Exited() <-chan error { return p.exited }
+func (p *fakeProcess) Stop()                { p.once.Do(func() { close(p.stopped) }) }
+
+// fakeExec records the starts (with the configuration each found) and the
+// bulk sends.
+type fakeExec struct {
+	mu      sync.Mutex
+	starts  []string
+	procs   []*fakeProcess
+	bulks   int
+	started chan struct{}
+}
+
+func newFakeExec() *fakeExec { return &fakeExec{started: make(chan struct{}, 100)} }
+
+func (f *fakeExec) install(d *Daemon) {
+	d.start = func(binary string, args []string, log func(string)) (process, error) {
+		conf, err := os.ReadFile(args[len(args)-1])
+		if err != nil {
+			return nil, err
+		}
+		if _, err := os.Stat(d.Config.LockFile()); err == nil {
+			return nil, errors.New("a lock file was left behind")
+		}
+		p := &fakeProcess{exited: make(chan error, 1), stopped: make(chan struct{})}
+		f.mu.Lock()
+		f.starts = append(f.starts, string(conf))
+		f.procs = append(f.procs, p)
+		f.mu.Unlock()
+		// conntrackd creates its lock file; a killed one leaves it.
+		if err := os.WriteFile(d.Config.LockFile(), nil, 0o600); err != nil {
+			return nil, err
+		}
+		f.started <- struct{}{}
+		return p, nil
+	}
+	d.command = func(ctx context.Context, binary string, args ...string) ([]byte, error) {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		if args[len(args)-1] == "-B" {
+			f.bulks++
+		}
+		return nil, nil
+	}
+}
+
+func (f *fakeExec) snapshot() (starts []string, procs []*fakeProcess, bulks int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([]string(nil), f.starts...), append([]*fakeProcess(nil), f.procs...), f.bulks
+}
+
+func (f *fakeExec) waitStart(t *testing.T) {
+	t.Helper()
+	select {
+	case <-f.started:
+	case <-time.After(10 * time.Second):
+		t.Fatal("conntrackd was not started")
+	}
+}
+
+// pools is a settable Pools function.
+type pools struct {
+	mu sync.Mutex
+	p  []netip.Prefix
+}
+
+func (p *pools) get() []netip.Prefix { p.mu.Lock(); defer p.mu.Unlock(); return p.p }
+func (p *pools) set(ps ...string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.p = nil
+	for _, s := range ps {
+		p.p = append(p.p, netip.MustParsePrefix(s))
+	}
+}
+
+func runDaemon(t *testing.T, refresh time.Duration, ps *pools) (*fakeExec, *test.Hook, func()) {
+	t.Helper()
+	log, hook := test.NewNullLogger()
+	log.SetLevel(logrus.DebugLevel)
+	cfg := testConfig(t.TempDir())
+	d := &Daemon{Binary: "conntrackd", Config: cfg, Pools: ps.get, Refresh: refresh, Log: log}
+	f := newFakeExec()
+	f.install(d)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	return f, hook, func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	}
+}
+
+func TestDaemonRestartsConntrackdThatExits(t *testing.T) {
+	ps := &pools{}
+	ps.set("203.0.113.0/24")
+	f, hook, stop := runDaemon(t, time.Hour, ps)
+	f.waitStart(t)
+	_, procs, _ := f.snapshot()
+	procs[0].exited <- errors.New("signal: killed")
+	f.waitStart(t) // after minBackoff, despite the lock file it left
+	stop()
+	starts, procs, _ := f.snapshot()
+	if len(starts) != 2 || starts[0] != starts[1] {
+		t.Fatalf("want 2 starts with one configuration, got %d", len(starts))
+	}
+	select {
+	case <-procs[1].stopped:
+	default:
+		t.Error("the running conntrackd was not stopped when Run returned")
+	}
+	if !hasLog(hook, "conntrackd exited: restarting it") {
+		t.Error("no log line said conntrackd exited")
+	}
+}
+
+func TestDaemonFollowsThePools(t *testing.T) {
+	ps := &pools{}
+	f, hook, stop := runDaemon(t, 50*time.Millisecond, ps)
+	defer stop()
+	// No pool: nothing to share, nothing started, said once.
+	time.Sleep(300 * time.Millisecond)
+	if starts, _, _ := f.snapshot(); len(starts) != 0 {
+		t.Fatalf("conntrackd started without a pool: %v", starts)
+	}
+	if n := countLogs(hook, "conntrackd not running"); n != 1 {
+		t.Errorf("the missing pool was logged %d times, want once", n)
+	}
+	ps.set("203.0.113.0/24")
+	f.waitStart(t)
+	// Unchanged pools: bulk sends, no restart.
+	deadline := time.Now().Add(10 * time.Second)
+	for _, _, bulks := f.snapshot(); bulks < 2; _, _, bulks = f.snapshot() {
+		if time.Now().After(deadline) {
+			t.Fatal("no bulk send within 10 s at a 50 ms refresh")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	ps.set("203.0.113.0/24", "198.51.100.0/24")
+	f.waitStart(t)
+	starts, procs, _ := f.snapshot()
+	if len(starts) != 2 || !strings.Contains(starts[1], "IPv4_address 198.51.100.0/24") || strings.Contains(starts[0], "198.51.100.0/24") {
+		t.Fatalf("the pool change did not restart conntrackd with the new filter: %d starts", len(starts))
+	}
+	select {
+	case <-procs[0].stopped:
+	default:
+		t.Error("the conntrackd of the old pools was not stopped")
+	}
+}
+
+func hasLog(hook *test.Hook, msg string) bool { return countLogs(hook, msg) > 0 }
+
+func countLogs(hook *test.Hook, msg string) int {
+	n := 0
+	for _, e := range hook.AllEntries() {
+		if e.Message == msg {
+			n++
+		}
+	}
+	return n
+}
+
+func TestLogLinesDropsConntrackdsPrefix(t *testing.T) {
+	var got []string
+	logLines(strings.NewReader("[Sun Nov 29 16:46:27 2026] (pid=23691) [notice] resync requested\n\nplain\n"), func(s string) { got = append(got, s) })
+	if len(got) != 2 || got[0] != "[notice] resync requested" || got[1] != "plain" {
+		t.Fatalf("got %q", got)
+	}
+}
