@@ -359,7 +359,7 @@ func (c *Chain) Cleanup() error {
 func (c *Chain) cleanupSets() error {
 	sets := []ipset{{name: c.allSetName()}, {name: c.filteredSetName()}, {name: c.portSetName()}}
 	for k := range classes {
-		sets = append(sets, ipset{name: c.classSetName(k)}, ipset{name: c.synSetName(k)})
+		sets = append(sets, ipset{name: c.classSetName(k)}, ipset{name: c.synSetName(k)}, ipset{name: c.synSetName(k) + synSetTempSuffix})
 	}
 	for _, s := range sets {
 		// Destroying a set that does not exist is no error; no need to
