@@ -58,14 +58,18 @@ func testStickySyncInNetns(t *testing.T, nf netnsFamily, binary string) {
 	state := func() string { return tableS("mangle") + "\n" + tableS("raw") + "\n" + ns.IPSetState() }
 	// syncExpect syncs and checks the changes Sync reports against the
 	// lines that changed in `iptables -S` of both tables and in the sets,
-	// and the writes.
+	// and the writes; and that it read each table in one iptables-save
+	// and nothing else.
 	syncExpect := func(step string, c *Chain, targets []Target, want int) {
 		t.Helper()
-		ipt.Writes, restorer.Calls = 0, 0
+		ipt.Writes, ipt.Reads, restorer.Calls, restorer.Saves = 0, 0, 0, 0
 		before := state()
 		changed, err := c.Sync(targets)
 		if err != nil {
 			t.Fatalf("%s: Sync: %v", step, err)
+		}
+		if ipt.Reads != 0 || restorer.Saves != 2 {
+			t.Errorf("%s: Sync read with %d iptables calls and %d iptables-save calls, want 0 and 2 (one per table)", step, ipt.Reads, restorer.Saves)
 		}
 		diff := lineChanges(before, state())
 		if changed != want || diff != want {

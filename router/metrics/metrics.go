@@ -332,7 +332,8 @@ func (c countedIPTables) Delete(table, chain string, rulespec ...string) error {
 
 // countedRestorer counts the iptables-restore calls that succeeded (one
 // chain rewritten each) and the rules they wrote ("-A" lines, with or
-// without the "[PACKETS:BYTES]" counters before them).
+// without the "[PACKETS:BYTES]" counters before them); its Save, a read,
+// is not counted.
 type countedRestorer struct {
 	hmark.Restorer
 	m *Metrics
