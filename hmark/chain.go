@@ -8,14 +8,17 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/cmdnu/kube-service-tunnel/internal/iptsave"
 )
 
 // IPTables is the part of github.com/coreos/go-iptables' *iptables.IPTables
-// that Chain uses: it reads every chain and writes the chains themselves
-// and the jumps in PREROUTING, while the rules inside Chain's chains go
-// through its Restorer. It is the seam to the kernel: unit tests give
-// Chain a fake, privileged tests an iptables bound to a test network
-// namespace.
+// that Chain uses: it writes the chains themselves and the jumps in
+// PREROUTING, and reads single chains outside Sync (Offsets, RulesAhead,
+// Cleanup), while Sync reads whole tables, and the rules inside Chain's
+// chains are written, through its Restorer. It is the seam to the kernel:
+// unit tests give Chain a fake, privileged tests an iptables bound to a
+// test network namespace.
 type IPTables interface {
 	// ChainExists reports whether chain exists in table.
 	ChainExists(table, chain string) (bool, error)
@@ -222,37 +225,31 @@ func (c *Chain) Family() Family { return c.family }
 // Params returns the HMARK parameters the chain installs.
 func (c *Chain) Params() Params { return c.params }
 
-// ensureChain creates c's chain in table if it is missing.
-func (c *Chain) ensureChain(table string) (changed int, err error) {
-	return c.ensureNamedChain(table, c.name)
+// ensureChain creates c's chain in t if it is missing.
+func (c *Chain) ensureChain(t *savedTable) (changed int, err error) {
+	return c.ensureNamedChain(t, c.name)
 }
 
-// ensureNamedChain creates chain (c's or its raw SYN subchain) in table if
-// it is missing.
-func (c *Chain) ensureNamedChain(table, chain string) (changed int, err error) {
-	exists, err := c.ipt.ChainExists(table, chain)
-	if err != nil {
-		return 0, fmt.Errorf("hmark: sync chain %s: table %s: check chain %s: %w", c.name, table, chain, err)
-	}
-	if exists {
+// ensureNamedChain creates chain (c's or its raw SYN subchain) in t if it
+// is missing; t then has it, empty.
+func (c *Chain) ensureNamedChain(t *savedTable, chain string) (changed int, err error) {
+	if t.has(chain) {
 		return 0, nil
 	}
-	if err := c.ipt.NewChain(table, chain); err != nil {
-		return 0, fmt.Errorf("hmark: sync chain %s: table %s: create chain %s: %w", c.name, table, chain, err)
+	if err := c.ipt.NewChain(t.name, chain); err != nil {
+		return 0, fmt.Errorf("hmark: sync chain %s: table %s: create chain %s: %w", c.name, t.name, chain, err)
 	}
+	t.chains[chain] = []rule{}
 	return 1, nil
 }
 
-// syncJump leaves exactly one jump rule to c in table's PREROUTING, in its
+// syncJump leaves exactly one jump rule to c in the PREROUTING of t, in its
 // canonical form; other rules that jump or go to c there are deleted.
-func (c *Chain) syncJump(table string) (changed int, err error) {
-	rules, err := c.listRules(table, ParentChain)
-	if err != nil {
-		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
-	}
+func (c *Chain) syncJump(t *savedTable) (changed int, err error) {
+	table := t.name
 	haveCanonical := false
 	var stale []rule
-	for _, r := range rules {
+	for _, r := range t.chains[ParentChain] {
 		if !r.targets(c.name) {
 			continue
 		}
@@ -309,6 +306,54 @@ func (c *Chain) jumpSpec() []string {
 	return []string{"-m", "comment", "--comment", RuleComment, "-j", c.name}
 }
 
+// savedTable is what Sync knows of one table: the chains it has, and the
+// rules of those Chain reads (PREROUTING, c's chain and its SYN
+// subchain), as one Restorer.Save printed them, then kept up to date with
+// Sync's own writes to c's chains.
+type savedTable struct {
+	name string
+	// chains has every chain of the table; the rules of the chains read,
+	// in order (each rule's pos its position), and none of the others.
+	chains map[string][]rule
+}
+
+// has reports whether the table has chain.
+func (t *savedTable) has(chain string) bool {
+	_, ok := t.chains[chain]
+	return ok
+}
+
+// readTable reads table in one Restorer.Save: which chains exist, and
+// the rules of PREROUTING, of c's chain and of its SYN subchain (the
+// rules of other chains are not parsed). A save that prints no such table
+// is an empty table (none of its chains exist).
+func (c *Chain) readTable(table string) (*savedTable, error) {
+	out, err := c.restorer.Save(table)
+	if err != nil {
+		return nil, fmt.Errorf("table %s: read: %w", table, err)
+	}
+	t := &savedTable{name: table, chains: make(map[string][]rule)}
+	read := []string{ParentChain, c.name, c.synChainName()}
+	for l := range iptsave.Table(string(out), table) {
+		if l.Declared != "" {
+			if !t.has(l.Declared) {
+				t.chains[l.Declared] = []rule{}
+			}
+			continue
+		}
+		if !slices.Contains(read, l.Chain) {
+			continue
+		}
+		words, err := splitWords(l.Spec)
+		if err != nil {
+			return nil, fmt.Errorf("table %s: read: parse rule %q of %s: %w", table, l.Spec, l.Chain, err)
+		}
+		rules := t.chains[l.Chain]
+		t.chains[l.Chain] = append(rules, rule{pos: len(rules) + 1, spec: words})
+	}
+	return t, nil
+}
+
 // listRules lists and parses the rules of chain in table (not its -N/-P
 // lines).
 func (c *Chain) listRules(table, chain string) ([]rule, error) {
@@ -359,7 +404,7 @@ func (c *Chain) Cleanup() error {
 func (c *Chain) cleanupSets() error {
 	sets := []ipset{{name: c.allSetName()}, {name: c.filteredSetName()}, {name: c.portSetName()}}
 	for k := range classes {
-		sets = append(sets, ipset{name: c.classSetName(k)}, ipset{name: c.synSetName(k)})
+		sets = append(sets, ipset{name: c.classSetName(k)}, ipset{name: c.synSetName(k)}, ipset{name: c.synSetName(k) + synSetTempSuffix})
 	}
 	for _, s := range sets {
 		// Destroying a set that does not exist is no error; no need to

@@ -434,7 +434,9 @@ func TestSync6ErrorsRedactSeed(t *testing.T) {
 	}
 	dir := t.TempDir()
 	writeScript(t, filepath.Join(dir, "ip6tables-restore"), "cat >&2; exit 2\n")
+	writeSaveScript(t, dir, "ip6tables")
 	f := newFakeIPTablesFamily(t, IPv6, othersLines6...)
+	writeSaved(t, dir, f)
 	c, err := NewChainFamily(IPv6, f, f, "", testParams, NewExecRestorer(filepath.Join(dir, "ip6tables")))
 	if err != nil {
 		t.Fatal(err)

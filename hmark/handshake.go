@@ -43,15 +43,14 @@ const (
 	// trip and a client's ACK that is lost and sent again after the
 	// endpoint's SYN-ACK retransmission (1 s, then 3 s).
 	SynMemorySeconds = 10
-	// SynSetMaxElements bounds each SYN set. It is not what fills it
-	// first: the kernel grows a hash set only when userspace adds to it,
-	// never from the packet path (the SET target), so a SYN set keeps the
-	// 1024 buckets of 12 it is created with and fills at 12288 entries
-	// (TestStickySYNFloodInNetns): more than about 1200 SYNs a second to
-	// the tunnel IPs of one class fill it; further SYNs are then not
-	// remembered (their connections are hashed as without the memory)
-	// until entries expire, and the set's memory stays bounded (about
-	// 0.5 MiB when full).
+	// SynSetMaxElements bounds each SYN set: a SYN flood of more than
+	// SynSetMaxElements/SynMemorySeconds SYNs a second to the tunnel IPs of
+	// one class fills it; further SYNs are then not remembered (their
+	// connections are hashed as without the memory) until entries expire,
+	// and the set's memory stays bounded (about 5.5 MB when full). The
+	// set must be created with enough buckets to hold that many
+	// (SynSetHashSize, HashSizedSets): the kernel does not grow it from
+	// the packet path.
 	SynSetMaxElements = 1 << 17
 )
 
@@ -137,15 +136,13 @@ func (c *Chain) ensureSynSets() (changed int, err error) {
 	if c.synSetsReady {
 		return 0, nil
 	}
-	timeout := uint32(SynMemorySeconds)
 	for _, k := range c.synClasses() {
 		name := c.synSetName(k)
 		res, err := c.sets.IpsetList(name)
 		switch {
 		case errors.Is(err, syscall.ENOENT):
-			opts := netlink.IpsetCreateOptions{Family: c.family.setFamily(), MaxElements: SynSetMaxElements, Timeout: &timeout}
-			if err := c.sets.IpsetCreate(name, SynSetType, opts); err != nil {
-				return changed, fmt.Errorf("create set %s: %w", name, err)
+			if err := c.createSynSet(name); err != nil {
+				return changed, err
 			}
 			changed++
 		case err != nil:
@@ -154,10 +151,72 @@ func (c *Chain) ensureSynSets() (changed int, err error) {
 			return changed, fmt.Errorf("set %s is %s (family %s), not the %s SYN set (%s) the router creates: "+
 				"it is not the router's %s chain's; remove the rules that use it, then the set (or run --cleanup)",
 				name, res.TypeName, setFamilyName(res.Family), SynSetType, setFamilyName(c.family.setFamily()), c.family)
+		case res.HashSize < SynSetHashSize:
+			n, err := c.enlargeSynSet(name)
+			if err != nil {
+				return changed, err
+			}
+			changed += n
 		}
 	}
 	c.synSetsReady = true
 	return changed, nil
+}
+
+// synSetOptions are a SYN set's options of c's family.
+func (c *Chain) synSetOptions() netlink.IpsetCreateOptions {
+	timeout := uint32(SynMemorySeconds)
+	return netlink.IpsetCreateOptions{Family: c.family.setFamily(), MaxElements: SynSetMaxElements, Timeout: &timeout}
+}
+
+// createSynSet creates the SYN set name with SynSetHashSize buckets when
+// c's IPSets can (HashSizedSets), else with the kernel's default.
+func (c *Chain) createSynSet(name string) error {
+	var err error
+	if sized, ok := c.sets.(HashSizedSets); ok {
+		err = sized.IpsetCreateHashSize(name, SynSetType, c.synSetOptions(), SynSetHashSize)
+	} else {
+		err = c.sets.IpsetCreate(name, SynSetType, c.synSetOptions())
+	}
+	if err != nil {
+		return fmt.Errorf("create set %s: %w", name, err)
+	}
+	return nil
+}
+
+// synSetTempSuffix names the set enlargeSynSet creates before it swaps it
+// in (a SYN set's name is at most 28 characters, so this one is at most
+// 30, within ipset's 31).
+const synSetTempSuffix = "-r"
+
+// enlargeSynSet replaces the SYN set name, which has fewer buckets than
+// SynSetHashSize (an earlier version created it), with an empty one that
+// has them: created under a temporary name, swapped with it (the rules
+// that use the set keep it by name), and the old one destroyed. The SYNs
+// it remembered are forgotten, which matters only to a handshake that
+// straddles a table change at that moment. Without HashSizedSets it does
+// nothing.
+func (c *Chain) enlargeSynSet(name string) (changed int, err error) {
+	sized, ok := c.sets.(HashSizedSets)
+	if !ok {
+		return 0, nil
+	}
+	tmp := name + synSetTempSuffix
+	// A temporary set a crash left behind.
+	if err := c.sets.IpsetDestroy(tmp); err != nil && !errors.Is(err, syscall.ENOENT) {
+		return 0, fmt.Errorf("destroy set %s: %w", tmp, err)
+	}
+	if err := sized.IpsetCreateHashSize(tmp, SynSetType, c.synSetOptions(), SynSetHashSize); err != nil {
+		return 0, fmt.Errorf("enlarge set %s: create %s: %w", name, tmp, err)
+	}
+	if err := sized.IpsetSwap(name, tmp); err != nil {
+		_ = c.sets.IpsetDestroy(tmp)
+		return 1, fmt.Errorf("enlarge set %s: swap with %s: %w", name, tmp, err)
+	}
+	if err := c.sets.IpsetDestroy(tmp); err != nil {
+		return 2, fmt.Errorf("enlarge set %s: destroy the old one, now %s: %w", name, tmp, err)
+	}
+	return 3, nil
 }
 
 // removeSynSets destroys the SYN sets a sticky run left (stateless mode:

@@ -7,12 +7,20 @@ import (
 	"strings"
 )
 
-// Restorer is the seam to iptables-restore: Chain hands it the whole new
+// Restorer is the seam to iptables-save and iptables-restore: Sync reads
+// each table it syncs in one Save, and Chain hands Restore the whole new
 // content of its chain in one payload, so that rewriting 10,000 rules costs
-// one process instead of 10,000. ExecRestorer runs the real binary; unit
-// tests give Chain a fake, privileged tests a restorer bound to a test
-// network namespace.
+// one process instead of 10,000, and a Sync one process per table to read
+// (see Sync). ExecRestorer runs the real binaries; unit tests give Chain a
+// fake, privileged tests a restorer bound to a test network namespace.
 type Restorer interface {
+	// Save returns table as `iptables-save -t table` prints it: "*table",
+	// a ":CHAIN POLICY [packets:bytes]" line per chain ("-" for a user
+	// chain), every rule as "-A CHAIN ..." in the form `iptables -S`
+	// prints it, and "COMMIT" (comment lines aside). It must read where
+	// Restore writes and the Chain's IPTables reads: the same backend, in
+	// the same network namespace.
+	Save(table string) ([]byte, error)
 	// Restore applies payload, in iptables-save format and for table only
 	// ("*table", chain declarations, rules, "COMMIT"), as `iptables-restore
 	// --noflush --counters --wait` does: atomically, each chain the payload
@@ -25,11 +33,13 @@ type Restorer interface {
 
 // ExecRestorer is the Restorer that runs an iptables-restore binary with
 // --noflush --counters --wait (waiting for the xtables lock, like
-// go-iptables does).
+// go-iptables does), and the matching iptables-save.
 type ExecRestorer struct {
 	// Command is the iptables-restore binary: a name looked up in PATH,
-	// or a path. It must match the iptables binary Chain reads with (same
-	// backend), or Chain writes rules where it never reads them.
+	// or a path, ending in "-restore". It must match the iptables binary
+	// Chain reads with (same backend), or Chain writes rules where it
+	// never reads them. Save runs the binary of the same name with
+	// "-save" for "-restore".
 	Command string
 }
 
@@ -62,6 +72,28 @@ func (r *ExecRestorer) Restore(table string, payload []byte) error {
 		return fmt.Errorf("%s --noflush --counters --wait (table %s): %w: %s", r.Command, table, err, strings.TrimSpace(out.String()))
 	}
 	return nil
+}
+
+// Save runs Command's iptables-save (iptables-nft-restore's is
+// iptables-nft-save) with -t table and returns what it prints. Its error
+// has the tool's standard error.
+func (r *ExecRestorer) Save(table string) ([]byte, error) {
+	base, ok := strings.CutSuffix(r.Command, "-restore")
+	if !ok {
+		return nil, fmt.Errorf("%s: no iptables-save to go with it (the name does not end in -restore)", r.Command)
+	}
+	save := base + "-save"
+	cmd := exec.Command(save, "-t", table)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		if msg := strings.TrimSpace(stderr.String()); msg != "" {
+			err = fmt.Errorf("%w: %s", err, msg)
+		}
+		return nil, fmt.Errorf("%s -t %s: %w", save, table, err)
+	}
+	return out, nil
 }
 
 // restorePayloadOf is the iptables-restore input that replaces the content

@@ -16,6 +16,24 @@ func writeScript(t *testing.T, path, body string) {
 	}
 }
 
+// writeSaveScript writes a stand-in BINARY-save in dir that prints, for
+// -t TABLE, the file dir/TABLE.save (see writeSaved).
+func writeSaveScript(t *testing.T, dir, binary string) {
+	t.Helper()
+	writeScript(t, filepath.Join(dir, binary+"-save"), `[ "$1" = -t ] || exit 2; echo "$@" >> "$(dirname "$0")/save-args"; cat "$(dirname "$0")/$2.save"`+"\n")
+}
+
+// writeSaved writes f's mangle and raw tables where the stand-in
+// iptables-save of writeSaveScript prints them from.
+func writeSaved(t *testing.T, dir string, f *fakeIPTables) {
+	t.Helper()
+	for _, table := range []string{Table, RawTable} {
+		if err := os.WriteFile(filepath.Join(dir, table+".save"), f.save(table), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 // TestExecRestorer runs ExecRestorer against stand-in iptables-restore
 // scripts: it passes --noflush --counters --wait and the payload on stdin, and a
 // failure reaches Sync's error with the tool's output but not the seed.
@@ -25,7 +43,9 @@ func TestExecRestorer(t *testing.T) {
 	}
 	dir := t.TempDir()
 	writeScript(t, filepath.Join(dir, "iptables-restore"), `echo "$@" > "$(dirname "$0")/args"; cat > "$(dirname "$0")/stdin"`+"\n")
+	writeSaveScript(t, dir, "iptables")
 	f := newFakeIPTables(t, slices.Concat(othersLines, []string{printedChainN, printedJump})...)
+	writeSaved(t, dir, f)
 	c, err := NewChain(f, f, "", testParams, NewExecRestorer(filepath.Join(dir, "iptables")))
 	if err != nil {
 		t.Fatalf("NewChain: %v", err)
@@ -39,12 +59,16 @@ func TestExecRestorer(t *testing.T) {
 	if string(args) != "--noflush --counters --wait\n" {
 		t.Errorf("iptables-restore ran with %q, want --noflush --counters --wait", args)
 	}
+	if saveArgs, _ := os.ReadFile(filepath.Join(dir, "save-args")); string(saveArgs) != "-t mangle\n-t raw\n" {
+		t.Errorf("iptables-save ran with %q, want -t mangle, then -t raw", saveArgs)
+	}
 	if want := string(restorePayloadOf(Table, c.name, c.mangleRules([]int{0}, false))); string(stdin) != want || !strings.HasPrefix(want, "*mangle\n:KST-HMARK - [0:0]\n-A KST-HMARK -m set ! --match-set KST-HMARK dst ") {
 		t.Errorf("iptables-restore read:\n%s\nwant:\n%s", stdin, want)
 	}
 
 	// A failing tool that echoes its input, as a verbose one might.
 	writeScript(t, filepath.Join(dir, "iptables-legacy-restore"), "cat >&2; echo 'Error occurred at line: 3' >&2; exit 2\n")
+	writeSaveScript(t, dir, "iptables-legacy")
 	c, err = NewChain(f, f, "", testParams, NewExecRestorer(filepath.Join(dir, "iptables-legacy")))
 	if err != nil {
 		t.Fatalf("NewChain: %v", err)
@@ -66,6 +90,22 @@ func TestExecRestorer(t *testing.T) {
 
 	if err := NewExecRestorer(filepath.Join(dir, "iptables")).Restore("filter", []byte("*mangle\nCOMMIT\n")); err == nil {
 		t.Errorf("Restore of a mangle payload as table filter: want an error")
+	}
+
+	// A failing iptables-save stops Sync before any write, with its
+	// output; a Command that is no iptables-restore has no save.
+	writeScript(t, filepath.Join(dir, "iptables-nft-save"), "echo 'Table does not exist' >&2; exit 1\n")
+	f.writes = nil
+	c, err = NewChain(f, f, "", testParams, NewExecRestorer(filepath.Join(dir, "iptables-nft")))
+	if err != nil {
+		t.Fatalf("NewChain: %v", err)
+	}
+	_, err = c.Sync(targetsOf(vipA))
+	if err == nil || !strings.Contains(err.Error(), "iptables-nft-save -t mangle: exit status 1: Table does not exist") || len(f.writes) != 0 {
+		t.Errorf("Sync with a failing iptables-save = %v with writes %q; want its error, and no write", err, f.writes)
+	}
+	if _, err := (&ExecRestorer{Command: "restore-all"}).Save(Table); err == nil {
+		t.Errorf("Save of ExecRestorer %q: want an error", "restore-all")
 	}
 }
 

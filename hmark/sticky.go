@@ -222,18 +222,15 @@ const synChainSuffix = "-SYN"
 func (c *Chain) synChainName() string { return c.name + synChainSuffix }
 
 // syncSynChain leaves exactly synRuleSpec in the raw SYN subchain, which
-// it creates if missing, in one restore. It returns the chain created plus
-// the rules added and removed.
-func (c *Chain) syncSynChain() (changed int, err error) {
+// it creates in raw if missing, in one restore. It returns the chain
+// created plus the rules added and removed.
+func (c *Chain) syncSynChain(raw *savedTable) (changed int, err error) {
 	syn := c.synChainName()
-	changed, err = c.ensureNamedChain(RawTable, syn)
+	changed, err = c.ensureNamedChain(raw, syn)
 	if err != nil {
 		return changed, err
 	}
-	rules, err := c.listRules(RawTable, syn)
-	if err != nil {
-		return changed, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
-	}
+	rules := raw.chains[syn]
 	want := synRuleSpec()
 	missing, stale := 1, len(rules)
 	if slices.ContainsFunc(rules, func(r rule) bool { return slices.Equal(r.spec, want) }) {
@@ -245,6 +242,7 @@ func (c *Chain) syncSynChain() (changed int, err error) {
 	if err := c.restorer.Restore(RawTable, restorePayloadOf(RawTable, syn, [][]string{want})); err != nil {
 		return changed, fmt.Errorf("hmark: sync chain %s: table %s: restore chain %s: %w", c.name, RawTable, syn, err)
 	}
+	raw.chains[syn] = []rule{{pos: 1, spec: want}}
 	return changed + missing + stale, nil
 }
 
@@ -278,21 +276,14 @@ func (c *Chain) rawRules() [][]string {
 	}
 }
 
-// removeRawChain, in stateless mode, removes what a sticky run left in the
-// raw table: the canonical jumps to c from raw PREROUTING, then c's raw
-// chain, then the SYN subchain. It touches no other rule: should another
-// rule still jump to a chain, deleting it fails and Sync reports it.
-func (c *Chain) removeRawChain() (changed int, err error) {
-	exists, err := c.ipt.ChainExists(RawTable, c.name)
-	if err != nil {
-		return 0, fmt.Errorf("hmark: sync chain %s: table %s: check chain: %w", c.name, RawTable, err)
-	}
-	if exists {
-		jumps, err := c.listRules(RawTable, ParentChain)
-		if err != nil {
-			return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
-		}
-		for _, r := range jumps {
+// removeRawChain, in stateless mode, removes what a sticky run left in
+// raw, the raw table as Sync read it: the canonical jumps to c from raw
+// PREROUTING, then c's raw chain, then the SYN subchain. It touches no
+// other rule: should another rule still jump to a chain, deleting it
+// fails and Sync reports it.
+func (c *Chain) removeRawChain(raw *savedTable) (changed int, err error) {
+	if raw.has(c.name) {
+		for _, r := range raw.chains[ParentChain] {
 			if !r.isCanonicalJump(c.name) {
 				continue
 			}
@@ -301,44 +292,36 @@ func (c *Chain) removeRawChain() (changed int, err error) {
 			}
 			changed++
 		}
-		n, err := c.removeRawNamedChain(c.name)
+		n, err := c.removeRawNamedChain(raw, c.name)
 		changed += n
 		if err != nil {
 			return changed, err
 		}
 	}
-	if syn := c.synChainName(); validateChainName(syn) == nil {
-		exists, err := c.ipt.ChainExists(RawTable, syn)
+	if syn := c.synChainName(); validateChainName(syn) == nil && raw.has(syn) {
+		n, err := c.removeRawNamedChain(raw, syn)
+		changed += n
 		if err != nil {
-			return changed, fmt.Errorf("hmark: sync chain %s: table %s: check chain %s: %w", c.name, RawTable, syn, err)
-		}
-		if exists {
-			n, err := c.removeRawNamedChain(syn)
-			changed += n
-			if err != nil {
-				return changed, err
-			}
+			return changed, err
 		}
 	}
 	return changed, nil
 }
 
 // removeRawNamedChain flushes (if it has rules) and deletes chain, which
-// exists, from the raw table. It counts its rules and the chain.
-func (c *Chain) removeRawNamedChain(chain string) (changed int, err error) {
-	rules, err := c.listRules(RawTable, chain)
-	if err != nil {
-		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
-	}
-	if len(rules) > 0 {
+// raw has, from the raw table. It counts its rules and the chain.
+func (c *Chain) removeRawNamedChain(raw *savedTable, chain string) (changed int, err error) {
+	if rules := raw.chains[chain]; len(rules) > 0 {
 		if err := c.ipt.ClearChain(RawTable, chain); err != nil {
 			return 0, fmt.Errorf("hmark: sync chain %s: table %s: flush %s: %w", c.name, RawTable, chain, err)
 		}
 		changed += len(rules)
+		raw.chains[chain] = []rule{}
 	}
 	if err := c.ipt.DeleteChain(RawTable, chain); err != nil {
 		return changed, fmt.Errorf("hmark: sync chain %s: table %s: delete chain %s: %w", c.name, RawTable, chain, err)
 	}
+	delete(raw.chains, chain)
 	return changed + 1, nil
 }
 

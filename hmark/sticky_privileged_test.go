@@ -58,14 +58,18 @@ func testStickySyncInNetns(t *testing.T, nf netnsFamily, binary string) {
 	state := func() string { return tableS("mangle") + "\n" + tableS("raw") + "\n" + ns.IPSetState() }
 	// syncExpect syncs and checks the changes Sync reports against the
 	// lines that changed in `iptables -S` of both tables and in the sets,
-	// and the writes.
+	// and the writes; and that it read each table in one iptables-save
+	// and nothing else.
 	syncExpect := func(step string, c *Chain, targets []Target, want int) {
 		t.Helper()
-		ipt.Writes, restorer.Calls = 0, 0
+		ipt.Writes, ipt.Reads, restorer.Calls, restorer.Saves = 0, 0, 0, 0
 		before := state()
 		changed, err := c.Sync(targets)
 		if err != nil {
 			t.Fatalf("%s: Sync: %v", step, err)
+		}
+		if ipt.Reads != 0 || restorer.Saves != 2 {
+			t.Errorf("%s: Sync read with %d iptables calls and %d iptables-save calls, want 0 and 2 (one per table)", step, ipt.Reads, restorer.Saves)
 		}
 		diff := lineChanges(before, state())
 		if changed != want || diff != want {
@@ -376,18 +380,16 @@ func testStickyDrainingInNetns(t *testing.T, binary string) {
 	}
 }
 
-// newDrainingLab creates the namespaces c, r and s, linked in a triangle,
-// with the tunnel IP on s's lo: c routes it via r, r forwards it to s, s
-// answers c directly. Reverse-path filtering is off everywhere, since each
-// of c and s receives from an address it would not route back to that way.
 // newStickyDrainingLab is the draining lab with a sticky Chain in r
-// (written with binary) serving the tunnel IP in generation 0 (offset
-// 0x1000), r's counting rules, and the echo servers in s.
+// (written with binary, its sets created as the router creates them:
+// KernelSets) serving the tunnel IP in generation 0 (offset 0x1000), r's
+// counting rules, and the echo servers in s.
 func newStickyDrainingLab(t *testing.T, binary string) (c, r *testnetns.NS, chain *Chain, ipt *testnetns.IPTables) {
 	t.Helper()
 	c, r, s := newDrainingLab(t)
 	ipt = r.IPTables(binary)
-	chain, err := NewChain(ipt, r.IPSets(), "", Params{Buckets: 64, Offset: 0x1000, Seed: 0x5eed}, newNSRestorer(r, binary))
+	sets := KernelSets{Handle: r.IPSets(), NetNS: r.Handle} // as the router's
+	chain, err := NewChain(ipt, sets, "", Params{Buckets: 64, Offset: 0x1000, Seed: 0x5eed}, newNSRestorer(r, binary))
 	if err != nil {
 		t.Fatalf("NewChain: %v", err)
 	}
@@ -402,6 +404,10 @@ func newStickyDrainingLab(t *testing.T, binary string) (c, r *testnetns.NS, chai
 	return c, r, chain, ipt
 }
 
+// newDrainingLab creates the namespaces c, r and s, linked in a triangle,
+// with the tunnel IP on s's lo: c routes it via r, r forwards it to s, s
+// answers c directly. Reverse-path filtering is off everywhere, since each
+// of c and s receives from an address it would not route back to that way.
 func newDrainingLab(t *testing.T) (c, r, s *testnetns.NS) {
 	t.Helper()
 	c = testnetns.New(t)

@@ -66,15 +66,20 @@ type Target struct {
 // the number of tunnel IPs. Targets must not repeat a
 // tunnel IP.
 //
-// Sync reads what is there (each set of NAME, one `iptables -S` of each
-// PREROUTING and of each chain), compares it (iptables prints HMARK rules
-// in its own normalized form, the offset in decimal or hex) and writes
-// only what differs: a state that is already right costs no write at all,
-// which is how a restarted router adopts what its predecessor left (see
-// Offsets for adopting each tunnel IP's generation). Set elements are
-// added and deleted one by one, one netlink call per changed tunnel IP; a
-// chain whose rules differ is replaced in one atomic iptables-restore
-// --noflush call.
+// Sync reads what is there (each set of NAME over netlink, and each
+// table, mangle and raw, in one `iptables-save -t TABLE`: its chains, the
+// jumps in its PREROUTING and the rules of Chain's chains), compares it
+// (iptables prints HMARK rules in its own normalized form, the offset in
+// decimal or hex) and writes only what differs: a state that is already
+// right costs no write at all, which is how a restarted router adopts
+// what its predecessor left (see Offsets for adopting each tunnel IP's
+// generation). Set elements are added and deleted one by one, one netlink
+// call per changed tunnel IP; a chain whose rules differ is replaced in
+// one atomic iptables-restore --noflush call. So a Sync that changes
+// nothing, or only set elements, runs two iptables processes (one
+// iptables-save per table), and one that changes a chain's rules one more
+// per chain rewritten; only creating a chain or fixing a jump costs an
+// iptables call of its own.
 //
 // The order is fixed so that a tunnel IP is in NAME (its SYNs untracked,
 // its packets counted) before it is hashed, and hashed until it leaves
@@ -163,6 +168,16 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 	if err != nil {
 		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
 	}
+	// Each table is read once; the steps below compare with what was read
+	// (and with what they wrote since).
+	mangle, err := c.readTable(Table)
+	if err != nil {
+		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
+	}
+	raw, err := c.readTable(RawTable)
+	if err != nil {
+		return 0, fmt.Errorf("hmark: sync chain %s: %w", c.name, err)
+	}
 	all := make([]netip.Addr, len(want))
 	var byClass [classes][]netip.Addr
 	class := make(map[netip.Addr]int, len(want))
@@ -198,23 +213,23 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 			return changed, err
 		}
 	}
-	if err := count(c.ensureChain(Table)); err != nil {
+	if err := count(c.ensureChain(mangle)); err != nil {
 		return changed, err
 	}
-	if err := count(c.syncJump(Table)); err != nil {
+	if err := count(c.syncJump(mangle)); err != nil {
 		return changed, err
 	}
 	if c.sticky != nil {
-		if err := count(c.ensureChain(RawTable)); err != nil {
+		if err := count(c.ensureChain(raw)); err != nil {
 			return changed, err
 		}
-		if err := count(c.syncSynChain()); err != nil {
+		if err := count(c.syncSynChain(raw)); err != nil {
 			return changed, err
 		}
-		if err := count(c.syncJump(RawTable)); err != nil {
+		if err := count(c.syncJump(raw)); err != nil {
 			return changed, err
 		}
-		if err := count(c.syncRules(RawTable, c.name, c.rawRules())); err != nil {
+		if err := count(c.syncRules(raw, c.name, c.rawRules())); err != nil {
 			return changed, err
 		}
 	}
@@ -246,7 +261,7 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 			return changed, err
 		}
 	}
-	if err := count(c.syncRules(Table, c.name, c.mangleRules(inUse, filtering))); err != nil {
+	if err := count(c.syncRules(mangle, c.name, c.mangleRules(inUse, filtering))); err != nil {
 		return changed, err
 	}
 
@@ -291,7 +306,7 @@ func (c *Chain) sync(targets []Target) (changed int, err error) {
 		}
 	}
 	if c.sticky == nil {
-		if err = count(c.removeRawChain()); err != nil {
+		if err = count(c.removeRawChain(raw)); err != nil {
 			return changed, err
 		}
 		if err = count(c.removeSynSets()); err != nil {
@@ -574,15 +589,12 @@ func (c *Chain) hmarkTarget(k int) []string {
 		})
 }
 
-// syncRules leaves exactly desired in chain of table (which exists), in
+// syncRules leaves exactly desired in chain of t (which has it), in
 // order, replacing its content in one restore when anything differs. It
 // returns the number of rules added plus removed (a rule out of place
 // counts as both).
-func (c *Chain) syncRules(table, chain string, desired [][]string) (changed int, err error) {
-	rules, err := c.listRules(table, chain)
-	if err != nil {
-		return 0, err
-	}
+func (c *Chain) syncRules(t *savedTable, chain string, desired [][]string) (changed int, err error) {
+	table, rules := t.name, t.chains[chain]
 	if len(rules) == len(desired) && !slices.ContainsFunc(rules, func(r rule) bool { return !sameRule(r.spec, desired[r.pos-1]) }) {
 		return 0, nil
 	}
@@ -606,6 +618,11 @@ func (c *Chain) syncRules(table, chain string, desired [][]string) (changed int,
 	if err := c.restorer.Restore(table, restorePayloadOf(table, chain, desired)); err != nil {
 		return 0, fmt.Errorf("table %s: restore chain %s with %d rules (%d differences): %w", table, chain, len(desired), changed, err)
 	}
+	written := make([]rule, len(desired))
+	for i, spec := range desired {
+		written[i] = rule{pos: i + 1, spec: spec}
+	}
+	t.chains[chain] = written
 	return changed, nil
 }
 

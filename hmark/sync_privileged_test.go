@@ -28,13 +28,14 @@ var (
 	_ Restorer = (*nsRestorer)(nil)
 )
 
-// nsRestorer runs the iptables-restore matching an iptables binary inside
-// a test namespace, and counts its calls independently of what the code
-// under test reports.
+// nsRestorer runs the iptables-restore and iptables-save matching an
+// iptables binary inside a test namespace, and counts their calls
+// independently of what the code under test reports.
 type nsRestorer struct {
-	ns    *testnetns.NS
-	exec  *ExecRestorer
-	Calls int
+	ns   *testnetns.NS
+	exec *ExecRestorer
+	// Calls counts restores, Saves saves.
+	Calls, Saves int
 }
 
 func newNSRestorer(ns *testnetns.NS, iptablesBinary string) *nsRestorer {
@@ -45,6 +46,13 @@ func newNSRestorer(ns *testnetns.NS, iptablesBinary string) *nsRestorer {
 func (r *nsRestorer) Restore(table string, payload []byte) error {
 	r.Calls++
 	return r.ns.Do(func() error { return r.exec.Restore(table, payload) })
+}
+
+// Save is ExecRestorer.Save inside the namespace.
+func (r *nsRestorer) Save(table string) (out []byte, err error) {
+	r.Saves++
+	err = r.ns.Do(func() (err error) { out, err = r.exec.Save(table); return err })
+	return out, err
 }
 
 // lineChanges is the number of lines that differ between two outputs of
@@ -183,14 +191,19 @@ func testSyncInNetns(t *testing.T, nf netnsFamily, binary string) {
 	// lines that changed in `iptables -S` and the set listing, and the
 	// writes iptables and iptables-restore saw: wantIPT of the changes go
 	// through go-iptables (chain and jump), the set elements through
-	// netlink, and the rules through wantRestores restores.
+	// netlink, and the rules through wantRestores restores. Every Sync
+	// reads each table, mangle and raw, in one iptables-save, and nothing
+	// else.
 	syncExpect := func(step string, c *Chain, want, wantIPT, wantRestores int) {
 		t.Helper()
-		ipt.Writes, restorer.Calls = 0, 0
+		ipt.Writes, ipt.Reads, restorer.Calls, restorer.Saves = 0, 0, 0, 0
 		before := state()
 		changed, err := c.Sync(targetsOf(vips...))
 		if err != nil {
 			t.Fatalf("%s: Sync: %v", step, err)
+		}
+		if ipt.Reads != 0 || restorer.Saves != 2 {
+			t.Errorf("%s: Sync read with %d iptables calls and %d iptables-save calls, want 0 and 2 (one per table)", step, ipt.Reads, restorer.Saves)
 		}
 		if diff := lineChanges(before, state()); changed != want || diff != want {
 			t.Errorf("%s: Sync changed = %d (%d lines of iptables -S and the sets changed), want %d", step, changed, diff, want)

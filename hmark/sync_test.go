@@ -476,3 +476,67 @@ func TestClientAffinityClass(t *testing.T) {
 		t.Errorf("a rule hashing only the destination port parsed as the router's")
 	}
 }
+
+// TestSyncIPTablesCalls counts the iptables processes a Sync runs (reads
+// and writes, ipset's netlink calls aside), by table, in stateless and
+// sticky mode: a Sync that changes nothing reads each table once and
+// writes nothing; one that changes set elements only reads each table
+// once; one that brings a generation into use reads each table once and
+// rewrites the mangle chain in one restore. Every one of these is under
+// the bound a table change on an emulated node must keep to: one read
+// per table for a no-op, two processes per table for a change of set
+// elements or of a chain's rules.
+func TestSyncIPTablesCalls(t *testing.T) {
+	for _, sticky := range []bool{false, true} {
+		t.Run(map[bool]string{false: "stateless", true: "sticky"}[sticky], func(t *testing.T) {
+			params := testParams
+			if sticky {
+				params = stickyParams
+			}
+			f := newFakeIPTables(t, othersLines...)
+			c := newTestChain(t, f, params)
+			if sticky {
+				if err := c.SetSticky(&testSticky); err != nil {
+					t.Fatal(err)
+				}
+			}
+			gen1 := params.Offset + params.Buckets
+			if _, err := c.Sync(targetsOf(vipA, vipB)); err != nil {
+				t.Fatalf("first Sync: %v", err)
+			}
+			for _, step := range []struct {
+				name    string
+				targets []Target
+				want    map[string]int
+				// bound is the most processes a table may cost.
+				bound int
+				// changed: the step writes set elements or rules.
+				changed bool
+			}{
+				{"no change", targetsOf(vipA, vipB), map[string]int{Table: 1, RawTable: 1}, 1, false},
+				{"a tunnel IP added", targetsOf(vipA, vipB, vipC), map[string]int{Table: 1, RawTable: 1}, 2, true},
+				{"a tunnel IP removed", targetsOf(vipA, vipC), map[string]int{Table: 1, RawTable: 1}, 2, true},
+				{"generation 1 comes into use", []Target{{VIP: vipA}, {VIP: vipC, Offset: gen1}}, map[string]int{Table: 2, RawTable: 1}, 2, true},
+				{"no change again", []Target{{VIP: vipA}, {VIP: vipC, Offset: gen1}}, map[string]int{Table: 1, RawTable: 1}, 1, false},
+			} {
+				f.reads, f.writes = nil, nil
+				changed, err := c.Sync(step.targets)
+				if err != nil {
+					t.Fatalf("%s: Sync: %v", step.name, err)
+				}
+				if (changed > 0) != step.changed {
+					t.Errorf("%s: Sync changed = %d (writes %q)", step.name, changed, f.writes)
+				}
+				got := f.iptablesCalls()
+				for table, n := range got {
+					if n > step.bound {
+						t.Errorf("%s: %d iptables processes for table %s, more than %d (reads %q, writes %q)", step.name, n, table, step.bound, f.reads, f.writes)
+					}
+				}
+				if !maps.Equal(got, step.want) {
+					t.Errorf("%s: iptables processes by table %v, want %v (reads %q, writes %q)", step.name, got, step.want, f.reads, f.writes)
+				}
+			}
+		})
+	}
+}

@@ -332,7 +332,8 @@ func (c countedIPTables) Delete(table, chain string, rulespec ...string) error {
 
 // countedRestorer counts the iptables-restore calls that succeeded (one
 // chain rewritten each) and the rules they wrote ("-A" lines, with or
-// without the "[PACKETS:BYTES]" counters before them).
+// without the "[PACKETS:BYTES]" counters before them); its Save, a read,
+// is not counted.
 type countedRestorer struct {
 	hmark.Restorer
 	m *Metrics
@@ -378,6 +379,23 @@ func (c countedIPSets) IpsetCreate(setname, typename string, options netlink.Ips
 	return c.count(objectIPSet, "create", c.IPSets.IpsetCreate(setname, typename, options))
 }
 
+// countedSizedIPSets is countedIPSets over an IPSets that is also
+// hmark.HashSizedSets, which it passes on.
+type countedSizedIPSets struct {
+	countedIPSets
+	sized hmark.HashSizedSets
+}
+
+func (c countedSizedIPSets) IpsetCreateHashSize(setname, typename string, options netlink.IpsetCreateOptions, hashSize uint32) error {
+	return c.count(objectIPSet, "create", c.sized.IpsetCreateHashSize(setname, typename, options, hashSize))
+}
+
+// IpsetSwap is not counted: the set created for it, and destroyed after
+// it, are.
+func (c countedSizedIPSets) IpsetSwap(setname, othersetname string) error {
+	return c.sized.IpsetSwap(setname, othersetname)
+}
+
 func (c countedIPSets) IpsetDestroy(setname string) error {
 	return c.count(objectIPSet, "destroy", c.IPSets.IpsetDestroy(setname))
 }
@@ -391,7 +409,13 @@ func (c countedIPSets) IpsetDel(setname string, entry *netlink.IPSetEntry) error
 }
 
 // IPSets wraps the ipset seam so that its successful writes are counted.
-func (m *Metrics) IPSets(s hmark.IPSets) hmark.IPSets { return countedIPSets{s, m} }
+// It passes hmark.HashSizedSets on when s has it.
+func (m *Metrics) IPSets(s hmark.IPSets) hmark.IPSets {
+	if sized, ok := s.(hmark.HashSizedSets); ok {
+		return countedSizedIPSets{countedIPSets{s, m}, sized}
+	}
+	return countedIPSets{s, m}
+}
 
 // Routes wraps the route seam so that its successful writes are counted.
 func (m *Metrics) Routes(r datapath.RouteOps) datapath.RouteOps { return countedRoutes{r, m} }

@@ -247,10 +247,13 @@ func TestVIPTrafficReadAtScrape(t *testing.T) {
 	}
 }
 
-// payloadRestorer accepts every payload, or fails them all with err.
+// payloadRestorer accepts every payload, or fails them all with err; it
+// saves nothing.
 type payloadRestorer struct{ err error }
 
 func (r payloadRestorer) Restore(string, []byte) error { return r.err }
+
+func (r payloadRestorer) Save(string) ([]byte, error) { return nil, r.err }
 
 // TestCountedRestorerCountsRulesWithCounters: the rules of a restore are
 // counted whether or not they carry "[PACKETS:BYTES]" counters (hmark

@@ -496,7 +496,7 @@ func openDatapath(cfg datapath.Config, ipv6, createDevice bool, backend iptbacke
 		}
 		// Rules are read with binary and written with its restore
 		// command: the same backend.
-		chain, err := hmark.NewChainFamily(hfamily, meter.IPTables(ipt), meter.IPSets(sets), fcfg.ChainName(),
+		chain, err := hmark.NewChainFamily(hfamily, meter.IPTables(ipt), meter.IPSets(hmark.KernelSets{Handle: sets}), fcfg.ChainName(),
 			fcfg.HMARKParams(), meter.Restorer(hmark.NewExecRestorer(binary)))
 		if err != nil {
 			return nil, nil, err

@@ -225,13 +225,15 @@ func IPNet(p netip.Prefix) *net.IPNet {
 	return &net.IPNet{IP: p.Addr().AsSlice(), Mask: net.CIDRMask(p.Bits(), p.Addr().BitLen())}
 }
 
-// IPTables runs go-iptables inside a namespace and counts the write calls it
-// sees, independently of what the code under test reports.
+// IPTables runs go-iptables inside a namespace and counts the write and
+// read calls it sees, independently of what the code under test reports.
 type IPTables struct {
 	handle netns.NsHandle
 	ipt    *iptables.IPTables
 	binary string
-	Writes int
+	// Writes counts the calls that write, Reads those that read (each
+	// one process).
+	Writes, Reads int
 }
 
 // IPTables returns go-iptables driving binary ("iptables" for the nft
@@ -268,7 +270,10 @@ func (w *IPTables) do(fn func() error) error {
 	})
 }
 
-func (w *IPTables) read(fn func() error) error { return w.do(fn) }
+func (w *IPTables) read(fn func() error) error {
+	w.Reads++
+	return w.do(fn)
+}
 
 func (w *IPTables) write(fn func() error) error {
 	w.Writes++
@@ -339,6 +344,21 @@ func (w *IPTables) Restore(table string, payload []byte) error {
 		}
 		return nil
 	})
+}
+
+// Save runs BINARY-save -t table inside the namespace and returns what it
+// prints (hmark.Restorer), counted as one read.
+func (w *IPTables) Save(table string) (out []byte, err error) {
+	err = w.read(func() error {
+		cmd := exec.Command(w.binary+"-save", "-t", table)
+		var stderr bytes.Buffer
+		cmd.Stderr = &stderr
+		if out, err = cmd.Output(); err != nil {
+			return fmt.Errorf("%s-save -t %s: %w: %s", w.binary, table, err, stderr.Bytes())
+		}
+		return nil
+	})
+	return out, err
 }
 
 // ServeTCP listens on addr (network "tcp", or "tcp4"/"tcp6") inside the
