@@ -406,6 +406,8 @@ func parseRouteGets(out string, vip netip.Addr, srcPorts []uint16) (map[uint16]n
 // RouterFlows returns the source ports of the client's TCP flows to vip
 // that router r's conntrack table holds: the flows whose packets it has
 // forwarded (in the last 5 minutes, the lifetime of an established entry).
+// A copy of another router's entry (Options.ConntrackSync), which no
+// packet has used, is not one of them.
 func (l *Lab) RouterFlows(ctx context.Context, r *Node, vip netip.Addr) (map[uint16]bool, error) {
 	entries, err := l.Conntrack(ctx, r)
 	if err != nil {
@@ -415,10 +417,13 @@ func (l *Lab) RouterFlows(ctx context.Context, r *Node, vip netip.Addr) (map[uin
 }
 
 // flowsFrom returns the source ports of the TCP entries from client to vip
-// (their original direction).
+// (their original direction) that counted a packet, when they count.
 func flowsFrom(entries []ConntrackEntry, client, vip netip.Addr) map[uint16]bool {
 	ports := map[uint16]bool{}
 	for _, e := range entries {
+		if e.HasCounters && e.Packets == 0 {
+			continue // conntrackd's copy: the flow crosses another router
+		}
 		if e.Proto == "tcp" && e.Src == client && e.Dst == vip {
 			ports[e.SrcPort] = true
 		}

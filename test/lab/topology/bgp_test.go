@@ -85,9 +85,12 @@ func TestFlowsFrom(t *testing.T) {
 		{Proto: "udp", Src: ClientAddr, Dst: vip, SrcPort: 48303, DstPort: 53},
 		{Proto: "tcp", Src: vip, Dst: ClientAddr, SrcPort: 80, DstPort: 48305},
 		{Proto: "tcp", Src: ClientAddr, Dst: vip, SrcPort: 48304, DstPort: 80},
+		{Proto: "tcp", Src: ClientAddr, Dst: vip, SrcPort: 48306, DstPort: 80, HasCounters: true, Packets: 3},
+		// conntrackd's copy of another router's entry: no packet yet
+		{Proto: "tcp", Src: ClientAddr, Dst: vip, SrcPort: 48307, DstPort: 80, HasCounters: true},
 	}
 	got := flowsFrom(entries, ClientAddr, vip)
-	if len(got) != 2 || !got[48301] || !got[48304] {
-		t.Errorf("got %v, want ports 48301 and 48304", got)
+	if len(got) != 3 || !got[48301] || !got[48304] || !got[48306] {
+		t.Errorf("got %v, want ports 48301, 48304 and 48306", got)
 	}
 }
