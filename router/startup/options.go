@@ -160,11 +160,13 @@ func (o *Options) Parse(fs *flag.FlagSet, args []string) error {
 		// router creates are of two kinds (gre, ip6gre).
 		return fmt.Errorf("--gre6-device %q: --gre-device has that name, and the router creates a device of each kind", o.GRE6Device)
 	}
-	if o.ConntrackSync.Interface != "" && o.Generations < 2 {
-		return fmt.Errorf("--conntrack-sync-interface %s: needs --generations > 1 (with %d the router keeps no conntrack state to share)", o.ConntrackSync.Interface, o.Generations)
-	}
-	if o.ConntrackSync.Refresh <= 0 || o.ConntrackSync.Refresh > 4*time.Minute {
-		return fmt.Errorf("--conntrack-sync-refresh %v: want more than 0 and at most 4m (the copies expire 300 s after a send)", o.ConntrackSync.Refresh)
+	if o.ConntrackSync.Interface != "" && !o.Cleanup && !o.KernelCheckOnly {
+		if o.Generations < 2 {
+			return fmt.Errorf("--conntrack-sync-interface %s: needs --generations > 1 (with %d the router keeps no conntrack state to share)", o.ConntrackSync.Interface, o.Generations)
+		}
+		if o.ConntrackSync.Refresh <= 0 || o.ConntrackSync.Refresh > 4*time.Minute {
+			return fmt.Errorf("--conntrack-sync-refresh %v: want more than 0 and at most 4m (the copies expire 300 s after a send)", o.ConntrackSync.Refresh)
+		}
 	}
 	return o.Validate()
 }
