@@ -80,8 +80,13 @@ func (c Config) Validate() error {
 // message acknowledged, lost ones resent), the external cache disabled
 // (a peer's entries go straight into the kernel table), a resync asked of
 // the peers at start (a restarted router gets the flows they hold), and
-// only TCP and UDP entries of the pools shared. Errors name the setting
-// at fault; with no prefix there is nothing to share and Render refuses.
+// only TCP entries of the pools shared. UDP is not: the router's one-way
+// UDP entries live nf_conntrack_udp_timeout (30 s) after an event, so
+// their copies would lapse between two bulk sends. No resync from the
+// kernel after lost events (NetlinkOverrunResync Off): it would read the
+// peers' copies into the cache of this router's own entries (see Daemon).
+// Errors name the setting at fault; with no prefix there is nothing to
+// share and Render refuses.
 func Render(c Config) (string, error) {
 	if err := c.Validate(); err != nil {
 		return "", err
@@ -133,10 +138,10 @@ General {
 	}
 	NetlinkBufferSize 2097152
 	NetlinkBufferSizeMaxGrowth 8388608
+	NetlinkOverrunResync Off
 	Filter From Userspace {
 		Protocol Accept {
 			TCP
-			UDP
 		}
 		Address Accept {
 %s		}

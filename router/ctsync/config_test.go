@@ -23,12 +23,15 @@ func TestRenderSharesOnlyThePools(t *testing.T) {
 		"DisableExternalCache On", "StartupResync On",
 		"IPv4_address 225.0.0.50", "Group 3780", "IPv4_interface 10.99.0.1", "Interface sync0",
 		"LockFile /run/kst/conntrackd.lock", "Path /run/kst/conntrackd.ctl",
-		"Filter From Userspace", "TCP", "UDP",
+		"Filter From Userspace", "Protocol Accept {\n\t\t\tTCP\n\t\t}", "NetlinkOverrunResync Off",
 		"Address Accept {\n\t\t\tIPv4_address 203.0.113.0/24\n\t\t\tIPv6_address 2001:db8:7::/64\n\t\t}",
 	} {
 		if !strings.Contains(conf, want) {
 			t.Errorf("configuration lacks %q:\n%s", want, conf)
 		}
+	}
+	if strings.Contains(conf, "UDP") {
+		t.Errorf("UDP entries are shared; their copies would lapse between bulk sends:\n%s", conf)
 	}
 	if strings.Count(conf, "{") != strings.Count(conf, "}") {
 		t.Errorf("unbalanced braces:\n%s", conf)

@@ -36,6 +36,18 @@ const stopTimeout = 5 * time.Second
 
 // Daemon keeps conntrackd running with the configuration of the current
 // pools.
+//
+// conntrackd keeps a cache of the entries it sends (its internal cache),
+// and fills it at start by reading the whole kernel table: the copies of
+// the other routers' entries included, which it would then treat as this
+// router's own (send them again with every bulk send, long after their
+// flows ended, and send their expiry as the end of the flow, deleting the
+// live entry on the router that owns it). So right after each start, once
+// conntrackd answers, Daemon empties that cache (conntrackd -f internal);
+// the entries of this router come back into it with their next event (a
+// new flow, a change of TCP state), the copies never do (conntrackd
+// ignores the events of its own writes). If the cache cannot be emptied,
+// conntrackd is stopped and started again later.
 type Daemon struct {
 	// Binary is conntrackd's path or name.
 	Binary string
@@ -90,9 +102,12 @@ func (d *Daemon) Run(ctx context.Context) error {
 		exited   <-chan error
 		running  string // the configuration proc runs with
 		backoff  = minBackoff
-		retry    = time.NewTimer(0) // start at once
-		refresh  = time.NewTicker(d.Refresh)
-		noPoolAt string
+		retry     = time.NewTimer(0) // start at once
+		refresh   = time.NewTicker(d.Refresh)
+		noPoolAt  string
+		startedAt time.Time
+		// backingOff is true while retry is armed after a failure.
+		backingOff = true // the first start, at once
 	)
 	defer refresh.Stop()
 	defer retry.Stop()
@@ -109,19 +124,24 @@ func (d *Daemon) Run(ctx context.Context) error {
 		if err := d.prepare(conf); err != nil {
 			d.Log.WithError(err).WithField("retry_in", backoff).Error("conntrackd not started: flows will not survive a router failover")
 			retry.Reset(backoff)
+			backingOff = true
 			backoff = min(2*backoff, maxBackoff)
 			return
 		}
-		p, err := d.start(d.Binary, []string{"-C", d.Config.ConfigFile()}, func(line string) {
-			d.Log.WithField("conntrackd", line).Info("conntrackd")
-		})
+		p, err := d.start(d.Binary, []string{"-C", d.Config.ConfigFile()}, d.logLine)
+		if err == nil {
+			if err = d.emptyCache(ctx); err != nil {
+				p.Stop()
+			}
+		}
 		if err != nil {
 			d.Log.WithError(err).WithField("retry_in", backoff).Error("conntrackd not started: flows will not survive a router failover")
 			retry.Reset(backoff)
+			backingOff = true
 			backoff = min(2*backoff, maxBackoff)
 			return
 		}
-		proc, exited, running = p, p.Exited(), conf
+		proc, exited, running, startedAt = p, p.Exited(), conf, time.Now()
 		d.Log.WithFields(logrus.Fields{"interface": d.Config.Interface, "address": d.Config.Address, "group": d.Config.Group,
 			"pools": d.prefixes()}).Info("conntrackd started: sharing the tunnel IPs' conntrack entries with the other routers")
 	}
@@ -158,20 +178,59 @@ func (d *Daemon) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			return nil
 		case <-retry.C:
+			backingOff = false
 			if proc == nil {
 				converge()
 			}
 		case <-refresh.C:
+			if proc == nil && backingOff {
+				break // the retry timer starts it, after its back-off
+			}
 			converge()
-			if proc != nil {
+			if proc != nil && time.Since(startedAt) >= d.Refresh {
 				backoff = minBackoff // it ran a whole period
 			}
 		case err := <-exited:
 			proc, exited, running = nil, nil, ""
 			d.Log.WithError(err).WithField("retry_in", backoff).Error("conntrackd exited: restarting it")
 			retry.Reset(backoff)
+			backingOff = true
 			backoff = min(2*backoff, maxBackoff)
 		}
+	}
+}
+
+// cacheTimeout bounds the wait for a started conntrackd to answer.
+const cacheTimeout = 10 * time.Second
+
+// emptyCache empties the internal cache of the conntrackd just started
+// (see Daemon), retrying until it answers on its socket.
+func (d *Daemon) emptyCache(ctx context.Context) error {
+	deadline := time.Now().Add(cacheTimeout)
+	for {
+		cctx, cancel := context.WithTimeout(ctx, cacheTimeout)
+		out, err := d.command(cctx, d.Binary, "-C", d.Config.ConfigFile(), "-f", "internal")
+		cancel()
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			return fmt.Errorf("ctsync: empty the cache of the conntrackd just started (conntrackd -f internal): %w: %s", err, strings.TrimSpace(string(out)))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// logLine logs a line of conntrackd's output at its own level.
+func (d *Daemon) logLine(line string) {
+	log := d.Log.WithField("conntrackd", line)
+	switch {
+	case strings.HasPrefix(line, "[ERROR]"):
+		log.Error("conntrackd")
+	case strings.HasPrefix(line, "[WARNING]"), strings.HasPrefix(line, "[warning]"):
+		log.Warn("conntrackd")
+	default:
+		log.Info("conntrackd")
 	}
 }
 
@@ -268,11 +327,15 @@ var conntrackdPrefix = regexp.MustCompile(`^\[[^]]*\] \(pid=\d+\) `)
 // timestamp and pid, until r ends.
 func logLines(r io.Reader, log func(string)) {
 	s := bufio.NewScanner(r)
+	s.Buffer(make([]byte, 0, 4096), 1<<20)
 	for s.Scan() {
 		if line := strings.TrimSpace(conntrackdPrefix.ReplaceAllString(s.Text(), "")); line != "" {
 			log(line)
 		}
 	}
+	// A line longer than the buffer stops the scanner: keep reading, so
+	// that conntrackd never blocks on a full pipe.
+	_, _ = io.Copy(io.Discard, r)
 }
 
 func runExec(ctx context.Context, binary string, args ...string) ([]byte, error) {

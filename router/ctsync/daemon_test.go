@@ -31,7 +31,10 @@ type fakeExec struct {
 	starts  []string
 	procs   []*fakeProcess
 	bulks   int
-	started chan struct{}
+	flushes int
+	// flushFails makes that many cache flushes fail.
+	flushFails int
+	started    chan struct{}
 }
 
 func newFakeExec() *fakeExec { return &fakeExec{started: make(chan struct{}, 100)} }
@@ -60,8 +63,23 @@ func (f *fakeExec) install(d *Daemon) {
 	d.command = func(ctx context.Context, binary string, args ...string) ([]byte, error) {
 		f.mu.Lock()
 		defer f.mu.Unlock()
-		if args[len(args)-1] == "-B" {
-			f.bulks++
+		switch strings.Join(args[len(args)-2:], " ") {
+		case "-f internal":
+			if len(f.procs) == 0 {
+				return nil, errors.New("no conntrackd runs")
+			}
+			if f.flushFails > 0 {
+				f.flushFails--
+				return []byte("connect: no such file"), errors.New("exit status 1")
+			}
+			f.flushes++
+		default:
+			if args[len(args)-1] == "-B" {
+				if f.flushes < len(f.procs) {
+					return nil, errors.New("a bulk send before the cache was emptied")
+				}
+				f.bulks++
+			}
 		}
 		return nil, nil
 	}
@@ -130,6 +148,12 @@ func TestDaemonRestartsConntrackdThatExits(t *testing.T) {
 	if len(starts) != 2 || starts[0] != starts[1] {
 		t.Fatalf("want 2 starts with one configuration, got %d", len(starts))
 	}
+	f.mu.Lock()
+	flushes := f.flushes
+	f.mu.Unlock()
+	if flushes != 2 {
+		t.Errorf("the cache was emptied %d times after 2 starts, want 2: a restarted conntrackd holds the other routers' copies as its own", flushes)
+	}
 	select {
 	case <-procs[1].stopped:
 	default:
@@ -172,6 +196,38 @@ func TestDaemonFollowsThePools(t *testing.T) {
 	case <-procs[0].stopped:
 	default:
 		t.Error("the conntrackd of the old pools was not stopped")
+	}
+}
+
+func TestDaemonStopsConntrackdWhoseCacheCannotBeEmptied(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits for the cache timeout")
+	}
+	ps := &pools{}
+	ps.set("203.0.113.0/24")
+	log, hook := test.NewNullLogger()
+	d := &Daemon{Binary: "conntrackd", Config: testConfig(t.TempDir()), Pools: ps.get, Refresh: time.Hour, Log: log}
+	f := newFakeExec()
+	f.flushFails = 1 << 30 // never answers
+	f.install(d)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	f.waitStart(t)
+	deadline := time.Now().Add(3 * cacheTimeout)
+	for !hasLog(hook, "conntrackd not started: flows will not survive a router failover") {
+		if time.Now().After(deadline) {
+			t.Fatal("no error logged for a conntrackd whose cache could not be emptied")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	cancel()
+	<-done
+	_, procs, _ := f.snapshot()
+	select {
+	case <-procs[0].stopped:
+	default:
+		t.Error("the conntrackd whose cache held the other routers' copies was left running")
 	}
 }
 

@@ -320,3 +320,37 @@ func conntrackdCPU(t *testing.T, cfg Config) time.Duration {
 	t.Fatalf("no conntrackd runs with %s", cfg.ConfigFile())
 	return 0
 }
+
+// TestSyncRestartDoesNotResendCopies: a conntrackd restarted on A reads
+// the kernel table, B's copies included, into the cache of A's own
+// entries; the Daemon empties that cache, so when B's flow ends, A's bulk
+// send does not bring it back to life on B (it did before: the ended flow
+// came back with its old mark and state, again at every bulk send).
+func TestSyncRestartDoesNotResendCopies(t *testing.T) {
+	requireConntrackd(t)
+	a, b := newSyncPair(t)
+	client, vip := netip.MustParseAddr("192.0.2.1"), netip.MustParseAddr("203.0.113.30")
+	b.create(t, tcpFlow(client, vip, 41000, 0x1041))
+	waitFor(t, "B's entry copied to A", func() bool { return a.entries(t)[key(vip, 41000)] != nil })
+
+	a.stop()
+	startSync(t, a) // A's kernel still holds the copy
+	filter := &netlink.ConntrackFilter{}
+	if err := filter.AddProtocol(unix.IPPROTO_TCP); err != nil {
+		t.Fatal(err)
+	}
+	if err := filter.AddPort(netlink.ConntrackOrigSrcPort, 41000); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := b.nl.ConntrackDeleteFilters(netlink.ConntrackTable, unix.AF_INET, filter); err != nil || n != 1 {
+		t.Fatalf("end B's flow: %d deleted, %v", n, err)
+	}
+	waitFor(t, "the copy gone from A after the flow ended on B", func() bool { return a.entries(t)[key(vip, 41000)] == nil })
+	if out, err := exec.Command("conntrackd", "-C", a.cfg.ConfigFile(), "-B").CombinedOutput(); err != nil {
+		t.Fatalf("conntrackd -B on A: %v: %s", err, out)
+	}
+	time.Sleep(500 * time.Millisecond)
+	if e := b.entries(t)[key(vip, 41000)]; e != nil {
+		t.Fatalf("A's bulk send brought B's ended flow back on B (mark %#x, timeout %d): the restarted conntrackd sent a copy as its own", e.Mark, e.TimeOut)
+	}
+}

@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime/debug"
 	"strconv"
@@ -259,7 +260,15 @@ func startConntrackSync(ctx context.Context, o ConntrackSyncOptions, policy *liv
 	if err := d.Config.Validate(); err != nil {
 		return nil, err
 	}
-	ctx, cancel := context.WithCancel(ctx)
+	if _, err := exec.LookPath(o.Binary); err != nil {
+		return nil, fmt.Errorf("--conntrackd %s: %w", o.Binary, err)
+	}
+	if err := os.MkdirAll(o.Dir, 0o700); err != nil {
+		return nil, fmt.Errorf("--conntrack-sync-dir: %w", err)
+	}
+	// conntrackd outlives the signal: it stops when Main returns, after
+	// the BGP withdrawals, while traffic still crosses this router.
+	ctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
