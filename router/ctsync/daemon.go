@@ -98,10 +98,10 @@ func (d *Daemon) Run(ctx context.Context) error {
 		return fmt.Errorf("ctsync: %w", err)
 	}
 	var (
-		proc     process
-		exited   <-chan error
-		running  string // the configuration proc runs with
-		backoff  = minBackoff
+		proc      process
+		exited    <-chan error
+		running   string // the configuration proc runs with
+		backoff   = minBackoff
 		retry     = time.NewTimer(0) // start at once
 		refresh   = time.NewTicker(d.Refresh)
 		noPoolAt  string
