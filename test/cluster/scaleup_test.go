@@ -13,7 +13,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -109,15 +111,24 @@ func (c *cluster) scaleUp(t *testing.T, mode string) {
 			port, reusable = reusable[0], reusable[1:]
 			reused++
 		}
-		s, err := workload.StartStream(c.client, service, port, streamOpt)
+		// The greeting may wait longer than the dial: busybox's nc forks a
+		// shell per connection, slowly while new pods start on the
+		// emulated worker; a path that lost the handshake (its ACK sent
+		// elsewhere) never brings one.
+		opts := streamOpt
+		opts.GreetTimeout = 30 * time.Second
+		s, err := workload.StartStream(c.client, service, port, opts)
 		opened++
 		if err != nil {
 			if reuse {
 				reusedFailed++
-				err = fmt.Errorf("on the reused 4-tuple of a connection closed with FIN (port %d): %w", port, err)
+				err = fmt.Errorf("on the reused 4-tuple of a connection closed with FIN (port %d; the router's entry now: %s): %w", port, routerEntry(port), err)
 			}
 			failed = append(failed, failedFlow{began: began, ended: time.Now(), err: err})
 		} else {
+			if took := s.Greeted(); took > streamOpt.DialTimeout {
+				t.Logf("%.2fs after the scale-up: a flow from port %d was greeted by %s %v after its handshake (a slow pod)", began.Sub(scaled).Seconds(), port, greetedPod(s), took.Round(time.Millisecond))
+			}
 			perPod[greetedPod(s)]++
 			if took, n := s.Handshake(); n > 0 {
 				retransmitted = append(retransmitted, fmt.Sprintf("  %6.2fs after the scale-up: %d SYN(s) sent again, connected in %v, greeted by %s",
@@ -365,4 +376,24 @@ func (c *cluster) agentTimeline(t *testing.T, pods []corev1.Pod) string {
 		}
 	}
 	return strings.Join(out, "\n")
+}
+
+// routerEntry describes the router node's conntrack entry of the client's
+// flow from port to the tunnel IP: TCP state, timeout and mark (the
+// generation it was sent by, and the closing bit), for a failure report.
+func routerEntry(port uint16) string {
+	entries, err := netlink.ConntrackTableList(netlink.ConntrackTable, unix.AF_INET)
+	if err != nil {
+		return err.Error()
+	}
+	for _, f := range entries {
+		if f.Forward.Protocol == unix.IPPROTO_TCP && f.Forward.SrcPort == port && f.Forward.SrcIP.Equal(clientIP.AsSlice()) && f.Forward.DstIP.Equal(tunnelIP.AsSlice()) {
+			state := "?"
+			if tcp, ok := f.ProtoInfo.(*netlink.ProtoInfoTCP); ok {
+				state = fmt.Sprint(tcp.State)
+			}
+			return fmt.Sprintf("tcp state %s, timeout %d s, mark %#x, %d packets", state, f.TimeOut, f.Mark, f.Forward.Packets)
+		}
+	}
+	return "none"
 }

@@ -20,8 +20,15 @@ type StreamOptions struct {
 	ChunkSize int
 	// Interval is the time between chunks (default 10 ms).
 	Interval time.Duration
-	// DialTimeout bounds the connection setup (default 5 s).
+	// DialTimeout bounds the connection setup (default 5 s): the
+	// handshake and, for a Greeted stream, the greeting.
 	DialTimeout time.Duration
+	// GreetTimeout, when longer than what DialTimeout leaves after the
+	// handshake, bounds the wait for the greeting instead: a slow server
+	// then delays the stream rather than failing it, while a greeting
+	// that never comes (a broken path) still fails it (Stream.Greeted
+	// tells how long it took).
+	GreetTimeout time.Duration
 	// Greeted streams talk to a plain echo server that first sends one
 	// line, such as examples/echo.yaml's "pod=NAME" (Stream.Greeting),
 	// instead of this package's server: no ECHO command is sent.
@@ -53,6 +60,8 @@ type Stream struct {
 	// connect took, and how many SYNs the kernel sent again meanwhile.
 	connectTook    time.Duration
 	synRetransmits uint32
+	// greetTook is how long the greeting took after the handshake.
+	greetTook time.Duration
 
 	stop     chan struct{}
 	stopOnce sync.Once
@@ -93,7 +102,13 @@ func StartStreamFrom(ns netns.NsHandle, dst, src netip.AddrPort, opts StreamOpti
 	if err == nil {
 		synRetransmits = retransmits(c)
 		if opts.Greeted {
-			greeting, err = readLine(ctx, c)
+			greetCtx := ctx
+			if d, ok := ctx.Deadline(); ok && time.Until(d) < opts.GreetTimeout {
+				var cancel context.CancelFunc
+				greetCtx, cancel = context.WithTimeout(context.Background(), opts.GreetTimeout)
+				defer cancel()
+			}
+			greeting, err = readLine(greetCtx, c)
 		} else {
 			_, err = io.WriteString(c, "ECHO\n")
 		}
@@ -106,7 +121,8 @@ func StartStreamFrom(ns netns.NsHandle, dst, src netip.AddrPort, opts StreamOpti
 	}
 	s := &Stream{
 		conn: c, dst: dst, opts: opts, greeting: greeting, connectTook: connectTook, synRetransmits: synRetransmits,
-		stop: make(chan struct{}), sendDone: make(chan struct{}), recvDone: make(chan struct{}),
+		greetTook: time.Since(dialed) - connectTook,
+		stop:      make(chan struct{}), sendDone: make(chan struct{}), recvDone: make(chan struct{}),
 		stats: StreamStats{LastVerified: time.Now()},
 	}
 	go s.send()
@@ -144,6 +160,10 @@ func (s *Stream) Greeting() string { return s.greeting }
 func (s *Stream) Handshake() (took time.Duration, synRetransmits uint32) {
 	return s.connectTook, s.synRetransmits
 }
+
+// Greeted is how long a Greeted stream waited for its greeting after the
+// handshake.
+func (s *Stream) Greeted() time.Duration { return s.greetTook }
 
 // retransmits reads the connection's retransmission count (TCP_INFO's
 // tcpi_total_retrans); right after the connect, before any data, it
