@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/sirupsen/logrus"
+	"github.com/sirupsen/logrus/hooks/test"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
@@ -45,11 +46,14 @@ type syncRouter struct {
 var syncPools = []netip.Prefix{netip.MustParsePrefix("203.0.113.0/24"), netip.MustParsePrefix("2001:db8:7::/64")}
 
 // startSync runs a Daemon for r (real conntrackd, started inside r's
-// namespace) and waits until conntrackd answers on its socket.
+// namespace) and waits until the Daemon says conntrackd runs: after it
+// emptied conntrackd's cache, which would otherwise lose the entries the
+// test makes meanwhile (their ends then never sent).
 func startSync(t *testing.T, r *syncRouter) {
 	t.Helper()
 	log := logrus.New()
 	log.SetOutput(os.Stderr)
+	hook := test.NewLocal(log)
 	d := &Daemon{Binary: "conntrackd", Config: r.cfg, Pools: func() []netip.Prefix { return syncPools }, Refresh: time.Hour,
 		Log: log.WithField("router", r.cfg.Interface), enter: func() error { return netns.Set(r.ns.Handle) }}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -62,14 +66,12 @@ func startSync(t *testing.T, r *syncRouter) {
 	}()
 	r.stop = func() { cancel(); <-done }
 	t.Cleanup(r.stop)
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		if out, err := exec.Command("conntrackd", "-C", r.cfg.ConfigFile(), "-s", "network").CombinedOutput(); err == nil {
-			return
-		} else if time.Now().After(deadline) {
-			t.Fatalf("conntrackd of %s does not answer: %v: %s", r.cfg.Interface, err, out)
+	deadline := time.Now().Add(30 * time.Second)
+	for !hasLog(hook, "conntrackd started: sharing the tunnel IPs' conntrack entries with the other routers") {
+		if time.Now().After(deadline) {
+			t.Fatalf("the Daemon of %s did not start conntrackd within 30 s", r.cfg.Interface)
 		}
-		time.Sleep(50 * time.Millisecond)
+		time.Sleep(20 * time.Millisecond)
 	}
 }
 
