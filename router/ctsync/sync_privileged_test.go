@@ -129,6 +129,22 @@ func (r *syncRouter) create(t *testing.T, f *netlink.ConntrackFlow) {
 	}
 }
 
+// endFlow deletes the namespace's one IPv4 TCP entry from client port
+// sport, as the end of its flow would.
+func (r *syncRouter) endFlow(t *testing.T, sport uint16) {
+	t.Helper()
+	filter := &netlink.ConntrackFilter{}
+	if err := filter.AddProtocol(unix.IPPROTO_TCP); err != nil {
+		t.Fatal(err)
+	}
+	if err := filter.AddPort(netlink.ConntrackOrigSrcPort, sport); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := r.nl.ConntrackDeleteFilters(netlink.ConntrackTable, unix.AF_INET, filter); err != nil || n != 1 {
+		t.Fatalf("end the flow from port %d on %s: %d entries deleted, %v", sport, r.cfg.Interface, n, err)
+	}
+}
+
 // entries lists the namespace's TCP entries by client port, with their
 // marks and timeouts.
 func (r *syncRouter) entries(t *testing.T) map[string]*netlink.ConntrackFlow {
@@ -199,16 +215,7 @@ func TestSyncSharesTheTunnelIPsEntries(t *testing.T) {
 	}
 
 	// An entry that ends on A ends on B.
-	filter := &netlink.ConntrackFilter{}
-	if err := filter.AddProtocol(unix.IPPROTO_TCP); err != nil {
-		t.Fatal(err)
-	}
-	if err := filter.AddPort(netlink.ConntrackOrigSrcPort, 40001); err != nil {
-		t.Fatal(err)
-	}
-	if n, err := a.nl.ConntrackDeleteFilters(netlink.ConntrackTable, unix.AF_INET, filter); err != nil || n != 1 {
-		t.Fatalf("delete A's entry from port 40001: %d deleted, %v", n, err)
-	}
+	a.endFlow(t, 40001)
 	waitFor(t, "the IPv4 copy gone from B after its entry ended on A", func() bool { return b.entries(t)[key(vip4, 40001)] == nil })
 
 	// A restarted conntrackd on B asks A for what it holds.
@@ -337,16 +344,7 @@ func TestSyncRestartDoesNotResendCopies(t *testing.T) {
 
 	a.stop()
 	startSync(t, a) // A's kernel still holds the copy
-	filter := &netlink.ConntrackFilter{}
-	if err := filter.AddProtocol(unix.IPPROTO_TCP); err != nil {
-		t.Fatal(err)
-	}
-	if err := filter.AddPort(netlink.ConntrackOrigSrcPort, 41000); err != nil {
-		t.Fatal(err)
-	}
-	if n, err := b.nl.ConntrackDeleteFilters(netlink.ConntrackTable, unix.AF_INET, filter); err != nil || n != 1 {
-		t.Fatalf("end B's flow: %d deleted, %v", n, err)
-	}
+	b.endFlow(t, 41000)
 	waitFor(t, "the copy gone from A after the flow ended on B", func() bool { return a.entries(t)[key(vip, 41000)] == nil })
 	if out, err := exec.Command("conntrackd", "-C", a.cfg.ConfigFile(), "-B").CombinedOutput(); err != nil {
 		t.Fatalf("conntrackd -B on A: %v: %s", err, out)
