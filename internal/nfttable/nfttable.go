@@ -12,6 +12,7 @@ import (
 	"github.com/google/nftables/expr"
 	"github.com/google/nftables/userdata"
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 )
 
 // Conn opens an nftables connection in ns; netns.None() is the caller's
@@ -93,7 +94,9 @@ func Delete(ns netns.NsHandle, family nftables.TableFamily, name string) error {
 
 // Shape is one of the daemons' own tables: a single base chain on a hook
 // (at a priority, when Priority is not nil) holding Rules rules, each with
-// the comment Comment, which names the rules' version.
+// the comment Comment, which names the rules' version; or, when Comments is
+// not nil, holding one rule a comment of Comments, in that order (a table
+// whose rules differ in what they match, each comment naming its rule).
 type Shape struct {
 	Family       nftables.TableFamily
 	Table, Chain string
@@ -101,6 +104,7 @@ type Shape struct {
 	Priority     *nftables.ChainPriority
 	Rules        int
 	Comment      string
+	Comments     []string
 }
 
 // Read reports whether the shape's table is there and, when it has exactly
@@ -120,15 +124,31 @@ func (s Shape) Read(c *nftables.Conn) (present bool, rules []*nftables.Rule, err
 	if err != nil {
 		return true, nil, fmt.Errorf("listing the rules of %s %s %s: %w", familyName(s.Family), s.Table, s.Chain, err)
 	}
-	if len(rules) != s.Rules {
+	want := s.Rules
+	if s.Comments != nil {
+		want = len(s.Comments)
+	}
+	if len(rules) != want {
 		return true, nil, nil
 	}
-	for _, r := range rules {
-		if got, _ := userdata.GetString(r.UserData, userdata.TypeComment); got != s.Comment {
+	for i, r := range rules {
+		comment := s.Comment
+		if s.Comments != nil {
+			comment = s.Comments[i]
+		}
+		if got, _ := userdata.GetString(r.UserData, userdata.TypeComment); got != comment {
 			return true, nil, nil
 		}
 	}
 	return true, rules, nil
+}
+
+// IfName is an interface name as nftables compares it (meta iifname, and
+// the keys of a set of names): IFNAMSIZ bytes, zero-padded.
+func IfName(name string) []byte {
+	b := make([]byte, unix.IFNAMSIZ)
+	copy(b, name)
+	return b
 }
 
 // Packets sums the packet counters of rules.

@@ -172,7 +172,7 @@ func install(ns netns.NsHandle, t *nftables.Table, w Want, replace bool) error {
 		switch s.name {
 		case setLinks:
 			for _, l := range w.Links {
-				elems = append(elems, nftables.SetElement{Key: ifname(l)})
+				elems = append(elems, nftables.SetElement{Key: nfttable.IfName(l)})
 			}
 		default:
 			for _, a := range w.Sources {
@@ -220,14 +220,6 @@ func install(ns netns.NsHandle, t *nftables.Table, w Want, replace bool) error {
 		return fmt.Errorf("writing inet table %s (does the kernel have nf_tables and nft_ct for notrack?): %w", t.Name, err)
 	}
 	return nil
-}
-
-// ifname is an interface name as nftables keys hold it: IFNAMSIZ bytes,
-// zero-padded.
-func ifname(name string) []byte {
-	b := make([]byte, unix.IFNAMSIZ)
-	copy(b, name)
-	return b
 }
 
 // Remove deletes the table if it is there.

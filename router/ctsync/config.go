@@ -49,6 +49,16 @@ type Config struct {
 	// Dir holds the configuration file, conntrackd's lock file and its
 	// control socket.
 	Dir string
+	// Peers are the other routers' addresses on Interface (the router's
+	// own may be among them): the filter of conntrackd's port lets the
+	// sync messages in from them alone; empty, from anyone on the link
+	// (see PortFilter).
+	Peers []netip.Prefix
+}
+
+// PortFilter is the filter of conntrackd's port for c.
+func (c Config) PortFilter() PortFilter {
+	return PortFilter{Interface: c.Interface, Group: c.Group, Peers: c.Peers}
 }
 
 // ConfigFile, LockFile and SocketPath are the files conntrackd uses in Dir.
@@ -73,7 +83,7 @@ func (c Config) Validate() error {
 	case strings.ContainsAny(c.Dir, " \t\n{}#\""):
 		return fmt.Errorf("--conntrack-sync-dir %q: conntrackd's configuration cannot name a path with blanks, quotes, braces or #", c.Dir)
 	}
-	return nil
+	return c.PortFilter().Validate()
 }
 
 // Render returns conntrackd's configuration for c: FT-FW mode (every

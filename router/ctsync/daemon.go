@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/sirupsen/logrus"
+	"github.com/vishvananda/netns"
 )
 
 // DefaultRefresh is how often the router makes conntrackd send its whole
@@ -48,6 +49,16 @@ const stopTimeout = 5 * time.Second
 // new flow, a change of TCP state), the copies never do (conntrackd
 // ignores the events of its own writes). If the cache cannot be emptied,
 // conntrackd is stopped and started again later.
+//
+// conntrackd takes sync messages from anyone who reaches its port, and
+// writes what they say into the kernel table. So before each start, and
+// at every refresh, Daemon makes sure the namespace holds the filter of
+// that port (EnsurePortFilter: the port's datagrams from the peers on the
+// sync link only), and conntrackd runs only behind it: when the filter
+// cannot be written, conntrackd is stopped and the filter tried again
+// later. The filter stays when Run returns: a restarted router finds it
+// current and keeps its counters; the router removes it when it runs
+// without sync, and at --cleanup (RemovePortFilter).
 type Daemon struct {
 	// Binary is conntrackd's path or name.
 	Binary string
@@ -67,6 +78,9 @@ type Daemon struct {
 	// does (tests: enter a network namespace); that thread is then thrown
 	// away with the process.
 	enter func() error
+	// guard writes the filter of conntrackd's port (EnsurePortFilter in
+	// the router's namespace by default).
+	guard func(PortFilter) (PortFilterState, bool, error)
 }
 
 // process is a started conntrackd.
@@ -94,6 +108,13 @@ func (d *Daemon) Run(ctx context.Context) error {
 	if d.command == nil {
 		d.command = runExec
 	}
+	if d.guard == nil {
+		d.guard = func(f PortFilter) (PortFilterState, bool, error) { return EnsurePortFilter(netns.None(), f) }
+	}
+	if len(d.Config.Peers) == 0 {
+		d.Log.WithField("interface", d.Config.Interface).Warn("no --conntrack-sync-peers: any host on the sync link can write conntrack entries, marks included, into this router's table; " +
+			"the filter of conntrackd's port keeps out only what arrives on other interfaces (set the other routers' addresses on the link)")
+	}
 	if err := os.MkdirAll(d.Config.Dir, 0o700); err != nil {
 		return fmt.Errorf("ctsync: %w", err)
 	}
@@ -118,14 +139,19 @@ func (d *Daemon) Run(ctx context.Context) error {
 		}
 	}
 	defer stop()
+	// retryLater logs why conntrackd does not run, and when it is tried
+	// again.
+	retryLater := func(err error, msg string) {
+		d.Log.WithError(err).WithField("retry_in", backoff).Error(msg)
+		retry.Reset(backoff)
+		backingOff = true
+		backoff = min(2*backoff, maxBackoff)
+	}
 	// launch starts conntrackd with conf, or explains why not and when it
 	// tries again.
 	launch := func(conf string) {
 		if err := d.prepare(conf); err != nil {
-			d.Log.WithError(err).WithField("retry_in", backoff).Error("conntrackd not started: flows will not survive a router failover")
-			retry.Reset(backoff)
-			backingOff = true
-			backoff = min(2*backoff, maxBackoff)
+			retryLater(err, "conntrackd not started: flows will not survive a router failover")
 			return
 		}
 		p, err := d.start(d.Binary, []string{"-C", d.Config.ConfigFile()}, d.logLine)
@@ -135,15 +161,34 @@ func (d *Daemon) Run(ctx context.Context) error {
 			}
 		}
 		if err != nil {
-			d.Log.WithError(err).WithField("retry_in", backoff).Error("conntrackd not started: flows will not survive a router failover")
-			retry.Reset(backoff)
-			backingOff = true
-			backoff = min(2*backoff, maxBackoff)
+			retryLater(err, "conntrackd not started: flows will not survive a router failover")
 			return
 		}
 		proc, exited, running, startedAt = p, p.Exited(), conf, time.Now()
 		d.Log.WithFields(logrus.Fields{"interface": d.Config.Interface, "address": d.Config.Address, "group": d.Config.Group,
 			"pools": d.prefixes()}).Info("conntrackd started: sharing the tunnel IPs' conntrack entries with the other routers")
+	}
+	// ensureFilter makes sure the filter of conntrackd's port is there,
+	// and says when it dropped datagrams; when it cannot, it stops
+	// conntrackd and returns false.
+	var dropped uint64 // the filter's count at its last check
+	ensureFilter := func() bool {
+		st, changed, err := d.guard(d.Config.PortFilter())
+		if err != nil {
+			stop()
+			retryLater(err, "conntrackd not running: the filter of its port cannot be written, and conntrackd would take sync messages from anyone")
+			return false
+		}
+		if changed {
+			d.Log.WithField("rules", st.Rules).Info("wrote the filter of conntrackd's port (nftables table ip " + PortFilterTable + "): sync messages only from the peers on the sync link")
+			dropped = 0
+		}
+		if st.Dropped > dropped {
+			d.Log.WithFields(logrus.Fields{"dropped": st.Dropped - dropped, "dropped_total": st.Dropped, "peers": d.Config.Peers, "interface": d.Config.Interface}).
+				Warn("the filter of conntrackd's port dropped datagrams from outside the peers or the sync link: if a router sent them, add its address on the link to --conntrack-sync-peers (its entries do not get here)")
+		}
+		dropped = st.Dropped
+		return true
 	}
 	// converge starts, restarts or stops conntrackd for the current pools.
 	converge := func() {
@@ -157,6 +202,9 @@ func (d *Daemon) Run(ctx context.Context) error {
 			return
 		}
 		noPoolAt = ""
+		if !ensureFilter() {
+			return
+		}
 		switch {
 		case proc == nil:
 			launch(conf)

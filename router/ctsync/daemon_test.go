@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net/netip"
 	"os"
+	"reflect"
 	"strings"
 	"sync"
 	"testing"
@@ -35,6 +36,13 @@ type fakeExec struct {
 	// flushFails makes that many cache flushes fail.
 	flushFails int
 	started    chan struct{}
+	// guards counts the writes of the port's filter (filters holds what
+	// each was asked), guardFails makes that many fail, and dropped is
+	// the filter's drop count each returns.
+	guards     int
+	filters    []PortFilter
+	guardFails int
+	dropped    uint64
 }
 
 func newFakeExec() *fakeExec { return &fakeExec{started: make(chan struct{}, 100)} }
@@ -50,6 +58,10 @@ func (f *fakeExec) install(d *Daemon) {
 		}
 		p := &fakeProcess{exited: make(chan error, 1), stopped: make(chan struct{})}
 		f.mu.Lock()
+		if f.guards == 0 {
+			f.mu.Unlock()
+			return nil, errors.New("conntrackd started before its port's filter was written")
+		}
 		f.starts = append(f.starts, string(conf))
 		f.procs = append(f.procs, p)
 		f.mu.Unlock()
@@ -59,6 +71,17 @@ func (f *fakeExec) install(d *Daemon) {
 		}
 		f.started <- struct{}{}
 		return p, nil
+	}
+	d.guard = func(pf PortFilter) (PortFilterState, bool, error) {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		f.filters = append(f.filters, pf)
+		if f.guardFails > 0 {
+			f.guardFails--
+			return PortFilterState{}, false, errors.New("netlink: operation not supported")
+		}
+		f.guards++
+		return PortFilterState{Present: true, Current: true, Dropped: f.dropped}, f.guards == 1, nil
 	}
 	d.command = func(ctx context.Context, binary string, args ...string) ([]byte, error) {
 		f.mu.Lock()
@@ -248,5 +271,103 @@ func TestLogLinesDropsConntrackdsPrefix(t *testing.T) {
 	logLines(strings.NewReader("[Sun Nov 29 16:46:27 2026] (pid=23691) [notice] resync requested\n\nplain\n"), func(s string) { got = append(got, s) })
 	if len(got) != 2 || got[0] != "[notice] resync requested" || got[1] != "plain" {
 		t.Fatalf("got %q", got)
+	}
+}
+
+// TestDaemonRunsConntrackdOnlyBehindItsPortFilter: conntrackd starts only
+// once the filter of its port is written, with the configuration's
+// interface, group and peers; a filter that cannot be written at a
+// refresh stops conntrackd until it can; the filter's drops are logged
+// when their count grows.
+func TestDaemonRunsConntrackdOnlyBehindItsPortFilter(t *testing.T) {
+	ps := &pools{}
+	ps.set("203.0.113.0/24")
+	log, hook := test.NewNullLogger()
+	cfg := testConfig(t.TempDir())
+	cfg.Peers = []netip.Prefix{netip.MustParsePrefix("10.99.0.2/32")}
+	d := &Daemon{Binary: "conntrackd", Config: cfg, Pools: ps.get, Refresh: 50 * time.Millisecond, Log: log}
+	f := newFakeExec()
+	f.guardFails = 1
+	f.install(d)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+
+	f.waitStart(t) // after the back-off of the failed first write
+	const notWritten = "conntrackd not running: the filter of its port cannot be written, and conntrackd would take sync messages from anyone"
+	if n := countLogs(hook, notWritten); n != 1 {
+		t.Errorf("the failed write was logged %d times, want once", n)
+	}
+	f.mu.Lock()
+	if want := (PortFilter{Interface: "sync0", Group: DefaultGroup, Peers: cfg.Peers}); len(f.filters) == 0 || !reflect.DeepEqual(f.filters[0], want) {
+		t.Errorf("filter asked for %+v, want %+v", f.filters, want)
+	}
+	f.dropped = 5
+	f.mu.Unlock()
+	const droppedMsg = "the filter of conntrackd's port dropped datagrams from outside the peers or the sync link: if a router sent them, add its address on the link to --conntrack-sync-peers (its entries do not get here)"
+	waitLog(t, hook, droppedMsg)
+	// The count stays: said once.
+	f.mu.Lock()
+	guards := f.guards
+	f.mu.Unlock()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		f.mu.Lock()
+		more := f.guards > guards+2
+		f.mu.Unlock()
+		if more {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no refresh checked the filter within 10 s at a 50 ms refresh")
+		}
+	}
+	if n := countLogs(hook, droppedMsg); n != 1 {
+		t.Errorf("5 drops were logged %d times, want once", n)
+	}
+	for _, e := range hook.AllEntries() {
+		if e.Message == droppedMsg && (e.Data["dropped"] != uint64(5) || e.Data["dropped_total"] != uint64(5)) {
+			t.Errorf("drops logged with %v", e.Data)
+		}
+	}
+	if hasLog(hook, noPeers) {
+		t.Error("the missing peers were logged although the peers are set")
+	}
+
+	// A refresh that cannot write the filter stops conntrackd.
+	f.mu.Lock()
+	f.guardFails = 1
+	f.mu.Unlock()
+	_, procs, _ := f.snapshot()
+	select {
+	case <-procs[0].stopped:
+	case <-time.After(10 * time.Second):
+		t.Fatal("conntrackd kept running after its port's filter could not be written")
+	}
+	f.waitStart(t) // again, once the filter is written
+}
+
+const noPeers = "no --conntrack-sync-peers: any host on the sync link can write conntrack entries, marks included, into this router's table; " +
+	"the filter of conntrackd's port keeps out only what arrives on other interfaces (set the other routers' addresses on the link)"
+
+func TestDaemonWarnsWithoutPeers(t *testing.T) {
+	ps := &pools{}
+	ps.set("203.0.113.0/24")
+	f, hook, stop := runDaemon(t, time.Hour, ps)
+	f.waitStart(t)
+	stop()
+	if n := countLogs(hook, noPeers); n != 1 {
+		t.Errorf("the missing peers were logged %d times, want once", n)
+	}
+}
+
+func waitLog(t *testing.T, hook *test.Hook, msg string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !hasLog(hook, msg) {
+		if time.Now().After(deadline) {
+			t.Fatalf("not logged within 10 s: %q", msg)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }

@@ -41,6 +41,8 @@ type syncRouter struct {
 	nl   *netlink.Handle // netfilter netlink, for conntrack
 	cfg  Config
 	stop func()
+	// noFilter runs conntrackd without the filter of its port.
+	noFilter bool
 }
 
 var syncPools = []netip.Prefix{netip.MustParsePrefix("203.0.113.0/24"), netip.MustParsePrefix("2001:db8:7::/64")}
@@ -55,7 +57,13 @@ func startSync(t *testing.T, r *syncRouter) {
 	log.SetOutput(os.Stderr)
 	hook := test.NewLocal(log)
 	d := &Daemon{Binary: "conntrackd", Config: r.cfg, Pools: func() []netip.Prefix { return syncPools }, Refresh: time.Hour,
-		Log: log.WithField("router", r.cfg.Interface), enter: func() error { return netns.Set(r.ns.Handle) }}
+		Log: log.WithField("router", r.cfg.Interface), enter: func() error { return netns.Set(r.ns.Handle) },
+		guard: func(f PortFilter) (PortFilterState, bool, error) {
+			if r.noFilter {
+				return PortFilterState{}, false, nil
+			}
+			return EnsurePortFilter(r.ns.Handle, f)
+		}}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
@@ -76,7 +84,7 @@ func startSync(t *testing.T, r *syncRouter) {
 }
 
 // newSyncPair makes two namespaces joined by a veth pair (the sync link)
-// and starts a conntrackd in each.
+// and starts a conntrackd in each, each the other's peer.
 func newSyncPair(t *testing.T) (a, b *syncRouter) {
 	a = &syncRouter{ns: testnetns.New(t)}
 	b = &syncRouter{ns: testnetns.New(t)}
@@ -99,7 +107,8 @@ func newSyncPair(t *testing.T) (a, b *syncRouter) {
 			t.Fatal(err)
 		}
 		r.nl = r.ns.IPSets() // a NETLINK_NETFILTER handle in the namespace
-		r.cfg = Config{Interface: name, Address: addr, Group: DefaultGroup, Dir: t.TempDir()}
+		peer := netip.AddrFrom4([4]byte{10, 99, 0, byte(2 - i)})
+		r.cfg = Config{Interface: name, Address: addr, Group: DefaultGroup, Dir: t.TempDir(), Peers: []netip.Prefix{netip.PrefixFrom(peer, 32)}}
 	}
 	startSync(t, a)
 	startSync(t, b)

@@ -3,6 +3,7 @@ package startup
 import (
 	"flag"
 	"fmt"
+	"net/netip"
 	"os"
 	"strconv"
 	"strings"
@@ -71,6 +72,9 @@ type ConntrackSyncOptions struct {
 	Refresh   time.Duration
 	Dir       string
 	Binary    string
+	// Peers are the other routers' addresses on Interface, from which
+	// alone conntrackd's port takes datagrams (--conntrack-sync-peers).
+	Peers []netip.Prefix
 }
 
 // DefaultConntrackSyncDir is where the router keeps conntrackd's files.
@@ -116,6 +120,13 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.GRE6Device, "gre6-device", o.GRE6Device, "name of the flow-based ip6gre device carrying IPv6 tunnel IPs (gre mode)")
 	fs.StringVar(&o.ConntrackSync.Interface, "conntrack-sync-interface", "", "link every router shares (its IPv4 address sends): run conntrackd, which copies each router's conntrack entries for the pools' tunnel IPs, marks included, into the other routers' tables, so that a flow moved to another router (failover) keeps its generation and a draining pod keeps its flows; empty: off (needs --generations > 1 and conntrackd on PATH or --conntrackd)")
 	fs.IntVar(&o.ConntrackSync.Group, "conntrack-sync-group", ctsync.DefaultGroup, "UDP port of conntrackd's multicast group "+ctsync.DefaultMulticastAddress.String()+": the same on every router of a cluster, another for another cluster on the same link")
+	fs.Func("conntrack-sync-peers", "the other routers' IPv4 addresses on --conntrack-sync-interface, addresses or CIDRs separated by commas (the same list on every router: its own address may be in it): "+
+		"the router's nftables table "+ctsync.PortFilterTable+" drops every datagram to conntrackd's port but those from them on that interface; "+
+		"empty: from any host on that interface (a warning: any host on the link can write conntrack entries)", func(s string) error {
+		peers, err := ctsync.ParsePeers(s)
+		o.ConntrackSync.Peers = peers
+		return err
+	})
 	fs.DurationVar(&o.ConntrackSync.Refresh, "conntrack-sync-refresh", ctsync.DefaultRefresh, "how often conntrackd sends its whole cache to the other routers (their copies expire 300 s after a send), and the pools are checked for a change of its filter")
 	fs.StringVar(&o.ConntrackSync.Dir, "conntrack-sync-dir", DefaultConntrackSyncDir, "directory of conntrackd's configuration, lock file and control socket")
 	fs.StringVar(&o.ConntrackSync.Binary, "conntrackd", "conntrackd", "conntrackd's path (the router's image has it)")
@@ -159,6 +170,9 @@ func (o *Options) Parse(fs *flag.FlagSet, args []string) error {
 		// One device the operator made may carry both families; two the
 		// router creates are of two kinds (gre, ip6gre).
 		return fmt.Errorf("--gre6-device %q: --gre-device has that name, and the router creates a device of each kind", o.GRE6Device)
+	}
+	if len(o.ConntrackSync.Peers) > 0 && o.ConntrackSync.Interface == "" && !o.Cleanup && !o.KernelCheckOnly {
+		return fmt.Errorf("--conntrack-sync-peers %v: needs --conntrack-sync-interface, the link they are on (without it there is no conntrack sync)", o.ConntrackSync.Peers)
 	}
 	if o.ConntrackSync.Interface != "" && !o.Cleanup && !o.KernelCheckOnly {
 		if o.Generations < 2 {

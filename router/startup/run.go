@@ -117,6 +117,9 @@ func Main(args []string) error {
 		if err := carrierexempt.Remove(netns.None()); err != nil {
 			return fmt.Errorf("cleanup: the carrier's conntrack exemption: %w", err)
 		}
+		if err := ctsync.RemovePortFilter(netns.None()); err != nil {
+			return fmt.Errorf("cleanup: the filter of conntrackd's port: %w", err)
+		}
 		entry.Info("removed everything the router owned")
 		if o.WaitAfterCleanup {
 			return daemon.WaitAfterCleanup(ctx, o.MetricsAddress, entry)
@@ -178,6 +181,10 @@ func Main(args []string) error {
 			return err
 		}
 		defer stopSync()
+	} else if err := ctsync.RemovePortFilter(netns.None()); err != nil {
+		// An earlier run's filter only drops datagrams that nothing
+		// listens for now.
+		entry.WithError(err).WithField("table", "ip "+ctsync.PortFilterTable).Warn("cannot remove the filter of conntrackd's port that a run with --conntrack-sync-interface left")
 	}
 	ctrl.SetMetrics(meter)
 	ctrl.SetAfterResync(debug.FreeOSMemory)
@@ -245,7 +252,7 @@ func startConntrackSync(ctx context.Context, o ConntrackSyncOptions, policy *liv
 	}
 	d := &ctsync.Daemon{
 		Binary: o.Binary,
-		Config: ctsync.Config{Interface: o.Interface, Address: addr, Group: o.Group, Dir: o.Dir},
+		Config: ctsync.Config{Interface: o.Interface, Address: addr, Group: o.Group, Dir: o.Dir, Peers: o.Peers},
 		Pools: func() []netip.Prefix {
 			pools := policy.Get().Pools
 			out := make([]netip.Prefix, len(pools))

@@ -91,7 +91,9 @@ func (l *Lab) routerDaemon(n *Node) *Daemon {
 	}, common...)
 	if l.Opts.ConntrackSync {
 		args = append(args, "--conntrack-sync-interface", SyncLink,
-			"--conntrack-sync-dir", filepath.Join(l.Opts.WorkDir, "conntrackd@"+n.Name))
+			"--conntrack-sync-dir", filepath.Join(l.Opts.WorkDir, "conntrackd@"+n.Name),
+			// Only the other routers' datagrams reach conntrackd.
+			"--conntrack-sync-peers", l.syncPeers(n))
 	}
 	return l.daemon("tunnel-router", n, append(args, l.Opts.RouterArgs...), common)
 }

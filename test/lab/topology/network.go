@@ -250,18 +250,36 @@ func (l *Lab) buildSyncLink(ctx context.Context) error {
 		return err
 	}
 	for i, r := range l.Routers {
-		addr := syncNet.Addr().As4()
-		addr[3] = byte(i + 1)
 		if err := script(ctx,
 			fmt.Sprintf("-n %s link add %s type veth peer name %s netns %s", r.Name, SyncLink, syncPort(r), gw),
 			fmt.Sprintf("-n %s link set %s master %s up", gw, syncPort(r), SyncBridge),
-			fmt.Sprintf("-n %s addr add %s/%d dev %s", r.Name, netip.AddrFrom4(addr), syncNet.Bits(), SyncLink),
+			fmt.Sprintf("-n %s addr add %s/%d dev %s", r.Name, syncAddr(i), syncNet.Bits(), SyncLink),
 			fmt.Sprintf("-n %s link set %s up", r.Name, SyncLink),
 		); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// syncAddr is the address of the i-th router (of Lab.Routers) on SyncLink:
+// 172.21.0.1, .2, ...
+func syncAddr(i int) netip.Addr {
+	addr := syncNet.Addr().As4()
+	addr[3] = byte(i + 1)
+	return netip.AddrFrom4(addr)
+}
+
+// syncPeers is --conntrack-sync-peers for router n: the other routers'
+// SyncLink addresses, comma-separated.
+func (l *Lab) syncPeers(n *Node) string {
+	var peers []string
+	for i, r := range l.Routers {
+		if r != n {
+			peers = append(peers, syncAddr(i).String())
+		}
+	}
+	return strings.Join(peers, ",")
 }
 
 // syncPort is the gateway's end of a router's SyncLink.

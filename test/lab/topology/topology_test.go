@@ -59,3 +59,15 @@ func TestServiceFamilies(t *testing.T) {
 		t.Errorf("IPv6 slice name %q", got)
 	}
 }
+
+// Each router takes conntrackd's messages from the other routers' sync
+// addresses alone.
+func TestSyncPeersAreTheOtherRouters(t *testing.T) {
+	l := testLab()
+	l.Routers = append(l.Routers, &Node{Host: Host{Name: "router-c"}, Tunnel: true})
+	for i, want := range []string{"172.21.0.2,172.21.0.3", "172.21.0.1,172.21.0.3", "172.21.0.1,172.21.0.2"} {
+		if got := l.syncPeers(l.Routers[i]); got != want {
+			t.Errorf("%s: --conntrack-sync-peers %q, want %q", l.Routers[i].Name, got, want)
+		}
+	}
+}
