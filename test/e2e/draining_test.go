@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net/netip"
@@ -349,9 +350,12 @@ func drainAnnotated(t *testing.T, e *env, vips []netip.Addr, y *topology.Pod) {
 	})
 }
 
-// drainFailover: router-a dies while x drains (step f). router-b has no
-// conntrack entry for the flows that crossed router-a, so it sends them by
-// its current table: those to x break (the known limit), the others stay.
+// drainFailover: router-a dies while x drains (step f). router-b holds a
+// copy of the conntrack entry of each flow that crossed router-a (conntrackd),
+// mark included, so it sends each by the generation it started in: none
+// breaks, those to x included. A broken flow is reported with what both
+// routers held of it just before the failover and what router-b holds
+// after.
 func drainFailover(t *testing.T, e *env, vips []netip.Addr, x *topology.Pod) {
 	ctx := context.Background()
 	full := e.waitTunnels(t, vips, e.Pods...)
@@ -380,6 +384,15 @@ func drainFailover(t *testing.T, e *env, vips []netip.Addr, x *topology.Pod) {
 		}
 		_ = e.RouteTunnelsVia(ctx, e.Routers...)
 	})
+	// What each router holds just before the failover: a broken flow is
+	// then explained by its entries and its generation's tables on both.
+	before := make([][2]routerSnapshot, len(vips))
+	for i, vip := range vips {
+		for k, r := range []*topology.Node{dead, survivor} {
+			before[i][k] = e.snapshotRouter(ctx, r, vip)
+		}
+		t.Logf("before the failover, %s: %s", vip, generationAgreement(before[i][0], before[i][1]))
+	}
 	for i := range fs {
 		fs[i].mark()
 	}
@@ -417,8 +430,15 @@ func drainFailover(t *testing.T, e *env, vips []netip.Addr, x *topology.Pod) {
 		nX := count(f.onX)
 		t.Logf("router failover while %s drains: %d of the %d flows to %s on %s broke (those that crossed %s reached %s through the survivor's copy of their conntrack entry); of the %d other flows, %d broke (%d of the %d whose bucket moved)",
 			x.Name, brokenOnX, nX, vip, x.Name, dead.Name, survivor.Name, len(f.flows)-nX, brokenKept+brokenMoved, brokenMoved, moved)
-		if errs.n > 0 {
-			t.Logf("%s's conntrack for %s:\n%s", survivor.Name, vip, conntrackOf(survivor, vip))
+		if len(broken) > 0 {
+			after := e.snapshotRouter(ctx, survivor, vip)
+			var lines []string
+			for _, j := range broken[:min(len(broken), shownErrors)] {
+				port := f.ports[j]
+				lines = append(lines, fmt.Sprintf("port %d: before: %s; %s. after: %s",
+					port, before[i][0].describe(e, port), before[i][1].describe(e, port), after.describe(e, port)))
+			}
+			t.Logf("the first broken flows to %s, as the routers held them:\n%s", vip, strings.Join(lines, "\n"))
 		}
 		errs.Done("flows broke")
 	})
@@ -632,6 +652,103 @@ func brokenFlows(flows []*workload.Stream, before []int64, since time.Time) []in
 		}
 	}
 	return broken
+}
+
+// routerSnapshot is what a router held for a tunnel IP at one moment: its
+// current generation, the table of each generation it has routes in, and
+// its conntrack entries from the client to the tunnel IP by source port.
+type routerSnapshot struct {
+	name    string
+	cur     int
+	tables  map[int][]netip.Addr
+	entries map[uint16]topology.ConntrackEntry
+	err     error
+}
+
+func (e *env) snapshotRouter(ctx context.Context, r *topology.Node, vip netip.Addr) routerSnapshot {
+	s := routerSnapshot{name: r.Name, tables: map[int][]netip.Addr{}, entries: map[uint16]topology.ConntrackEntry{}}
+	var err error
+	if s.cur, err = e.CurrentGeneration(ctx, r, vip); err != nil {
+		s.err = err
+		return s
+	}
+	gens, err := e.Generations(ctx, r, vip)
+	if err != nil {
+		s.err = err
+		return s
+	}
+	for _, g := range gens {
+		if s.tables[g], err = e.GenerationTable(ctx, r, vip, g); err != nil {
+			s.err = err
+			return s
+		}
+	}
+	all, err := e.Conntrack(ctx, r)
+	if err != nil {
+		s.err = err
+		return s
+	}
+	client := topology.ClientAddrFor(vip)
+	for _, c := range all {
+		if c.Proto == "tcp" && c.Dst == vip && c.Src == client {
+			s.entries[c.SrcPort] = c
+		}
+	}
+	return s
+}
+
+// describe says what the snapshot holds of the flow from port: its
+// conntrack entry, and the pod its mark's generation sends it to.
+func (s routerSnapshot) describe(e *env, port uint16) string {
+	if s.err != nil {
+		return fmt.Sprintf("%s: %v", s.name, s.err)
+	}
+	c, ok := s.entries[port]
+	if !ok {
+		return fmt.Sprintf("%s has no entry (current generation %d)", s.name, s.cur)
+	}
+	counters := ""
+	if c.HasCounters {
+		counters = fmt.Sprintf(", %d packets", c.Packets)
+	}
+	g, ok := e.GenerationOfMark(c.Mark)
+	if !ok {
+		return fmt.Sprintf("%s: %s mark %#x%s (no generation's)", s.name, c.State, c.Mark, counters)
+	}
+	b := int(c.Mark-datapath.DefaultMarkOffset) % e.Opts.Buckets
+	to := "no route"
+	if table := s.tables[g]; table != nil && table[b].IsValid() {
+		to = table[b].String()
+		if p := e.PodByAddr(table[b]); p != nil {
+			to = p.Name
+		}
+	}
+	return fmt.Sprintf("%s: %s mark %#x%s, generation %d bucket %d -> %s (current %d)", s.name, c.State, c.Mark, counters, g, b, to, s.cur)
+}
+
+// generationAgreement compares two routers' generations: which they both
+// hold with the same table, and where they differ (a flow moved between
+// them keeps its mark, so a generation whose tables differ sends it to
+// another pod).
+func generationAgreement(a, b routerSnapshot) string {
+	if a.err != nil || b.err != nil {
+		return fmt.Sprintf("cannot compare: %v", errors.Join(a.err, b.err))
+	}
+	var same, differ, onlyOne []int
+	for g := range datapath.DefaultGenerations {
+		ta, tb := a.tables[g], b.tables[g]
+		switch {
+		case ta == nil && tb == nil:
+		case ta == nil || tb == nil:
+			onlyOne = append(onlyOne, g)
+		case slices.Equal(ta, tb):
+			same = append(same, g)
+		default:
+			differ = append(differ, g)
+		}
+	}
+	return fmt.Sprintf("current generation %d on %s, %d on %s; generations with the same table on both %v, with different tables %v, on one only %v",
+		a.cur, a.name, b.cur, b.name, same, differ, onlyOne)
 }
 
 // conntrackOf returns the router's conntrack entries towards vip, for a

@@ -112,7 +112,11 @@ func (e *env) who(t testing.TB, network string, vip netip.Addr, srcPort uint16) 
 	defer cancel()
 	id, err := workload.Who(ctx, e.client, network, netip.AddrPortFrom(vip, port), srcPort)
 	if err != nil {
-		t.Fatalf("%s to %s:%d from source port %d: %v", network, vip, port, srcPort, err)
+		trace := ""
+		if network == "tcp" && srcPort != 0 {
+			trace = "\nits conntrack entries in the lab:\n" + e.traceFlow(vip, srcPort)
+		}
+		t.Fatalf("%s to %s:%d from source port %d: %v%s", network, vip, port, srcPort, err, trace)
 	}
 	return id
 }
@@ -384,7 +388,7 @@ func startLightFlows(t testing.TB, e *env, vip netip.Addr, firstPort uint16, n i
 	for i := range flows {
 		s, err := workload.StartStream(e.client, netip.AddrPortFrom(vip, tcpPort), firstPort+uint16(i), light)
 		if err != nil {
-			t.Fatalf("flow from port %d: %v", firstPort+uint16(i), err)
+			t.Fatalf("flow from port %d: %v\nits conntrack entries in the lab:\n%s", firstPort+uint16(i), err, e.traceFlow(vip, firstPort+uint16(i)))
 		}
 		t.Cleanup(func() { _, _ = s.Stop(context.Background()) })
 		flows[i] = s
@@ -822,4 +826,44 @@ func iptablesFor(vip netip.Addr) string {
 		return "iptables"
 	}
 	return "ip6tables"
+}
+
+// traceFlow lists, for a failure report, the conntrack entries of the
+// client's TCP flow from port to vip in every namespace of the lab on its
+// way: the gateway, the routers (which one the SYN reached, how many
+// packets it forwarded, the generation's mark), the workers and the pods.
+func (e *env) traceFlow(vip netip.Addr, port uint16) string {
+	hosts := []*topology.Host{e.Gateway}
+	for _, n := range append(slices.Clone(e.Routers), e.Workers...) {
+		hosts = append(hosts, &n.Host)
+	}
+	for _, p := range e.Pods {
+		hosts = append(hosts, &p.Host)
+	}
+	client := topology.ClientAddrFor(vip)
+	var lines []string
+	for _, h := range hosts {
+		ns, err := h.NS()
+		if err != nil {
+			lines = append(lines, fmt.Sprintf("  %s: %v", h.Name, err))
+			continue
+		}
+		entries, err := topology.ConntrackIn(context.Background(), ns)
+		ns.Close()
+		if err != nil {
+			lines = append(lines, fmt.Sprintf("  %s: %v", h.Name, err))
+			continue
+		}
+		for _, c := range entries {
+			toVIP := c.Src == client && c.SrcPort == port && c.Dst == vip
+			fromVIP := c.Src == vip && c.Dst == client && c.DstPort == port // a reply seen first (a worker)
+			if c.Proto == "tcp" && (toVIP || fromVIP) {
+				lines = append(lines, fmt.Sprintf("  %s: %s", h.Name, c))
+			}
+		}
+	}
+	if len(lines) == 0 {
+		return "  none"
+	}
+	return strings.Join(lines, "\n")
 }
