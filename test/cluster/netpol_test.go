@@ -189,7 +189,12 @@ func startStreamOrFail(t *testing.T, c *cluster) *workload.Stream {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _, _ = s.Stop(context.Background()) })
+	t.Cleanup(func() {
+		// 10 s at most: a stuck flow would hold the run until TCP gives up.
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_, _ = s.Stop(ctx)
+	})
 	return s
 }
 

@@ -102,7 +102,7 @@ func networkPolicy(t *testing.T, e *env) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		t.Cleanup(func() { _, _ = s.Stop(context.Background()) })
+		t.Cleanup(func() { stopAtCleanup(s) })
 		early[i] = s
 		waitVerified(t, s, 1000, "before any policy")
 	})

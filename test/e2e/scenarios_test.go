@@ -390,7 +390,7 @@ func startLightFlows(t testing.TB, e *env, vip netip.Addr, firstPort uint16, n i
 		if err != nil {
 			t.Fatalf("flow from port %d: %v\nits conntrack entries in the lab:\n%s", firstPort+uint16(i), err, e.traceFlow(vip, firstPort+uint16(i)))
 		}
-		t.Cleanup(func() { _, _ = s.Stop(context.Background()) })
+		t.Cleanup(func() { stopAtCleanup(s) })
 		flows[i] = s
 	}
 	for _, f := range flows {
@@ -766,7 +766,7 @@ func startStream(t testing.TB, e *env, vip netip.Addr, srcPort uint16) *workload
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _, _ = s.Stop(context.Background()) })
+	t.Cleanup(func() { stopAtCleanup(s) })
 	return s
 }
 
@@ -866,4 +866,14 @@ func (e *env) traceFlow(vip netip.Addr, port uint16) string {
 		return "  none"
 	}
 	return strings.Join(lines, "\n")
+}
+
+// stopAtCleanup stops a stream when its test ends, waiting 10 s at most for
+// its last bytes: a flow that an event left stuck (its packets dropped, no
+// reset) would otherwise hold the whole run until TCP gives up, about 15
+// minutes. Whether the flow survived is the test's to check, before.
+func stopAtCleanup(s *workload.Stream) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, _ = s.Stop(ctx)
 }
