@@ -393,8 +393,11 @@ func startLightFlows(t testing.TB, e *env, vip netip.Addr, firstPort uint16, n i
 		t.Cleanup(func() { stopAtCleanup(s) })
 		flows[i] = s
 	}
-	for _, f := range flows {
-		waitVerified(t, f, 2*lightChunk, "before the event")
+	for i, f := range flows {
+		if err := awaitVerified(f, 2*lightChunk); err != nil {
+			port := firstPort + uint16(i)
+			t.Fatalf("before the event: flow from port %d: %v\nits conntrack entries in the lab:\n%s", port, err, e.traceFlow(vip, port))
+		}
 	}
 	return flows
 }
@@ -773,17 +776,25 @@ func startStream(t testing.TB, e *env, vip netip.Addr, srcPort uint16) *workload
 // waitVerified waits until the stream has verified at least n echoed bytes.
 func waitVerified(t testing.TB, s *workload.Stream, n int64, when string) {
 	t.Helper()
+	if err := awaitVerified(s, n); err != nil {
+		t.Fatalf("%s: %v", when, err)
+	}
+}
+
+// awaitVerified waits up to 30 s until the stream has n bytes echoed and
+// verified, and says why not.
+func awaitVerified(s *workload.Stream, n int64) error {
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		st := s.Stats()
 		if st.Err != nil {
-			t.Fatalf("%s: the connection broke: %v", when, st.Err)
+			return fmt.Errorf("the connection broke: %w", st.Err)
 		}
 		if st.Verified >= n {
-			return
+			return nil
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("%s: only %d of %d bytes echoed within 30 s", when, st.Verified, n)
+			return fmt.Errorf("only %d of %d bytes echoed within 30 s", st.Verified, n)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
