@@ -353,7 +353,10 @@ func drainAnnotated(t *testing.T, e *env, vips []netip.Addr, y *topology.Pod) {
 // drainFailover: router-a dies while x drains (step f). router-b holds a
 // copy of the conntrack entry of each flow that crossed router-a (conntrackd),
 // mark included, so it sends each by the generation it started in: none
-// breaks, those to x included. A broken flow is reported with what both
+// breaks, those to x included. Without the sharing (the lab's default
+// since the open defect in docs/draining.md's limits; KST_E2E_CTSYNC=1
+// turns it on) those to x break, which is measured, not asserted; the
+// others must not. A broken flow is reported with what both
 // routers held of it just before the failover and what router-b holds
 // after.
 func drainFailover(t *testing.T, e *env, vips []netip.Addr, x *topology.Pod) {
@@ -418,7 +421,9 @@ func drainFailover(t *testing.T, e *env, vips []netip.Addr, x *topology.Pod) {
 			case !isBroken[i][j]:
 			case f.onX[j]:
 				brokenOnX++
-				errs.Errorf("flow from port %d to the draining %s broke in the failover: %v", port, x.Name, f.flows[j].Stats().Err)
+				if e.Opts.ConntrackSync {
+					errs.Errorf("flow from port %d to the draining %s broke in the failover: %v", port, x.Name, f.flows[j].Stats().Err)
+				}
 			case bucketMoved:
 				brokenMoved++
 				errs.Errorf("flow from port %d to %s, whose bucket %d moved to %s, broke in the failover: %v", port, e.PodByAddr(full[i][b]).Name, b, e.PodByAddr(f.drained[b]).Name, f.flows[j].Stats().Err)
@@ -428,9 +433,13 @@ func drainFailover(t *testing.T, e *env, vips []netip.Addr, x *topology.Pod) {
 			}
 		}
 		nX := count(f.onX)
-		t.Logf("router failover while %s drains: %d of the %d flows to %s on %s broke (those that crossed %s reached %s through the survivor's copy of their conntrack entry); of the %d other flows, %d broke (%d of the %d whose bucket moved)",
-			x.Name, brokenOnX, nX, vip, x.Name, dead.Name, survivor.Name, len(f.flows)-nX, brokenKept+brokenMoved, brokenMoved, moved)
-		if len(broken) > 0 {
+		how := "those that crossed " + dead.Name + " reached " + survivor.Name + " through the survivor's copy of their conntrack entry"
+		if !e.Opts.ConntrackSync {
+			how = "KNOWN LIMIT without conntrack sync (KST_E2E_CTSYNC unset): the survivor has no entry for those that crossed " + dead.Name + " and hashes them into its current table"
+		}
+		t.Logf("router failover while %s drains: %d of the %d flows to %s on %s broke (%s); of the %d other flows, %d broke (%d of the %d whose bucket moved)",
+			x.Name, brokenOnX, nX, vip, x.Name, how, len(f.flows)-nX, brokenKept+brokenMoved, brokenMoved, moved)
+		if len(broken) > 0 && (e.Opts.ConntrackSync || brokenKept+brokenMoved > 0) {
 			after := e.snapshotRouter(ctx, survivor, vip)
 			var lines []string
 			for _, j := range broken[:min(len(broken), shownErrors)] {

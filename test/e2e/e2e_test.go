@@ -219,7 +219,7 @@ func up(t *testing.T, mode string) *env {
 	// The routers share their conntrack entries (conntrackd on a link of
 	// their own), as docs/draining.md advises for a failover while a pod
 	// drains (scenario 9).
-	l, err := topology.Up(ctx, topology.Options{Mode: mode, Log: testWriter{t}, ConntrackSync: os.Getenv("KST_E2E_NO_CTSYNC") == ""})
+	l, err := topology.Up(ctx, topology.Options{Mode: mode, Log: testWriter{t}, ConntrackSync: os.Getenv("KST_E2E_CTSYNC") != ""})
 	t.Cleanup(func() {
 		if err := l.Down(context.Background()); err != nil {
 			t.Errorf("tearing the lab down: %v", err)
