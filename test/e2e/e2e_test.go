@@ -216,9 +216,10 @@ func up(t *testing.T, mode string) *env {
 	t.Helper()
 	ctx := context.Background()
 	start := time.Now()
-	// The routers share their conntrack entries (conntrackd on a link of
-	// their own), as docs/draining.md advises for a failover while a pod
-	// drains (scenario 9).
+	// With KST_E2E_CTSYNC set, the routers share their conntrack entries
+	// (conntrackd on a link of their own), as docs/draining.md advises for
+	// a failover while a pod drains (scenario 9). Off by default while new
+	// connections fail with it on (docs/draining.md, limits).
 	l, err := topology.Up(ctx, topology.Options{Mode: mode, Log: testWriter{t}, ConntrackSync: os.Getenv("KST_E2E_CTSYNC") != ""})
 	t.Cleanup(func() {
 		if err := l.Down(context.Background()); err != nil {
