@@ -841,8 +841,9 @@ func iptablesFor(vip netip.Addr) string {
 
 // traceFlow lists, for a failure report, the conntrack entries of the
 // client's TCP flow from port to vip in every namespace of the lab on its
-// way: the gateway, the routers (which one the SYN reached, how many
-// packets it forwarded, the generation's mark), the workers and the pods.
+// way: the gateway, the routers (which one the flow reached, the packets
+// it counted, the generation's mark; the SYN is untracked, so neither its
+// entry nor its count), the workers and the pods.
 func (e *env) traceFlow(vip netip.Addr, port uint16) string {
 	hosts := []*topology.Host{e.Gateway}
 	for _, n := range append(slices.Clone(e.Routers), e.Workers...) {
