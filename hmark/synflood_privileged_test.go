@@ -23,7 +23,8 @@ import (
 // socket sends them, until the set stops growing. Then:
 //
 //   - the handshake memory is full and stays bounded: the SYN set of the
-//     tunnel IP's class holds at least 99% of SynSetMaxElements and no
+//     tunnel IP's class holds at least 99% of SynSetMaxElements (90% when
+//     the flood outlasts SynMemorySeconds on a loaded machine) and no
 //     more than that and 1% (about 131,500: the kernel lets racing adds
 //     pass maxelem by a few hundred; created with the default 1024
 //     buckets instead, it would be full at 12,288: the kernel does not
@@ -60,13 +61,19 @@ func TestStickySYNFloodInNetns(t *testing.T) {
 			t.Fatalf("flood: %v", err)
 		}
 	}
-	// Send until the set stops growing: full.
+	// Send until the set stops growing: full. Entries live
+	// SynMemorySeconds; on a loaded machine (CI runs packages side by
+	// side) the flood can outlast that, and the kernel's garbage
+	// collection then frees the oldest third of the set at a time while
+	// the flood refills it. So the set's size is sampled often and its
+	// peak is what is checked.
 	start := time.Now()
-	sent, entries := 0, 0
-	for batch := SynSetMaxElements / 4; sent < 3*SynSetMaxElements; {
+	sent, entries, peak := 0, 0, 0
+	for batch := SynSetMaxElements / 16; sent < 3*SynSetMaxElements; {
 		flood(sent, batch)
 		sent += batch
 		n, _ := synSetHeader(t, r, synSet)
+		peak = max(peak, n)
 		if n == entries || n >= SynSetMaxElements {
 			entries = n
 			break
@@ -75,18 +82,25 @@ func TestStickySYNFloodInNetns(t *testing.T) {
 	}
 	took := time.Since(start)
 	_, memory := synSetHeader(t, r, synSet)
-	t.Logf("flood: %d spoofed SYNs in %v; SYN set %s: full at %d entries (SynSetMaxElements %d), %d bytes in memory", sent, took.Round(time.Millisecond), synSet, entries, SynSetMaxElements, memory)
+	t.Logf("flood: %d spoofed SYNs in %v; SYN set %s: full at %d entries, peak %d (SynSetMaxElements %d), %d bytes in memory", sent, took.Round(time.Millisecond), synSet, entries, peak, SynSetMaxElements, memory)
 	// The kernel checks maxelem before an add without holding the set's
 	// lock across CPUs, so adds racing on both CPUs pass it by a few
 	// hundred.
-	if entries > SynSetMaxElements*101/100 {
-		t.Errorf("SYN set %s holds %d entries, more than its bound %d (and 1%%)", synSet, entries, SynSetMaxElements)
+	if peak > SynSetMaxElements*101/100 {
+		t.Errorf("SYN set %s held %d entries, more than its bound %d (and 1%%)", synSet, peak, SynSetMaxElements)
 	}
 	// Measured: full at 131,440 to 131,623 entries. With fewer buckets
 	// than SynSetHashSize it would stop short: at 12,288 with the
-	// kernel's default 1024, at 98,304 with 8192.
-	if entries < SynSetMaxElements*99/100 {
-		t.Fatalf("the flood filled SYN set %s at %d entries, want at least 99%% of SynSetMaxElements (%d): %s", synSet, entries, SynSetMaxElements, r.Run("ipset", "list", "-terse", synSet))
+	// kernel's default 1024, at 98,304 (75%) with 8192. A flood that
+	// outlasted its first entries (measured on a loaded CI machine: 22 s,
+	// last sample 128,634) is held to 90%, still above any shorter hash.
+	want := SynSetMaxElements * 99 / 100
+	if took > SynMemorySeconds*time.Second {
+		want = SynSetMaxElements * 90 / 100
+		t.Logf("the flood outlasted the SYN set's timeout (%ds): its first entries expired while it ran; want a peak of at least %d", SynMemorySeconds, want)
+	}
+	if peak < want {
+		t.Fatalf("the flood filled SYN set %s at a peak of %d entries, want at least %d (SynSetMaxElements %d): %s", synSet, peak, want, SynSetMaxElements, r.Run("ipset", "list", "-terse", synSet))
 	}
 	ct := conntrackOf(t, r)
 	if n := ct.countFrom(t, netip.MustParsePrefix("10.9.0.0/16")); n != 0 {
@@ -100,8 +114,10 @@ func TestStickySYNFloodInNetns(t *testing.T) {
 	holdH := []string{"-t", "filter", "OUTPUT", "-p", "tcp", "--sport", fmt.Sprint(portH), "!", "--syn", "-j", "DROP"}
 	c.Run(binary, slices.Insert(slices.Clone(holdH), 2, "-A")...)
 	connH := dialVIP(t, c, portH)
-	if e, _ := synSetHeader(t, r, synSet); e < entries*9/10 {
-		t.Fatalf("SYN set %s emptied to %d entries before the change (the test was too slow)", synSet, e)
+	// The checks below hold whether or not the set is still full (H's
+	// SYN found room or not); on a loaded machine it may no longer be.
+	if e, _ := synSetHeader(t, r, synSet); e < want {
+		t.Logf("SYN set %s emptied to %d entries before the change (its entries expire after %ds; the machine was slow): the checks below ran with room in the set", synSet, e, SynMemorySeconds)
 	}
 	_, testErr := r.Output("ipset", "test", synSet, fmt.Sprintf("%s,tcp:%d,%s", labClient, portH, labVIP))
 	hRemembered := testErr == nil
