@@ -647,11 +647,62 @@ func (c *cluster) openStreams(t *testing.T, n int) []*workload.Stream {
 		s, err := workload.StartStream(c.client, service, port, streamOpt)
 		if err != nil {
 			stopAll(streams)
-			t.Fatalf("flow %d of %d (client port %d): %v", len(streams)+1, n, port, err)
+			t.Fatalf("flow %d of %d (client port %d): %v\nthe flow now: %s", len(streams)+1, n, port, err, c.flowReport(port))
 		}
 		streams = append(streams, s)
 	}
 	return streams
+}
+
+// flowReport says where the client's flow from port stands, for a failure
+// report: the router's conntrack entry (its mark names the bucket and
+// generation) and every pod socket on either node that holds the flow, with
+// its TCP state and queues. A pod in SYN_RECV never got the client's ACK; an
+// established one with nothing queued has not written its greeting yet (a
+// slow server); no holder at all means the handshake's pod has dropped it.
+func (c *cluster) flowReport(port uint16) string {
+	names := map[netip.Addr]string{}
+	if pods, err := c.kube.CoreV1().Pods(exampleNamespace).List(context.Background(), metav1.ListOptions{}); err == nil {
+		for _, p := range pods.Items {
+			if ip, err := netip.ParseAddr(p.Status.PodIP); err == nil {
+				names[ip] = p.Name
+			}
+		}
+	}
+	var holders []string
+	collect := func(node string, pods []podSockets) {
+		for _, p := range pods {
+			name := p.NetNS
+			for _, a := range p.Addrs {
+				if n, ok := names[a]; ok {
+					name = n
+				}
+			}
+			for _, conn := range p.Conns {
+				if conn.Remote == netip.AddrPortFrom(clientIP, port) && conn.Local.Port() == service.Port() {
+					holders = append(holders, fmt.Sprintf("%s on %s: %s, send queue %d B, receive queue %d B", name, node, conn.State, conn.TxQueue, conn.RxQueue))
+				}
+			}
+		}
+	}
+	local, err := allPodSockets()
+	if err != nil {
+		holders = append(holders, fmt.Sprintf("%s: %v", routerNode.name, err))
+	}
+	collect(routerNode.name, local)
+	var remote []podSockets
+	b, err := c.helperGet("/sockets")
+	if err == nil {
+		err = json.Unmarshal(b, &remote)
+	}
+	if err != nil {
+		holders = append(holders, fmt.Sprintf("the worker: %v", err))
+	}
+	collect("the worker", remote)
+	if len(holders) == 0 {
+		holders = []string{"no pod socket holds it"}
+	}
+	return fmt.Sprintf("router entry: %s; pod sockets: %s", routerEntry(port), strings.Join(holders, "; "))
 }
 
 // stopAll stops every stream and returns how many failed, with the first
@@ -1159,7 +1210,10 @@ func (c *cluster) deleteRouterPod(t *testing.T) {
 		t.Fatal(err)
 	}
 	w := newPodWatch()
-	c.waitFor(t, "a new Ready router pod", 3*time.Minute, func() (bool, error) {
+	c.waitForOr(t, "a new Ready router pod", 3*time.Minute, func() string {
+		return fmt.Sprintf("the router pods' states since the deletion:\n%s\nthe router pods now:\n%s",
+			strings.Join(w.timeline, "\n"), describePods(c.daemonPods(t, "tunnel-router")))
+	}, func() (bool, error) {
 		pods := c.daemonPods(t, "tunnel-router")
 		w.update(pods)
 		return len(pods) == 1 && pods[0].UID != old[0].UID && podReady(pods[0]), nil
@@ -1189,6 +1243,39 @@ func (c *cluster) deleteRouterPod(t *testing.T) {
 		t.Errorf("the router node's kernel state changed across the router pod's replacement:\n%s", d)
 	}
 	t.Logf("%d established flows across the router pod's replacement: %d broke; kernel state unchanged: %v", flows, failed, !t.Failed())
+}
+
+// describePods describes pods for a failure report: phase, deletion, and
+// each container's restarts, state and last termination.
+func describePods(pods []corev1.Pod) string {
+	var out []string
+	for _, p := range pods {
+		line := fmt.Sprintf("  %s (uid %s) on %s: %s", p.Name, p.UID, p.Spec.NodeName, p.Status.Phase)
+		if p.DeletionTimestamp != nil {
+			line += ", deleted at " + p.DeletionTimestamp.UTC().Format(time.TimeOnly)
+		}
+		out = append(out, line)
+		for _, cs := range slices.Concat(p.Status.InitContainerStatuses, p.Status.ContainerStatuses) {
+			state := "?"
+			switch {
+			case cs.State.Running != nil:
+				state = "running since " + cs.State.Running.StartedAt.UTC().Format(time.TimeOnly)
+			case cs.State.Waiting != nil:
+				state = fmt.Sprintf("waiting: %s %s", cs.State.Waiting.Reason, cs.State.Waiting.Message)
+			case cs.State.Terminated != nil:
+				state = fmt.Sprintf("terminated: exit %d %s %s", cs.State.Terminated.ExitCode, cs.State.Terminated.Reason, cs.State.Terminated.Message)
+			}
+			line := fmt.Sprintf("    %s: ready %v, %d restarts, %s", cs.Name, cs.Ready, cs.RestartCount, state)
+			if last := cs.LastTerminationState.Terminated; last != nil {
+				line += fmt.Sprintf("; last ended with exit %d %s at %s: %s", last.ExitCode, last.Reason, last.FinishedAt.UTC().Format(time.TimeOnly), last.Message)
+			}
+			out = append(out, line)
+		}
+	}
+	if len(out) == 0 {
+		return "  none"
+	}
+	return strings.Join(out, "\n")
 }
 
 // deleteExample deletes the objects of examples/echo.yaml. The echo pods

@@ -239,6 +239,17 @@ type tcpSocket struct {
 	Local, Remote netip.AddrPort
 	// Established is the TCP_ESTABLISHED state.
 	Established bool
+	// State is the kernel's TCP state (/proc/net/tcp's st, named), and
+	// TxQueue and RxQueue the bytes in its queues, for failure reports.
+	State            string
+	TxQueue, RxQueue uint64
+}
+
+// tcpStates name /proc/net/tcp's st column (include/net/tcp_states.h).
+var tcpStates = map[string]string{
+	"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1", "05": "FIN_WAIT2",
+	"06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT", "09": "LAST_ACK", "0A": "LISTEN", "0B": "CLOSING",
+	"0C": "NEW_SYN_RECV",
 }
 
 // allPodSockets reads the sockets of every network namespace containerd
@@ -337,7 +348,16 @@ func parseProcNetTCP(text string) ([]tcpSocket, error) {
 		if err := errors.Join(err1, err2); err != nil {
 			return nil, fmt.Errorf("/proc/net/tcp line %q: %w", line, err)
 		}
-		socks = append(socks, tcpSocket{Local: local, Remote: remote, Established: f[3] == "01"})
+		sock := tcpSocket{Local: local, Remote: remote, Established: f[3] == "01", State: tcpStates[f[3]]}
+		if sock.State == "" {
+			sock.State = "st " + f[3]
+		}
+		if len(f) > 4 {
+			tx, rx, _ := strings.Cut(f[4], ":")
+			sock.TxQueue, _ = strconv.ParseUint(tx, 16, 64)
+			sock.RxQueue, _ = strconv.ParseUint(rx, 16, 64)
+		}
+		socks = append(socks, sock)
 	}
 	return socks, nil
 }
