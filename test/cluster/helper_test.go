@@ -2,8 +2,6 @@ package cluster
 
 import (
 	"context"
-	"encoding/binary"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -27,6 +25,7 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/test/lab"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/kstate"
+	"github.com/cmdnu/kube-service-tunnel/test/support/procnet"
 )
 
 // TestNodeHelper runs in lab-worker: it serves, on the nodes' link, what
@@ -235,22 +234,7 @@ type podSockets struct {
 }
 
 // tcpSocket is one line of /proc/net/tcp.
-type tcpSocket struct {
-	Local, Remote netip.AddrPort
-	// Established is the TCP_ESTABLISHED state.
-	Established bool
-	// State is the kernel's TCP state (/proc/net/tcp's st, named), and
-	// TxQueue and RxQueue the bytes in its queues, for failure reports.
-	State            string
-	TxQueue, RxQueue uint64
-}
-
-// tcpStates name /proc/net/tcp's st column (include/net/tcp_states.h).
-var tcpStates = map[string]string{
-	"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1", "05": "FIN_WAIT2",
-	"06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT", "09": "LAST_ACK", "0A": "LISTEN", "0B": "CLOSING",
-	"0C": "NEW_SYN_RECV",
-}
+type tcpSocket = procnet.TCPSocket
 
 // allPodSockets reads the sockets of every network namespace containerd
 // made for a pod.
@@ -319,7 +303,7 @@ func socketsIn(path string) (podSockets, error) {
 			b, err := os.ReadFile("/proc/thread-self/net/" + file)
 			var conns []tcpSocket
 			if err == nil {
-				conns, err = parseProcNetTCP(string(b))
+				conns, err = procnet.ParseTCP(string(b))
 			}
 			if err != nil {
 				done <- err
@@ -330,53 +314,6 @@ func socketsIn(path string) (podSockets, error) {
 		done <- nil
 	}()
 	return ps, <-done
-}
-
-// parseProcNetTCP reads /proc/net/tcp or tcp6: "sl local_address
-// rem_address st ...", an address being the hex of its in-memory (network
-// order) bytes read as host-order (little-endian) 32-bit words, and a hex
-// port. IPv4-mapped IPv6 addresses are returned as IPv4.
-func parseProcNetTCP(text string) ([]tcpSocket, error) {
-	var socks []tcpSocket
-	for i, line := range strings.Split(strings.TrimSpace(text), "\n") {
-		f := strings.Fields(line)
-		if i == 0 || len(f) < 4 {
-			continue
-		}
-		local, err1 := parseHexAddrPort(f[1])
-		remote, err2 := parseHexAddrPort(f[2])
-		if err := errors.Join(err1, err2); err != nil {
-			return nil, fmt.Errorf("/proc/net/tcp line %q: %w", line, err)
-		}
-		sock := tcpSocket{Local: local, Remote: remote, Established: f[3] == "01", State: tcpStates[f[3]]}
-		if sock.State == "" {
-			sock.State = "st " + f[3]
-		}
-		if len(f) > 4 {
-			tx, rx, _ := strings.Cut(f[4], ":")
-			sock.TxQueue, _ = strconv.ParseUint(tx, 16, 64)
-			sock.RxQueue, _ = strconv.ParseUint(rx, 16, 64)
-		}
-		socks = append(socks, sock)
-	}
-	return socks, nil
-}
-
-func parseHexAddrPort(s string) (netip.AddrPort, error) {
-	addrHex, portHex, ok := strings.Cut(s, ":")
-	b, err := hex.DecodeString(addrHex)
-	if !ok || err != nil || (len(b) != 4 && len(b) != 16) {
-		return netip.AddrPort{}, fmt.Errorf("address %q", s)
-	}
-	port, err := strconv.ParseUint(portHex, 16, 16)
-	if err != nil {
-		return netip.AddrPort{}, fmt.Errorf("port %q", s)
-	}
-	for i := 0; i < len(b); i += 4 {
-		binary.BigEndian.PutUint32(b[i:], binary.LittleEndian.Uint32(b[i:]))
-	}
-	ip, _ := netip.AddrFromSlice(b)
-	return netip.AddrPortFrom(ip.Unmap(), uint16(port)), nil
 }
 
 // netfilterState is the node's netfilter rules with their counters (both

@@ -1,7 +1,6 @@
 package cluster
 
 import (
-	"net/netip"
 	"reflect"
 	"strings"
 	"testing"
@@ -9,39 +8,6 @@ import (
 
 	"github.com/cmdnu/kube-service-tunnel/test/lab/kstate"
 )
-
-func TestParseProcNetTCP(t *testing.T) {
-	const text = `  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
-   0: 00000000:0007 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1 0000000000000000 100 0 0 10 0
-   1: 0A0200C0:0007 0A6433C6:D431 01 00000020:00000003 00:00000000 00000000     0        0 2 1 0000000000000000 20 4 30 10 -1
-`
-	socks, err := parseProcNetTCP(text)
-	if err != nil {
-		t.Fatal(err)
-	}
-	want := []tcpSocket{
-		{Local: netip.MustParseAddrPort("0.0.0.0:7"), Remote: netip.MustParseAddrPort("0.0.0.0:0"), State: "LISTEN"},
-		{Local: netip.MustParseAddrPort("192.0.2.10:7"), Remote: netip.MustParseAddrPort("198.51.100.10:54321"), Established: true, State: "ESTABLISHED", TxQueue: 0x20, RxQueue: 0x3},
-	}
-	if len(socks) != len(want) {
-		t.Fatalf("got %v, want %v", socks, want)
-	}
-	for i := range want {
-		if socks[i] != want[i] {
-			t.Errorf("socket %d: got %+v, want %+v", i, socks[i], want[i])
-		}
-	}
-	// tcp6: a server on :: and its IPv4 client, IPv4-mapped.
-	socks, err = parseProcNetTCP(`  sl  local_address                         remote_address                        st
-   0: 0000000000000000FFFF00000A0200C0:0007 0000000000000000FFFF00000A6433C6:D431 01 00000020:00000003
-`)
-	if err != nil || len(socks) != 1 || socks[0] != want[1] {
-		t.Errorf("tcp6: got %+v, %v; want %+v", socks, err, want[1])
-	}
-	if _, err := parseProcNetTCP("header\n 0: 0A00:0007 00000000:0000 0A\n"); err == nil {
-		t.Error("a 2-byte address parsed")
-	}
-}
 
 func TestGenerationSwitches(t *testing.T) {
 	log := `2026-11-28T07:12:18.58596526Z stderr F time="2026-11-28T07:12:18Z" level=info msg="starting tunnel router" generations=4

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vishvananda/netns"
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
@@ -22,6 +23,7 @@ import (
 	"github.com/cmdnu/kube-service-tunnel/test/lab/kstate"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/topology"
 	"github.com/cmdnu/kube-service-tunnel/test/lab/workload"
+	"github.com/cmdnu/kube-service-tunnel/test/support/procnet"
 )
 
 // The scenarios, in order; each serves a dual-stack Service on its own
@@ -861,10 +863,8 @@ func (e *env) traceFlow(vip netip.Addr, port uint16) string {
 			continue
 		}
 		entries, err := topology.ConntrackIn(context.Background(), ns)
-		ns.Close()
 		if err != nil {
 			lines = append(lines, fmt.Sprintf("  %s: %v", h.Name, err))
-			continue
 		}
 		for _, c := range entries {
 			toVIP := c.Src == client && c.SrcPort == port && c.Dst == vip
@@ -873,11 +873,47 @@ func (e *env) traceFlow(vip netip.Addr, port uint16) string {
 				lines = append(lines, fmt.Sprintf("  %s: %s", h.Name, c))
 			}
 		}
+		if slices.ContainsFunc(e.Pods, func(p *topology.Pod) bool { return &p.Host == h }) {
+			lines = append(lines, podTCP(h.Name, ns, client, port)...)
+		}
+		ns.Close()
 	}
 	if len(lines) == 0 {
 		return "  none"
 	}
 	return strings.Join(lines, "\n")
+}
+
+// podTCP describes, for traceFlow, a pod's sockets that hold the client's
+// flow from port (its TCP state and queues: SYN_RECV never got the client's
+// ACK) and the pod's TCP counters that count drops and resets, when not
+// zero (since the lab began: a listener's queue overflow shows there).
+func podTCP(name string, ns netns.NsHandle, client netip.Addr, port uint16) []string {
+	var lines []string
+	socks, err := procnet.TCPIn(ns)
+	if err != nil {
+		return []string{fmt.Sprintf("  %s sockets: %v", name, err)}
+	}
+	for _, s := range socks {
+		if s.Remote == netip.AddrPortFrom(client, port) {
+			lines = append(lines, fmt.Sprintf("  %s socket %s -> %s: %s, send queue %d B, receive queue %d B", name, s.Local, s.Remote, s.State, s.TxQueue, s.RxQueue))
+		}
+	}
+	counters, err := procnet.CountersIn(ns)
+	if err != nil {
+		return append(lines, fmt.Sprintf("  %s counters: %v", name, err))
+	}
+	var nonZero []string
+	for _, c := range []string{"OutRsts", "InErrs", "InCsumErrors", "ListenOverflows", "ListenDrops", "TCPBacklogDrop", "TCPReqQFullDrop",
+		"TCPAbortOnData", "TCPAbortOnClose", "TCPAbortOnTimeout", "TCPSynRetrans", "TCPTimeouts", "PAWSEstabRejected", "TCPACKSkippedSynRecv", "TCPChallengeACK"} {
+		if counters[c] != 0 {
+			nonZero = append(nonZero, fmt.Sprintf("%s %d", c, counters[c]))
+		}
+	}
+	if len(nonZero) > 0 {
+		lines = append(lines, fmt.Sprintf("  %s counters: %s", name, strings.Join(nonZero, ", ")))
+	}
+	return lines
 }
 
 // stopAtCleanup stops a stream when its test ends, waiting 10 s at most for
