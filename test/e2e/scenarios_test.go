@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"os/exec"
 	"slices"
 	"strconv"
 	"strings"
@@ -876,12 +877,76 @@ func (e *env) traceFlow(vip netip.Addr, port uint16) string {
 		if slices.ContainsFunc(e.Pods, func(p *topology.Pod) bool { return &p.Host == h }) {
 			lines = append(lines, podTCP(h.Name, ns, client, port)...)
 		}
+		if i := slices.IndexFunc(e.Routers, func(r *topology.Node) bool { return &r.Host == h }); i >= 0 {
+			lines = append(lines, e.routerDecision(e.Routers[i], vip, client, port, entries)...)
+		}
 		ns.Close()
 	}
 	if len(lines) == 0 {
 		return "  none"
 	}
 	return strings.Join(lines, "\n")
+}
+
+// routerDecision describes, for traceFlow, where router r sends the
+// client's flow from port: for the bucket of each of its conntrack entries'
+// marks, the pod of that bucket in every generation r holds (the current
+// one named), and the SYN sets that remember the flow's SYN. A handshake
+// split across two pods shows as a SYN answered by the pod of one
+// generation and an entry whose mark names another.
+func (e *env) routerDecision(r *topology.Node, vip, client netip.Addr, port uint16, entries []topology.ConntrackEntry) []string {
+	ctx := context.Background()
+	var lines []string
+	gens, err := e.Generations(ctx, r, vip)
+	if err != nil {
+		return []string{fmt.Sprintf("  %s generations: %v", r.Name, err)}
+	}
+	cur, _ := e.CurrentGeneration(ctx, r, vip)
+	tables := map[int][]netip.Addr{}
+	for _, g := range gens {
+		if tables[g], err = e.GenerationTable(ctx, r, vip, g); err != nil {
+			lines = append(lines, fmt.Sprintf("  %s generation %d: %v", r.Name, g, err))
+		}
+	}
+	for _, c := range entries {
+		gen, ok := e.GenerationOfMark(c.Mark)
+		if !ok || c.Proto != "tcp" || c.Src != client || c.SrcPort != port || c.Dst != vip {
+			continue
+		}
+		bucket := int(c.Mark-datapath.DefaultMarkOffset) % e.Opts.Buckets
+		var where []string
+		for _, g := range gens {
+			pod := "?"
+			if t := tables[g]; bucket < len(t) {
+				if p := e.PodByAddr(t[bucket]); p != nil {
+					pod = p.Name
+				} else {
+					pod = t[bucket].String()
+				}
+			}
+			note := ""
+			if g == cur {
+				note = " (current)"
+			}
+			where = append(where, fmt.Sprintf("generation %d%s: %s", g, note, pod))
+		}
+		lines = append(lines, fmt.Sprintf("  %s: mark %#x is generation %d, bucket %d; that bucket in %s", r.Name, c.Mark, gen, bucket, strings.Join(where, ", ")))
+	}
+	out, err := exec.Command("ip", "netns", "exec", r.Name, "ipset", "list", "-n").Output()
+	if err != nil {
+		return append(lines, fmt.Sprintf("  %s ipset list: %v", r.Name, err))
+	}
+	elem := fmt.Sprintf("%s,tcp:%d,%s", client, port, vip)
+	var remembered []string
+	for _, set := range strings.Fields(string(out)) {
+		if !strings.Contains(set, "-s") {
+			continue
+		}
+		if exec.Command("ip", "netns", "exec", r.Name, "ipset", "-q", "test", set, elem).Run() == nil {
+			remembered = append(remembered, set)
+		}
+	}
+	return append(lines, fmt.Sprintf("  %s: SYN remembered in %v (SYN sets keep a SYN %d s)", r.Name, remembered, hmark.SynMemorySeconds))
 }
 
 // podTCP describes, for traceFlow, a pod's sockets that hold the client's
