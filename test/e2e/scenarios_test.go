@@ -4,8 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
-	"os/exec"
 	"slices"
 	"strconv"
 	"strings"
@@ -13,7 +13,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/cmdnu/kube-service-tunnel/hmark"
@@ -932,21 +934,41 @@ func (e *env) routerDecision(r *topology.Node, vip, client netip.Addr, port uint
 		}
 		lines = append(lines, fmt.Sprintf("  %s: mark %#x is generation %d, bucket %d; that bucket in %s", r.Name, c.Mark, gen, bucket, strings.Join(where, ", ")))
 	}
-	out, err := exec.Command("ip", "netns", "exec", r.Name, "ipset", "list", "-n").Output()
+	ns, err := r.NS()
 	if err != nil {
-		return append(lines, fmt.Sprintf("  %s ipset list: %v", r.Name, err))
+		return append(lines, fmt.Sprintf("  %s: %v", r.Name, err))
 	}
-	elem := fmt.Sprintf("%s,tcp:%d,%s", client, port, vip)
+	defer ns.Close()
+	h, err := netlink.NewHandleAt(ns, unix.NETLINK_NETFILTER)
+	if err != nil {
+		return append(lines, fmt.Sprintf("  %s: %v", r.Name, err))
+	}
+	defer h.Close()
+	sets, err := h.IpsetListAll()
+	if err != nil {
+		return append(lines, fmt.Sprintf("  %s: listing ipsets: %v", r.Name, err))
+	}
 	var remembered []string
-	for _, set := range strings.Fields(string(out)) {
-		if !strings.Contains(set, "-s") {
+	for _, set := range sets {
+		if !strings.Contains(set.SetName, "-s") {
 			continue
 		}
-		if exec.Command("ip", "netns", "exec", r.Name, "ipset", "-q", "test", set, elem).Run() == nil {
-			remembered = append(remembered, set)
+		for _, m := range set.Entries {
+			if m.Port != nil && *m.Port == port && client.Compare(addrOf(m.IP)) == 0 && vip.Compare(addrOf(m.IP2)) == 0 {
+				left := "?"
+				if m.Timeout != nil {
+					left = fmt.Sprint(*m.Timeout)
+				}
+				remembered = append(remembered, fmt.Sprintf("%s (%s s left)", set.SetName, left))
+			}
 		}
 	}
 	return append(lines, fmt.Sprintf("  %s: SYN remembered in %v (SYN sets keep a SYN %d s)", r.Name, remembered, hmark.SynMemorySeconds))
+}
+
+func addrOf(ip net.IP) netip.Addr {
+	a, _ := netip.AddrFromSlice(ip)
+	return a.Unmap()
 }
 
 // podTCP describes, for traceFlow, a pod's sockets that hold the client's
