@@ -95,6 +95,9 @@ type env struct {
 	client netns.NsHandle
 	// servers are the pods' servers by pod name.
 	servers map[string]*workload.Server
+	// conntrackEvents record each router's and pod's TCP conntrack
+	// events, by host name, for traceFlow.
+	conntrackEvents map[string]*topology.ConntrackRecorder
 }
 
 // tunnelIPs are the scenario's tunnel IPs number i: one of each family,
@@ -248,8 +251,29 @@ func up(t *testing.T, mode string) *env {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { client.Close() })
+	recorders := map[string]*topology.ConntrackRecorder{}
+	hosts := []*topology.Host{}
+	for _, r := range l.Routers {
+		hosts = append(hosts, &r.Host)
+	}
+	for _, p := range l.Pods {
+		hosts = append(hosts, &p.Host)
+	}
+	for _, h := range hosts {
+		ns, err := h.NS()
+		if err != nil {
+			t.Fatal(err)
+		}
+		rec, err := topology.RecordConntrack(ns)
+		ns.Close()
+		if err != nil {
+			t.Fatalf("%s: %v", h.Name, err)
+		}
+		t.Cleanup(rec.Close)
+		recorders[h.Name] = rec
+	}
 	t.Logf("lab up in %s mode in %v", mode, time.Since(start).Round(time.Millisecond))
-	return &env{Lab: l, client: client, servers: servers}
+	return &env{Lab: l, client: client, servers: servers, conntrackEvents: recorders}
 }
 
 type testWriter struct{ t *testing.T }

@@ -882,6 +882,15 @@ func (e *env) traceFlow(vip netip.Addr, port uint16) string {
 		if i := slices.IndexFunc(e.Routers, func(r *topology.Node) bool { return &r.Host == h }); i >= 0 {
 			lines = append(lines, e.routerDecision(e.Routers[i], vip, client, port, entries)...)
 		}
+		if rec := e.conntrackEvents[h.Name]; rec != nil {
+			evs, note := rec.Of(client, port, vip)
+			for _, ev := range evs {
+				lines = append(lines, fmt.Sprintf("  %s event %s", h.Name, ev))
+			}
+			if note != "" {
+				lines = append(lines, fmt.Sprintf("  %s events: %s", h.Name, note))
+			}
+		}
 		ns.Close()
 	}
 	if len(lines) == 0 {
