@@ -14,6 +14,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -95,8 +96,8 @@ type env struct {
 	client netns.NsHandle
 	// servers are the pods' servers by pod name.
 	servers map[string]*workload.Server
-	// conntrackEvents record each router's and pod's TCP conntrack
-	// events, by host name, for traceFlow.
+	// conntrackEvents record the TCP conntrack events of the gateway and
+	// of each node and pod, by host name, for traceFlow.
 	conntrackEvents map[string]*topology.ConntrackRecorder
 }
 
@@ -252,9 +253,9 @@ func up(t *testing.T, mode string) *env {
 	}
 	t.Cleanup(func() { client.Close() })
 	recorders := map[string]*topology.ConntrackRecorder{}
-	hosts := []*topology.Host{}
-	for _, r := range l.Routers {
-		hosts = append(hosts, &r.Host)
+	hosts := []*topology.Host{l.Gateway}
+	for _, n := range append(slices.Clone(l.Routers), l.Workers...) {
+		hosts = append(hosts, &n.Host)
 	}
 	for _, p := range l.Pods {
 		hosts = append(hosts, &p.Host)

@@ -271,12 +271,27 @@ func (e *env) routerSum(t testing.TB, prefix, label string) (int, []string) {
 // with prefix and contain label, and returns them.
 func metricSum(t testing.TB, nodes []*topology.Node, read func(context.Context, *topology.Node, ...string) ([]string, error), prefix, label string) (int, []string) {
 	t.Helper()
+	total, lines, err := metricLines(nodes, read, prefix, label)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return total, lines
+}
+
+// metricSumErr is metricSum's total, for a failure report (an error is
+// returned, not fatal).
+func metricSumErr(nodes []*topology.Node, read func(context.Context, *topology.Node, ...string) ([]string, error), prefix, label string) (int, error) {
+	total, _, err := metricLines(nodes, read, prefix, label)
+	return total, err
+}
+
+func metricLines(nodes []*topology.Node, read func(context.Context, *topology.Node, ...string) ([]string, error), prefix, label string) (int, []string, error) {
 	total := 0
 	var lines []string
 	for _, n := range nodes {
 		ms, err := read(context.Background(), n, prefix)
 		if err != nil {
-			t.Fatalf("metrics of %s: %v", n.Name, err)
+			return 0, nil, fmt.Errorf("metrics of %s: %w", n.Name, err)
 		}
 		for _, m := range ms {
 			if !strings.Contains(m, label) {
@@ -285,13 +300,13 @@ func metricSum(t testing.TB, nodes []*topology.Node, read func(context.Context, 
 			fields := strings.Fields(m)
 			v, err := strconv.ParseFloat(fields[len(fields)-1], 64)
 			if err != nil {
-				t.Fatalf("metric line %q: %v", m, err)
+				return 0, nil, fmt.Errorf("metric line %q: %w", m, err)
 			}
 			total += int(v)
 			lines = append(lines, m)
 		}
 	}
-	return total, lines
+	return total, lines, nil
 }
 
 // timeToRules waits until the agents have written every pod's filter

@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 
+	"github.com/cmdnu/kube-service-tunnel/endpoint/guard"
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/router"
@@ -876,8 +877,9 @@ func (e *env) traceFlow(vip netip.Addr, port uint16) string {
 				lines = append(lines, fmt.Sprintf("  %s: %s", h.Name, c))
 			}
 		}
-		if slices.ContainsFunc(e.Pods, func(p *topology.Pod) bool { return &p.Host == h }) {
+		if i := slices.IndexFunc(e.Pods, func(p *topology.Pod) bool { return &p.Host == h }); i >= 0 {
 			lines = append(lines, podTCP(h.Name, ns, client, port)...)
+			lines = append(lines, e.podGuardDrops(e.Pods[i]))
 		}
 		if i := slices.IndexFunc(e.Routers, func(r *topology.Node) bool { return &r.Host == h }); i >= 0 {
 			lines = append(lines, e.routerDecision(e.Routers[i], vip, client, port, entries)...)
@@ -978,6 +980,26 @@ func (e *env) routerDecision(r *topology.Node, vip, client netip.Addr, port uint
 func addrOf(ip net.IP) netip.Addr {
 	a, _ := netip.AddrFromSlice(ip)
 	return a.Unmap()
+}
+
+// podGuardDrops describes, for traceFlow, the packets the carrier guard
+// dropped in pod (and the bridge guard on its node), since the lab began.
+func (e *env) podGuardDrops(pod *topology.Pod) string {
+	var parts []string
+	for _, family := range []string{"IPv4", "IPv6"} {
+		for _, reason := range guard.Reasons {
+			label := fmt.Sprintf(`family=%q,pod="%s/%s",reason=%q`, family, e.Opts.Namespace, pod.Name, reason)
+			if n, err := metricSumErr([]*topology.Node{pod.Node}, e.AgentMetrics, "kube_service_tunnel_endpoint_guard_dropped_packets_total{", label); err != nil {
+				return fmt.Sprintf("  %s guard drops: %v", pod.Name, err)
+			} else if n > 0 {
+				parts = append(parts, fmt.Sprintf("%s %s %d", family, reason, n))
+			}
+		}
+	}
+	if n, err := metricSumErr([]*topology.Node{pod.Node}, e.AgentMetrics, "kube_service_tunnel_endpoint_bridge_guard_dropped_packets_total ", ""); err == nil && n > 0 {
+		parts = append(parts, fmt.Sprintf("bridge guard of %s %d", pod.Node.Name, n))
+	}
+	return fmt.Sprintf("  %s guard drops: %v", pod.Name, parts)
 }
 
 // podTCP describes, for traceFlow, a pod's sockets that hold the client's
