@@ -1023,7 +1023,8 @@ func podTCP(name string, ns netns.NsHandle, client netip.Addr, port uint16) []st
 	}
 	var nonZero []string
 	for _, c := range []string{"OutRsts", "InErrs", "InCsumErrors", "ListenOverflows", "ListenDrops", "TCPBacklogDrop", "TCPReqQFullDrop",
-		"TCPAbortOnData", "TCPAbortOnClose", "TCPAbortOnTimeout", "TCPSynRetrans", "TCPTimeouts", "PAWSEstabRejected", "TCPACKSkippedSynRecv", "TCPChallengeACK"} {
+		"TCPAbortOnData", "TCPAbortOnClose", "TCPAbortOnTimeout", "TCPSynRetrans", "TCPTimeouts", "PAWSEstabRejected", "TCPACKSkippedSynRecv", "TCPChallengeACK",
+		"SyncookiesSent", "SyncookiesRecv", "SyncookiesFailed", "TCPReqQFullDoCookies", "EmbryonicRsts", "PAWSActive", "TCPACKSkippedPAWS"} {
 		if counters[c] != 0 {
 			nonZero = append(nonZero, fmt.Sprintf("%s %d", c, counters[c]))
 		}
