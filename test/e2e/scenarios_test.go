@@ -895,10 +895,30 @@ func (e *env) traceFlow(vip netip.Addr, port uint16) string {
 		}
 		ns.Close()
 	}
+	// The client's side: a SYN-ACK it refused (PAWSActive: its timestamp
+	// echo was not of this socket's SYN) or an ACK it answered with a
+	// reset shows here.
+	if counters, err := procnet.CountersIn(e.client); err != nil {
+		lines = append(lines, fmt.Sprintf("  client counters: %v", err))
+	} else {
+		lines = append(lines, "  client counters: "+nonZero(counters, "PAWSActive", "AttemptFails", "EstabResets", "OutRsts", "InErrs",
+			"TCPSynRetrans", "TCPTimeouts", "TCPChallengeACK", "TCPSYNChallenge", "TCPACKSkippedSynSent", "TCPACKSkippedPAWS", "PAWSEstabRejected"))
+	}
 	if len(lines) == 0 {
 		return "  none"
 	}
 	return strings.Join(lines, "\n")
+}
+
+// nonZero lists the counters among names that are not zero.
+func nonZero(counters map[string]uint64, names ...string) string {
+	var out []string
+	for _, c := range names {
+		if counters[c] != 0 {
+			out = append(out, fmt.Sprintf("%s %d", c, counters[c]))
+		}
+	}
+	return strings.Join(out, ", ")
 }
 
 // routerDecision describes, for traceFlow, where router r sends the
@@ -1021,16 +1041,10 @@ func podTCP(name string, ns netns.NsHandle, client netip.Addr, port uint16) []st
 	if err != nil {
 		return append(lines, fmt.Sprintf("  %s counters: %v", name, err))
 	}
-	var nonZero []string
-	for _, c := range []string{"OutRsts", "InErrs", "InCsumErrors", "ListenOverflows", "ListenDrops", "TCPBacklogDrop", "TCPReqQFullDrop",
+	if list := nonZero(counters, "OutRsts", "InErrs", "InCsumErrors", "ListenOverflows", "ListenDrops", "TCPBacklogDrop", "TCPReqQFullDrop",
 		"TCPAbortOnData", "TCPAbortOnClose", "TCPAbortOnTimeout", "TCPSynRetrans", "TCPTimeouts", "PAWSEstabRejected", "TCPACKSkippedSynRecv", "TCPChallengeACK",
-		"SyncookiesSent", "SyncookiesRecv", "SyncookiesFailed", "TCPReqQFullDoCookies", "EmbryonicRsts", "PAWSActive", "TCPACKSkippedPAWS"} {
-		if counters[c] != 0 {
-			nonZero = append(nonZero, fmt.Sprintf("%s %d", c, counters[c]))
-		}
-	}
-	if len(nonZero) > 0 {
-		lines = append(lines, fmt.Sprintf("  %s counters: %s", name, strings.Join(nonZero, ", ")))
+		"SyncookiesSent", "SyncookiesRecv", "SyncookiesFailed", "TCPReqQFullDoCookies", "EmbryonicRsts", "TCPACKSkippedPAWS"); list != "" {
+		lines = append(lines, fmt.Sprintf("  %s counters: %s", name, list))
 	}
 	return lines
 }
