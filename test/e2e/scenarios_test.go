@@ -391,22 +391,63 @@ func startLightFlows(t testing.TB, e *env, vip netip.Addr, firstPort uint16, n i
 	t.Helper()
 	light := workload.StreamOptions{ChunkSize: lightChunk, Interval: lightInterval}
 	flows := make([]*workload.Stream, n)
-	for i := range flows {
+	start := func(i int) error {
 		s, err := workload.StartStream(e.client, netip.AddrPortFrom(vip, tcpPort), firstPort+uint16(i), light)
-		if err != nil {
-			t.Fatalf("flow from port %d: %v\nits conntrack entries in the lab:\n%s", firstPort+uint16(i), err, e.traceFlow(vip, firstPort+uint16(i)))
-		}
-		t.Cleanup(func() { stopAtCleanup(s) })
 		flows[i] = s
+		return err
+	}
+	for i := range flows {
+		t.Cleanup(func() {
+			if flows[i] != nil {
+				stopAtCleanup(flows[i])
+			}
+		})
+	}
+	// A flow whose handshake or first echo fails before the scenario's
+	// event meets the open defect (docs/draining.md#limits: about one new
+	// connection in a thousand, more on a loaded lab): it is logged with
+	// its trace as a KNOWN DEFECT and opened again on the same port, up to
+	// lightFlowAttempts times in all. What the scenarios assert is about
+	// the flows once open.
+	retried := 0
+	reopen := func(i int, err error) {
+		t.Helper()
+		port := firstPort + uint16(i)
+		for attempt := 2; err != nil; attempt++ {
+			trace := e.traceFlow(vip, port)
+			if attempt > lightFlowAttempts {
+				t.Fatalf("before the event: flow from port %d failed %d times, the last: %v\nits conntrack entries in the lab:\n%s", port, lightFlowAttempts, err, trace)
+			}
+			t.Logf("KNOWN DEFECT (docs/draining.md#limits): before the event, the new connection from port %d failed: %v\nits conntrack entries in the lab:\n%s\nopening it again (attempt %d of %d)", port, err, trace, attempt, lightFlowAttempts)
+			retried++
+			if flows[i] != nil {
+				stopAtCleanup(flows[i])
+				flows[i] = nil
+			}
+			time.Sleep(time.Second)
+			if err = start(i); err == nil {
+				err = awaitVerified(flows[i], 2*lightChunk)
+			}
+		}
+	}
+	for i := range flows {
+		if err := start(i); err != nil {
+			reopen(i, err)
+		}
 	}
 	for i, f := range flows {
 		if err := awaitVerified(f, 2*lightChunk); err != nil {
-			port := firstPort + uint16(i)
-			t.Fatalf("before the event: flow from port %d: %v\nits conntrack entries in the lab:\n%s", port, err, e.traceFlow(vip, port))
+			reopen(i, err)
 		}
+	}
+	if retried > 0 {
+		t.Logf("KNOWN DEFECT: %d new connections failed before the event and were opened again; %d light flows to %s open", retried, n, vip)
 	}
 	return flows
 }
+
+// lightFlowAttempts bounds how often startLightFlows opens one flow.
+const lightFlowAttempts = 3
 
 // progress returns each flow's verified bytes.
 func progress(flows []*workload.Stream) []int64 {
