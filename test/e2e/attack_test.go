@@ -265,15 +265,33 @@ func carrierGuard(t *testing.T, e *env) {
 // node's agent, by "family/reason" (family as familyName).
 func (e *env) guardDrops(t *testing.T, pod *topology.Pod) map[string]int {
 	t.Helper()
+	out, err := e.guardDropCounts(pod)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// guardDropCounts is guardDrops returning its error, for failure reports.
+func (e *env) guardDropCounts(pod *topology.Pod) (map[string]int, error) {
 	out := map[string]int{}
+	nodes := []*topology.Node{pod.Node}
 	for _, family := range []string{"IPv4", "IPv6"} {
 		for _, reason := range guard.Reasons {
 			// Prometheus orders the labels by name.
 			label := fmt.Sprintf(`family=%q,pod="%s/%s",reason=%q`, family, e.Opts.Namespace, pod.Name, reason)
-			out[strings.ToLower(family)+"/"+reason], _ = e.agentSum(t, "kube_service_tunnel_endpoint_guard_dropped_packets_total{", label)
+			n, err := metricSumErr(nodes, e.AgentMetrics, "kube_service_tunnel_endpoint_guard_dropped_packets_total{", label)
+			if err != nil {
+				return nil, err
+			}
+			out[strings.ToLower(family)+"/"+reason] = n
 		}
 	}
 	// The node's bridge guard (mpls mode) counts for all its pods.
-	out[bridgedLabel], _ = metricSum(t, []*topology.Node{pod.Node}, e.AgentMetrics, "kube_service_tunnel_endpoint_bridge_guard_dropped_packets_total ", "")
-	return out
+	n, err := metricSumErr(nodes, e.AgentMetrics, "kube_service_tunnel_endpoint_bridge_guard_dropped_packets_total ", "")
+	if err != nil {
+		return nil, err
+	}
+	out[bridgedLabel] = n
+	return out, nil
 }

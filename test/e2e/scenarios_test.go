@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/netip"
 	"slices"
@@ -18,7 +19,6 @@ import (
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 
-	"github.com/cmdnu/kube-service-tunnel/endpoint/guard"
 	"github.com/cmdnu/kube-service-tunnel/hmark"
 	"github.com/cmdnu/kube-service-tunnel/internal/encap"
 	"github.com/cmdnu/kube-service-tunnel/router"
@@ -1046,19 +1046,15 @@ func addrOf(ip net.IP) netip.Addr {
 // podGuardDrops describes, for traceFlow, the packets the carrier guard
 // dropped in pod (and the bridge guard on its node), since the lab began.
 func (e *env) podGuardDrops(pod *topology.Pod) string {
-	var parts []string
-	for _, family := range []string{"IPv4", "IPv6"} {
-		for _, reason := range guard.Reasons {
-			label := fmt.Sprintf(`family=%q,pod="%s/%s",reason=%q`, family, e.Opts.Namespace, pod.Name, reason)
-			if n, err := metricSumErr([]*topology.Node{pod.Node}, e.AgentMetrics, "kube_service_tunnel_endpoint_guard_dropped_packets_total{", label); err != nil {
-				return fmt.Sprintf("  %s guard drops: %v", pod.Name, err)
-			} else if n > 0 {
-				parts = append(parts, fmt.Sprintf("%s %s %d", family, reason, n))
-			}
-		}
+	counts, err := e.guardDropCounts(pod)
+	if err != nil {
+		return fmt.Sprintf("  %s guard drops: %v", pod.Name, err)
 	}
-	if n, err := metricSumErr([]*topology.Node{pod.Node}, e.AgentMetrics, "kube_service_tunnel_endpoint_bridge_guard_dropped_packets_total ", ""); err == nil && n > 0 {
-		parts = append(parts, fmt.Sprintf("bridge guard of %s %d", pod.Node.Name, n))
+	var parts []string
+	for _, k := range slices.Sorted(maps.Keys(counts)) {
+		if counts[k] > 0 {
+			parts = append(parts, fmt.Sprintf("%s %d", k, counts[k]))
+		}
 	}
 	return fmt.Sprintf("  %s guard drops: %v", pod.Name, parts)
 }
