@@ -69,7 +69,7 @@ func TestInVM(t *testing.T) {
 				// go test -v prints a subtest's result line only when its
 				// parent ends: this one shows in the console at once.
 				if ran {
-					t.Logf("%s took %v", sc.name, time.Since(start).Round(100*time.Millisecond))
+					t.Logf("%s took %v; %s", sc.name, time.Since(start).Round(100*time.Millisecond), lab.SoftnetReport())
 				}
 			}
 			// Where the emulated cores went (the lab is CPU-bound): the

@@ -85,3 +85,38 @@ func CPUByProcess(top int) string {
 	}
 	return b.String()
 }
+
+// Softnet sums /proc/net/softnet_stat over the CPUs: packets the stack
+// took off its per-CPU backlogs, those it dropped because a backlog held
+// net.core.netdev_max_backlog already, and the times a poll ran out of its
+// budget (time squeeze). Every veth hop of the lab passes a backlog, so a
+// drop there is a packet lost inside the VM, not by the product.
+func Softnet() (processed, dropped, squeezed uint64, err error) {
+	data, err := os.ReadFile("/proc/net/softnet_stat")
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	for _, line := range strings.Split(strings.TrimSpace(string(data)), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 3 {
+			continue
+		}
+		var v [3]uint64
+		for i := range v {
+			if v[i], err = strconv.ParseUint(f[i], 16, 64); err != nil {
+				return 0, 0, 0, fmt.Errorf("softnet_stat %q: %w", line, err)
+			}
+		}
+		processed, dropped, squeezed = processed+v[0], dropped+v[1], squeezed+v[2]
+	}
+	return processed, dropped, squeezed, nil
+}
+
+// SoftnetReport is Softnet as one line.
+func SoftnetReport() string {
+	p, d, s, err := Softnet()
+	if err != nil {
+		return "softnet: " + err.Error()
+	}
+	return fmt.Sprintf("softnet: %d packets processed, %d dropped (backlog full), %d time squeezes", p, d, s)
+}
