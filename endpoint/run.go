@@ -3,6 +3,7 @@ package endpoint
 import (
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 
 	"github.com/sirupsen/logrus"
@@ -54,6 +55,15 @@ func Main(args []string) error {
 		return nil
 	}
 
+	// The metrics port first: it is this node's agent lock (daemon.PortWait).
+	var metricsListener net.Listener
+	if o.MetricsAddress != "" {
+		if metricsListener, err = daemon.Listen(ctx, o.MetricsAddress, daemon.PortWait, entry); err != nil {
+			return err
+		}
+		defer metricsListener.Close()
+	}
+
 	locator, how, err := runtime.Open(ctx, runtime.Options{Runtime: o.Runtime, Endpoint: o.RuntimeEndpoint})
 	if err != nil {
 		return err
@@ -102,10 +112,8 @@ func Main(args []string) error {
 	if o.UntrackReplies {
 		reg.MustRegister(NewReplyExemptionCollector(nodeNS, entry.WithField("component", "metrics")))
 	}
-	if o.MetricsAddress != "" {
-		if err := daemon.ServeHTTP(ctx, o.MetricsAddress, reg, nil, ctrl.Ready, ctrl.Healthy, entry); err != nil {
-			return err
-		}
+	if metricsListener != nil {
+		daemon.ServeHTTP(ctx, metricsListener, reg, nil, ctrl.Ready, ctrl.Healthy, entry)
 	}
 	inf.Start(ctx.Done())
 	defer inf.Shutdown()

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -21,18 +22,50 @@ func NewRegistry() *prometheus.Registry {
 	return reg
 }
 
-// ServeHTTP serves /metrics (see MetricsHandler), /healthz (healthy()
-// returns nil: the controllers are alive) and /readyz (ready() is true) on
-// addr until ctx ends. It returns once it listens, so that a port already
-// in use is a startup error.
-func ServeHTTP(ctx context.Context, addr string, reg *prometheus.Registry, stream TextWriter, ready func() bool, healthy func() error, log logrus.FieldLogger) error {
-	_, err := Serve(ctx, addr, reg, stream, ready, healthy, log)
-	return err
+// PortWait is how long a daemon waits for its --metrics-address port
+// while another process holds it. The port is the node's lock for a daemon
+// of its kind (both run in the host's network namespace): a DaemonSet
+// starts a deleted pod's replacement while the old pod still terminates
+// (the manifest's grace period is 30 s), and two routers, or two agents,
+// must not write one node's kernel at once. So each daemon takes its port
+// before it touches any kernel state and, finding it in use, waits for it
+// rather than failing at once into the kubelet's growing restart back-off.
+const PortWait = 90 * time.Second
+
+// Listen listens on addr for ServeHTTP. While the port is in use it tries
+// again every second, up to wait (0: not at all), logging why it waits;
+// then the port in use is the error.
+func Listen(ctx context.Context, addr string, wait time.Duration, log logrus.FieldLogger) (net.Listener, error) {
+	began := time.Now()
+	var lastLog time.Time
+	for {
+		ln, err := net.Listen("tcp", addr)
+		if err == nil {
+			if waited := time.Since(began); waited > time.Second {
+				log.WithFields(logrus.Fields{"address": addr, "waited": waited.Round(time.Second).String()}).Info("the port is free: the other process released it")
+			}
+			return ln, nil
+		}
+		if !errors.Is(err, syscall.EADDRINUSE) || time.Since(began) >= wait {
+			return nil, fmt.Errorf("--metrics-address %s: %w", addr, err)
+		}
+		if time.Since(lastLog) >= 10*time.Second {
+			lastLog = time.Now()
+			log.WithFields(logrus.Fields{"address": addr, "waited": time.Since(began).Round(time.Second).String(), "wait": wait.String()}).
+				Warn("the port is in use, waiting for it before touching the kernel: another daemon of this kind runs on the node (the pod this one replaces, still terminating?)")
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("--metrics-address %s: in use until the daemon stopped: %w", addr, ctx.Err())
+		case <-time.After(time.Second):
+		}
+	}
 }
 
-// Serve is ServeHTTP that also returns the address it listens on, so that a
-// caller (a test) can give port 0 and learn the port the kernel picked.
-func Serve(ctx context.Context, addr string, reg *prometheus.Registry, stream TextWriter, ready func() bool, healthy func() error, log logrus.FieldLogger) (net.Addr, error) {
+// ServeHTTP serves /metrics (see MetricsHandler), /healthz (healthy()
+// returns nil: the controllers are alive) and /readyz (ready() is true) on
+// ln (from Listen) until ctx ends, and returns at once.
+func ServeHTTP(ctx context.Context, ln net.Listener, reg *prometheus.Registry, stream TextWriter, ready func() bool, healthy func() error, log logrus.FieldLogger) {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", MetricsHandler(reg, stream, log))
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
@@ -49,10 +82,6 @@ func Serve(ctx context.Context, addr string, reg *prometheus.Registry, stream Te
 		}
 		fmt.Fprintln(w, "ok")
 	})
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
-		return nil, fmt.Errorf("--metrics-address %s: %w", addr, err)
-	}
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	go func() {
 		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
@@ -66,6 +95,17 @@ func Serve(ctx context.Context, addr string, reg *prometheus.Registry, stream Te
 		_ = srv.Shutdown(shutdownCtx)
 	}()
 	log.WithField("address", ln.Addr().String()).Info("serving /metrics, /healthz and /readyz")
+}
+
+// Serve is Listen (not waiting for a port in use) and ServeHTTP, returning
+// the address it listens on, so that a caller (a test) can give port 0 and
+// learn the port the kernel picked.
+func Serve(ctx context.Context, addr string, reg *prometheus.Registry, stream TextWriter, ready func() bool, healthy func() error, log logrus.FieldLogger) (net.Addr, error) {
+	ln, err := Listen(ctx, addr, 0, log)
+	if err != nil {
+		return nil, err
+	}
+	ServeHTTP(ctx, ln, reg, stream, ready, healthy, log)
 	return ln.Addr(), nil
 }
 

@@ -85,6 +85,15 @@ func Main(args []string) error {
 		}
 	}
 
+	// The metrics port first: it is this node's router lock (daemon.PortWait).
+	var metricsListener net.Listener
+	if !o.Cleanup && o.MetricsAddress != "" {
+		if metricsListener, err = daemon.Listen(ctx, o.MetricsAddress, daemon.PortWait, entry); err != nil {
+			return err
+		}
+		defer metricsListener.Close()
+	}
+
 	// client-go's default (5 QPS, burst 10) throttles the paged initial LISTs
 	// of large clusters and the events of a full resync.
 	var client kubernetes.Interface
@@ -212,10 +221,8 @@ func Main(args []string) error {
 	} else {
 		entry.Info("no status ConfigMap (--status-namespace or --node-name empty): kubectl tunnel will not see this router")
 	}
-	if o.MetricsAddress != "" {
-		if err := daemon.ServeHTTP(ctx, o.MetricsAddress, reg, meter.WriteText, ctrl.Ready, ctrl.Healthy, entry); err != nil {
-			return err
-		}
+	if metricsListener != nil {
+		daemon.ServeHTTP(ctx, metricsListener, reg, meter.WriteText, ctrl.Ready, ctrl.Healthy, entry)
 	}
 	factory.Start(ctx.Done())
 	defer factory.Shutdown()
