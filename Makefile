@@ -75,7 +75,7 @@ test: ## everything: the images and manifest, unit, privileged (root) and integr
 unit: ## unit tests only (no root, no API server)
 	KST_SKIP_PRIVILEGED=1 $(GO) test -count=1 -short $(PKGS)
 
-e2e: deps assets ## the end-to-end lab: 17 dual-stack scenarios x gre, mpls in the VM (KST_E2E_RUN=gre/4_ for one)
+e2e: deps assets ## the end-to-end lab: 17 dual-stack scenarios in gre and mpls mode in the VM, 6 of them in one mode (KST_E2E_RUN=gre/3_ for one)
 	KST_REQUIRE_INTEGRATION=1 $(GO) test -count=1 -timeout 50m -run TestE2E -v ./test/e2e
 
 # The lab cluster's network plugin: bridge or flannel (make cluster CNI=flannel).

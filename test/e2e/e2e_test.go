@@ -42,7 +42,7 @@ func TestE2E(t *testing.T) {
 	consoleLog := filepath.Join(os.TempDir(), "kst-e2e-console.log")
 	run := "^TestInVM$"
 	if only := os.Getenv("KST_E2E_RUN"); only != "" {
-		run += "/" + only // e.g. KST_E2E_RUN=gre/4_ runs one scenario in one mode
+		run += "/" + only // e.g. KST_E2E_RUN=gre/3_ runs one scenario in one mode
 	}
 	lab.RunGuestTests(t, "./test/e2e", run, guestTimeout, consoleLog)
 }

@@ -37,20 +37,25 @@ var scenarios = []scenario{
 	{name: "1_reach_pod_with_client_address", run: reachPod},
 	{name: "2_routers_agree_on_every_flow", run: routersAgree},
 	{name: "3_router_failover_keeps_connection", run: routerFailover},
-	{name: "4_endpoint_change_moves_only_its_flows", run: endpointChurn},
+	// Scenarios whose subject does not depend on the encapsulation run in
+	// one mode (make test's budget, docs/testing.md): which flows move
+	// (4), events (7), affinity (12) and the second family (14) in mpls
+	// mode; draining (9) in gre mode, whose old generations keep nexthop
+	// objects alive that the current one no longer names.
+	{name: "4_endpoint_change_moves_only_its_flows", run: endpointChurn, only: "mpls"},
 	{name: "5_service_removal_restores_kernel_state", run: removalRestoresState},
 	{name: "6_daemon_restarts_keep_connection", run: restartsKeepConnection},
-	{name: "7_bad_annotation_warns_others_work", run: badAnnotation},
+	{name: "7_bad_annotation_warns_others_work", run: badAnnotation, only: "mpls"},
 	{name: "8_megabyte_upload_and_download", run: bulkTransfer},
-	{name: "9_draining_endpoint_keeps_its_flows", run: drainingEndpoint},
+	{name: "9_draining_endpoint_keeps_its_flows", run: drainingEndpoint, only: "gre"},
 	// BGP announces and withdraws the tunnel IPs whatever carries them to
 	// the pods: it runs in mpls mode alone, whose routers' routes leave
 	// with a cut node link too.
 	{name: "10_bgp_routes_tunnel_ip_to_routers", run: bgpRouting, only: "mpls"},
 	{name: "11_kubectl_tunnel_explain_names_answering_pod", run: explainNamesAnsweringPod},
-	{name: "12_client_affinity_keeps_a_client_on_one_pod", run: clientAffinity},
+	{name: "12_client_affinity_keeps_a_client_on_one_pod", run: clientAffinity, only: "mpls"},
 	{name: "13_network_policy_holds_for_tunneled_traffic", run: networkPolicy},
-	{name: "14_dual_stack_service_answers_on_both_addresses", run: dualStack},
+	{name: "14_dual_stack_service_answers_on_both_addresses", run: dualStack, only: "mpls"},
 	{name: "15_ipv6_tunnel_ip_without_ipv6_endpoints_is_dropped", run: ipv6WithoutIPv6Endpoints},
 	{name: "16_only_the_routers_speak_through_the_tunnel", run: carrierGuard},
 	{name: "17_tunnel_ip_carries_only_the_services_ports", run: servicePortsOnly},
