@@ -96,6 +96,12 @@ func Softnet() (processed, dropped, squeezed uint64, err error) {
 	if err != nil {
 		return 0, 0, 0, err
 	}
+	return parseSoftnet(data)
+}
+
+// parseSoftnet sums the first three columns (hexadecimal) of
+// /proc/net/softnet_stat's lines, one per CPU.
+func parseSoftnet(data []byte) (processed, dropped, squeezed uint64, err error) {
 	for _, line := range strings.Split(strings.TrimSpace(string(data)), "\n") {
 		f := strings.Fields(line)
 		if len(f) < 3 {

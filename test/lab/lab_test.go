@@ -315,3 +315,19 @@ func TestInParallel(t *testing.T) {
 		t.Errorf("at most %d calls ran at once, want 3", most)
 	}
 }
+
+func TestParseSoftnet(t *testing.T) {
+	// Two CPUs, as a 6.x kernel prints them (13 columns).
+	data := []byte("0002a3f1 0000012c 00000010 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000\n" +
+		"0001d4c0 00000001 00000002 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000000 00000001\n")
+	p, d, s, err := parseSoftnet(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p != 0x2a3f1+0x1d4c0 || d != 0x12c+1 || s != 0x10+2 {
+		t.Fatalf("got processed %d, dropped %d, squeezed %d; want %d, %d, %d", p, d, s, 0x2a3f1+0x1d4c0, 0x12c+1, 0x10+2)
+	}
+	if _, _, _, err := parseSoftnet([]byte("zz 0 0\n")); err == nil {
+		t.Fatal("a column that is not hexadecimal parsed")
+	}
+}
