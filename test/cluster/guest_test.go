@@ -1210,7 +1210,10 @@ func (c *cluster) deleteRouterPod(t *testing.T) {
 		t.Fatal(err)
 	}
 	w := newPodWatch()
-	c.waitForOr(t, "a new Ready router pod", 3*time.Minute, func() string {
+	// 6 min, not 3: on a loaded host the replacement waited 39 s for the old
+	// pod to go, then 3 min as Pending before its init container ran
+	// (2026-12-07); the state timeline below says where the time went.
+	c.waitForOr(t, "a new Ready router pod", 6*time.Minute, func() string {
 		return fmt.Sprintf("the router pods' states since the deletion:\n%s\nthe router pods now:\n%s",
 			strings.Join(w.timeline, "\n"), describePods(c.daemonPods(t, "tunnel-router")))
 	}, func() (bool, error) {
