@@ -37,14 +37,7 @@ func TestListenWaitsForAPortInUse(t *testing.T) {
 	case <-time.After(1500 * time.Millisecond):
 	}
 	held.Close()
-	select {
-	case err := <-got:
-		if err != nil {
-			t.Fatal(err)
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("Listen did not take the port within 30 s of its release")
-	}
+	awaitNil(t, got, 30*time.Second, "Listen did not take the port within 30 s of its release")
 	var warned, freed bool
 	for _, e := range hook.AllEntries() {
 		warned = warned || strings.Contains(e.Message, "the port is in use")

@@ -52,13 +52,20 @@ func TestWaitAfterCleanupAnswersReadyUntilTerminated(t *testing.T) {
 	default:
 	}
 	cancel()
+	awaitNil(t, done, 10*time.Second, "still waiting 10 s after its context ended")
+}
+
+// awaitNil fails t unless done delivers nil within bound (failing with
+// late if nothing came).
+func awaitNil(t *testing.T, done <-chan error, bound time.Duration, late string) {
+	t.Helper()
 	select {
 	case err := <-done:
 		if err != nil {
 			t.Fatal(err)
 		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("still waiting 10 s after its context ended")
+	case <-time.After(bound):
+		t.Fatal(late)
 	}
 }
 
