@@ -114,6 +114,13 @@ var knpModules = []string{"nft_ct", "nft_queue", "nfnetlink_queue"}
 // slowest machine of CI's kind known (docs/testing.md, "Time budget").
 const guestTimeout = 40 * time.Minute
 
+// clusterVMCPUs is each lab cluster VM's number of virtual CPUs. The two
+// VMs share the host's two cores: with two virtual CPUs each, four TCG
+// threads took turns on two cores, and a virtual CPU descheduled while it
+// held a kernel lock left the other spinning (the guests spent more time
+// in the kernel than in user space).
+const clusterVMCPUs = 1
+
 func TestCluster(t *testing.T) {
 	if lab.IsGuest() {
 		t.Skip("TestCluster boots the VMs; it does not run inside them")
@@ -357,7 +364,7 @@ func runCluster(t *testing.T, assets lab.Assets, p pairing, built map[string]ima
 			if n.role == "worker" {
 				bootCtx = workerCtx
 			}
-			out, rc, err := lab.Boot(bootCtx, ir, lab.BootOptions{Kernel: assets.Kernel, MemoryMB: 3072, CPUs: 2,
+			out, rc, err := lab.Boot(bootCtx, ir, lab.BootOptions{Kernel: assets.Kernel, MemoryMB: 3072, CPUs: clusterVMCPUs,
 				ForwardHostPorts: []int{apiPort}, Output: output, ExtraArgs: linkArgs(n, local, remote)})
 			results[i] = result{out, rc, err}
 			if n.role == "router" {
