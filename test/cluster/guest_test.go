@@ -662,13 +662,26 @@ func (c *cluster) examplePods(t *testing.T) []corev1.Pod {
 // vain for its greeting in the first run: a first-connection failure that
 // issue 35 tracks; until it is understood, the flows open one by one, as
 // in every earlier run.)
+//
+// One flow that connects and then gets no greeting (issue 35's open
+// defect, f.afterHandshake) is logged as KNOWN DEFECT with its trace and
+// opened again from a new port; a second such flow, or any other failure,
+// fails the test.
 func (c *cluster) openStreams(t *testing.T, n int) []*workload.Stream {
 	t.Helper()
 	var streams []*workload.Stream
-	for range n {
+	defects := 0
+	for len(streams) < n {
 		port := c.clientPort()
 		s, err := workload.StartStream(c.client, service, port, streamOpt)
 		if err != nil {
+			f := failedFlow{err: err}
+			if f.afterHandshake() && defects < knownDefectsPerStep {
+				defects++
+				t.Logf("KNOWN DEFECT (issue 35, docs/draining.md#limits): flow %d of %d (client port %d) completed its handshake, then got nothing: %v; opened again from another port; the flow now: %s",
+					len(streams)+1, n, port, err, c.flowReport(port))
+				continue
+			}
 			stopAll(streams)
 			t.Fatalf("flow %d of %d (client port %d): %v\nthe flow now: %s", len(streams)+1, n, port, err, c.flowReport(port))
 		}
@@ -1100,11 +1113,13 @@ func (f failedFlow) afterHandshake() bool {
 	return strings.Contains(f.err.Error(), "reading the greeting")
 }
 
-// knownDefectsPerStep is how many new flows a step lets fail after their
+// knownDefectsPerStep is how many flows of one group (the flows a step
+// opens with openStreams; the new flows of a rollout) may fail after their
 // handshake, outside any generation switch, as issue 35's open defect
-// (docs/draining.md#limits: about one new connection in a few hundred, in
-// both labs, on the emulated machines): each is logged as KNOWN DEFECT
-// with its trace. A second one fails the step.
+// (docs/draining.md#limits: about one new connection in a few hundred on
+// the emulated machines): each is logged as KNOWN DEFECT with its trace.
+// A second one in the group fails the step. A stopgap, as in the e2e lab:
+// it goes when the defect is found.
 const knownDefectsPerStep = 1
 
 // judgeFailedFlows fails the test for every new flow that broke, except
