@@ -173,9 +173,10 @@ type pairing struct {
 
 func (p pairing) name() string { return p.cni + "_" + strings.Join(p.modes, "_") }
 
-// clusterPlan is what TestCluster runs: by default gre mode on Flannel and
-// mpls mode on Calico, each on a cluster of its own (issue 32: each mode
-// under a real plugin, within make test's time); make cluster CNI=X runs
+// clusterPlan is what TestCluster runs: by default (make cluster) gre mode
+// on Flannel and mpls mode on Calico, each on a cluster of its own (issue
+// 32: each mode under a real plugin; make test runs the first alone, with
+// KST_CLUSTER_CNI=flannel KST_CLUSTER_MODES=gre); make cluster CNI=X runs
 // both modes on X (or those of $KST_CLUSTER_MODES); make demo-cluster runs
 // gre mode on Flannel (or X).
 func clusterPlan() ([]pairing, error) {

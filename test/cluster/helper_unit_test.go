@@ -79,8 +79,9 @@ COMMIT
 	}
 }
 
-// TestClusterPlan: make test runs gre mode on Flannel and mpls mode on
-// Calico; make cluster CNI=X both modes on X, or those of
+// TestClusterPlan: make cluster runs gre mode on Flannel and mpls mode on
+// Calico (make test the first alone, through the variables below); make
+// cluster CNI=X both modes on X, or those of
 // KST_CLUSTER_MODES; a plugin it does not know is an error.
 func TestClusterPlan(t *testing.T) {
 	t.Setenv(demoEnv, "")
