@@ -664,7 +664,7 @@ func (c *cluster) examplePods(t *testing.T) []corev1.Pod {
 // in every earlier run.)
 //
 // Up to knownDefectsAllowed(n) flows that connect and then get no
-// greeting (issue 35's open defect, f.afterHandshake) are logged as KNOWN
+// greeting (issue 35's open defect, afterHandshake) are logged as KNOWN
 // DEFECT with their trace and opened again from a new port; one more, or
 // any other failure, fails the test.
 func (c *cluster) openStreams(t *testing.T, n int) []*workload.Stream {
@@ -675,8 +675,7 @@ func (c *cluster) openStreams(t *testing.T, n int) []*workload.Stream {
 		port := c.clientPort()
 		s, err := workload.StartStream(c.client, service, port, streamOpt)
 		if err != nil {
-			f := failedFlow{err: err}
-			if f.afterHandshake() && defects < knownDefectsAllowed(n) {
+			if afterHandshake(err) && defects < knownDefectsAllowed(n) {
 				defects++
 				t.Logf("KNOWN DEFECT (issue 35, docs/draining.md#limits): flow %d of %d (client port %d) completed its handshake, then got nothing: %v; opened again from another port; the flow now: %s",
 					len(streams)+1, n, port, err, c.flowReport(port))
@@ -1032,7 +1031,7 @@ func (c *cluster) rolloutRestart(t *testing.T) {
 		port := c.clientPort()
 		s, err := workload.StartStream(c.client, service, port, streamOpt)
 		if err != nil {
-			failedNew = append(failedNew, failedFlow{began: began, ended: time.Now(), err: err, port: port, report: c.flowReport(port)})
+			failedNew = append(failedNew, failedFlow{began: began, ended: time.Now(), err: err, report: c.flowReport(port)})
 		} else {
 			pod := greetedPod(s)
 			addr, term := termAddr[pod]
@@ -1101,16 +1100,15 @@ func (c *cluster) rolloutRestart(t *testing.T) {
 type failedFlow struct {
 	began, ended time.Time
 	err          error
-	// port and report (flowReport, taken when it failed) trace a flow
-	// that failed after its handshake; report is empty where not taken.
-	port   uint16
+	// report traces a flow that failed after its handshake (the router's
+	// entry, the pod sockets), taken when it failed; empty where not taken.
 	report string
 }
 
-// afterHandshake is whether a new flow's failure came after its handshake
+// afterHandshake is whether a new flow's error came after its handshake
 // completed: connected, then no greeting (or a reset) came back.
-func (f failedFlow) afterHandshake() bool {
-	return strings.Contains(f.err.Error(), "reading the greeting")
+func afterHandshake(err error) bool {
+	return strings.Contains(err.Error(), "reading the greeting")
 }
 
 // knownDefectsAllowed is how many of the n flows a step opens with
@@ -1144,7 +1142,7 @@ func (c *cluster) judgeFailedFlows(t *testing.T, failed []failedFlow, allowed in
 	straddled, defects := 0, 0
 	for _, f := range failed {
 		i := slices.IndexFunc(switches, func(at time.Time) bool { return !at.Before(f.began) && !at.After(f.ended) })
-		if i < 0 && f.afterHandshake() && f.report != "" && defects < allowed {
+		if i < 0 && afterHandshake(f.err) && f.report != "" && defects < allowed {
 			defects++
 			t.Logf("KNOWN DEFECT (issue 35, docs/draining.md#limits): a new flow %v after the %s completed its handshake, then got nothing: %v; the flow when it failed: %s",
 				f.began.Sub(restarted).Round(time.Millisecond), event, f.err, f.report)

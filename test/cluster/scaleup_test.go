@@ -120,11 +120,12 @@ func (c *cluster) scaleUp(t *testing.T, mode string) {
 		s, err := workload.StartStream(c.client, service, port, opts)
 		opened++
 		if err != nil {
+			entry := routerEntry(port)
 			if reuse {
 				reusedFailed++
-				err = fmt.Errorf("on the reused 4-tuple of a connection closed with FIN (port %d; the router's entry now: %s): %w", port, routerEntry(port), err)
+				err = fmt.Errorf("on the reused 4-tuple of a connection closed with FIN (port %d; the router's entry now: %s): %w", port, entry, err)
 			}
-			failed = append(failed, failedFlow{began: began, ended: time.Now(), err: err, port: port, report: "router entry: " + routerEntry(port)})
+			failed = append(failed, failedFlow{began: began, ended: time.Now(), err: err, report: "router entry: " + entry})
 		} else {
 			if took := s.Greeted(); took > streamOpt.DialTimeout {
 				t.Logf("%.2fs after the scale-up: a flow from port %d was greeted by %s %v after its handshake (a slow pod)", began.Sub(scaled).Seconds(), port, greetedPod(s), took.Round(time.Millisecond))
